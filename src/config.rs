@@ -1,0 +1,146 @@
+//! `mirrorq serve` configuration: flags and `MIRRORQ_*` variables (clap) over
+//! the TOML file over built-in defaults.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::cli::ServeArgs;
+use crate::error::ServerError;
+use crate::node::{NodeConfig, Timing};
+use crate::raft::types::NodeId;
+
+/// The TOML file: the same keys as the flags, all optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct FileConfig {
+    #[serde(alias = "node_id")]
+    pub node_id: Option<u64>,
+    #[serde(alias = "node_name")]
+    pub node_name: Option<String>,
+    #[serde(alias = "data_dir")]
+    pub data_dir: Option<PathBuf>,
+    #[serde(alias = "amqp_listen")]
+    pub amqp_listen: Option<String>,
+    #[serde(alias = "http_listen")]
+    pub http_listen: Option<String>,
+    #[serde(alias = "raft_listen")]
+    pub raft_listen: Option<String>,
+    pub cluster: Option<String>,
+    #[serde(alias = "sync_timeout")]
+    pub sync_timeout: Option<f64>,
+    #[serde(alias = "cache_mb")]
+    pub cache_mb: Option<u64>,
+}
+
+/// Everything `serve` needs, resolved.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub node: NodeConfig,
+    pub amqp_listen: String,
+    pub http_listen: String,
+}
+
+/// Parse `ID=ADDR,ID=ADDR`.
+pub fn parse_cluster(s: &str) -> Result<BTreeMap<NodeId, String>, String> {
+    let mut out = BTreeMap::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (id, addr) = part.split_once('=').ok_or_else(|| format!("'{part}' is not ID=ADDR"))?;
+        let id: NodeId = id.trim().parse().map_err(|_| format!("'{id}' is not a node id"))?;
+        if id == 0 {
+            return Err("node ids start at 1".into());
+        }
+        if addr.trim().is_empty() {
+            return Err(format!("node {id} has an empty address"));
+        }
+        if out.insert(id, addr.trim().to_string()).is_some() {
+            return Err(format!("node {id} listed twice"));
+        }
+    }
+    Ok(out)
+}
+
+impl ServeConfig {
+    pub fn resolve(args: &ServeArgs) -> Result<Self, ServerError> {
+        let file = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| ServerError::Config(format!("cannot read {}: {e}", path.display())))?;
+                toml::from_str::<FileConfig>(&text)
+                    .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?
+            }
+            None => FileConfig::default(),
+        };
+        let node_id = args.node_id.or(file.node_id).unwrap_or(1);
+        let data_dir = args.data_dir.clone().or(file.data_dir).unwrap_or_else(|| PathBuf::from("./mirrorq-data"));
+        let raft_listen = args.raft_listen.clone().or(file.raft_listen).unwrap_or_else(|| "127.0.0.1:25672".into());
+        let mut node = NodeConfig::new(node_id, data_dir, raft_listen);
+        if let Some(name) = args.node_name.clone().or(file.node_name) {
+            node.node_name = name;
+        }
+        if let Some(c) = args.cluster.clone().or(file.cluster) {
+            node.cluster = parse_cluster(&c).map_err(|e| ServerError::Config(format!("--cluster: {e}")))?;
+        }
+        if let Some(s) = args.sync_timeout.or(file.sync_timeout) {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(ServerError::Config("--sync-timeout must be a positive number of seconds".into()));
+            }
+            node.timing = Timing { sync_timeout: Duration::from_secs_f64(s), ..node.timing };
+        }
+        if let Some(mb) = args.cache_mb.or(file.cache_mb) {
+            node.cache_bytes = mb << 20;
+        }
+        Ok(Self {
+            node,
+            amqp_listen: args.amqp_listen.clone().or(file.amqp_listen).unwrap_or_else(|| "127.0.0.1:5672".into()),
+            http_listen: args.http_listen.clone().or(file.http_listen).unwrap_or_else(|| "127.0.0.1:15672".into()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_list_parses_and_rejects_bad_input() {
+        let c = parse_cluster("1=127.0.0.1:1, 2=127.0.0.1:2,3=h:3").unwrap();
+        assert_eq!(c.len(), 3);
+        assert_eq!(c[&2], "127.0.0.1:2");
+        assert!(parse_cluster("1=a,1=b").is_err());
+        assert!(parse_cluster("0=a").is_err());
+        assert!(parse_cluster("x=a").is_err());
+        assert!(parse_cluster("1").is_err());
+        assert!(parse_cluster("1=").is_err());
+    }
+
+    #[test]
+    fn flags_override_file_which_overrides_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.toml");
+        std::fs::write(
+            &path,
+            "node-id = 3\ndata_dir = \"/tmp/x\"\nraft-listen = \"127.0.0.1:9\"\nsync-timeout = 2.5\n",
+        )
+        .unwrap();
+        let args = ServeArgs { config: Some(path), node_id: Some(7), ..Default::default() };
+        let c = ServeConfig::resolve(&args).unwrap();
+        assert_eq!(c.node.node_id, 7, "flag beats file");
+        assert_eq!(c.node.node_name, "mirrorq@7");
+        assert_eq!(c.node.data_dir, PathBuf::from("/tmp/x"), "file beats default");
+        assert_eq!(c.node.raft_listen, "127.0.0.1:9");
+        assert_eq!(c.node.timing.sync_timeout, Duration::from_millis(2500));
+        assert_eq!(c.amqp_listen, "127.0.0.1:5672", "default");
+    }
+
+    #[test]
+    fn unknown_file_keys_are_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.toml");
+        std::fs::write(&path, "node-idd = 3\n").unwrap();
+        let err = ServeConfig::resolve(&ServeArgs { config: Some(path), ..Default::default() }).unwrap_err();
+        assert!(err.to_string().contains("node-idd"), "{err}");
+    }
+}

@@ -1,0 +1,37 @@
+//! # mirrorq
+//!
+//! RabbitMQ-style mirrored queues rebuilt on Raft: every queue is a Raft
+//! group whose leader is the master and whose followers are the mirrors; the
+//! cluster metadata is one more Raft group over all nodes. A publish is
+//! confirmed only once every synchronised replica has it on disk.
+//!
+//! ## Layout
+//!
+//! - [`node`]: a running node, its groups, and the library API
+//!   (declare, publish, get, ack, nack, purge, delete, shutdown).
+//! - [`queue`]: the queue state machine (pure [`queue::state`], on disk
+//!   [`queue::sm`]), batching into entries ([`queue::proposer`]) and the
+//!   synchronised-replica tracking behind confirms ([`queue::sync`]).
+//! - [`metadata`]: the cluster metadata state machine.
+//! - [`raft`]: type config, state-machine adapter, node-to-node wire format,
+//!   outbound network and inbound server shared by all groups.
+//! - [`client`]: a client of the node link, for tools and tests.
+//! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
+//! - `mirrorq-storage` (the `storage/` crate): sled, group commit, openraft's
+//!   log storage.
+//!
+//! How a publish flows is written up in `docs/architecture.md`.
+
+pub mod cli;
+pub mod client;
+pub mod config;
+pub mod error;
+pub mod metadata;
+pub mod node;
+pub mod queue;
+pub mod raft;
+pub mod serve;
+
+pub use error::{NodeError, ServerError};
+pub use node::{Node, NodeConfig, QueueInfo, Timing};
+pub use queue::{Delivery, Message, QueueCmd, QueueReply};

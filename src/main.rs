@@ -1,0 +1,48 @@
+use clap::Parser;
+use mirrorq::cli::{Cli, Command, ServeArgs};
+use mirrorq::config::ServeConfig;
+use mirrorq::serve::{self, Exit};
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MIRRORQ_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let args = match cli.command {
+        Some(Command::Serve(a)) => a,
+        None => ServeArgs::default(),
+    };
+    let cfg = match ServeConfig::resolve(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("mirrorq: {e}");
+            std::process::exit(2);
+        }
+    };
+    let rt = tokio::runtime::Runtime::new()?;
+    match rt.block_on(serve::run(cfg, shutdown_signal())) {
+        Ok(Exit::Requested) => Ok(()),
+        Ok(Exit::Failed) => {
+            eprintln!("mirrorq: node stopped after a storage failure");
+            std::process::exit(1);
+        }
+        Err(e) => {
+            eprintln!("mirrorq: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutdown requested");
+}

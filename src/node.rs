@@ -1,0 +1,704 @@
+//! A running node: its storage, its Raft groups (the metadata group and one
+//! per hosted queue replica), the node link, and the library API that the
+//! front ends and tests use.
+//!
+//! Any node serves any queue: an operation on a queue whose master is
+//! elsewhere is forwarded over the node link to the master, which answers
+//! after the confirm.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{BasicNode, ServerState};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
+
+use crate::error::{NodeError, ServerError};
+use crate::metadata::{MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, QueueMeta};
+use crate::queue::proposer::Proposer;
+use crate::queue::sync::{self, SyncState};
+use crate::queue::{Delivery, Message, QueueCmd, QueueMachine, QueueReply, QueueStats};
+use crate::raft::network::{CallError, NetworkFactory, Transport};
+use crate::raft::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+use crate::raft::server::{self, RpcHandler};
+use crate::raft::state_machine::StateMachine;
+use crate::raft::types::{GroupId, LogStore, NodeId, Raft, Request, Response, METADATA_GROUP};
+
+/// Everything a node needs to start.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Unique id >= 1.
+    pub node_id: NodeId,
+    /// Shown in every API. Default `mirrorq@<id>`.
+    pub node_name: String,
+    pub data_dir: PathBuf,
+    /// Where the node link listens; also the address peers dial.
+    pub raft_listen: String,
+    /// Initial members of a new cluster (id -> raft address). Empty: this node
+    /// alone. Ignored once the data dir holds a cluster.
+    pub cluster: BTreeMap<NodeId, String>,
+    pub timing: Timing,
+    /// sled page cache in bytes.
+    pub cache_bytes: u64,
+}
+
+/// Time limits. Defaults suit a loaded 2-core machine running three nodes.
+#[derive(Debug, Clone)]
+pub struct Timing {
+    pub heartbeat: Duration,
+    pub election_min: Duration,
+    pub election_max: Duration,
+    /// A replica that has not caught up with where the master was this long
+    /// ago stops counting as synchronised (confirms stop waiting for it).
+    pub sync_timeout: Duration,
+    /// How long an operation may look for a reachable master.
+    pub op_timeout: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_millis(250),
+            election_min: Duration::from_millis(1000),
+            election_max: Duration::from_millis(2000),
+            sync_timeout: Duration::from_secs(5),
+            op_timeout: Duration::from_secs(15),
+        }
+    }
+}
+
+impl NodeConfig {
+    pub fn new(node_id: NodeId, data_dir: impl Into<PathBuf>, raft_listen: impl Into<String>) -> Self {
+        Self {
+            node_id,
+            node_name: format!("mirrorq@{node_id}"),
+            data_dir: data_dir.into(),
+            raft_listen: raft_listen.into(),
+            cluster: BTreeMap::new(),
+            timing: Timing::default(),
+            cache_bytes: DbOptions::default().cache_bytes,
+        }
+    }
+}
+
+/// A queue as this node sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueInfo {
+    pub name: String,
+    pub group: GroupId,
+    pub replicas: Vec<NodeId>,
+    /// Is this node a replica?
+    pub local: bool,
+    /// Master as known locally (replicas only).
+    pub leader: Option<NodeId>,
+    pub ready: u64,
+    pub unacked: u64,
+    /// Last log index applied locally.
+    pub applied: Option<u64>,
+    /// Synchronised members (only when this node is the master).
+    pub synchronised: Vec<NodeId>,
+}
+
+/// One hosted queue replica.
+struct QueueGroup {
+    meta: QueueMeta,
+    raft: Raft,
+    proposer: Proposer,
+    sync: watch::Receiver<SyncState>,
+    stats: watch::Receiver<QueueStats>,
+    stop: CancellationToken,
+}
+
+struct Inner {
+    id: NodeId,
+    name: String,
+    addr: String,
+    db: NodeDb,
+    transport: Arc<Transport>,
+    raft_config: Arc<openraft::Config>,
+    timing: Timing,
+    meta_raft: Raft,
+    meta: watch::Receiver<Arc<MetaState>>,
+    groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
+    /// Last master seen per group, so forwarding starts at the right node.
+    hints: Mutex<HashMap<GroupId, NodeId>>,
+    stop: CancellationToken,
+}
+
+/// Handle to a running node. Clones share it.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+const NODE_ID_KEY: &str = "node_id";
+
+impl Node {
+    /// Open the data dir, start every group it holds, listen on the node link
+    /// and (for a new cluster) bootstrap the metadata group.
+    pub async fn start(cfg: NodeConfig) -> Result<Node, ServerError> {
+        if cfg.node_id == 0 {
+            return Err(ServerError::Config("--node-id must be >= 1".into()));
+        }
+        let db = NodeDb::open(&cfg.data_dir, &DbOptions { cache_bytes: cfg.cache_bytes })?;
+        match db.get_node_value(NODE_ID_KEY)? {
+            Some(b) => {
+                let found = u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8]));
+                if found != cfg.node_id {
+                    return Err(ServerError::WrongNode { path: cfg.data_dir.clone(), found, configured: cfg.node_id });
+                }
+            }
+            None => db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?,
+        }
+
+        let listener = TcpListener::bind(&cfg.raft_listen)
+            .await
+            .map_err(|source| ServerError::Listen { addr: cfg.raft_listen.clone(), source })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| ServerError::Listen { addr: cfg.raft_listen.clone(), source })?
+            .to_string();
+
+        let t = &cfg.timing;
+        let raft_config = openraft::Config {
+            cluster_name: "mirrorq".into(),
+            heartbeat_interval: t.heartbeat.as_millis() as u64,
+            election_timeout_min: t.election_min.as_millis() as u64,
+            election_timeout_max: t.election_max.as_millis() as u64,
+            install_snapshot_timeout: 10_000,
+            max_payload_entries: 64,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(1024),
+            max_in_snapshot_log_to_keep: 256,
+            ..Default::default()
+        }
+        .validate()
+        .map_err(|e| ServerError::Config(e.to_string()))?;
+        let raft_config = Arc::new(raft_config);
+        let transport = Arc::new(Transport::new());
+
+        let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP))?;
+        let meta = meta_sm.with(|m| m.subscribe()).await;
+        let meta_raft = Raft::new(
+            cfg.node_id,
+            raft_config.clone(),
+            NetworkFactory { group: METADATA_GROUP, transport: transport.clone() },
+            LogStore::new(db.clone(), METADATA_GROUP),
+            meta_sm,
+        )
+        .await
+        .map_err(|e| ServerError::Raft(e.to_string()))?;
+
+        let inner = Arc::new(Inner {
+            id: cfg.node_id,
+            name: cfg.node_name.clone(),
+            addr: addr.clone(),
+            db: db.clone(),
+            transport,
+            raft_config,
+            timing: cfg.timing.clone(),
+            meta_raft: meta_raft.clone(),
+            meta,
+            groups: RwLock::new(HashMap::new()),
+            hints: Mutex::new(HashMap::new()),
+            stop: CancellationToken::new(),
+        });
+
+        tokio::spawn(server::serve(listener, inner.clone(), inner.stop.clone()));
+
+        if !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))? {
+            let mut members: BTreeMap<NodeId, BasicNode> =
+                cfg.cluster.iter().map(|(id, a)| (*id, BasicNode { addr: a.clone() })).collect();
+            if members.is_empty() {
+                members.insert(cfg.node_id, BasicNode { addr: addr.clone() });
+            }
+            if !members.contains_key(&cfg.node_id) {
+                return Err(ServerError::Config(format!("--cluster does not list this node ({})", cfg.node_id)));
+            }
+            // Every node of a new cluster does this with the same list, which
+            // openraft allows: they hold one election among themselves.
+            if let Err(e) = meta_raft.initialize(members).await {
+                tracing::info!(error = %e, "metadata group already initialized");
+            }
+        }
+
+        let node = Node { inner };
+        node.spawn_reconciler();
+        node.spawn_registration();
+        node.spawn_fatal_watch();
+        tracing::info!(id = cfg.node_id, %addr, data_dir = %cfg.data_dir.display(), "node started");
+        Ok(node)
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.inner.id
+    }
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+    /// The node-link address peers and clients dial.
+    pub fn raft_addr(&self) -> &str {
+        &self.inner.addr
+    }
+    pub fn db(&self) -> &NodeDb {
+        &self.inner.db
+    }
+    /// Outbound network hooks (tests hold a peer's traffic back with them).
+    pub fn transport(&self) -> &Transport {
+        &self.inner.transport
+    }
+    pub fn metadata(&self) -> Arc<MetaState> {
+        self.inner.meta.borrow().clone()
+    }
+    pub fn metadata_raft(&self) -> &Raft {
+        &self.inner.meta_raft
+    }
+    /// Cancelled when the node stops (shutdown or a fatal disk error).
+    pub fn stopped(&self) -> CancellationToken {
+        self.inner.stop.clone()
+    }
+
+    /// The local replica's Raft handle of a queue, if this node hosts one.
+    pub fn queue_raft(&self, name: &str) -> Option<Raft> {
+        let q = self.metadata().queues.get(name)?.group;
+        self.inner.groups.read().expect("poisoned").get(&q).map(|g| g.raft.clone())
+    }
+
+    /// Declare a queue replicated on `replicas` (the first is the initial
+    /// master; empty means every node, this one first). Returns when its
+    /// group has a master and answers.
+    pub async fn declare_queue(&self, name: &str, replicas: Vec<NodeId>) -> Result<QueueMeta, NodeError> {
+        if name.is_empty() || name.len() > 255 {
+            return Err(NodeError::Invalid("queue name must be 1 to 255 bytes".into()));
+        }
+        let replicas = if replicas.is_empty() {
+            let mut all: Vec<NodeId> = vec![self.id()];
+            all.extend(meta_members(&self.inner.meta_raft).into_iter().filter(|id| *id != self.id()));
+            all
+        } else {
+            replicas
+        };
+        let reply = self.meta_write(MetaCmd::DeclareQueue { name: name.to_string(), replicas, durable: true }).await?;
+        let q = match reply {
+            MetaReply::Queue(q) => q,
+            MetaReply::Invalid(why) => return Err(NodeError::Invalid(why)),
+            other => return Err(NodeError::Invalid(format!("unexpected metadata reply {other:?}"))),
+        };
+        // Answering a status proves the group elected a master.
+        self.queue_op(name, vec![QueueCmd::Status]).await?;
+        Ok(q)
+    }
+
+    pub async fn delete_queue(&self, name: &str) -> Result<(), NodeError> {
+        match self.meta_write(MetaCmd::DeleteQueue { name: name.to_string() }).await? {
+            MetaReply::Ok => Ok(()),
+            MetaReply::NotFound => Err(NodeError::NoSuchQueue(name.to_string())),
+            other => Err(NodeError::Invalid(format!("unexpected metadata reply {other:?}"))),
+        }
+    }
+
+    /// Publish messages to a queue; resolves once every synchronised replica
+    /// has them on disk.
+    pub async fn publish(&self, queue: &str, msgs: Vec<Message>) -> Result<(), NodeError> {
+        self.queue_op(queue, vec![QueueCmd::Enqueue { msgs }]).await.map(|_| ())
+    }
+
+    /// Take up to `max` messages. With `auto_ack` they are gone at once;
+    /// otherwise they wait for [`Node::ack`] / [`Node::nack`] under `owner`.
+    pub async fn get(&self, queue: &str, owner: u64, max: u32, auto_ack: bool) -> Result<Vec<Delivery>, NodeError> {
+        match self.queue_op(queue, vec![QueueCmd::Get { owner, max, auto_ack }]).await?.pop() {
+            Some(QueueReply::Got { msgs, .. }) => Ok(msgs),
+            other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    pub async fn ack(&self, queue: &str, tags: Vec<u64>) -> Result<QueueReply, NodeError> {
+        self.single(queue, QueueCmd::Ack { tags }).await
+    }
+
+    pub async fn nack(&self, queue: &str, tags: Vec<u64>, requeue: bool) -> Result<QueueReply, NodeError> {
+        self.single(queue, QueueCmd::Nack { tags, requeue }).await
+    }
+
+    pub async fn purge(&self, queue: &str) -> Result<u64, NodeError> {
+        match self.single(queue, QueueCmd::Purge).await? {
+            QueueReply::Purged { count } => Ok(count),
+            other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// Ready and unacknowledged counts, read through the master's log.
+    pub async fn status(&self, queue: &str) -> Result<(u64, u64), NodeError> {
+        match self.single(queue, QueueCmd::Status).await? {
+            QueueReply::Status { ready, unacked } => Ok((ready, unacked)),
+            other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    async fn single(&self, queue: &str, cmd: QueueCmd) -> Result<QueueReply, NodeError> {
+        self.queue_op(queue, vec![cmd]).await?.pop().ok_or_else(|| NodeError::Invalid("empty reply".into()))
+    }
+
+    /// The queue as this node sees it, without asking anyone.
+    pub fn queue_info(&self, name: &str) -> Result<QueueInfo, NodeError> {
+        let meta = self.metadata();
+        let q = meta.queues.get(name).ok_or_else(|| NodeError::NoSuchQueue(name.to_string()))?;
+        let group = self.inner.groups.read().expect("poisoned").get(&q.group).cloned();
+        let mut info = QueueInfo {
+            name: q.name.clone(),
+            group: q.group,
+            replicas: q.replicas.clone(),
+            local: group.is_some(),
+            leader: None,
+            ready: 0,
+            unacked: 0,
+            applied: None,
+            synchronised: Vec::new(),
+        };
+        if let Some(g) = group {
+            let m = g.raft.metrics().borrow().clone();
+            info.leader = m.current_leader;
+            info.applied = m.last_applied.map(|l| l.index);
+            let s = *g.stats.borrow();
+            (info.ready, info.unacked) = (s.ready, s.unacked);
+            info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
+        }
+        Ok(info)
+    }
+
+    /// Run queue operations at the queue's master, wherever it is.
+    pub async fn queue_op(&self, queue: &str, cmds: Vec<QueueCmd>) -> Result<Vec<QueueReply>, NodeError> {
+        let deadline = Instant::now() + self.inner.timing.op_timeout;
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.to_string()))?;
+        let mut target = self.leader_guess(&q);
+        let mut attempt = 0usize;
+        loop {
+            let result = if target == self.id() {
+                self.inner.local_queue_op(q.group, cmds.clone()).await
+            } else {
+                let req = RpcRequest::Queue { queue: queue.to_string(), cmds: cmds.clone() };
+                match self.inner.call(target, &req, deadline).await {
+                    Ok(RpcResponse::Queue(r)) => r,
+                    Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+                    // Not sent: safe to try elsewhere.
+                    Err(CallError::Unreachable(..)) => Err(NodeError::NotLeader { leader: None }),
+                    // Sent, outcome unknown: the caller decides whether to resend.
+                    Err(e) => Err(NodeError::Unavailable(e.to_string())),
+                }
+            };
+            match result {
+                Err(NodeError::NotLeader { leader }) => {
+                    if Instant::now() >= deadline {
+                        return Err(NodeError::Unavailable(format!("no master of '{queue}' reachable")));
+                    }
+                    attempt += 1;
+                    target = match leader {
+                        Some(l) if l != target => l,
+                        _ => {
+                            // No hint: wait for an election, then try the next replica.
+                            tokio::time::sleep(Duration::from_millis(50 * attempt.min(10) as u64)).await;
+                            q.replicas[attempt % q.replicas.len()]
+                        }
+                    };
+                }
+                Ok(r) => {
+                    self.inner.hints.lock().expect("poisoned").insert(q.group, target);
+                    return Ok(r);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn leader_guess(&self, q: &QueueMeta) -> NodeId {
+        if let Some(g) = self.inner.groups.read().expect("poisoned").get(&q.group) {
+            if let Some(l) = g.raft.metrics().borrow().current_leader {
+                return l;
+            }
+        }
+        if let Some(h) = self.inner.hints.lock().expect("poisoned").get(&q.group) {
+            return *h;
+        }
+        q.replicas[0]
+    }
+
+    /// Write to the metadata group through its leader, then wait until this
+    /// node has applied it (so local reads see the change).
+    pub async fn meta_write(&self, cmd: MetaCmd) -> Result<MetaReply, NodeError> {
+        let deadline = Instant::now() + self.inner.timing.op_timeout;
+        let mut attempt = 0u64;
+        loop {
+            let leader = self.inner.meta_raft.metrics().borrow().current_leader;
+            let result = match leader {
+                Some(l) if l == self.id() => self.inner.local_meta_write(cmd.clone()).await,
+                Some(l) => match self.inner.call(l, &RpcRequest::Meta { cmd: cmd.clone() }, deadline).await {
+                    Ok(RpcResponse::Meta(r)) => r,
+                    Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+                    Err(CallError::Unreachable(..)) => Err(NodeError::NotLeader { leader: None }),
+                    Err(e) => Err(NodeError::Unavailable(e.to_string())),
+                },
+                None => Err(NodeError::NotLeader { leader: None }),
+            };
+            match result {
+                Ok((reply, index)) => {
+                    let wait = deadline.saturating_duration_since(Instant::now());
+                    self.inner
+                        .meta_raft
+                        .wait(Some(wait))
+                        .applied_index_at_least(Some(index), "metadata change applied locally")
+                        .await
+                        .map_err(|e| NodeError::Unavailable(e.to_string()))?;
+                    return Ok(reply);
+                }
+                Err(NodeError::NotLeader { .. }) if Instant::now() < deadline => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(20 * attempt.min(10))).await;
+                }
+                Err(NodeError::NotLeader { .. }) => {
+                    return Err(NodeError::Unavailable("no metadata majority reachable".into()))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Stop the node: no new work, every group shut down, storage synced.
+    pub async fn shutdown(&self) {
+        self.inner.stop.cancel();
+        self.inner.transport.close_all();
+        let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
+        for g in groups {
+            g.stop.cancel();
+            let _ = g.raft.shutdown().await;
+        }
+        let _ = self.inner.meta_raft.shutdown().await;
+        if let Err(e) = self.inner.db.flusher().sync().await {
+            tracing::error!(error = %e, "final sync failed");
+        }
+    }
+
+    fn spawn_fatal_watch(&self) {
+        let node = self.clone();
+        let mut fatal = self.inner.db.fatal();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = node.inner.stop.cancelled() => {}
+                r = async { fatal.wait_for(|f| f.is_some()).await.map(|_| ()) } => if r.is_ok() {
+                    tracing::error!("stopping the node after a storage failure");
+                    node.shutdown().await;
+                }
+            }
+        });
+    }
+
+    /// Announce this node's name and address in the metadata until it sticks.
+    fn spawn_registration(&self) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let info = NodeInfo { id: node.id(), name: node.inner.name.clone(), raft_addr: node.inner.addr.clone() };
+            loop {
+                if node.metadata().nodes.get(&info.id) == Some(&info) {
+                    return;
+                }
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    r = node.meta_write(MetaCmd::RegisterNode(info.clone())) => if r.is_ok() { return },
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+    }
+
+    /// Keep the hosted groups equal to the metadata's wish.
+    fn spawn_reconciler(&self) {
+        let node = self.clone();
+        let mut meta = self.inner.meta.clone();
+        tokio::spawn(async move {
+            loop {
+                let state = meta.borrow_and_update().clone();
+                if let Err(e) = node.reconcile(&state).await {
+                    tracing::error!(error = %e, "cannot start a queue group");
+                }
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    r = meta.changed() => if r.is_err() { return },
+                }
+            }
+        });
+    }
+
+    async fn reconcile(&self, state: &MetaState) -> Result<(), ServerError> {
+        let wanted: HashMap<GroupId, &QueueMeta> =
+            state.queues.values().filter(|q| q.replicas.contains(&self.id())).map(|q| (q.group, q)).collect();
+        let (to_start, to_stop): (Vec<QueueMeta>, Vec<Arc<QueueGroup>>) = {
+            let groups = self.inner.groups.read().expect("poisoned");
+            (
+                wanted.values().filter(|q| !groups.contains_key(&q.group)).map(|q| (*q).clone()).collect(),
+                groups.values().filter(|g| !wanted.contains_key(&g.meta.group)).cloned().collect(),
+            )
+        };
+        for g in to_stop {
+            self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
+            g.stop.cancel();
+            let _ = g.raft.shutdown().await;
+            self.inner.db.drop_group(g.meta.group)?;
+            tracing::info!(queue = %g.meta.name, "queue replica removed");
+        }
+        for q in to_start {
+            self.start_group(q, state).await?;
+        }
+        Ok(())
+    }
+
+    async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
+        let db = &self.inner.db;
+        let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group))?;
+        let stats = sm.with(|m| m.stats()).await;
+        let raft = Raft::new(
+            self.id(),
+            self.inner.raft_config.clone(),
+            NetworkFactory { group: q.group, transport: self.inner.transport.clone() },
+            LogStore::new(db.clone(), q.group),
+            sm,
+        )
+        .await
+        .map_err(|e| ServerError::Raft(e.to_string()))?;
+        let stop = self.inner.stop.child_token();
+        let sync = sync::spawn(raft.clone(), self.inner.timing.sync_timeout, stop.clone());
+        let proposer = Proposer::spawn(raft.clone(), sync.clone(), stop.clone());
+        let group = Arc::new(QueueGroup { meta: q.clone(), raft: raft.clone(), proposer, sync, stats, stop });
+        self.inner.groups.write().expect("poisoned").insert(q.group, group);
+
+        // The designated master starts a new group; the others wait to be
+        // contacted. A restarted replica finds its group already initialized.
+        let pristine = !raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
+        if pristine && q.replicas.first() == Some(&self.id()) {
+            let members: BTreeMap<NodeId, BasicNode> = q
+                .replicas
+                .iter()
+                .map(|id| {
+                    let addr = state.nodes.get(id).map(|n| n.raft_addr.clone()).unwrap_or_default();
+                    (*id, BasicNode { addr })
+                })
+                .collect();
+            if let Err(e) = raft.initialize(members).await {
+                tracing::info!(queue = %q.name, error = %e, "queue group already initialized");
+            }
+        }
+        tracing::info!(queue = %q.name, group = q.group, pristine, "queue replica started");
+        Ok(())
+    }
+}
+
+/// Current members of the metadata group.
+fn meta_members(raft: &Raft) -> Vec<NodeId> {
+    raft.metrics().borrow().membership_config.membership().nodes().map(|(id, _)| *id).collect()
+}
+
+impl Inner {
+    fn addr_of(&self, id: NodeId) -> Option<String> {
+        if let Some(n) = self.meta.borrow().nodes.get(&id) {
+            return Some(n.raft_addr.clone());
+        }
+        // Before registration completes, the metadata membership knows it.
+        self.meta_raft.metrics().borrow().membership_config.membership().get_node(&id).map(|n| n.addr.clone())
+    }
+
+    async fn call(&self, target: NodeId, req: &RpcRequest, deadline: Instant) -> Result<RpcResponse, CallError> {
+        let addr = self
+            .addr_of(target)
+            .ok_or_else(|| CallError::Unreachable(format!("node {target}"), "address unknown".into()))?;
+        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        self.transport.call(&addr, req, wait).await
+    }
+
+    async fn local_queue_op(&self, group: GroupId, cmds: Vec<QueueCmd>) -> Result<Vec<QueueReply>, NodeError> {
+        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        match g {
+            Some(g) => g.proposer.submit(cmds).await,
+            None => Err(NodeError::NotLeader { leader: None }),
+        }
+    }
+
+    async fn local_meta_write(&self, cmd: MetaCmd) -> Result<(MetaReply, u64), NodeError> {
+        match self.meta_raft.client_write(Request::Meta(cmd)).await {
+            Ok(resp) => match resp.data {
+                Response::Meta(r) => Ok((r, resp.log_id.index)),
+                other => Err(NodeError::Invalid(format!("metadata group answered {other:?}"))),
+            },
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
+                Err(NodeError::NotLeader { leader: f.leader_id })
+            }
+            Err(e) => Err(NodeError::Unavailable(e.to_string())),
+        }
+    }
+
+    fn raft_of(&self, group: GroupId) -> Option<Raft> {
+        if group == METADATA_GROUP {
+            return Some(self.meta_raft.clone());
+        }
+        self.groups.read().expect("poisoned").get(&group).map(|g| g.raft.clone())
+    }
+}
+
+impl RpcHandler for Inner {
+    async fn handle(self: Arc<Self>, req: RpcRequest) -> RpcResponse {
+        match req {
+            RpcRequest::Append { group, req } => match self.raft_of(group) {
+                Some(r) => RpcResponse::Append(r.append_entries(req).await),
+                None => RpcResponse::UnknownGroup(group),
+            },
+            RpcRequest::Vote { group, req } => match self.raft_of(group) {
+                Some(r) => RpcResponse::Vote(r.vote(req).await),
+                None => RpcResponse::UnknownGroup(group),
+            },
+            RpcRequest::Snapshot { group, req } => match self.raft_of(group) {
+                Some(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
+                None => RpcResponse::UnknownGroup(group),
+            },
+            RpcRequest::Queue { queue, cmds } => {
+                let group = self.meta.borrow().queues.get(&queue).map(|q| q.group);
+                RpcResponse::Queue(match group {
+                    Some(g) => self.local_queue_op(g, cmds).await,
+                    None => Err(NodeError::NoSuchQueue(queue)),
+                })
+            }
+            RpcRequest::Meta { cmd } => {
+                let leader = self.meta_raft.metrics().borrow().current_leader;
+                RpcResponse::Meta(if leader == Some(self.id) {
+                    self.local_meta_write(cmd).await
+                } else {
+                    Err(NodeError::NotLeader { leader })
+                })
+            }
+            RpcRequest::Client(c) => {
+                let node = Node { inner: self };
+                RpcResponse::Client(node.client_request(c).await)
+            }
+        }
+    }
+}
+
+impl Node {
+    async fn client_request(&self, req: ClientRequest) -> Result<ClientReply, NodeError> {
+        match req {
+            ClientRequest::DeclareQueue { name, replicas } => {
+                self.declare_queue(&name, replicas).await.map(ClientReply::Declared)
+            }
+            ClientRequest::DeleteQueue { name } => self.delete_queue(&name).await.map(|_| ClientReply::Deleted),
+            ClientRequest::QueueInfo { name } => self.queue_info(&name).map(ClientReply::QueueInfo),
+            ClientRequest::QueueOp { queue, cmds } => self.queue_op(&queue, cmds).await.map(ClientReply::Queue),
+        }
+    }
+
+    /// Is this node the master of the queue right now?
+    pub fn is_master(&self, queue: &str) -> bool {
+        self.queue_raft(queue).map(|r| r.metrics().borrow().state == ServerState::Leader).unwrap_or(false)
+    }
+}

@@ -1,0 +1,13 @@
+//! Queues: the deterministic state ([`state`]), its commands ([`types`]), its
+//! on-disk state machine ([`sm`]), and the per-group machinery on the master
+//! that batches operations into entries and holds confirms until every
+//! synchronised replica has them ([`proposer`], [`sync`]).
+
+pub mod proposer;
+pub mod sm;
+pub mod state;
+pub mod sync;
+pub mod types;
+
+pub use sm::{QueueMachine, QueueStats};
+pub use types::{Delivery, Message, MsgState, QueueCmd, QueueReply};

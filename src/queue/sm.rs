@@ -1,0 +1,157 @@
+//! The queue state machine on disk: [`QueueState`] plus message bodies and
+//! states in the group's key space.
+//!
+//! Keys (group-relative):
+//! - `c`            counters (next seq, tag, requeue order)
+//! - `s` + seq(8)   [`MsgState`], small: scanned at start to rebuild the index
+//! - `b` + seq(8)   the [`Message`], read only to deliver
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use mirrorq_storage::{keys, SmSpace, StorageError};
+
+use super::state::{Change, Counters, QueueState};
+use super::types::{Delivery, Message, MsgState, QueueCmd, QueueReply};
+use crate::raft::state_machine::Machine;
+use crate::raft::types::{Request, Response};
+
+const COUNTERS: &[u8] = b"c";
+
+fn state_key(seq: u64) -> [u8; 9] {
+    let mut k = [b's'; 9];
+    k[1..].copy_from_slice(&seq.to_be_bytes());
+    k
+}
+
+fn body_key(seq: u64) -> [u8; 9] {
+    let mut k = [b'b'; 9];
+    k[1..].copy_from_slice(&seq.to_be_bytes());
+    k
+}
+
+/// Counts published after every apply, for the API and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    pub ready: u64,
+    pub unacked: u64,
+}
+
+pub struct QueueMachine {
+    state: QueueState,
+    stats: watch::Sender<QueueStats>,
+}
+
+impl QueueMachine {
+    pub fn stats(&self) -> watch::Receiver<QueueStats> {
+        self.stats.subscribe()
+    }
+
+    fn read_body(space: &SmSpace, seq: u64) -> Result<Message, StorageError> {
+        let b = space.get(&body_key(seq))?.ok_or(StorageError::Decode {
+            what: "message body (missing)",
+            source: bincode::error::DecodeError::Other("body of a live message is missing"),
+        })?;
+        keys::decode(&b, "message body")
+    }
+}
+
+/// The whole queue, as sent to a replica that is too far behind for the log.
+#[derive(Serialize, Deserialize)]
+struct Dump {
+    counters: Counters,
+    msgs: Vec<(u64, MsgState, Message)>,
+}
+
+impl Machine for QueueMachine {
+    fn load(space: &SmSpace) -> Result<Self, StorageError> {
+        let counters = match space.get(COUNTERS)? {
+            Some(b) => keys::decode(&b, "queue counters")?,
+            None => Counters::default(),
+        };
+        let mut stored = Vec::new();
+        for kv in space.scan(b"s") {
+            let (k, v) = kv?;
+            let seq = u64::from_be_bytes(k[1..9].try_into().expect("state key is 9 bytes"));
+            stored.push((seq, keys::decode::<MsgState>(&v, "message state")?));
+        }
+        let state = QueueState::restore(counters, stored);
+        let (stats, _) = watch::channel(QueueStats { ready: state.ready_count(), unacked: state.unacked_count() });
+        Ok(Self { state, stats })
+    }
+
+    fn apply(&mut self, space: &SmSpace, req: &Request, batch: &mut sled::Batch) -> Result<Response, StorageError> {
+        let Request::Queue(cmds) = req else {
+            return Ok(Response::None);
+        };
+        let mut replies = Vec::with_capacity(cmds.len());
+        let mut changes = Vec::new();
+        // Bodies inserted by this apply call are not in sled until the batch
+        // is applied; a get in the same entry reads them from here.
+        let mut fresh: HashMap<u64, &Message> = HashMap::new();
+        for cmd in cmds {
+            changes.clear();
+            let mut reply = self.state.apply(cmd, &mut changes);
+            for ch in &changes {
+                match *ch {
+                    Change::Insert { seq, batch_index } => {
+                        let QueueCmd::Enqueue { msgs } = cmd else { unreachable!("insert without enqueue") };
+                        let m = &msgs[batch_index];
+                        batch.insert(space.key(&body_key(seq)), keys::encode(m, "message body")?);
+                        batch.insert(space.key(&state_key(seq)), keys::encode(&MsgState::Ready, "message state")?);
+                        fresh.insert(seq, m);
+                    }
+                    Change::SetState { seq, state } => {
+                        batch.insert(space.key(&state_key(seq)), keys::encode(&state, "message state")?);
+                    }
+                    Change::Remove { seq } => {
+                        batch.remove(space.key(&state_key(seq)));
+                        batch.remove(space.key(&body_key(seq)));
+                    }
+                    Change::Deliver { seq, tag, redelivered } => {
+                        let message = match fresh.get(&seq) {
+                            Some(m) => (*m).clone(),
+                            None => Self::read_body(space, seq)?,
+                        };
+                        if let QueueReply::Got { msgs, .. } = &mut reply {
+                            msgs.push(Delivery { tag, redelivered, message });
+                        }
+                    }
+                }
+            }
+            replies.push(reply);
+        }
+        Ok(Response::Queue(replies))
+    }
+
+    fn commit(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError> {
+        batch.insert(space.key(COUNTERS), keys::encode(self.state.counters(), "queue counters")?);
+        self.stats.send_replace(QueueStats { ready: self.state.ready_count(), unacked: self.state.unacked_count() });
+        Ok(())
+    }
+
+    fn dump(&self, space: &SmSpace) -> Result<Vec<u8>, StorageError> {
+        let mut msgs = Vec::new();
+        for kv in space.scan(b"s") {
+            let (k, v) = kv?;
+            let seq = u64::from_be_bytes(k[1..9].try_into().expect("state key is 9 bytes"));
+            msgs.push((seq, keys::decode(&v, "message state")?, Self::read_body(space, seq)?));
+        }
+        keys::encode(&Dump { counters: self.state.counters().clone(), msgs }, "queue dump")
+    }
+
+    fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
+        let d: Dump = keys::decode(dump, "queue dump")?;
+        let mut batch = sled::Batch::default();
+        batch.insert(space.key(COUNTERS), keys::encode(&d.counters, "queue counters")?);
+        for (seq, st, m) in &d.msgs {
+            batch.insert(space.key(&state_key(*seq)), keys::encode(st, "message state")?);
+            batch.insert(space.key(&body_key(*seq)), keys::encode(m, "message body")?);
+        }
+        space.apply(batch)?;
+        self.state = QueueState::restore(d.counters, d.msgs.into_iter().map(|(seq, st, _)| (seq, st)));
+        Ok(())
+    }
+}

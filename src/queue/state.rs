@@ -1,0 +1,357 @@
+//! The queue's deterministic state: a pure `apply` over an in-memory index.
+//!
+//! Message bodies are not held here. `apply` returns the [`Change`]s a command
+//! makes, and the state-machine adapter (`queue::sm`) writes them to disk and
+//! reads bodies back when it delivers. The index holds only sequence numbers,
+//! so a deep queue costs a few bytes of memory per message.
+//!
+//! Every replica applies the same commands in the same order and so makes the
+//! same choices (which message a get takes, which delivery tag it gets).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use super::types::{MsgState, QueueCmd, QueueReply};
+
+/// One step of a command's effect on stored messages, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Store a new message (the body is the command's `msgs[index]`).
+    Insert { seq: u64, batch_index: usize },
+    /// A message's state changed (delivered, requeued).
+    SetState { seq: u64, state: MsgState },
+    /// Remove a message for good (acked, rejected, purged).
+    Remove { seq: u64 },
+    /// The reply includes this message: read its body before a later
+    /// `Remove` of the same seq takes effect.
+    Deliver { seq: u64, tag: u64, redelivered: bool },
+}
+
+/// Counters that must survive restarts alongside the per-message states.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    pub next_seq: u64,
+    pub next_tag: u64,
+    pub next_requeue: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Unacked {
+    seq: u64,
+    owner: u64,
+}
+
+/// The in-memory index of a queue.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct QueueState {
+    counters: Counters,
+    /// Never-delivered messages, oldest first.
+    ready: VecDeque<u64>,
+    /// Requeued messages by requeue order; served before `ready`, and always
+    /// redelivered.
+    requeued: BTreeMap<u64, u64>,
+    /// Delivered, awaiting ack: delivery tag -> message.
+    unacked: HashMap<u64, Unacked>,
+}
+
+impl QueueState {
+    /// Rebuild from stored per-message states, in ascending seq order.
+    pub fn restore(counters: Counters, stored: impl IntoIterator<Item = (u64, MsgState)>) -> Self {
+        let mut s = Self { counters, ..Self::default() };
+        for (seq, st) in stored {
+            match st {
+                MsgState::Ready => s.ready.push_back(seq),
+                MsgState::Requeued { order } => {
+                    s.requeued.insert(order, seq);
+                }
+                MsgState::Unacked { tag, owner } => {
+                    s.unacked.insert(tag, Unacked { seq, owner });
+                }
+            }
+        }
+        s
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+    pub fn ready_count(&self) -> u64 {
+        (self.ready.len() + self.requeued.len()) as u64
+    }
+    pub fn unacked_count(&self) -> u64 {
+        self.unacked.len() as u64
+    }
+
+    /// Apply one command. Pure: no I/O, same input, same output.
+    pub fn apply(&mut self, cmd: &QueueCmd, changes: &mut Vec<Change>) -> QueueReply {
+        match cmd {
+            QueueCmd::Enqueue { msgs } => {
+                for i in 0..msgs.len() {
+                    let seq = self.counters.next_seq;
+                    self.counters.next_seq += 1;
+                    self.ready.push_back(seq);
+                    changes.push(Change::Insert { seq, batch_index: i });
+                }
+                QueueReply::Enqueued { count: msgs.len() as u32 }
+            }
+            QueueCmd::Get { owner, max, auto_ack } => {
+                let mut delivered = 0u32;
+                while delivered < *max {
+                    let (seq, redelivered) = if let Some((_, seq)) = self.requeued.pop_first() {
+                        (seq, true)
+                    } else if let Some(seq) = self.ready.pop_front() {
+                        (seq, false)
+                    } else {
+                        break;
+                    };
+                    let tag = self.counters.next_tag;
+                    self.counters.next_tag += 1;
+                    changes.push(Change::Deliver { seq, tag, redelivered });
+                    if *auto_ack {
+                        changes.push(Change::Remove { seq });
+                    } else {
+                        self.unacked.insert(tag, Unacked { seq, owner: *owner });
+                        changes.push(Change::SetState { seq, state: MsgState::Unacked { tag, owner: *owner } });
+                    }
+                    delivered += 1;
+                }
+                QueueReply::Got { msgs: Vec::new(), remaining: self.ready_count() }
+            }
+            QueueCmd::Ack { tags } => {
+                let mut unknown = Vec::new();
+                for tag in tags {
+                    match self.unacked.remove(tag) {
+                        Some(u) => changes.push(Change::Remove { seq: u.seq }),
+                        None => unknown.push(*tag),
+                    }
+                }
+                QueueReply::Settled { count: (tags.len() - unknown.len()) as u32, unknown }
+            }
+            QueueCmd::Nack { tags, requeue } => {
+                let mut unknown = Vec::new();
+                for tag in tags {
+                    match self.unacked.remove(tag) {
+                        Some(u) => self.settle_nack(u.seq, *requeue, changes),
+                        None => unknown.push(*tag),
+                    }
+                }
+                QueueReply::Settled { count: (tags.len() - unknown.len()) as u32, unknown }
+            }
+            QueueCmd::Release { owner } => {
+                // Tags ascend with delivery order, so requeue in that order.
+                let mut tags: Vec<u64> =
+                    self.unacked.iter().filter(|(_, u)| u.owner == *owner).map(|(t, _)| *t).collect();
+                tags.sort_unstable();
+                for tag in &tags {
+                    if let Some(u) = self.unacked.remove(tag) {
+                        self.settle_nack(u.seq, true, changes);
+                    }
+                }
+                QueueReply::Settled { count: tags.len() as u32, unknown: Vec::new() }
+            }
+            QueueCmd::Purge => {
+                let count = self.ready_count();
+                for (_, seq) in std::mem::take(&mut self.requeued) {
+                    changes.push(Change::Remove { seq });
+                }
+                for seq in std::mem::take(&mut self.ready) {
+                    changes.push(Change::Remove { seq });
+                }
+                QueueReply::Purged { count }
+            }
+            QueueCmd::Delete => {
+                let count = self.ready_count();
+                for seq in
+                    self.requeued.values().chain(self.ready.iter()).copied().chain(self.unacked.values().map(|u| u.seq))
+                {
+                    changes.push(Change::Remove { seq });
+                }
+                self.requeued.clear();
+                self.ready.clear();
+                self.unacked.clear();
+                QueueReply::Purged { count }
+            }
+            QueueCmd::Status => QueueReply::Status { ready: self.ready_count(), unacked: self.unacked_count() },
+        }
+    }
+
+    fn settle_nack(&mut self, seq: u64, requeue: bool, changes: &mut Vec<Change>) {
+        if requeue {
+            let order = self.counters.next_requeue;
+            self.counters.next_requeue += 1;
+            self.requeued.insert(order, seq);
+            changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
+        } else {
+            changes.push(Change::Remove { seq });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::queue::types::Message;
+
+    fn msg(body: &str) -> Message {
+        Message {
+            exchange: String::new(),
+            routing_key: "q".into(),
+            properties: Vec::new(),
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    fn enqueue(s: &mut QueueState, n: usize) -> Vec<Change> {
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Enqueue { msgs: (0..n).map(|i| msg(&i.to_string())).collect() }, &mut c);
+        c
+    }
+
+    fn get(s: &mut QueueState, owner: u64, max: u32, auto_ack: bool) -> (Vec<(u64, u64, bool)>, Vec<Change>) {
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Get { owner, max, auto_ack }, &mut c);
+        let d = c
+            .iter()
+            .filter_map(|ch| match ch {
+                Change::Deliver { seq, tag, redelivered } => Some((*seq, *tag, *redelivered)),
+                _ => None,
+            })
+            .collect();
+        (d, c)
+    }
+
+    #[test]
+    fn enqueue_assigns_increasing_seqs_and_counts() {
+        let mut s = QueueState::default();
+        let c = enqueue(&mut s, 3);
+        assert_eq!(
+            c,
+            vec![
+                Change::Insert { seq: 0, batch_index: 0 },
+                Change::Insert { seq: 1, batch_index: 1 },
+                Change::Insert { seq: 2, batch_index: 2 }
+            ]
+        );
+        assert_eq!(s.ready_count(), 3);
+        assert_eq!(s.unacked_count(), 0);
+    }
+
+    #[test]
+    fn get_is_fifo_with_unique_tags_and_tracks_unacked() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 3);
+        let (d, _) = get(&mut s, 7, 2, false);
+        assert_eq!(d, vec![(0, 0, false), (1, 1, false)]);
+        assert_eq!((s.ready_count(), s.unacked_count()), (1, 2));
+        let (d, _) = get(&mut s, 7, 5, false);
+        assert_eq!(d, vec![(2, 2, false)]);
+        let (d, _) = get(&mut s, 7, 5, false);
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn auto_ack_get_removes_after_delivering() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 1);
+        let (_, c) = get(&mut s, 1, 1, true);
+        assert_eq!(c, vec![Change::Deliver { seq: 0, tag: 0, redelivered: false }, Change::Remove { seq: 0 }]);
+        assert_eq!((s.ready_count(), s.unacked_count()), (0, 0));
+    }
+
+    #[test]
+    fn ack_removes_and_reports_unknown_tags() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 2);
+        get(&mut s, 1, 2, false);
+        let mut c = Vec::new();
+        let r = s.apply(&QueueCmd::Ack { tags: vec![1, 99] }, &mut c);
+        assert_eq!(r, QueueReply::Settled { count: 1, unknown: vec![99] });
+        assert_eq!(c, vec![Change::Remove { seq: 1 }]);
+        // acking twice is an unknown tag, not a second removal
+        let r = s.apply(&QueueCmd::Ack { tags: vec![1] }, &mut c);
+        assert_eq!(r, QueueReply::Settled { count: 0, unknown: vec![1] });
+        assert_eq!(s.unacked_count(), 1);
+    }
+
+    #[test]
+    fn requeued_messages_come_back_first_marked_redelivered() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 4);
+        get(&mut s, 1, 2, false); // seq 0 tag 0, seq 1 tag 1
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![1, 0], requeue: true }, &mut c);
+        assert_eq!(s.ready_count(), 4);
+        let (d, _) = get(&mut s, 1, 4, false);
+        // requeued in nack order, before never-delivered ones
+        assert_eq!(d, vec![(1, 2, true), (0, 3, true), (2, 4, false), (3, 5, false)]);
+    }
+
+    #[test]
+    fn nack_without_requeue_drops() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 1);
+        get(&mut s, 1, 1, false);
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![0], requeue: false }, &mut c);
+        assert_eq!(c, vec![Change::Remove { seq: 0 }]);
+        assert_eq!((s.ready_count(), s.unacked_count()), (0, 0));
+    }
+
+    #[test]
+    fn release_requeues_only_that_owners_messages() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 3);
+        get(&mut s, 1, 1, false);
+        get(&mut s, 2, 1, false);
+        get(&mut s, 1, 1, false);
+        let mut c = Vec::new();
+        let r = s.apply(&QueueCmd::Release { owner: 1 }, &mut c);
+        assert_eq!(r, QueueReply::Settled { count: 2, unknown: vec![] });
+        assert_eq!((s.ready_count(), s.unacked_count()), (2, 1));
+        let (d, _) = get(&mut s, 3, 5, false);
+        assert_eq!(d.iter().map(|x| (x.0, x.2)).collect::<Vec<_>>(), vec![(0, true), (2, true)]);
+    }
+
+    #[test]
+    fn purge_drops_ready_but_keeps_unacked() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 3);
+        get(&mut s, 1, 1, false);
+        let mut c = Vec::new();
+        let r = s.apply(&QueueCmd::Purge, &mut c);
+        assert_eq!(r, QueueReply::Purged { count: 2 });
+        assert_eq!(c, vec![Change::Remove { seq: 1 }, Change::Remove { seq: 2 }]);
+        assert_eq!((s.ready_count(), s.unacked_count()), (0, 1));
+    }
+
+    #[test]
+    fn delete_drops_everything() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 3);
+        get(&mut s, 1, 1, false);
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Delete, &mut c);
+        assert_eq!(c.len(), 3);
+        assert_eq!((s.ready_count(), s.unacked_count()), (0, 0));
+    }
+
+    #[test]
+    fn restore_rebuilds_the_same_state() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 5);
+        get(&mut s, 1, 3, false);
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![2, 0], requeue: true }, &mut c);
+        // replay the changes into a "disk" and rebuild
+        let mut disk: BTreeMap<u64, MsgState> = BTreeMap::new();
+        for seq in 0..5 {
+            disk.insert(seq, MsgState::Ready);
+        }
+        disk.insert(1, MsgState::Unacked { tag: 1, owner: 1 });
+        disk.insert(2, MsgState::Requeued { order: 0 });
+        disk.insert(0, MsgState::Requeued { order: 1 });
+        let restored = QueueState::restore(s.counters().clone(), disk);
+        assert_eq!(restored, s);
+    }
+}

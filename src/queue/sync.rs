@@ -1,0 +1,155 @@
+//! Which replicas are synchronised, and up to which log index every one of
+//! them has the group's entries on disk.
+//!
+//! openraft's leader knows, per member, the last log id that member has
+//! durably appended (followers answer AppendEntries only after their fsync;
+//! the leader's own entry follows its own fsync). A confirm may fire once
+//! every *synchronised* member has the entry.
+//!
+//! A member is synchronised while it keeps up: it must have reached the
+//! leader's last log index as it was `timeout` ago. A member that is down or
+//! stalled falls out after `timeout` (so confirms do not stall forever) and
+//! comes back in by itself once it has caught up.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use openraft::ServerState;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::raft::types::{NodeId, Raft};
+
+/// Published after every change of the group's metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SyncState {
+    /// The node's current term.
+    pub term: u64,
+    /// `Some(term)` while this node is the leader.
+    pub leader_term: Option<u64>,
+    /// Highest index every synchronised member has durably (leader only).
+    pub confirmed: Option<u64>,
+    /// Members (voters and learners) of the group.
+    pub members: BTreeSet<NodeId>,
+    /// Members currently synchronised (leader only; the leader included).
+    pub synchronised: BTreeSet<NodeId>,
+}
+
+impl SyncState {
+    /// Is `index`, written as leader in `term`, on every synchronised disk?
+    /// `Err` when leadership of `term` is over: the outcome is unknown.
+    pub fn confirms(&self, term: u64, index: u64) -> Option<Result<(), ()>> {
+        if self.term > term {
+            return Some(Err(()));
+        }
+        if self.leader_term == Some(term) && self.confirmed >= Some(index) {
+            return Some(Ok(()));
+        }
+        None
+    }
+}
+
+/// Leader's samples of its own last log index over time.
+struct Samples {
+    term: u64,
+    points: VecDeque<(Instant, u64)>,
+}
+
+impl Samples {
+    fn record(&mut self, now: Instant, last: u64, timeout: Duration) {
+        if self.points.back().map_or(true, |(t, _)| now.duration_since(*t) >= Duration::from_millis(20)) {
+            self.points.push_back((now, last));
+        }
+        // Keep exactly one point older than `timeout`: it is the threshold.
+        while self.points.len() >= 2 && now.duration_since(self.points[1].0) >= timeout {
+            self.points.pop_front();
+        }
+    }
+
+    /// The index a member must have reached to count as synchronised.
+    fn threshold(&self, now: Instant, timeout: Duration) -> Option<u64> {
+        match self.points.front() {
+            Some((t, idx)) if now.duration_since(*t) >= timeout => Some(*idx),
+            _ => None,
+        }
+    }
+}
+
+/// Watch `raft`'s metrics and publish the group's [`SyncState`] until `stop`.
+pub fn spawn(raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::Receiver<SyncState> {
+    let (tx, rx) = watch::channel(SyncState::default());
+    tokio::spawn(async move {
+        let mut metrics = raft.metrics();
+        let mut samples = Samples { term: 0, points: VecDeque::new() };
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                r = metrics.changed() => if r.is_err() { return },
+                _ = tick.tick() => {}
+            }
+            let now = Instant::now();
+            let m = metrics.borrow_and_update().clone();
+            let members: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
+            let mut st = SyncState { term: m.current_term, members, ..SyncState::default() };
+            if let (ServerState::Leader, Some(repl)) = (m.state, m.replication.as_ref()) {
+                if samples.term != m.current_term {
+                    samples = Samples { term: m.current_term, points: VecDeque::new() };
+                }
+                samples.record(now, m.last_log_index.unwrap_or(0), timeout);
+                let threshold = samples.threshold(now, timeout);
+                let mut confirmed: Option<Option<u64>> = None;
+                for id in &st.members {
+                    let matched = repl.get(id).cloned().flatten().map(|l| l.index);
+                    if threshold.is_none() || matched >= threshold {
+                        st.synchronised.insert(*id);
+                        confirmed = Some(match confirmed {
+                            None => matched,
+                            Some(c) => c.min(matched),
+                        });
+                    }
+                }
+                st.leader_term = Some(m.current_term);
+                st.confirmed = confirmed.flatten();
+            }
+            tx.send_if_modified(|cur| {
+                if *cur != st {
+                    *cur = st;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    });
+    rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threshold_is_the_leader_index_one_timeout_ago() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(1);
+        let mut s = Samples { term: 1, points: VecDeque::new() };
+        s.record(t0, 10, timeout);
+        assert_eq!(s.threshold(t0, timeout), None, "young group: everyone is synchronised");
+        s.record(t0 + Duration::from_millis(500), 20, timeout);
+        s.record(t0 + Duration::from_millis(1000), 30, timeout);
+        assert_eq!(s.threshold(t0 + Duration::from_millis(1000), timeout), Some(10));
+        s.record(t0 + Duration::from_millis(1600), 40, timeout);
+        assert_eq!(s.threshold(t0 + Duration::from_millis(1600), timeout), Some(20));
+    }
+
+    #[test]
+    fn confirms_needs_same_term_leadership_and_index() {
+        let mut st = SyncState { term: 3, leader_term: Some(3), confirmed: Some(9), ..Default::default() };
+        assert_eq!(st.confirms(3, 9), Some(Ok(())));
+        assert_eq!(st.confirms(3, 10), None);
+        st.term = 4;
+        st.leader_term = None;
+        assert_eq!(st.confirms(3, 10), Some(Err(())));
+    }
+}

@@ -1,0 +1,95 @@
+//! Commands a queue's Raft group agrees on, and their replies.
+
+use serde::{Deserialize, Serialize};
+
+/// A message as stored and replicated. `properties` are the AMQP content
+/// properties in their wire encoding, opaque to the queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub exchange: String,
+    pub routing_key: String,
+    #[serde(with = "serde_bytes")]
+    pub properties: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    pub body: Vec<u8>,
+}
+
+/// Where a stored message is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MsgState {
+    /// Never delivered.
+    Ready,
+    /// Delivered and requeued; served before `Ready` ones in `order`.
+    Requeued { order: u64 },
+    /// Delivered under `tag` to `owner`, awaiting ack.
+    Unacked { tag: u64, owner: u64 },
+}
+
+/// One operation on a queue. A Raft entry carries a batch of them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QueueCmd {
+    Enqueue {
+        msgs: Vec<Message>,
+    },
+    /// Take up to `max` messages for `owner` (a connection or consumer id;
+    /// `Release` requeues everything an owner holds).
+    Get {
+        owner: u64,
+        max: u32,
+        auto_ack: bool,
+    },
+    Ack {
+        tags: Vec<u64>,
+    },
+    Nack {
+        tags: Vec<u64>,
+        requeue: bool,
+    },
+    Release {
+        owner: u64,
+    },
+    Purge,
+    Delete,
+    /// Read-only: counts, through the log so they are linearizable.
+    Status,
+}
+
+impl QueueCmd {
+    /// Must the caller wait for every synchronised replica before answering?
+    /// Only publishes carry that promise.
+    pub fn needs_confirm(&self) -> bool {
+        matches!(self, QueueCmd::Enqueue { .. })
+    }
+}
+
+/// A delivered message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delivery {
+    /// Queue-wide delivery tag, to ack or nack with.
+    pub tag: u64,
+    pub redelivered: bool,
+    pub message: Message,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QueueReply {
+    Enqueued {
+        count: u32,
+    },
+    /// `msgs` is filled by the state-machine adapter from disk.
+    Got {
+        msgs: Vec<Delivery>,
+        remaining: u64,
+    },
+    Settled {
+        count: u32,
+        unknown: Vec<u64>,
+    },
+    Purged {
+        count: u64,
+    },
+    Status {
+        ready: u64,
+        unacked: u64,
+    },
+}

@@ -1,0 +1,335 @@
+//! Outbound node-to-node traffic: one multiplexed TCP connection per peer
+//! carries every group's Raft messages and forwarded queue operations.
+//!
+//! Each request gets an envelope id; a reader task matches replies to
+//! waiters, so many groups' RPCs are in flight on one connection at once.
+//! A broken connection fails its waiters and is re-dialled on the next call,
+//! with exponential backoff so a dead peer costs nothing but a fast error.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
+    VoteResponse,
+};
+use openraft::BasicNode;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+
+use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
+use super::types::{GroupId, NodeId, TypeConfig};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Why a call to a peer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("peer {0} unreachable: {1}")]
+    Unreachable(String, String),
+    #[error("call to {0} timed out")]
+    Timeout(String),
+    #[error("connection to {0} closed before the reply")]
+    Closed(String),
+    #[error("encode: {0}")]
+    Encode(#[from] bincode::error::EncodeError),
+}
+
+pub fn codec() -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder().max_frame_length(MAX_FRAME).new_codec()
+}
+
+/// Test and operations hooks on the outbound side.
+#[derive(Default)]
+pub struct NetControl {
+    /// Raft traffic to these peers fails as if they were unreachable.
+    blocked: RwLock<HashSet<NodeId>>,
+}
+
+impl NetControl {
+    pub fn block(&self, peer: NodeId) {
+        self.blocked.write().expect("poisoned").insert(peer);
+    }
+    pub fn unblock(&self, peer: NodeId) {
+        self.blocked.write().expect("poisoned").remove(&peer);
+    }
+    fn is_blocked(&self, peer: NodeId) -> bool {
+        self.blocked.read().expect("poisoned").contains(&peer)
+    }
+}
+
+/// All outbound connections of a node.
+pub struct Transport {
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    pub control: NetControl,
+}
+
+impl Default for Transport {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Transport {
+    pub fn new() -> Self {
+        Self { peers: Mutex::new(HashMap::new()), control: NetControl::default() }
+    }
+
+    fn peer(&self, addr: &str) -> Arc<Peer> {
+        self.peers
+            .lock()
+            .expect("poisoned")
+            .entry(addr.to_string())
+            .or_insert_with(|| Arc::new(Peer::new(addr.to_string())))
+            .clone()
+    }
+
+    /// Send a request to the node at `addr` and wait for its reply.
+    pub async fn call(&self, addr: &str, req: &RpcRequest, timeout: Duration) -> Result<RpcResponse, CallError> {
+        let peer = self.peer(addr);
+        match tokio::time::timeout(timeout, peer.call(req)).await {
+            Ok(r) => r,
+            Err(_) => Err(CallError::Timeout(addr.to_string())),
+        }
+    }
+
+    /// Drop every connection (the peers are re-dialled on the next call).
+    pub fn close_all(&self) {
+        for p in self.peers.lock().expect("poisoned").values() {
+            p.close();
+        }
+    }
+}
+
+struct Conn {
+    tx: mpsc::Sender<Bytes>,
+    pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>>,
+    closed: Arc<AtomicBool>,
+    tasks: [tokio::task::AbortHandle; 2],
+}
+
+impl Conn {
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.pending.lock().expect("poisoned").clear();
+    }
+}
+
+struct Peer {
+    addr: String,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    /// When the last dial failed, and how long to wait before the next.
+    backoff: Mutex<Option<(Instant, Duration)>>,
+    next_id: AtomicU64,
+}
+
+impl Peer {
+    fn new(addr: String) -> Self {
+        Self { addr, conn: tokio::sync::Mutex::new(None), backoff: Mutex::new(None), next_id: AtomicU64::new(1) }
+    }
+
+    fn close(&self) {
+        if let Ok(mut c) = self.conn.try_lock() {
+            if let Some(c) = c.take() {
+                c.close();
+            }
+        }
+    }
+
+    async fn connection(&self) -> Result<Arc<Conn>, CallError> {
+        let mut slot = self.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if !c.closed.load(Ordering::Acquire) {
+                return Ok(c.clone());
+            }
+        }
+        if let Some((at, wait)) = *self.backoff.lock().expect("poisoned") {
+            if at.elapsed() < wait {
+                return Err(CallError::Unreachable(self.addr.clone(), "backing off after a failed dial".into()));
+            }
+        }
+        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(self.dial_failed(e.to_string())),
+            Err(_) => return Err(self.dial_failed("connect timed out".into())),
+        };
+        *self.backoff.lock().expect("poisoned") = None;
+        let _ = stream.set_nodelay(true);
+        let conn = Arc::new(start_conn(stream));
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    fn dial_failed(&self, why: String) -> CallError {
+        let mut b = self.backoff.lock().expect("poisoned");
+        let wait = match *b {
+            Some((_, w)) => (w * 2).min(BACKOFF_MAX),
+            None => BACKOFF_MIN,
+        };
+        *b = Some((Instant::now(), wait));
+        CallError::Unreachable(self.addr.clone(), why)
+    }
+
+    async fn call(&self, req: &RpcRequest) -> Result<RpcResponse, CallError> {
+        let conn = self.connection().await?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = Bytes::from(rpc::encode(&Envelope { id, body: req })?);
+        let (tx, rx) = oneshot::channel();
+        conn.pending.lock().expect("poisoned").insert(id, tx);
+        // Removes our waiter however this call ends (timeout drops the future).
+        struct Guard<'a>(&'a Conn, u64);
+        impl Drop for Guard<'_> {
+            fn drop(&mut self) {
+                self.0.pending.lock().expect("poisoned").remove(&self.1);
+            }
+        }
+        let _guard = Guard(&conn, id);
+        if conn.tx.send(frame).await.is_err() {
+            conn.closed.store(true, Ordering::Release);
+            return Err(CallError::Closed(self.addr.clone()));
+        }
+        rx.await.map_err(|_| CallError::Closed(self.addr.clone()))
+    }
+}
+
+fn start_conn(stream: TcpStream) -> Conn {
+    let (rd, wr) = stream.into_split();
+    let (tx, mut rx) = mpsc::channel::<Bytes>(1024);
+    let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
+    let closed = Arc::new(AtomicBool::new(false));
+
+    let writer = {
+        let closed = closed.clone();
+        tokio::spawn(async move {
+            let mut out = FramedWrite::new(wr, codec());
+            'outer: while let Some(frame) = rx.recv().await {
+                if out.feed(frame).await.is_err() {
+                    break;
+                }
+                // Everything already queued goes out in the same write.
+                while let Ok(frame) = rx.try_recv() {
+                    if out.feed(frame).await.is_err() {
+                        break 'outer;
+                    }
+                }
+                if SinkExt::<Bytes>::flush(&mut out).await.is_err() {
+                    break;
+                }
+            }
+            closed.store(true, Ordering::Release);
+        })
+    };
+    let reader = {
+        let (pending, closed) = (pending.clone(), closed.clone());
+        tokio::spawn(async move {
+            let mut input = FramedRead::new(rd, codec());
+            while let Some(Ok(frame)) = input.next().await {
+                match rpc::decode::<Envelope<RpcResponse>>(&frame) {
+                    Ok(env) => {
+                        if let Some(w) = pending.lock().expect("poisoned").remove(&env.id) {
+                            let _ = w.send(env.body);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "undecodable reply from peer; dropping connection");
+                        break;
+                    }
+                }
+            }
+            closed.store(true, Ordering::Release);
+            // Dropping the senders fails every waiter at once.
+            pending.lock().expect("poisoned").clear();
+        })
+    };
+    Conn { tx, pending, closed, tasks: [writer.abort_handle(), reader.abort_handle()] }
+}
+
+/// Creates the per-target network clients of one group.
+pub struct NetworkFactory {
+    pub group: GroupId,
+    pub transport: Arc<Transport>,
+}
+
+impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
+    type Network = GroupNetwork;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Self::Network {
+        GroupNetwork { group: self.group, target, addr: node.addr.clone(), transport: self.transport.clone() }
+    }
+}
+
+/// One group's link to one target node.
+pub struct GroupNetwork {
+    group: GroupId,
+    target: NodeId,
+    addr: String,
+    transport: Arc<Transport>,
+}
+
+type RpcErr<E = openraft::error::Infallible> = RPCError<NodeId, BasicNode, RaftError<NodeId, E>>;
+
+impl GroupNetwork {
+    async fn send<E: std::error::Error>(&self, req: RpcRequest, ttl: Duration) -> Result<RpcResponse, RpcErr<E>> {
+        if self.transport.control.is_blocked(self.target) {
+            let e = CallError::Unreachable(self.addr.clone(), "blocked by test hook".into());
+            return Err(RPCError::Unreachable(Unreachable::new(&e)));
+        }
+        match self.transport.call(&self.addr, &req, ttl).await {
+            Ok(RpcResponse::UnknownGroup(g)) => {
+                let e = CallError::Unreachable(self.addr.clone(), format!("group {g} not hosted (yet)"));
+                Err(RPCError::Unreachable(Unreachable::new(&e)))
+            }
+            Ok(r) => Ok(r),
+            Err(e @ CallError::Unreachable(..)) => Err(RPCError::Unreachable(Unreachable::new(&e))),
+            Err(e) => Err(RPCError::Network(NetworkError::new(&e))),
+        }
+    }
+
+    fn unexpected<E: std::error::Error>(&self) -> RpcErr<E> {
+        let e = CallError::Closed(format!("{} (unexpected reply type)", self.addr));
+        RPCError::Network(NetworkError::new(&e))
+    }
+}
+
+impl RaftNetwork<TypeConfig> for GroupNetwork {
+    async fn append_entries(
+        &mut self,
+        req: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RpcErr> {
+        match self.send(RpcRequest::Append { group: self.group, req }, option.hard_ttl()).await? {
+            RpcResponse::Append(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
+            _ => Err(self.unexpected()),
+        }
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        req: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<InstallSnapshotResponse<NodeId>, RpcErr<InstallSnapshotError>> {
+        match self.send(RpcRequest::Snapshot { group: self.group, req }, option.hard_ttl()).await? {
+            RpcResponse::Snapshot(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
+            _ => Err(self.unexpected()),
+        }
+    }
+
+    async fn vote(&mut self, req: VoteRequest<NodeId>, option: RPCOption) -> Result<VoteResponse<NodeId>, RpcErr> {
+        match self.send(RpcRequest::Vote { group: self.group, req }, option.hard_ttl()).await? {
+            RpcResponse::Vote(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
+            _ => Err(self.unexpected()),
+        }
+    }
+}

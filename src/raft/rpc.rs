@@ -1,0 +1,103 @@
+//! What travels between nodes: every message is tagged with its group id and
+//! an envelope id that matches replies to requests on a multiplexed link.
+//! Frames are length-delimited bincode 2.
+
+use openraft::error::{InstallSnapshotError, RaftError};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
+    VoteResponse,
+};
+use serde::{Deserialize, Serialize};
+
+use super::types::{GroupId, NodeId, TypeConfig};
+use crate::error::NodeError;
+use crate::metadata::{MetaCmd, MetaReply};
+use crate::queue::{QueueCmd, QueueReply};
+
+/// Largest frame accepted on the node link.
+pub const MAX_FRAME: usize = 256 << 20;
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    pub id: u64,
+    pub body: T,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum RpcRequest {
+    Append {
+        group: GroupId,
+        req: AppendEntriesRequest<TypeConfig>,
+    },
+    Vote {
+        group: GroupId,
+        req: VoteRequest<NodeId>,
+    },
+    Snapshot {
+        group: GroupId,
+        req: InstallSnapshotRequest<TypeConfig>,
+    },
+    /// Queue operations for the master of `queue`; answered after confirm.
+    Queue {
+        queue: String,
+        cmds: Vec<QueueCmd>,
+    },
+    /// A metadata change for the metadata leader.
+    Meta {
+        cmd: MetaCmd,
+    },
+    /// Library-level requests from tools and tests using the link as a client.
+    Client(ClientRequest),
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum RpcResponse {
+    Append(Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>),
+    Vote(Result<VoteResponse<NodeId>, RaftError<NodeId>>),
+    Snapshot(Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>),
+    Queue(Result<Vec<QueueReply>, NodeError>),
+    /// The reply and the log index of the change, so the caller can wait
+    /// until it has applied it locally.
+    Meta(Result<(MetaReply, u64), NodeError>),
+    Client(Result<ClientReply, NodeError>),
+    /// The receiver does not host this group (yet): the sender retries later.
+    UnknownGroup(GroupId),
+}
+
+/// Requests a client (test, tool) may send to any node.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ClientRequest {
+    /// Declare a queue on the given replicas (empty: every node).
+    DeclareQueue {
+        name: String,
+        replicas: Vec<NodeId>,
+    },
+    DeleteQueue {
+        name: String,
+    },
+    /// Queue status as this node sees it locally.
+    QueueInfo {
+        name: String,
+    },
+    /// Queue operations, forwarded by the receiving node to the master.
+    QueueOp {
+        queue: String,
+        cmds: Vec<QueueCmd>,
+    },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ClientReply {
+    Declared(crate::metadata::QueueMeta),
+    Deleted,
+    QueueInfo(crate::node::QueueInfo),
+    Queue(Vec<QueueReply>),
+}
+
+pub fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, bincode::error::EncodeError> {
+    bincode::serde::encode_to_vec(v, bincode::config::standard())
+}
+
+pub fn decode<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, bincode::error::DecodeError> {
+    bincode::serde::decode_from_slice(b, bincode::config::standard()).map(|(v, _)| v)
+}

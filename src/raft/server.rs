@@ -1,0 +1,93 @@
+//! Inbound node-to-node traffic: accepts peers' connections and hands each
+//! request to the node, answering on the same connection in any order.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::sync::CancellationToken;
+
+use super::network::codec;
+use super::rpc::{self, Envelope, RpcRequest, RpcResponse};
+
+/// Whatever answers requests arriving on the node link (the node).
+pub trait RpcHandler: Send + Sync + 'static {
+    fn handle(self: Arc<Self>, req: RpcRequest) -> impl Future<Output = RpcResponse> + Send;
+}
+
+/// Accept connections until `stop` is cancelled; then every connection and
+/// in-flight handler is dropped.
+pub async fn serve<H: RpcHandler>(listener: TcpListener, handler: Arc<H>, stop: CancellationToken) {
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                let (h, stop) = (handler.clone(), stop.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        _ = connection(stream, h, stop.clone()) => {}
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed on the raft port");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn connection<H: RpcHandler>(stream: tokio::net::TcpStream, handler: Arc<H>, stop: CancellationToken) {
+    let (rd, wr) = stream.into_split();
+    let (tx, mut rx) = mpsc::channel::<Bytes>(1024);
+    let writer = tokio::spawn(async move {
+        let mut out = FramedWrite::new(wr, codec());
+        'outer: while let Some(frame) = rx.recv().await {
+            if out.feed(frame).await.is_err() {
+                break;
+            }
+            while let Ok(frame) = rx.try_recv() {
+                if out.feed(frame).await.is_err() {
+                    break 'outer;
+                }
+            }
+            if SinkExt::<Bytes>::flush(&mut out).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut input = FramedRead::new(rd, codec());
+    while let Some(Ok(frame)) = input.next().await {
+        let env: Envelope<RpcRequest> = match rpc::decode(&frame) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(error = %e, "undecodable request on the raft port; closing the connection");
+                break;
+            }
+        };
+        let (h, tx, stop) = (handler.clone(), tx.clone(), stop.clone());
+        tokio::spawn(async move {
+            let body = tokio::select! {
+                _ = stop.cancelled() => return,
+                b = h.handle(env.body) => b,
+            };
+            match rpc::encode(&Envelope::<RpcResponse> { id: env.id, body }) {
+                Ok(b) => {
+                    let _ = tx.send(Bytes::from(b)).await;
+                }
+                Err(e) => tracing::error!(error = %e, "cannot encode a reply"),
+            }
+        });
+    }
+    drop(tx);
+    writer.abort();
+}

@@ -1,0 +1,212 @@
+//! openraft's `RaftStateMachine` over a group's [`SmSpace`], generic over the
+//! deterministic machine (queue or metadata) that interprets entries.
+//!
+//! State is kept on disk as it is applied, so a restart does not replay the
+//! whole log and a deep queue does not live in memory. Building a snapshot is
+//! therefore cheap: make the applied state durable and record its log id; logs
+//! up to it can then be purged. Only when a lagging replica needs the state is
+//! it serialized, by [`Machine::dump`].
+
+use std::io::Cursor;
+use std::sync::Arc;
+
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{
+    AnyError, EntryPayload, ErrorSubject, ErrorVerb, LogId, OptionalSend, RaftSnapshotBuilder, SnapshotMeta,
+    StorageIOError, StoredMembership,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex;
+
+use mirrorq_storage::{keys, SmSpace, StorageError};
+
+use super::types::{NodeId, Request, Response, TypeConfig};
+
+type RaftStorageError = openraft::StorageError<NodeId>;
+
+/// A deterministic state machine whose state lives in a group's [`SmSpace`].
+pub trait Machine: Send + Sync + Sized + 'static {
+    /// Load the state written by earlier applies (empty space: initial state).
+    fn load(space: &SmSpace) -> Result<Self, StorageError>;
+    /// Apply one request; writes go into `batch` (keys from `space.key`).
+    fn apply(&mut self, space: &SmSpace, req: &Request, batch: &mut sled::Batch) -> Result<Response, StorageError>;
+    /// Add aggregate state to the batch that ends an apply call; announce the
+    /// new state to watchers.
+    fn commit(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError>;
+    /// The whole state, for a snapshot sent to another replica.
+    fn dump(&self, space: &SmSpace) -> Result<Vec<u8>, StorageError>;
+    /// Replace the state with a dump, writing it into the (already cleared)
+    /// space. In place, so watchers of the machine stay subscribed.
+    fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError>;
+}
+
+const APPLIED_KEY: &[u8] = b"_applied";
+const SNAPSHOT_KEY: &[u8] = b"_snapshot";
+
+#[derive(Serialize, Deserialize, Default)]
+struct Applied {
+    last_applied: Option<LogId<NodeId>>,
+    membership: StoredMembership<NodeId, openraft::BasicNode>,
+}
+
+struct Inner<M> {
+    space: SmSpace,
+    machine: M,
+    applied: Applied,
+}
+
+/// The state machine of one group.
+pub struct StateMachine<M> {
+    inner: Arc<Mutex<Inner<M>>>,
+}
+
+impl<M> Clone for StateMachine<M> {
+    fn clone(&self) -> Self {
+        Self { inner: self.inner.clone() }
+    }
+}
+
+fn sto(subject: ErrorSubject<NodeId>, verb: ErrorVerb, e: StorageError) -> RaftStorageError {
+    openraft::StorageError::IO { source: StorageIOError::new(subject, verb, AnyError::new(&e)) }
+}
+
+impl<M: Machine> StateMachine<M> {
+    pub fn open(space: SmSpace) -> Result<Self, StorageError> {
+        let applied = match space.get(APPLIED_KEY)? {
+            Some(b) => keys::decode(&b, "applied state")?,
+            None => Applied::default(),
+        };
+        let machine = M::load(&space)?;
+        Ok(Self { inner: Arc::new(Mutex::new(Inner { space, machine, applied })) })
+    }
+
+    /// Run `f` on the machine (for reads that need not go through the log).
+    pub async fn with<T>(&self, f: impl FnOnce(&M) -> T) -> T {
+        f(&self.inner.lock().await.machine)
+    }
+}
+
+fn snapshot_id(last: &Option<LogId<NodeId>>) -> String {
+    match last {
+        Some(l) => format!("{}-{}-{}", l.leader_id.term, l.leader_id.node_id, l.index),
+        None => "empty".to_string(),
+    }
+}
+
+impl<M: Machine> Inner<M> {
+    fn meta(&self) -> SnapshotMeta<NodeId, openraft::BasicNode> {
+        SnapshotMeta {
+            last_log_id: self.applied.last_applied,
+            last_membership: self.applied.membership.clone(),
+            snapshot_id: snapshot_id(&self.applied.last_applied),
+        }
+    }
+}
+
+impl<M: Machine> RaftSnapshotBuilder<TypeConfig> for StateMachine<M> {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, RaftStorageError> {
+        let inner = self.inner.lock().await;
+        // Everything applied so far becomes durable; only then may openraft
+        // purge the log entries it came from.
+        inner.space.sync().await.map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+        let meta = inner.meta();
+        let b =
+            keys::encode(&meta, "snapshot meta").map_err(|e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
+        let mut batch = sled::Batch::default();
+        batch.insert(inner.space.key(SNAPSHOT_KEY), b);
+        inner.space.apply(batch).map_err(|e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
+        // openraft keeps only the meta of a built snapshot; the data is
+        // produced by `get_current_snapshot` when a replica needs it.
+        Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(Vec::new())) })
+    }
+}
+
+impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
+    type SnapshotBuilder = Self;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, openraft::BasicNode>), RaftStorageError> {
+        let inner = self.inner.lock().await;
+        Ok((inner.applied.last_applied, inner.applied.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, RaftStorageError>
+    where
+        I: IntoIterator<Item = openraft::Entry<TypeConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
+        let mut batch = sled::Batch::default();
+        let mut out = Vec::new();
+        for entry in entries {
+            let resp = match &entry.payload {
+                EntryPayload::Blank => Response::None,
+                EntryPayload::Normal(req) => inner
+                    .machine
+                    .apply(&inner.space, req, &mut batch)
+                    .map_err(|e| sto(ErrorSubject::Apply(entry.log_id), ErrorVerb::Write, e))?,
+                EntryPayload::Membership(m) => {
+                    inner.applied.membership = StoredMembership::new(Some(entry.log_id), m.clone());
+                    Response::None
+                }
+            };
+            inner.applied.last_applied = Some(entry.log_id);
+            out.push(resp);
+        }
+        inner
+            .machine
+            .commit(&inner.space, &mut batch)
+            .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+        let b = keys::encode(&inner.applied, "applied state")
+            .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+        batch.insert(inner.space.key(APPLIED_KEY), b);
+        inner.space.apply(batch).map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+        Ok(out)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, RaftStorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, openraft::BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), RaftStorageError> {
+        let mut inner = self.inner.lock().await;
+        let err = |e| sto(ErrorSubject::Snapshot(Some(meta.signature())), ErrorVerb::Write, e);
+        inner.space.clear().map_err(err)?;
+        {
+            let inner = &mut *inner;
+            inner.machine.restore(&inner.space, snapshot.get_ref()).map_err(err)?;
+        }
+        inner.applied = Applied { last_applied: meta.last_log_id, membership: meta.last_membership.clone() };
+        let mut batch = sled::Batch::default();
+        batch.insert(inner.space.key(APPLIED_KEY), keys::encode(&inner.applied, "applied state").map_err(err)?);
+        batch.insert(inner.space.key(SNAPSHOT_KEY), keys::encode(meta, "snapshot meta").map_err(err)?);
+        inner.space.apply(batch).map_err(err)?;
+        let mut batch = sled::Batch::default();
+        let inner = &mut *inner;
+        inner.machine.commit(&inner.space, &mut batch).map_err(err)?;
+        inner.space.apply(batch).map_err(err)?;
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, RaftStorageError> {
+        let inner = self.inner.lock().await;
+        let err = |e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Read, e);
+        if inner.space.get(SNAPSHOT_KEY).map_err(err)?.is_none() {
+            return Ok(None);
+        }
+        // The current state is at least as new as the last built snapshot and
+        // consistent with `applied` (we hold the lock), so send that.
+        let data = inner.machine.dump(&inner.space).map_err(err)?;
+        Ok(Some(Snapshot { meta: inner.meta(), snapshot: Box::new(Cursor::new(data)) }))
+    }
+}

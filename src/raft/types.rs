@@ -1,0 +1,45 @@
+//! The one Raft type configuration shared by every group on a node.
+
+use std::io::Cursor;
+
+use serde::{Deserialize, Serialize};
+
+use crate::metadata::{MetaCmd, MetaReply};
+use crate::queue::{QueueCmd, QueueReply};
+
+pub type NodeId = u64;
+pub use mirrorq_storage::GroupId;
+
+/// Group 0 is the cluster metadata group, over all nodes.
+pub const METADATA_GROUP: GroupId = 0;
+
+/// What a Raft entry carries. Queue groups only see `Queue`, the metadata
+/// group only `Meta`; sharing one type lets one network and one router carry
+/// every group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    Meta(MetaCmd),
+    /// A batch: every operation that arrived while the previous entry was in
+    /// flight.
+    Queue(Vec<QueueCmd>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    Meta(MetaReply),
+    Queue(Vec<QueueReply>),
+    /// Blank and membership entries, and requests sent to the wrong kind of group.
+    None,
+}
+
+openraft::declare_raft_types!(
+    pub TypeConfig:
+        D = Request,
+        R = Response,
+        NodeId = NodeId,
+        Node = openraft::BasicNode,
+        SnapshotData = Cursor<Vec<u8>>,
+);
+
+pub type Raft = openraft::Raft<TypeConfig>;
+pub type LogStore = mirrorq_storage::LogStore<TypeConfig>;

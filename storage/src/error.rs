@@ -1,0 +1,42 @@
+use std::path::PathBuf;
+
+/// Errors opening or operating a node's data directory.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("cannot create data dir {path}: {source}")]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("data dir {path} is in use by another mirrorq process ({holder}); stop it or choose another --data-dir")]
+    Locked { path: PathBuf, holder: String },
+    #[error("cannot lock data dir {path}: {source}")]
+    Lock {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("data dir {path} is unreadable or corrupt (refusing to touch it): {source}")]
+    Corrupt {
+        path: PathBuf,
+        #[source]
+        source: sled::Error,
+    },
+    #[error("sled: {0}")]
+    Sled(#[from] sled::Error),
+    #[error("decode {what}: {source}")]
+    Decode {
+        what: &'static str,
+        #[source]
+        source: bincode::error::DecodeError,
+    },
+    #[error("encode {what}: {source}")]
+    Encode {
+        what: &'static str,
+        #[source]
+        source: bincode::error::EncodeError,
+    },
+    #[error("disk sync failed earlier; the node is stopping (fail-stop)")]
+    SyncFailed,
+}

@@ -1,0 +1,210 @@
+//! openraft's `RaftLogStorage` for one group, over the node's shared sled trees.
+
+use std::fmt::Debug;
+use std::io;
+use std::marker::PhantomData;
+use std::ops::{Bound, RangeBounds};
+
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
+use openraft::{
+    AnyError, ErrorSubject, ErrorVerb, LogId, OptionalSend, RaftLogId, RaftLogReader, RaftTypeConfig, StorageIOError,
+    Vote,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::keys::{self, log_key, meta_key, META_COMMITTED, META_PURGED, META_VOTE};
+use crate::{GroupId, NodeDb};
+
+type RaftStorageError<C> = openraft::StorageError<<C as RaftTypeConfig>::NodeId>;
+
+/// The log, vote and committed id of one Raft group.
+///
+/// Cheap to clone: clones share the database and are used as log readers by
+/// openraft's replication tasks.
+pub struct LogStore<C: RaftTypeConfig> {
+    db: NodeDb,
+    group: GroupId,
+    _c: PhantomData<C>,
+}
+
+impl<C: RaftTypeConfig> Clone for LogStore<C> {
+    fn clone(&self) -> Self {
+        Self { db: self.db.clone(), group: self.group, _c: PhantomData }
+    }
+}
+
+impl<C: RaftTypeConfig> LogStore<C> {
+    pub fn new(db: NodeDb, group: GroupId) -> Self {
+        Self { db, group, _c: PhantomData }
+    }
+
+    pub fn group(&self) -> GroupId {
+        self.group
+    }
+}
+
+fn io_err<C: RaftTypeConfig>(
+    subject: ErrorSubject<C::NodeId>,
+    verb: ErrorVerb,
+    e: impl std::error::Error + 'static,
+) -> RaftStorageError<C> {
+    openraft::StorageError::IO { source: StorageIOError::new(subject, verb, AnyError::new(&e)) }
+}
+
+impl<C> LogStore<C>
+where
+    C: RaftTypeConfig,
+    C::Entry: Serialize + DeserializeOwned,
+{
+    fn read_meta<T: DeserializeOwned>(&self, tag: u8) -> Result<Option<T>, RaftStorageError<C>> {
+        let v = self
+            .db
+            .raft_meta_tree()
+            .get(meta_key(self.group, tag))
+            .map_err(|e| io_err::<C>(ErrorSubject::Store, ErrorVerb::Read, e))?;
+        match v {
+            None => Ok(None),
+            Some(b) => keys::decode(&b, "raft meta")
+                .map(Some)
+                .map_err(|e| io_err::<C>(ErrorSubject::Store, ErrorVerb::Read, e)),
+        }
+    }
+
+    fn write_meta<T: Serialize>(&self, tag: u8, v: &T) -> Result<(), RaftStorageError<C>> {
+        let b = keys::encode(v, "raft meta").map_err(|e| io_err::<C>(ErrorSubject::Store, ErrorVerb::Write, e))?;
+        self.db
+            .raft_meta_tree()
+            .insert(meta_key(self.group, tag), b)
+            .map_err(|e| io_err::<C>(ErrorSubject::Store, ErrorVerb::Write, e))?;
+        Ok(())
+    }
+
+    fn decode_entry(bytes: &[u8]) -> Result<C::Entry, RaftStorageError<C>> {
+        keys::decode(bytes, "log entry").map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))
+    }
+
+    fn last_entry(&self) -> Result<Option<C::Entry>, RaftStorageError<C>> {
+        let range = log_key(self.group, 0)..=log_key(self.group, u64::MAX);
+        match self.db.log_tree().range(range).next_back() {
+            None => Ok(None),
+            Some(kv) => {
+                let (_, v) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+                Self::decode_entry(&v).map(Some)
+            }
+        }
+    }
+
+    fn remove_range(&self, from: u64, to_inclusive: u64) -> Result<(), RaftStorageError<C>> {
+        let tree = self.db.log_tree();
+        let mut batch = sled::Batch::default();
+        for kv in tree.range(log_key(self.group, from)..=log_key(self.group, to_inclusive)) {
+            let (k, _) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+            batch.remove(k);
+        }
+        tree.apply_batch(batch).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Delete, e))
+    }
+}
+
+impl<C> RaftLogReader<C> for LogStore<C>
+where
+    C: RaftTypeConfig,
+    C::Entry: Serialize + DeserializeOwned,
+{
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<C::Entry>, RaftStorageError<C>> {
+        let start = match range.start_bound() {
+            Bound::Included(i) => *i,
+            Bound::Excluded(i) => i.saturating_add(1),
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(i) => *i,
+            Bound::Excluded(0) => return Ok(Vec::new()),
+            Bound::Excluded(i) => i - 1,
+            Bound::Unbounded => u64::MAX,
+        };
+        if start > end {
+            return Ok(Vec::new());
+        }
+        let mut out = Vec::new();
+        for kv in self.db.log_tree().range(log_key(self.group, start)..=log_key(self.group, end)) {
+            let (_, v) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+            out.push(Self::decode_entry(&v)?);
+        }
+        Ok(out)
+    }
+}
+
+impl<C> RaftLogStorage<C> for LogStore<C>
+where
+    C: RaftTypeConfig,
+    C::Entry: Serialize + DeserializeOwned,
+{
+    type LogReader = Self;
+
+    async fn get_log_state(&mut self) -> Result<LogState<C>, RaftStorageError<C>> {
+        let last_purged_log_id: Option<LogId<C::NodeId>> = self.read_meta(META_PURGED)?;
+        let last_log_id = match self.last_entry()? {
+            Some(e) => Some(e.get_log_id().clone()),
+            None => last_purged_log_id.clone(),
+        };
+        Ok(LogState { last_purged_log_id, last_log_id })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<C::NodeId>) -> Result<(), RaftStorageError<C>> {
+        self.write_meta(META_VOTE, vote)?;
+        // A vote must be durable before the node answers with it, or a restart
+        // could vote twice in one term.
+        self.db.flusher().sync().await.map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<C::NodeId>>, RaftStorageError<C>> {
+        self.read_meta(META_VOTE)
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId<C::NodeId>>) -> Result<(), RaftStorageError<C>> {
+        // Not synced: losing it only means re-applying from the last applied id.
+        self.write_meta(META_COMMITTED, &committed)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<C::NodeId>>, RaftStorageError<C>> {
+        Ok(self.read_meta::<Option<LogId<C::NodeId>>>(META_COMMITTED)?.flatten())
+    }
+
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<C>) -> Result<(), RaftStorageError<C>>
+    where
+        I: IntoIterator<Item = C::Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut batch = sled::Batch::default();
+        for entry in entries {
+            let index = entry.get_log_id().index;
+            let bytes =
+                keys::encode(&entry, "log entry").map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+            batch.insert(&log_key(self.group, index)[..], bytes);
+        }
+        self.db.log_tree().apply_batch(batch).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+        // Readable now; durable (and acknowledged to openraft) after the next
+        // group-commit sync.
+        self.db.flusher().submit(Box::new(move |r: io::Result<()>| callback.log_io_completed(r)));
+        Ok(())
+    }
+
+    async fn truncate(&mut self, log_id: LogId<C::NodeId>) -> Result<(), RaftStorageError<C>> {
+        self.remove_range(log_id.index, u64::MAX)
+    }
+
+    async fn purge(&mut self, log_id: LogId<C::NodeId>) -> Result<(), RaftStorageError<C>> {
+        // Record the purge point first: if we crash half way, the state still
+        // says "everything up to here is gone", which is what openraft expects.
+        self.write_meta(META_PURGED, &log_id)?;
+        self.remove_range(0, log_id.index)
+    }
+}
