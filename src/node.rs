@@ -483,6 +483,41 @@ impl Node {
         }
     }
 
+    /// Stop abruptly, as a crash would: tasks end, connections drop, and no
+    /// final sync or handover happens. For in-process failure tests.
+    pub async fn crash(&self) {
+        self.inner.stop.cancel();
+        self.inner.transport.close_all();
+        let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
+        for g in groups {
+            let _ = g.raft.shutdown().await;
+        }
+        let _ = self.inner.meta_raft.shutdown().await;
+    }
+
+    /// Every message this replica holds for `queue`: in its applied state and
+    /// in its log, whether applied yet or not. Reads only the local disk.
+    pub async fn local_messages(&self, queue: &str) -> Result<Vec<Message>, NodeError> {
+        use openraft::storage::RaftLogStorage;
+        use openraft::RaftLogReader;
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let mut out = QueueMachine::stored_messages(&SmSpace::new(self.inner.db.clone(), q.group))
+            .map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        let mut log = LogStore::new(self.inner.db.clone(), q.group);
+        let mut reader = log.get_log_reader().await;
+        let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        for e in entries {
+            if let openraft::EntryPayload::Normal(Request::Queue(cmds)) = e.payload {
+                for c in cmds {
+                    if let QueueCmd::Enqueue { msgs } = c {
+                        out.extend(msgs);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
     fn spawn_fatal_watch(&self) {
         let node = self.clone();
         let mut fatal = self.inner.db.fatal();

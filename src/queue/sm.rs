@@ -49,6 +49,15 @@ impl QueueMachine {
         self.stats.subscribe()
     }
 
+    /// Bodies of every message stored in a group's space (tests, tools).
+    pub fn stored_messages(space: &SmSpace) -> Result<Vec<Message>, StorageError> {
+        let mut out = Vec::new();
+        for kv in space.scan(b"b") {
+            out.push(keys::decode(&kv?.1, "message body")?);
+        }
+        Ok(out)
+    }
+
     fn read_body(space: &SmSpace, seq: u64) -> Result<Message, StorageError> {
         let b = space.get(&body_key(seq))?.ok_or(StorageError::Decode {
             what: "message body (missing)",

@@ -6,12 +6,13 @@
 //! the leader's own entry follows its own fsync). A confirm may fire once
 //! every *synchronised* member has the entry.
 //!
-//! A member is synchronised while it keeps up: it must have reached the
+//! A member stays synchronised while it keeps up: it must have reached the
 //! leader's last log index as it was `timeout` ago. A member that is down or
-//! stalled falls out after `timeout` (so confirms do not stall forever) and
-//! comes back in by itself once it has caught up.
+//! stalled falls out after `timeout` (so confirms do not stall forever). It
+//! comes back in by itself once it has every entry confirmed without it, so a
+//! synchronised member always holds every confirmed message.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use openraft::ServerState;
@@ -75,13 +76,26 @@ impl Samples {
     }
 }
 
+/// How long a member may sit behind the leader without progress before the
+/// leader writes an empty entry to restart replication to it.
+const STALL: Duration = Duration::from_millis(500);
+
 /// Watch `raft`'s metrics and publish the group's [`SyncState`] until `stop`.
+///
+/// Also un-sticks replication: openraft 0.9 drops replication events while it
+/// backs off from an unreachable member, and on an idle queue nothing new
+/// comes to replicate, so a member that comes back would stay behind (and
+/// unsynchronised) until the next publish. An empty entry wakes it up.
 pub fn spawn(raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::Receiver<SyncState> {
     let (tx, rx) = watch::channel(SyncState::default());
     tokio::spawn(async move {
         let mut metrics = raft.metrics();
         let mut samples = Samples { term: 0, points: VecDeque::new() };
         let mut tick = tokio::time::interval(Duration::from_millis(100));
+        // Per lagging member: the index it was at, and since when.
+        let mut lagging: HashMap<NodeId, (Option<u64>, Instant)> = HashMap::new();
+        let mut last_kick = Instant::now();
+        let mut in_sync: BTreeSet<NodeId> = BTreeSet::new();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -94,23 +108,49 @@ pub fn spawn(raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::R
             let mut st = SyncState { term: m.current_term, members, ..SyncState::default() };
             if let (ServerState::Leader, Some(repl)) = (m.state, m.replication.as_ref()) {
                 if samples.term != m.current_term {
+                    // New leadership: start by waiting for every member, the
+                    // safe side, until the timeout tells who keeps up.
                     samples = Samples { term: m.current_term, points: VecDeque::new() };
+                    in_sync = st.members.clone();
                 }
                 samples.record(now, m.last_log_index.unwrap_or(0), timeout);
                 let threshold = samples.threshold(now, timeout);
-                let mut confirmed: Option<Option<u64>> = None;
+                let last = m.last_log_index;
+                let mut stalled = false;
                 for id in &st.members {
                     let matched = repl.get(id).cloned().flatten().map(|l| l.index);
-                    if threshold.is_none() || matched >= threshold {
-                        st.synchronised.insert(*id);
-                        confirmed = Some(match confirmed {
-                            None => matched,
-                            Some(c) => c.min(matched),
-                        });
+                    if matched >= last {
+                        lagging.remove(id);
+                        continue;
+                    }
+                    let entry = lagging.entry(*id).or_insert((matched, now));
+                    if entry.0 != matched {
+                        *entry = (matched, now);
+                    } else if now.duration_since(entry.1) >= STALL {
+                        stalled = true;
                     }
                 }
+                if stalled && now.duration_since(last_kick) >= STALL {
+                    last_kick = now;
+                    let raft = raft.clone();
+                    tokio::spawn(async move {
+                        let _ = raft.client_write(crate::raft::types::Request::Queue(Vec::new())).await;
+                    });
+                }
+                let matched_of = |id: &NodeId| repl.get(id).cloned().flatten().map(|l| l.index);
+                in_sync.retain(|id| {
+                    *id == m.id || (st.members.contains(id) && (threshold.is_none() || matched_of(id) >= threshold))
+                });
+                let confirmed = in_sync.iter().map(matched_of).min().flatten();
+                // Back in only with everything confirmed while it was out.
+                for id in &st.members {
+                    if !in_sync.contains(id) && matched_of(id) >= confirmed {
+                        in_sync.insert(*id);
+                    }
+                }
+                st.synchronised = in_sync.clone();
+                st.confirmed = confirmed;
                 st.leader_term = Some(m.current_term);
-                st.confirmed = confirmed.flatten();
             }
             tx.send_if_modified(|cur| {
                 if *cur != st {

@@ -138,9 +138,12 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
     {
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
-        let mut batch = sled::Batch::default();
         let mut out = Vec::new();
+        // One atomic batch per entry: an entry may read what the previous
+        // one wrote (a get of a message published just before), so each
+        // entry's writes must be visible before the next is applied.
         for entry in entries {
+            let mut batch = sled::Batch::default();
             let resp = match &entry.payload {
                 EntryPayload::Blank => Response::None,
                 EntryPayload::Normal(req) => inner
@@ -153,16 +156,16 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
                 }
             };
             inner.applied.last_applied = Some(entry.log_id);
+            inner
+                .machine
+                .commit(&inner.space, &mut batch)
+                .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+            let b = keys::encode(&inner.applied, "applied state")
+                .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+            batch.insert(inner.space.key(APPLIED_KEY), b);
+            inner.space.apply(batch).map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
             out.push(resp);
         }
-        inner
-            .machine
-            .commit(&inner.space, &mut batch)
-            .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
-        let b = keys::encode(&inner.applied, "applied state")
-            .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
-        batch.insert(inner.space.key(APPLIED_KEY), b);
-        inner.space.apply(batch).map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
         Ok(out)
     }
 

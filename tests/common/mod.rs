@@ -1,0 +1,131 @@
+//! Shared test harness: in-process nodes on loopback TCP.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use mirrorq::{Message, Node, NodeConfig, Timing};
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MIRRORQ_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// A loopback port free at the time of asking.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub fn fast_timing(sync_timeout: Duration) -> Timing {
+    Timing {
+        heartbeat: Duration::from_millis(100),
+        election_min: Duration::from_millis(500),
+        election_max: Duration::from_millis(1000),
+        sync_timeout,
+        op_timeout: Duration::from_secs(20),
+    }
+}
+
+pub struct Cluster {
+    pub dirs: Vec<tempfile::TempDir>,
+    pub configs: Vec<NodeConfig>,
+    /// `None` once a node has been crashed.
+    pub nodes: Vec<Option<Node>>,
+}
+
+impl Cluster {
+    /// Start `n` nodes (ids 1..=n) forming a new cluster.
+    pub async fn start(n: u64, timing: Timing) -> Cluster {
+        let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let members: BTreeMap<u64, String> =
+            (1..=n).zip(&ports).map(|(id, p)| (id, format!("127.0.0.1:{p}"))).collect();
+        let mut dirs = Vec::new();
+        let mut configs = Vec::new();
+        for id in 1..=n {
+            let dir = tempfile::tempdir().unwrap();
+            let mut cfg = NodeConfig::new(id, dir.path(), members[&id].clone());
+            cfg.cluster = members.clone();
+            cfg.timing = timing.clone();
+            dirs.push(dir);
+            configs.push(cfg);
+        }
+        let nodes = futures::future::join_all(configs.iter().cloned().map(Node::start)).await;
+        let nodes = nodes.into_iter().map(|r| Some(r.expect("node starts"))).collect();
+        let c = Cluster { dirs, configs, nodes };
+        c.wait_registered().await;
+        c
+    }
+
+    pub fn node(&self, id: u64) -> &Node {
+        self.nodes[(id - 1) as usize].as_ref().expect("node is running")
+    }
+
+    /// Wait until every node sees every node registered in the metadata.
+    pub async fn wait_registered(&self) {
+        let n = self.nodes.len();
+        wait_until(Duration::from_secs(20), "all nodes registered", || {
+            self.nodes.iter().flatten().all(|node| node.metadata().nodes.len() == n)
+        })
+        .await;
+    }
+
+    pub async fn crash(&mut self, id: u64) {
+        let node = self.nodes[(id - 1) as usize].take().expect("node is running");
+        node.crash().await;
+    }
+
+    pub async fn restart(&mut self, id: u64) {
+        assert!(self.nodes[(id - 1) as usize].is_none(), "node {id} still running");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // The port may take a moment to be free again.
+        loop {
+            match Node::start(self.configs[(id - 1) as usize].clone()).await {
+                Ok(n) => {
+                    self.nodes[(id - 1) as usize] = Some(n);
+                    return;
+                }
+                Err(e) if Instant::now() < deadline => {
+                    tracing::info!(error = %e, "restart retry");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("restart of node {id} failed: {e}"),
+            }
+        }
+    }
+
+    /// The node currently master of `queue`, as the replicas see it.
+    pub async fn master_of(&self, queue: &str) -> u64 {
+        let mut found = None;
+        wait_until(Duration::from_secs(20), "queue has a master", || {
+            found = self.nodes.iter().flatten().find(|n| n.is_master(queue)).map(|n| n.id());
+            found.is_some()
+        })
+        .await;
+        found.unwrap()
+    }
+
+    pub async fn shutdown(mut self) {
+        for n in self.nodes.iter_mut() {
+            if let Some(n) = n.take() {
+                n.shutdown().await;
+            }
+        }
+    }
+}
+
+pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn msg(body: impl Into<Vec<u8>>) -> Message {
+    Message { exchange: String::new(), routing_key: "q".into(), properties: vec![1, 2, 3], body: body.into() }
+}

@@ -1,0 +1,197 @@
+//! In-process three-node clusters over real loopback TCP with real fsync'd
+//! storage: confirms, failover, and the slowest-replica rule.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::{fast_timing, init_tracing, msg, wait_until, Cluster};
+use mirrorq::NodeError;
+
+fn bodies(msgs: &[mirrorq::Message]) -> BTreeSet<Vec<u8>> {
+    msgs.iter().map(|m| m.body.clone()).collect()
+}
+
+/// Every confirmed publish is on the disk of all three replicas at the moment
+/// its confirm arrives, and ends up in every replica's applied state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn confirmed_messages_are_on_every_replica() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(30))).await;
+    tracing::info!("--- declare a 3-replica queue from node 2");
+    let q = c.node(2).declare_queue("q1", vec![1, 2, 3]).await.unwrap();
+    assert_eq!(q.replicas, vec![1, 2, 3]);
+
+    tracing::info!("--- 20 concurrent publishers x 10 confirmed messages, through every node");
+    let mut tasks = Vec::new();
+    for p in 0..20u32 {
+        let node = c.node(1 + (p as u64 % 3)).clone();
+        let replicas: Vec<_> = (1..=3).map(|id| c.node(id).clone()).collect();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..10u32 {
+                let body = format!("p{p}-m{i}").into_bytes();
+                node.publish("q1", vec![msg(body.clone())]).await.unwrap();
+                // Confirmed: every replica's disk must hold it right now.
+                for r in &replicas {
+                    let held = bodies(&r.local_messages("q1").await.unwrap());
+                    assert!(held.contains(&body), "node {} lacks a confirmed message", r.id());
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+
+    tracing::info!("--- every replica applies all 200");
+    for id in 1..=3 {
+        let node = c.node(id).clone();
+        let mut n = 0;
+        wait_until(Duration::from_secs(10), "replica applied everything", || {
+            n = node.queue_info("q1").unwrap().ready;
+            n == 200
+        })
+        .await;
+    }
+    assert_eq!(c.node(3).status("q1").await.unwrap(), (200, 0));
+    c.shutdown().await;
+}
+
+/// Kill the master's node abruptly: a mirror takes over, publishing goes on
+/// through the survivors, and every confirmed message is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn master_crash_loses_no_confirmed_message() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(1))).await;
+    c.node(1).declare_queue("q2", vec![1, 2, 3]).await.unwrap();
+    let mut confirmed = BTreeSet::new();
+    for i in 0..100 {
+        let b = format!("before-{i}").into_bytes();
+        c.node(1).publish("q2", vec![msg(b.clone())]).await.unwrap();
+        confirmed.insert(b);
+    }
+    let master = c.master_of("q2").await;
+    tracing::info!(master, "--- crash the master");
+    c.crash(master).await;
+    let survivor = (1..=3).find(|id| *id != master).unwrap();
+
+    tracing::info!("--- keep publishing through a survivor");
+    for i in 0..100 {
+        let b = format!("after-{i}").into_bytes();
+        match c.node(survivor).publish("q2", vec![msg(b.clone())]).await {
+            Ok(()) => {
+                confirmed.insert(b);
+            }
+            // Outcome unknown (leadership changed mid-flight): a publisher resends.
+            Err(NodeError::Unconfirmed(_)) => {
+                c.node(survivor).publish("q2", vec![msg(b.clone())]).await.unwrap();
+                confirmed.insert(b);
+            }
+            Err(e) => panic!("publish after failover failed: {e}"),
+        }
+    }
+    let new_master = c.master_of("q2").await;
+    assert_ne!(new_master, master);
+
+    tracing::info!("--- drain: every confirmed message is there");
+    let got = c.node(survivor).get("q2", 1, 1000, true).await.unwrap();
+    let got_bodies = bodies(&got.iter().map(|d| d.message.clone()).collect::<Vec<_>>());
+    let missing: Vec<_> = confirmed.difference(&got_bodies).collect();
+    assert!(missing.is_empty(), "{} confirmed messages lost", missing.len());
+
+    tracing::info!("--- the crashed node comes back and catches up");
+    c.restart(master).await;
+    let back = c.node(master).clone();
+    let mut last = None;
+    let caught_up = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let info = back.queue_info("q2");
+            if matches!(&info, Ok(i) if i.ready == 0 && i.applied.is_some() && i.leader.is_some()) {
+                return;
+            }
+            last = Some(info);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    if caught_up.is_err() {
+        let lm = c.node(c.master_of("q2").await).queue_raft("q2").unwrap().metrics().borrow().clone();
+        let bm = back.queue_raft("q2").unwrap().metrics().borrow().clone();
+        panic!("restarted replica did not catch up: {last:?}; leader: {lm:?}; restarted: {bm:?}");
+    }
+    c.shutdown().await;
+}
+
+/// A confirm waits for the slowest synchronised replica: with the master's
+/// traffic to one mirror held back, the entry commits on a majority but the
+/// confirm does not fire until that mirror has it on disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn confirm_waits_for_the_slowest_replica() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    c.node(1).declare_queue("q3", vec![1, 2, 3]).await.unwrap();
+    c.node(1).publish("q3", vec![msg("warm-up")]).await.unwrap();
+    let master = c.master_of("q3").await;
+    let mut mirrors = (1..=3).filter(|id| *id != master);
+    let (slow, fast) = (mirrors.next().unwrap(), mirrors.next().unwrap());
+
+    tracing::info!(master, slow, "--- hold the master's traffic to one mirror");
+    c.node(master).transport().control.block(slow);
+    let publisher = {
+        let node = c.node(master).clone();
+        tokio::spawn(async move { node.publish("q3", vec![msg("held")]).await })
+    };
+    // Committed on the majority (master + fast mirror)...
+    let fast_node = c.node(fast).clone();
+    let mut fast_has = false;
+    for _ in 0..100 {
+        fast_has = bodies(&fast_node.local_messages("q3").await.unwrap()).contains(&b"held".to_vec());
+        if fast_has {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(fast_has, "the fast mirror never got the entry");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // ...but not confirmed: the slow mirror does not have it.
+    assert!(!publisher.is_finished(), "confirm fired before the slow mirror had the message");
+    assert!(!bodies(&c.node(slow).local_messages("q3").await.unwrap()).contains(&b"held".to_vec()));
+
+    tracing::info!("--- release: the confirm follows the slow mirror's fsync");
+    c.node(master).transport().control.unblock(slow);
+    tokio::time::timeout(Duration::from_secs(10), publisher).await.expect("confirm after release").unwrap().unwrap();
+    assert!(bodies(&c.node(slow).local_messages("q3").await.unwrap()).contains(&b"held".to_vec()));
+    c.shutdown().await;
+}
+
+/// A mirror that stays unreachable longer than the sync timeout stops
+/// counting as synchronised, so confirms go on without it; once reachable
+/// again it catches up and is synchronised again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unreachable_mirror_leaves_and_rejoins_the_synchronised_set() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_millis(1500))).await;
+    c.node(1).declare_queue("q4", vec![1, 2, 3]).await.unwrap();
+    c.node(1).publish("q4", vec![msg("a")]).await.unwrap();
+    let master = c.master_of("q4").await;
+    let slow = (1..=3).find(|id| *id != master).unwrap();
+    c.node(master).transport().control.block(slow);
+    tracing::info!("--- publishes complete once the blocked mirror times out");
+    tokio::time::timeout(Duration::from_secs(10), c.node(master).publish("q4", vec![msg("b")]))
+        .await
+        .expect("confirm within the sync timeout")
+        .unwrap();
+    let info = c.node(master).queue_info("q4").unwrap();
+    assert!(!info.synchronised.contains(&slow), "blocked mirror still counted: {info:?}");
+    assert_eq!(info.synchronised.len(), 2);
+
+    c.node(master).transport().control.unblock(slow);
+    let m = c.node(master).clone();
+    wait_until(Duration::from_secs(10), "mirror synchronised again", || {
+        m.queue_info("q4").unwrap().synchronised.contains(&slow)
+    })
+    .await;
+    assert!(bodies(&c.node(slow).local_messages("q4").await.unwrap()).contains(&b"b".to_vec()));
+    c.shutdown().await;
+}
