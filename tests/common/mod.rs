@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+pub mod process;
+
 use mirrorq::{Message, Node, NodeConfig, Timing};
 
 pub fn init_tracing() {

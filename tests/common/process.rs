@@ -1,0 +1,110 @@
+//! Real `mirrorq serve` processes, killed with SIGKILL.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct ProcNode {
+    pub id: u64,
+    pub data_dir: PathBuf,
+    pub raft_addr: String,
+    pub cluster: String,
+    pub log: PathBuf,
+    pub extra: Vec<String>,
+    child: Option<Child>,
+}
+
+pub fn binary() -> &'static str {
+    env!("CARGO_BIN_EXE_mirrorq")
+}
+
+impl ProcNode {
+    pub fn new(id: u64, root: &Path, raft_addr: String, cluster: String) -> Self {
+        Self {
+            id,
+            data_dir: root.join(format!("node{id}")),
+            raft_addr,
+            cluster,
+            log: root.join(format!("node{id}.log")),
+            extra: Vec::new(),
+            child: None,
+        }
+    }
+
+    pub fn command(&self) -> Command {
+        let mut cmd = Command::new(binary());
+        cmd.arg("serve")
+            .arg("--node-id")
+            .arg(self.id.to_string())
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg("--raft-listen")
+            .arg(&self.raft_addr)
+            .arg("--cluster")
+            .arg(&self.cluster)
+            .arg("--amqp-listen")
+            .arg(format!("127.0.0.1:{}", super::free_port()))
+            .arg("--http-listen")
+            .arg(format!("127.0.0.1:{}", super::free_port()))
+            .args(&self.extra)
+            .env("MIRRORQ_LOG", "info,openraft=warn");
+        cmd
+    }
+
+    /// Start the process; its stderr goes to `self.log` (appended).
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "node {} already running", self.id);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let child = self.command().stdout(Stdio::null()).stderr(log).spawn().expect("spawn mirrorq");
+        self.child = Some(child);
+    }
+
+    /// Wait until the node link accepts connections.
+    pub async fn wait_listening(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(&self.raft_addr).await.is_err() {
+            assert!(Instant::now() < deadline, "node {} never listened; log:\n{}", self.id, self.log_text());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILL, no warning.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("node running");
+        child.kill().expect("SIGKILL");
+        child.wait().unwrap();
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Fail the test if the node ever panicked.
+    pub fn assert_no_panic(&self) {
+        let log = self.log_text();
+        assert!(!log.contains("panicked"), "node {} panicked:\n{log}", self.id);
+    }
+}
+
+impl Drop for ProcNode {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Three (or n) processes forming a new cluster.
+pub fn cluster(root: &Path, n: u64, extra: &[&str]) -> Vec<ProcNode> {
+    let addrs: Vec<String> = (0..n).map(|_| format!("127.0.0.1:{}", super::free_port())).collect();
+    let spec = addrs.iter().enumerate().map(|(i, a)| format!("{}={a}", i + 1)).collect::<Vec<_>>().join(",");
+    (1..=n)
+        .map(|id| {
+            let mut p = ProcNode::new(id, root, addrs[(id - 1) as usize].clone(), spec.clone());
+            p.extra = extra.iter().map(|s| s.to_string()).collect();
+            p
+        })
+        .collect()
+}

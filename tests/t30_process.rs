@@ -1,0 +1,196 @@
+//! Real `mirrorq serve` processes on loopback, driven through the node link,
+//! killed with SIGKILL and restarted on their data dirs.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::process::{self, ProcNode};
+use common::{init_tracing, msg};
+use mirrorq::client::{ClientError, NodeClient};
+use mirrorq::NodeError;
+
+async fn drain(client: &NodeClient, queue: &str) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let got = client.get(queue, 1, 500, true).await.unwrap();
+        if got.is_empty() {
+            return out;
+        }
+        out.extend(got.into_iter().map(|d| d.message.body));
+    }
+}
+
+/// Publish with retries on "not confirmed" (the publisher's job, as with a
+/// nack); returns once confirmed.
+async fn publish_confirmed(client: &NodeClient, queue: &str, body: Vec<u8>) {
+    for _ in 0..50 {
+        match client.publish(queue, vec![msg(body.clone())]).await {
+            Ok(()) => return,
+            Err(ClientError::Node(NodeError::Unconfirmed(_) | NodeError::Unavailable(_))) => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("publish failed: {e}"),
+        }
+    }
+    panic!("publish never confirmed");
+}
+
+/// Three processes; one mirror is killed with SIGKILL while publishing goes
+/// on, restarted on its data dir, recovers its log and catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_replica_recovers_and_catches_up() {
+    init_tracing();
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = process::cluster(root.path(), 3, &["--sync-timeout", "1"]);
+    for n in nodes.iter_mut() {
+        n.start();
+    }
+    for n in &nodes {
+        n.wait_listening().await;
+    }
+    let c1 = NodeClient::new(nodes[0].raft_addr.clone());
+    tracing::info!("--- declare on node 1, publish 100 confirmed");
+    let q = {
+        let mut tries = 0;
+        loop {
+            match c1.declare_queue("pq", vec![1, 2, 3]).await {
+                Ok(q) => break q,
+                Err(e) if tries < 100 => {
+                    tries += 1;
+                    tracing::info!(error = %e, "cluster not ready yet");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("declare failed: {e}"),
+            }
+        }
+    };
+    assert_eq!(q.replicas, vec![1, 2, 3]);
+    for i in 0..100 {
+        publish_confirmed(&c1, "pq", format!("m{i}").into_bytes()).await;
+    }
+    let master = c1.queue_info("pq").await.unwrap().leader.expect("node 1 knows the master");
+    let victim = (1..=3).find(|id| *id != master).unwrap();
+    tracing::info!(victim, "--- kill -9 a mirror; keep publishing");
+    nodes[(victim - 1) as usize].kill9();
+    let other = (1..=3).find(|id| *id != victim).unwrap();
+    let c = NodeClient::new(nodes[(other - 1) as usize].raft_addr.clone());
+    for i in 100..200 {
+        publish_confirmed(&c, "pq", format!("m{i}").into_bytes()).await;
+    }
+
+    tracing::info!("--- restart it on its data dir");
+    nodes[(victim - 1) as usize].start();
+    nodes[(victim - 1) as usize].wait_listening().await;
+    let cv = NodeClient::new(nodes[(victim - 1) as usize].raft_addr.clone());
+    let mut info = None;
+    for _ in 0..200 {
+        if let Ok(i) = cv.queue_info("pq").await {
+            if i.ready == 200 {
+                info = Some(i);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let info = info.expect("restarted replica caught up to 200 messages");
+    assert!(info.local);
+    assert!(info.leader.is_some());
+
+    tracing::info!("--- every message is delivered once, read through the restarted node");
+    let got = drain(&cv, "pq").await;
+    let want: BTreeSet<Vec<u8>> = (0..200).map(|i| format!("m{i}").into_bytes()).collect();
+    let got_set: BTreeSet<Vec<u8>> = got.iter().cloned().collect();
+    assert!(want.is_subset(&got_set), "lost {} confirmed messages", want.difference(&got_set).count());
+    for n in &nodes {
+        n.assert_no_panic();
+    }
+}
+
+/// A single node killed with SIGKILL while many publishes are in flight:
+/// after restart, everything that was confirmed is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_node_kill9_keeps_every_confirmed_message() {
+    init_tracing();
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = process::cluster(root.path(), 1, &[]);
+    let node = &mut nodes[0];
+    node.start();
+    node.wait_listening().await;
+    let client = Arc::new(NodeClient::new(node.raft_addr.clone()));
+    let mut tries = 0;
+    while let Err(e) = client.declare_queue("solo", vec![1]).await {
+        tries += 1;
+        assert!(tries < 100, "declare failed: {e}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    tracing::info!("--- 8 publishers flat out; SIGKILL after 1.5 s");
+    let confirmed = Arc::new(Mutex::new(BTreeSet::new()));
+    let mut tasks = Vec::new();
+    for p in 0..8 {
+        let (client, confirmed) = (client.clone(), confirmed.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0.. {
+                let body = format!("p{p}-{i}").into_bytes();
+                match client.publish("solo", vec![msg(body.clone())]).await {
+                    Ok(()) => {
+                        confirmed.lock().unwrap().insert(body);
+                    }
+                    Err(_) => return,
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    node.kill9();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let confirmed = confirmed.lock().unwrap().clone();
+    assert!(confirmed.len() > 50, "too few publishes confirmed before the kill: {}", confirmed.len());
+
+    tracing::info!(confirmed = confirmed.len(), "--- restart and drain");
+    node.start();
+    node.wait_listening().await;
+    let client = NodeClient::new(node.raft_addr.clone());
+    let mut got: BTreeSet<Vec<u8>> = BTreeSet::new();
+    let mut ready = false;
+    for _ in 0..100 {
+        match client.get("solo", 1, 500, true).await {
+            Ok(batch) => {
+                got.extend(batch.into_iter().map(|d| d.message.body));
+                ready = true;
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    assert!(ready, "restarted node never served the queue");
+    got.extend(drain(&client, "solo").await);
+    let missing = confirmed.difference(&got).count();
+    assert_eq!(missing, 0, "{missing} of {} confirmed messages lost after kill -9", confirmed.len());
+    node.assert_no_panic();
+}
+
+/// A second process on a data dir in use is refused with a clear message
+/// and a non-zero exit, and the first keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_process_on_same_data_dir_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = process::cluster(root.path(), 1, &[]);
+    nodes[0].start();
+    nodes[0].wait_listening().await;
+    let addr = format!("127.0.0.1:{}", common::free_port());
+    let mut second = ProcNode::new(1, root.path(), addr.clone(), format!("1={addr}"));
+    second.data_dir = nodes[0].data_dir.clone();
+    let out = second.command().output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by another mirrorq process"), "stderr: {err}");
+    // The first node still answers.
+    let q = NodeClient::new(nodes[0].raft_addr.clone()).queue_info("nope").await;
+    assert!(matches!(q, Err(ClientError::Node(NodeError::NoSuchQueue(_)))), "{q:?}");
+}
