@@ -3,7 +3,9 @@
 //!
 //! Keys (group-relative):
 //! - `c`            counters (next seq, tag, requeue order)
-//! - `s` + seq(8)   [`MsgState`], small: scanned at start to rebuild the index
+//! - `s` + seq(8)   [`MsgState`] of delivered or requeued messages only;
+//!   scanned at start to rebuild the index (never-delivered messages are a
+//!   range given by the counters, so a deep queue restarts without reading it)
 //! - `b` + seq(8)   the [`Message`], read only to deliver
 
 use std::collections::HashMap;
@@ -71,7 +73,8 @@ impl QueueMachine {
 #[derive(Serialize, Deserialize)]
 struct Dump {
     counters: Counters,
-    msgs: Vec<(u64, MsgState, Message)>,
+    /// Delivered or requeued messages with their state; fresh ones without.
+    msgs: Vec<(u64, Option<MsgState>, Message)>,
 }
 
 impl Machine for QueueMachine {
@@ -109,14 +112,15 @@ impl Machine for QueueMachine {
                         let QueueCmd::Enqueue { msgs } = cmd else { unreachable!("insert without enqueue") };
                         let m = &msgs[batch_index];
                         batch.insert(space.key(&body_key(seq)), keys::encode(m, "message body")?);
-                        batch.insert(space.key(&state_key(seq)), keys::encode(&MsgState::Ready, "message state")?);
                         fresh.insert(seq, m);
                     }
                     Change::SetState { seq, state } => {
                         batch.insert(space.key(&state_key(seq)), keys::encode(&state, "message state")?);
                     }
-                    Change::Remove { seq } => {
-                        batch.remove(space.key(&state_key(seq)));
+                    Change::Remove { seq, tracked } => {
+                        if tracked {
+                            batch.remove(space.key(&state_key(seq)));
+                        }
                         batch.remove(space.key(&body_key(seq)));
                     }
                     Change::Deliver { seq, tag, redelivered } => {
@@ -142,11 +146,17 @@ impl Machine for QueueMachine {
     }
 
     fn dump(&self, space: &SmSpace) -> Result<Vec<u8>, StorageError> {
-        let mut msgs = Vec::new();
+        let mut states = HashMap::new();
         for kv in space.scan(b"s") {
             let (k, v) = kv?;
             let seq = u64::from_be_bytes(k[1..9].try_into().expect("state key is 9 bytes"));
-            msgs.push((seq, keys::decode(&v, "message state")?, Self::read_body(space, seq)?));
+            states.insert(seq, keys::decode::<MsgState>(&v, "message state")?);
+        }
+        let mut msgs = Vec::new();
+        for kv in space.scan(b"b") {
+            let (k, v) = kv?;
+            let seq = u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes"));
+            msgs.push((seq, states.get(&seq).copied(), keys::decode(&v, "message body")?));
         }
         keys::encode(&Dump { counters: self.state.counters().clone(), msgs }, "queue dump")
     }
@@ -156,11 +166,13 @@ impl Machine for QueueMachine {
         let mut batch = sled::Batch::default();
         batch.insert(space.key(COUNTERS), keys::encode(&d.counters, "queue counters")?);
         for (seq, st, m) in &d.msgs {
-            batch.insert(space.key(&state_key(*seq)), keys::encode(st, "message state")?);
+            if let Some(st) = st {
+                batch.insert(space.key(&state_key(*seq)), keys::encode(st, "message state")?);
+            }
             batch.insert(space.key(&body_key(*seq)), keys::encode(m, "message body")?);
         }
         space.apply(batch)?;
-        self.state = QueueState::restore(d.counters, d.msgs.into_iter().map(|(seq, st, _)| (seq, st)));
+        self.state = QueueState::restore(d.counters, d.msgs.into_iter().filter_map(|(seq, st, _)| Some((seq, st?))));
         Ok(())
     }
 }

@@ -2,13 +2,19 @@
 //!
 //! Message bodies are not held here. `apply` returns the [`Change`]s a command
 //! makes, and the state-machine adapter (`queue::sm`) writes them to disk and
-//! reads bodies back when it delivers. The index holds only sequence numbers,
-//! so a deep queue costs a few bytes of memory per message.
+//! reads bodies back when it delivers.
+//!
+//! Never-delivered messages are always the contiguous range
+//! `[ready_head, next_seq)` (publishes append, gets take from the front), so
+//! they cost no memory and no per-message state on disk: only delivered
+//! (unacked) and requeued messages are tracked one by one. A deep queue costs
+//! two counters, and restarting it reads only its unacked and requeued
+//! messages.
 //!
 //! Every replica applies the same commands in the same order and so makes the
 //! same choices (which message a get takes, which delivery tag it gets).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
@@ -21,8 +27,9 @@ pub enum Change {
     Insert { seq: u64, batch_index: usize },
     /// A message's state changed (delivered, requeued).
     SetState { seq: u64, state: MsgState },
-    /// Remove a message for good (acked, rejected, purged).
-    Remove { seq: u64 },
+    /// Remove a message for good (acked, rejected, purged). `tracked`: it
+    /// has a stored state (was delivered or requeued) to remove as well.
+    Remove { seq: u64, tracked: bool },
     /// The reply includes this message: read its body before a later
     /// `Remove` of the same seq takes effect.
     Deliver { seq: u64, tag: u64, redelivered: bool },
@@ -31,6 +38,8 @@ pub enum Change {
 /// Counters that must survive restarts alongside the per-message states.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
+    /// First never-delivered message.
+    pub ready_head: u64,
     pub next_seq: u64,
     pub next_tag: u64,
     pub next_requeue: u64,
@@ -46,8 +55,6 @@ struct Unacked {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct QueueState {
     counters: Counters,
-    /// Never-delivered messages, oldest first.
-    ready: VecDeque<u64>,
     /// Requeued messages by requeue order; served before `ready`, and always
     /// redelivered.
     requeued: BTreeMap<u64, u64>,
@@ -56,12 +63,11 @@ pub struct QueueState {
 }
 
 impl QueueState {
-    /// Rebuild from stored per-message states, in ascending seq order.
+    /// Rebuild from the counters and the stored per-message states.
     pub fn restore(counters: Counters, stored: impl IntoIterator<Item = (u64, MsgState)>) -> Self {
         let mut s = Self { counters, ..Self::default() };
         for (seq, st) in stored {
             match st {
-                MsgState::Ready => s.ready.push_back(seq),
                 MsgState::Requeued { order } => {
                     s.requeued.insert(order, seq);
                 }
@@ -77,7 +83,14 @@ impl QueueState {
         &self.counters
     }
     pub fn ready_count(&self) -> u64 {
-        (self.ready.len() + self.requeued.len()) as u64
+        self.fresh_count() + self.requeued.len() as u64
+    }
+    fn fresh_count(&self) -> u64 {
+        self.counters.next_seq - self.counters.ready_head
+    }
+    /// Is `seq` a stored, never-delivered message?
+    pub fn is_fresh(&self, seq: u64) -> bool {
+        (self.counters.ready_head..self.counters.next_seq).contains(&seq)
     }
     pub fn unacked_count(&self) -> u64 {
         self.unacked.len() as u64
@@ -90,7 +103,6 @@ impl QueueState {
                 for i in 0..msgs.len() {
                     let seq = self.counters.next_seq;
                     self.counters.next_seq += 1;
-                    self.ready.push_back(seq);
                     changes.push(Change::Insert { seq, batch_index: i });
                 }
                 QueueReply::Enqueued { count: msgs.len() as u32 }
@@ -100,8 +112,9 @@ impl QueueState {
                 while delivered < *max {
                     let (seq, redelivered) = if let Some((_, seq)) = self.requeued.pop_first() {
                         (seq, true)
-                    } else if let Some(seq) = self.ready.pop_front() {
-                        (seq, false)
+                    } else if self.fresh_count() > 0 {
+                        self.counters.ready_head += 1;
+                        (self.counters.ready_head - 1, false)
                     } else {
                         break;
                     };
@@ -109,7 +122,7 @@ impl QueueState {
                     self.counters.next_tag += 1;
                     changes.push(Change::Deliver { seq, tag, redelivered });
                     if *auto_ack {
-                        changes.push(Change::Remove { seq });
+                        changes.push(Change::Remove { seq, tracked: redelivered });
                     } else {
                         self.unacked.insert(tag, Unacked { seq, owner: *owner });
                         changes.push(Change::SetState { seq, state: MsgState::Unacked { tag, owner: *owner } });
@@ -122,7 +135,7 @@ impl QueueState {
                 let mut unknown = Vec::new();
                 for tag in tags {
                     match self.unacked.remove(tag) {
-                        Some(u) => changes.push(Change::Remove { seq: u.seq }),
+                        Some(u) => changes.push(Change::Remove { seq: u.seq, tracked: true }),
                         None => unknown.push(*tag),
                     }
                 }
@@ -152,28 +165,29 @@ impl QueueState {
             }
             QueueCmd::Purge => {
                 let count = self.ready_count();
-                for (_, seq) in std::mem::take(&mut self.requeued) {
-                    changes.push(Change::Remove { seq });
-                }
-                for seq in std::mem::take(&mut self.ready) {
-                    changes.push(Change::Remove { seq });
-                }
+                self.drop_ready(changes);
                 QueueReply::Purged { count }
             }
             QueueCmd::Delete => {
                 let count = self.ready_count();
-                for seq in
-                    self.requeued.values().chain(self.ready.iter()).copied().chain(self.unacked.values().map(|u| u.seq))
-                {
-                    changes.push(Change::Remove { seq });
-                }
-                self.requeued.clear();
-                self.ready.clear();
-                self.unacked.clear();
+                self.drop_ready(changes);
+                let mut unacked: Vec<u64> = self.unacked.drain().map(|(_, u)| u.seq).collect();
+                unacked.sort_unstable();
+                changes.extend(unacked.into_iter().map(|seq| Change::Remove { seq, tracked: true }));
                 QueueReply::Purged { count }
             }
             QueueCmd::Status => QueueReply::Status { ready: self.ready_count(), unacked: self.unacked_count() },
         }
+    }
+
+    fn drop_ready(&mut self, changes: &mut Vec<Change>) {
+        for (_, seq) in std::mem::take(&mut self.requeued) {
+            changes.push(Change::Remove { seq, tracked: true });
+        }
+        for seq in self.counters.ready_head..self.counters.next_seq {
+            changes.push(Change::Remove { seq, tracked: false });
+        }
+        self.counters.ready_head = self.counters.next_seq;
     }
 
     fn settle_nack(&mut self, seq: u64, requeue: bool, changes: &mut Vec<Change>) {
@@ -183,7 +197,7 @@ impl QueueState {
             self.requeued.insert(order, seq);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         } else {
-            changes.push(Change::Remove { seq });
+            changes.push(Change::Remove { seq, tracked: true });
         }
     }
 }
@@ -255,7 +269,10 @@ mod tests {
         let mut s = QueueState::default();
         enqueue(&mut s, 1);
         let (_, c) = get(&mut s, 1, 1, true);
-        assert_eq!(c, vec![Change::Deliver { seq: 0, tag: 0, redelivered: false }, Change::Remove { seq: 0 }]);
+        assert_eq!(
+            c,
+            vec![Change::Deliver { seq: 0, tag: 0, redelivered: false }, Change::Remove { seq: 0, tracked: false }]
+        );
         assert_eq!((s.ready_count(), s.unacked_count()), (0, 0));
     }
 
@@ -267,7 +284,7 @@ mod tests {
         let mut c = Vec::new();
         let r = s.apply(&QueueCmd::Ack { tags: vec![1, 99] }, &mut c);
         assert_eq!(r, QueueReply::Settled { count: 1, unknown: vec![99] });
-        assert_eq!(c, vec![Change::Remove { seq: 1 }]);
+        assert_eq!(c, vec![Change::Remove { seq: 1, tracked: true }]);
         // acking twice is an unknown tag, not a second removal
         let r = s.apply(&QueueCmd::Ack { tags: vec![1] }, &mut c);
         assert_eq!(r, QueueReply::Settled { count: 0, unknown: vec![1] });
@@ -294,7 +311,7 @@ mod tests {
         get(&mut s, 1, 1, false);
         let mut c = Vec::new();
         s.apply(&QueueCmd::Nack { tags: vec![0], requeue: false }, &mut c);
-        assert_eq!(c, vec![Change::Remove { seq: 0 }]);
+        assert_eq!(c, vec![Change::Remove { seq: 0, tracked: true }]);
         assert_eq!((s.ready_count(), s.unacked_count()), (0, 0));
     }
 
@@ -321,8 +338,20 @@ mod tests {
         let mut c = Vec::new();
         let r = s.apply(&QueueCmd::Purge, &mut c);
         assert_eq!(r, QueueReply::Purged { count: 2 });
-        assert_eq!(c, vec![Change::Remove { seq: 1 }, Change::Remove { seq: 2 }]);
+        assert_eq!(c, vec![Change::Remove { seq: 1, tracked: false }, Change::Remove { seq: 2, tracked: false }]);
         assert_eq!((s.ready_count(), s.unacked_count()), (0, 1));
+    }
+
+    #[test]
+    fn deep_queue_index_is_two_counters() {
+        let mut s = QueueState::default();
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Enqueue { msgs: vec![msg("x"); 1000] }, &mut c);
+        get(&mut s, 1, 10, true);
+        assert_eq!(s.ready_count(), 990);
+        assert!(s.unacked.is_empty() && s.requeued.is_empty());
+        assert_eq!((s.counters().ready_head, s.counters().next_seq), (10, 1000));
+        assert!(s.is_fresh(10) && !s.is_fresh(9) && !s.is_fresh(1000));
     }
 
     #[test]
@@ -343,11 +372,8 @@ mod tests {
         get(&mut s, 1, 3, false);
         let mut c = Vec::new();
         s.apply(&QueueCmd::Nack { tags: vec![2, 0], requeue: true }, &mut c);
-        // replay the changes into a "disk" and rebuild
+        // only delivered and requeued messages have a stored state
         let mut disk: BTreeMap<u64, MsgState> = BTreeMap::new();
-        for seq in 0..5 {
-            disk.insert(seq, MsgState::Ready);
-        }
         disk.insert(1, MsgState::Unacked { tag: 1, owner: 1 });
         disk.insert(2, MsgState::Requeued { order: 0 });
         disk.insert(0, MsgState::Requeued { order: 1 });

@@ -14,11 +14,10 @@ pub struct Message {
     pub body: Vec<u8>,
 }
 
-/// Where a stored message is in its life.
+/// Where a delivered message is in its life (never-delivered messages have
+/// no stored state: they are the range the queue's counters describe).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MsgState {
-    /// Never delivered.
-    Ready,
     /// Delivered and requeued; served before `Ready` ones in `order`.
     Requeued { order: u64 },
     /// Delivered under `tag` to `owner`, awaiting ack.
