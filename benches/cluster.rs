@@ -31,6 +31,10 @@ async fn start_cluster(root: &std::path::Path) -> Vec<Node> {
     nodes
 }
 
+// Same allocator as the `mirrorq` binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let secs: u64 = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(10);
@@ -54,7 +58,12 @@ async fn main() {
             let (node, queue, hist) = (nodes[0].clone(), queue.clone(), hist.clone());
             tasks.push(tokio::spawn(async move {
                 let mut local = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
-                let m = Message { exchange: String::new(), routing_key: queue.clone(), properties: Vec::new(), body: vec![b'x'; size] };
+                let m = Message {
+                    exchange: String::new(),
+                    routing_key: queue.clone(),
+                    properties: Vec::new(),
+                    body: vec![b'x'; size],
+                };
                 let mut n = 0u64;
                 while start.elapsed() < dur {
                     let t = Instant::now();

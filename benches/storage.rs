@@ -12,6 +12,10 @@ use mirrorq_storage::{keys, DbOptions, NodeDb};
 
 const VALUE: usize = 1024;
 
+// Same allocator as the `mirrorq` binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let base = std::env::args().nth(1).filter(|a| !a.starts_with('-')).map(std::path::PathBuf::from);

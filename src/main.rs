@@ -1,4 +1,10 @@
 use clap::Parser;
+
+// glibc malloc spent a fifth of the CPU faulting in fresh pages for sled's
+// copy-on-write pages under load (perf, docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use mirrorq::cli::{Cli, Command, ServeArgs};
 use mirrorq::config::ServeConfig;
 use mirrorq::serve::{self, Exit};

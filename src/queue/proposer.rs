@@ -23,7 +23,7 @@ use crate::raft::types::{Raft, Request, Response};
 const MAX_IN_FLIGHT: usize = 2;
 /// Caps on one entry, to bound memory and the time to replicate it.
 const MAX_CMDS: usize = 4096;
-const MAX_BYTES: usize = 4 << 20;
+const MAX_BYTES: usize = 256 << 10;
 
 type Reply = oneshot::Sender<Result<Vec<QueueReply>, NodeError>>;
 

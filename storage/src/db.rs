@@ -66,6 +66,7 @@ impl NodeDb {
             // Values over a quarter segment go to unsynced blob files; a larger
             // segment keeps batched log entries inline in the synced log.
             .segment_size(4 << 20)
+            .mode(sled::Mode::HighThroughput)
             .open()
             .map_err(|source| StorageError::Corrupt { path: sled_dir.clone(), source })?;
         let open_tree =
