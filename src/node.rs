@@ -382,7 +382,7 @@ impl Node {
             let result = if target == self.id() {
                 self.inner.local_queue_op(q.group, cmds.clone()).await
             } else {
-                let req = RpcRequest::Queue { queue: queue.to_string(), cmds: cmds.clone() };
+                let req = RpcRequest::Queue { group: q.group, cmds: cmds.clone() };
                 match self.inner.call(target, &req, deadline).await {
                     Ok(RpcResponse::Queue(r)) => r,
                     Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
@@ -605,7 +605,7 @@ impl Node {
         .await
         .map_err(|e| ServerError::Raft(e.to_string()))?;
         let stop = self.inner.stop.child_token();
-        let sync = sync::spawn(raft.clone(), self.inner.timing.sync_timeout, stop.clone());
+        let sync = sync::spawn(q.group, raft.clone(), self.inner.timing.sync_timeout, stop.clone());
         let proposer = Proposer::spawn(raft.clone(), sync.clone(), stop.clone());
         let group = Arc::new(QueueGroup { meta: q.clone(), raft: raft.clone(), proposer, sync, stats, stop });
         self.inner.groups.write().expect("poisoned").insert(q.group, group);
@@ -697,13 +697,7 @@ impl RpcHandler for Inner {
                 Some(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
                 None => RpcResponse::UnknownGroup(group),
             },
-            RpcRequest::Queue { queue, cmds } => {
-                let group = self.meta.borrow().queues.get(&queue).map(|q| q.group);
-                RpcResponse::Queue(match group {
-                    Some(g) => self.local_queue_op(g, cmds).await,
-                    None => Err(NodeError::NoSuchQueue(queue)),
-                })
-            }
+            RpcRequest::Queue { group, cmds } => RpcResponse::Queue(self.local_queue_op(group, cmds).await),
             RpcRequest::Meta { cmd } => {
                 let leader = self.meta_raft.metrics().borrow().current_leader;
                 RpcResponse::Meta(if leader == Some(self.id) {

@@ -86,7 +86,7 @@ const STALL: Duration = Duration::from_millis(500);
 /// backs off from an unreachable member, and on an idle queue nothing new
 /// comes to replicate, so a member that comes back would stay behind (and
 /// unsynchronised) until the next publish. An empty entry wakes it up.
-pub fn spawn(raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::Receiver<SyncState> {
+pub fn spawn(group: u64, raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::Receiver<SyncState> {
     let (tx, rx) = watch::channel(SyncState::default());
     tokio::spawn(async move {
         let mut metrics = raft.metrics();
@@ -96,6 +96,10 @@ pub fn spawn(raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::R
         let mut lagging: HashMap<NodeId, (Option<u64>, Instant)> = HashMap::new();
         let mut last_kick = Instant::now();
         let mut in_sync: BTreeSet<NodeId> = BTreeSet::new();
+        // Log index a member must reach to (re)join, set at takeover.
+        let mut floor: Option<u64> = None;
+        let mut grace_until = Instant::now();
+        let mut reported: BTreeSet<NodeId> = BTreeSet::new();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -108,10 +112,14 @@ pub fn spawn(raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::R
             let mut st = SyncState { term: m.current_term, members, ..SyncState::default() };
             if let (ServerState::Leader, Some(repl)) = (m.state, m.replication.as_ref()) {
                 if samples.term != m.current_term {
-                    // New leadership: start by waiting for every member, the
-                    // safe side, until the timeout tells who keeps up.
+                    // New leadership: only the leader is known to hold every
+                    // confirmed message. The others join once they reach the
+                    // leader's log as it was at takeover; until then, and for
+                    // one timeout at most, confirms wait for them too.
                     samples = Samples { term: m.current_term, points: VecDeque::new() };
-                    in_sync = st.members.clone();
+                    in_sync = BTreeSet::from([m.id]);
+                    floor = m.last_log_index;
+                    grace_until = now + timeout;
                 }
                 samples.record(now, m.last_log_index.unwrap_or(0), timeout);
                 let threshold = samples.threshold(now, timeout);
@@ -141,12 +149,21 @@ pub fn spawn(raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::R
                 in_sync.retain(|id| {
                     *id == m.id || (st.members.contains(id) && (threshold.is_none() || matched_of(id) >= threshold))
                 });
-                let confirmed = in_sync.iter().map(matched_of).min().flatten();
-                // Back in only with everything confirmed while it was out.
+                // What every replica waited on has: during the grace period
+                // after takeover that is every member, later the synchronised.
+                let waiting = st.members.iter().filter(|id| in_sync.contains(id) || now < grace_until);
+                let confirmed = waiting.map(matched_of).min().flatten();
+                // Back in only with everything confirmed so far (so joining
+                // never lowers `confirmed`).
+                let entry_floor = floor.max(confirmed);
                 for id in &st.members {
-                    if !in_sync.contains(id) && matched_of(id) >= confirmed {
+                    if !in_sync.contains(id) && matched_of(id) >= entry_floor {
                         in_sync.insert(*id);
                     }
+                }
+                if in_sync != reported {
+                    tracing::info!(group, term = m.current_term, synchronised = ?in_sync, was = ?reported, "synchronised replicas changed");
+                    reported = in_sync.clone();
                 }
                 st.synchronised = in_sync.clone();
                 st.confirmed = confirmed;

@@ -37,9 +37,10 @@ pub enum RpcRequest {
         group: GroupId,
         req: InstallSnapshotRequest<TypeConfig>,
     },
-    /// Queue operations for the master of `queue`; answered after confirm.
+    /// Queue operations for the master of `group`; answered after confirm.
+    /// A receiver that does not host the group (yet) answers `NotLeader`.
     Queue {
-        queue: String,
+        group: GroupId,
         cmds: Vec<QueueCmd>,
     },
     /// A metadata change for the metadata leader.
