@@ -22,7 +22,7 @@ fn spawn(dir: &std::path::Path, raft: &str) -> Child {
         .arg(dir)
         .args(["--amqp-listen", &format!("127.0.0.1:{}", free_port())])
         .args(["--http-listen", &format!("127.0.0.1:{}", free_port())])
-        .env("MIRRORQ_LOG", "warn")
+        .env("MIRRORQ_LOG", std::env::var("MIRRORQ_LOG").unwrap_or_else(|_| "warn".into()))
         .stdout(Stdio::null())
         .spawn()
         .expect("spawn mirrorq")
@@ -130,7 +130,11 @@ async fn main() {
     child.wait().unwrap();
 
     println!("messages queued:            {n} x 1 KiB (confirmed, 8 publishers x 200 per publish)");
-    println!("publish rate:               {:.0} msg/s ({:.1} MB/s)", n as f64 / publish_secs, n as f64 / 1024.0 / publish_secs);
+    println!(
+        "publish rate:               {:.0} msg/s ({:.1} MB/s)",
+        n as f64 / publish_secs,
+        n as f64 / 1024.0 / publish_secs
+    );
     println!("RSS with the queue full:    {rss_full:.0} MB");
     println!("data dir on disk:           {disk:.0} MB");
     println!("kill -9 -> serving again:   {restart:.2} s (status answered through Raft, {ready} ready)");

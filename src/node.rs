@@ -147,7 +147,9 @@ impl Node {
         if cfg.node_id == 0 {
             return Err(ServerError::Config("--node-id must be >= 1".into()));
         }
+        let started = Instant::now();
         let db = NodeDb::open(&cfg.data_dir, &DbOptions { cache_bytes: cfg.cache_bytes })?;
+        tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
         match db.get_node_value(NODE_ID_KEY)? {
             Some(b) => {
                 let found = u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8]));
@@ -190,10 +192,11 @@ impl Node {
             raft_config.clone(),
             NetworkFactory { group: METADATA_GROUP, transport: transport.clone() },
             LogStore::new(db.clone(), METADATA_GROUP),
-            meta_sm,
+            meta_sm.clone(),
         )
         .await
         .map_err(|e| ServerError::Raft(e.to_string()))?;
+        meta_sm.enable_snapshot_transfer();
 
         let inner = Arc::new(Inner {
             id: cfg.node_id,
@@ -232,7 +235,13 @@ impl Node {
         node.spawn_reconciler();
         node.spawn_registration();
         node.spawn_fatal_watch();
-        tracing::info!(id = cfg.node_id, %addr, data_dir = %cfg.data_dir.display(), "node started");
+        tracing::info!(
+            id = cfg.node_id,
+            %addr,
+            data_dir = %cfg.data_dir.display(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "node started"
+        );
         Ok(node)
     }
 
@@ -495,6 +504,25 @@ impl Node {
         let _ = self.inner.meta_raft.shutdown().await;
     }
 
+    /// Number of message bodies in this replica's applied state for `queue`.
+    pub fn local_stored_count(&self, queue: &str) -> Result<usize, NodeError> {
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        QueueMachine::stored_messages(&SmSpace::new(self.inner.db.clone(), q.group))
+            .map(|m| m.len())
+            .map_err(|e| NodeError::Unavailable(e.to_string()))
+    }
+
+    /// Number of log entries this replica keeps for `queue` (not yet purged).
+    pub async fn local_log_len(&self, queue: &str) -> Result<usize, NodeError> {
+        use openraft::storage::RaftLogStorage;
+        use openraft::RaftLogReader;
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let mut log = LogStore::new(self.inner.db.clone(), q.group);
+        let mut reader = log.get_log_reader().await;
+        let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        Ok(entries.len())
+    }
+
     /// Every message this replica holds for `queue`: in its applied state and
     /// in its log, whether applied yet or not. Reads only the local disk.
     pub async fn local_messages(&self, queue: &str) -> Result<Vec<Message>, NodeError> {
@@ -592,6 +620,7 @@ impl Node {
     }
 
     async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
+        let started = Instant::now();
         let db = &self.inner.db;
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group))?;
         let stats = sm.with(|m| m.stats()).await;
@@ -600,10 +629,11 @@ impl Node {
             self.inner.raft_config.clone(),
             NetworkFactory { group: q.group, transport: self.inner.transport.clone() },
             LogStore::new(db.clone(), q.group),
-            sm,
+            sm.clone(),
         )
         .await
         .map_err(|e| ServerError::Raft(e.to_string()))?;
+        sm.enable_snapshot_transfer();
         let stop = self.inner.stop.child_token();
         let sync = sync::spawn(q.group, raft.clone(), self.inner.timing.sync_timeout, stop.clone());
         let proposer = Proposer::spawn(raft.clone(), sync.clone(), stop.clone());
@@ -626,7 +656,7 @@ impl Node {
                 tracing::info!(queue = %q.name, error = %e, "queue group already initialized");
             }
         }
-        tracing::info!(queue = %q.name, group = q.group, pristine, "queue replica started");
+        tracing::info!(queue = %q.name, group = q.group, pristine, elapsed_ms = started.elapsed().as_millis() as u64, "queue replica started");
         Ok(())
     }
 }

@@ -18,6 +18,8 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachine<QueueMachine>, tempfile::Te
         let group = 42;
         let log = LogStore::new(db.clone(), group);
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, group)).expect("open sm");
+        // As in a running node (after `Raft::new`): snapshots carry data.
+        sm.enable_snapshot_transfer();
         Ok((dir, log, sm))
     }
 }

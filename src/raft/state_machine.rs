@@ -8,6 +8,7 @@
 //! it serialized, by [`Machine::dump`].
 
 use std::io::Cursor;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use openraft::storage::{RaftStateMachine, Snapshot};
@@ -58,11 +59,15 @@ struct Inner<M> {
 /// The state machine of one group.
 pub struct StateMachine<M> {
     inner: Arc<Mutex<Inner<M>>>,
+    /// openraft asks for the current snapshot while starting up but uses only
+    /// its meta; serializing a deep queue there made restarts take seconds.
+    /// Until this is set (after `Raft::new`), the snapshot carries no data.
+    transfer: Arc<AtomicBool>,
 }
 
 impl<M> Clone for StateMachine<M> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone() }
+        Self { inner: self.inner.clone(), transfer: self.transfer.clone() }
     }
 }
 
@@ -77,7 +82,16 @@ impl<M: Machine> StateMachine<M> {
             None => Applied::default(),
         };
         let machine = M::load(&space)?;
-        Ok(Self { inner: Arc::new(Mutex::new(Inner { space, machine, applied })) })
+        Ok(Self {
+            inner: Arc::new(Mutex::new(Inner { space, machine, applied })),
+            transfer: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// From now on `get_current_snapshot` serializes the state (for sending
+    /// it to a replica). Call once the group's `Raft` has started.
+    pub fn enable_snapshot_transfer(&self) {
+        self.transfer.store(true, Ordering::Release);
     }
 
     /// Run `f` on the machine (for reads that need not go through the log).
@@ -209,7 +223,11 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
         }
         // The current state is at least as new as the last built snapshot and
         // consistent with `applied` (we hold the lock), so send that.
-        let data = inner.machine.dump(&inner.space).map_err(err)?;
+        let data = if self.transfer.load(Ordering::Acquire) {
+            inner.machine.dump(&inner.space).map_err(err)?
+        } else {
+            Vec::new()
+        };
         Ok(Some(Snapshot { meta: inner.meta(), snapshot: Box::new(Cursor::new(data)) }))
     }
 }

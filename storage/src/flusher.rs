@@ -57,14 +57,21 @@ impl Flusher {
     ) -> io::Result<(Self, std::thread::JoinHandle<()>)> {
         let data_file = File::open(dir.join("db"))?;
         let blobs = dir.join("blobs");
+        Self::with_target(SledTarget { db, data_file, blobs, synced_blobs: HashSet::new() }, on_fatal)
+    }
+
+    /// Start a flusher over any [`SyncTarget`] (tests inject failing ones).
+    pub fn with_target(
+        mut target: impl SyncTarget,
+        on_fatal: impl Fn(&io::Error) + Send + 'static,
+    ) -> io::Result<(Self, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel::<Msg>();
         let failed = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(FlusherStats::default());
-        let mut state = SyncTarget { db, data_file, blobs, synced_blobs: HashSet::new() };
         let (f2, s2) = (failed.clone(), stats.clone());
         let thread = std::thread::Builder::new()
             .name("mirrorq-flusher".into())
-            .spawn(move || run(rx, &mut state, &f2, &s2, on_fatal))?;
+            .spawn(move || run(rx, &mut target, &f2, &s2, on_fatal))?;
         Ok((Self { tx, failed, stats }, thread))
     }
 
@@ -116,7 +123,13 @@ fn sync_failed() -> io::Error {
     io::Error::other("an earlier disk sync failed; node is stopping")
 }
 
-struct SyncTarget {
+/// What the flusher makes durable: the seam where tests inject disk failures.
+pub trait SyncTarget: Send + 'static {
+    /// Make every write so far durable.
+    fn sync(&mut self) -> io::Result<()>;
+}
+
+struct SledTarget {
     db: sled::Db,
     data_file: File,
     /// sled writes values larger than a quarter segment to separate blob files
@@ -125,13 +138,15 @@ struct SyncTarget {
     synced_blobs: HashSet<std::ffi::OsString>,
 }
 
-impl SyncTarget {
+impl SyncTarget for SledTarget {
     fn sync(&mut self) -> io::Result<()> {
         self.db.flush().map_err(io::Error::other)?;
         self.data_file.sync_data()?;
         self.sync_new_blobs()
     }
+}
 
+impl SledTarget {
     fn sync_new_blobs(&mut self) -> io::Result<()> {
         let dir = match std::fs::read_dir(&self.blobs) {
             Ok(d) => d,
@@ -164,7 +179,7 @@ impl SyncTarget {
 
 fn run(
     rx: mpsc::Receiver<Msg>,
-    target: &mut SyncTarget,
+    target: &mut impl SyncTarget,
     failed: &AtomicBool,
     stats: &FlusherStats,
     on_fatal: impl Fn(&io::Error),
@@ -214,5 +229,77 @@ fn run(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// Succeeds `ok` times, then fails every time.
+    struct FailAfter {
+        ok: usize,
+        calls: Arc<AtomicUsize>,
+    }
+
+    impl SyncTarget for FailAfter {
+        fn sync(&mut self) -> io::Result<()> {
+            let n = self.calls.fetch_add(1, Ordering::SeqCst);
+            if n < self.ok {
+                Ok(())
+            } else {
+                Err(io::Error::new(io::ErrorKind::Other, "EIO (injected)"))
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_sync_fails_every_waiter_then_and_after() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let fatal = Arc::new(AtomicUsize::new(0));
+        let f = fatal.clone();
+        let (flusher, thread) = Flusher::with_target(FailAfter { ok: 1, calls: calls.clone() }, move |_| {
+            f.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        assert!(flusher.sync_blocking().is_ok(), "first sync succeeds");
+        let err = flusher.sync_blocking().unwrap_err();
+        assert!(err.to_string().contains("EIO"), "{err}");
+        assert!(flusher.has_failed());
+        assert_eq!(fatal.load(Ordering::SeqCst), 1, "fatal raised once");
+        // Fail-stop: never durable again, and the disk is not even asked.
+        assert!(flusher.sync_blocking().is_err());
+        assert!(flusher.sync_blocking().is_err());
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "no sync attempted after the failure");
+        assert_eq!(fatal.load(Ordering::SeqCst), 1);
+        flusher.stop();
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn one_sync_serves_every_waiter_queued_meanwhile() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        struct Slow(Arc<AtomicUsize>);
+        impl SyncTarget for Slow {
+            fn sync(&mut self) -> io::Result<()> {
+                self.0.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                Ok(())
+            }
+        }
+        let (flusher, thread) = Flusher::with_target(Slow(calls.clone()), |_| {}).unwrap();
+        let (tx, rx) = mpsc::channel();
+        for _ in 0..100 {
+            let tx = tx.clone();
+            flusher.submit(Box::new(move |r| tx.send(r.is_ok()).unwrap()));
+        }
+        for _ in 0..100 {
+            assert!(rx.recv().unwrap());
+        }
+        // The first waiter may be synced alone; the other 99 share at most one more.
+        assert!(calls.load(Ordering::SeqCst) <= 2, "syncs: {}", calls.load(Ordering::SeqCst));
+        flusher.stop();
+        thread.join().unwrap();
     }
 }
