@@ -194,3 +194,54 @@ async fn second_process_on_same_data_dir_is_refused() {
     let q = NodeClient::new(nodes[0].raft_addr.clone()).queue_info("nope").await;
     assert!(matches!(q, Err(ClientError::Node(NodeError::NoSuchQueue(_)))), "{q:?}");
 }
+
+/// A corrupt data dir is refused with a clear message and a non-zero exit,
+/// and left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_data_dir_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = process::cluster(root.path(), 1, &[]);
+    let node = &mut nodes[0];
+    node.start();
+    node.wait_listening().await;
+    node.kill9();
+    let conf = node.data_dir.join("sled").join("conf");
+    std::fs::write(&conf, b"not a sled config").unwrap();
+    let out = node.command().output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unreadable or corrupt"), "stderr: {err}");
+    assert_eq!(std::fs::read(&conf).unwrap(), b"not a sled config");
+}
+
+/// SIGTERM stops a node cleanly with exit code 0, and its data is there
+/// when it starts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_exits_zero_and_keeps_data() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = process::cluster(root.path(), 1, &[]);
+    let node = &mut nodes[0];
+    node.start();
+    node.wait_listening().await;
+    let client = NodeClient::new(node.raft_addr.clone());
+    let mut tries = 0;
+    while client.declare_queue("kept", vec![1]).await.is_err() {
+        tries += 1;
+        assert!(tries < 100);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    publish_confirmed(&client, "kept", b"still here".to_vec()).await;
+    assert_eq!(node.terminate(), Some(0));
+    node.start();
+    node.wait_listening().await;
+    let client = NodeClient::new(node.raft_addr.clone());
+    let mut got = Vec::new();
+    for _ in 0..100 {
+        if let Ok(g) = client.get("kept", 1, 10, true).await {
+            got = g;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(got.iter().map(|d| d.message.body.clone()).collect::<Vec<_>>(), vec![b"still here".to_vec()]);
+}

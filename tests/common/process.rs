@@ -76,6 +76,14 @@ impl ProcNode {
         child.wait().unwrap();
     }
 
+    /// SIGTERM and wait; the exit code.
+    pub fn terminate(&mut self) -> Option<i32> {
+        let mut child = self.child.take().expect("node running");
+        // SAFETY: sending a signal to our own child process.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        child.wait().unwrap().code()
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
