@@ -15,6 +15,7 @@
 //! - [`metadata`]: the cluster metadata state machine.
 //! - [`raft`]: type config, state-machine adapter, node-to-node wire format,
 //!   outbound network and inbound server shared by all groups.
+//! - [`amqp`]: the AMQP 0-9-1 front end (amq-protocol frames) over the node API.
 //! - [`client`]: a client of the node link, for tools and tests.
 //! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
 //! - `mirrorq-storage` (the `storage/` crate): sled, group commit, openraft's
@@ -22,6 +23,7 @@
 //!
 //! How a publish flows is written up in `docs/architecture.md`.
 
+pub mod amqp;
 pub mod cli;
 pub mod client;
 pub mod config;

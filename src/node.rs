@@ -321,8 +321,19 @@ impl Node {
     /// Take up to `max` messages. With `auto_ack` they are gone at once;
     /// otherwise they wait for [`Node::ack`] / [`Node::nack`] under `owner`.
     pub async fn get(&self, queue: &str, owner: u64, max: u32, auto_ack: bool) -> Result<Vec<Delivery>, NodeError> {
+        self.fetch(queue, owner, max, auto_ack).await.map(|(msgs, _)| msgs)
+    }
+
+    /// [`Node::get`], also answering how many ready messages remain.
+    pub async fn fetch(
+        &self,
+        queue: &str,
+        owner: u64,
+        max: u32,
+        auto_ack: bool,
+    ) -> Result<(Vec<Delivery>, u64), NodeError> {
         match self.queue_op(queue, vec![QueueCmd::Get { owner, max, auto_ack }]).await?.pop() {
-            Some(QueueReply::Got { msgs, .. }) => Ok(msgs),
+            Some(QueueReply::Got { msgs, remaining }) => Ok((msgs, remaining)),
             other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
         }
     }
@@ -352,6 +363,31 @@ impl Node {
 
     async fn single(&self, queue: &str, cmd: QueueCmd) -> Result<QueueReply, NodeError> {
         self.queue_op(queue, vec![cmd]).await?.pop().ok_or_else(|| NodeError::Invalid("empty reply".into()))
+    }
+
+    /// Could the queue have ready messages? Answered from the local replica's
+    /// applied state when this node hosts one (no Raft round trip), else yes.
+    pub fn may_have_messages(&self, queue: &str) -> bool {
+        let Some(group) = self.metadata().queues.get(queue).map(|q| q.group) else {
+            return true;
+        };
+        match self.inner.groups.read().expect("poisoned").get(&group) {
+            Some(g) => g.stats.borrow().ready > 0,
+            None => true,
+        }
+    }
+
+    /// Wait until the local replica of `queue` shows ready messages, at most
+    /// `limit` (just `limit` when this node hosts no replica).
+    pub async fn wait_for_messages(&self, queue: &str, limit: Duration) {
+        let group = self.metadata().queues.get(queue).map(|q| q.group);
+        let stats = group.and_then(|g| self.inner.groups.read().expect("poisoned").get(&g).map(|g| g.stats.clone()));
+        match stats {
+            Some(mut rx) => {
+                let _ = tokio::time::timeout(limit, rx.wait_for(|s| s.ready > 0)).await;
+            }
+            None => tokio::time::sleep(limit).await,
+        }
     }
 
     /// The queue as this node sees it, without asking anyone.

@@ -18,8 +18,12 @@ pub enum Exit {
 /// Start a node and run it until `shutdown` resolves or the node stops.
 pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<Exit, ServerError> {
     let node = Node::start(cfg.node.clone()).await?;
-    // AMQP and HTTP front ends attach here (see issues #5 and #6); the flags
-    // are accepted now so configurations stay valid.
+    let amqp = tokio::net::TcpListener::bind(&cfg.amqp_listen)
+        .await
+        .map_err(|source| ServerError::Listen { addr: cfg.amqp_listen.clone(), source })?;
+    tokio::spawn(crate::amqp::serve(amqp, node.clone(), node.stopped()));
+    // The HTTP front end attaches here (issue #6); the flag is accepted now
+    // so configurations stay valid.
     tracing::info!(
         node = node.name(),
         raft = node.raft_addr(),

@@ -1,0 +1,1118 @@
+//! One AMQP connection: handshake, channel 0, and a task per channel.
+//!
+//! The reader parses frames and hands each channel's frames to that
+//! channel's task, so a slow operation on one channel (a get that goes to a
+//! remote master) never holds up another. Channel tasks and consumers send
+//! frames through one writer task; a delivery's method, header and body go as
+//! one unit so nothing interleaves inside it.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
+use amq_protocol::protocol::{basic, channel, confirm, connection, queue, AMQPClass};
+use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use super::codec::{self, decode_properties, encode_properties, Parsed};
+use crate::error::NodeError;
+use crate::node::Node;
+use crate::queue::{Delivery, Message, QueueCmd};
+
+const PROTOCOL_HEADER: &[u8; 8] = b"AMQP\x00\x00\x09\x01";
+const FRAME_MAX: u32 = 131_072;
+const CHANNEL_MAX: u16 = 2047;
+const HEARTBEAT: u16 = 60;
+/// Publishes awaiting their confirm per connection; beyond this the reader
+/// stops reading and TCP pushes back on the publisher.
+const MAX_IN_FLIGHT: usize = 10_000;
+
+// Reply codes (AMQP 0-9-1).
+const NO_ROUTE: u16 = 312;
+const ACCESS_REFUSED: u16 = 403;
+const NOT_FOUND: u16 = 404;
+const PRECONDITION_FAILED: u16 = 406;
+const FRAME_ERROR: u16 = 501;
+const SYNTAX_ERROR: u16 = 502;
+const COMMAND_INVALID: u16 = 503;
+const CHANNEL_ERROR: u16 = 504;
+const UNEXPECTED_FRAME: u16 = 505;
+const NOT_ALLOWED: u16 = 530;
+const NOT_IMPLEMENTED: u16 = 540;
+const INTERNAL_ERROR: u16 = 541;
+
+/// An error that ends the connection (`connection.close`).
+#[derive(Debug)]
+struct Hard {
+    code: u16,
+    text: String,
+    class: u16,
+    method: u16,
+}
+
+fn hard(code: u16, text: impl Into<String>) -> Hard {
+    Hard { code, text: text.into(), class: 0, method: 0 }
+}
+
+fn ss(s: &str) -> ShortString {
+    ShortString::from(s)
+}
+
+fn method(ch: u16, class: AMQPClass) -> AMQPFrame {
+    AMQPFrame::Method(ch, class)
+}
+
+#[derive(Clone)]
+struct Out(mpsc::Sender<Vec<AMQPFrame>>);
+
+impl Out {
+    async fn send(&self, frames: Vec<AMQPFrame>) {
+        let _ = self.0.send(frames).await;
+    }
+    async fn one(&self, frame: AMQPFrame) {
+        self.send(vec![frame]).await;
+    }
+}
+
+pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) -> Result<(), String> {
+    let (mut rd, mut wr) = stream.into_split();
+    let mut header = [0u8; 8];
+    if rd.read_exact(&mut header).await.is_err() {
+        return Ok(());
+    }
+    if &header != PROTOCOL_HEADER {
+        // The spec's answer to a wrong protocol header: ours, then close.
+        let _ = wr.write_all(PROTOCOL_HEADER).await;
+        return Err(format!("bad protocol header {header:?}"));
+    }
+
+    let (tx, mut rx) = mpsc::channel::<Vec<AMQPFrame>>(1024);
+    let out = Out(tx);
+    let writer = tokio::spawn(async move {
+        let mut buf = Vec::with_capacity(64 * 1024);
+        while let Some(frames) = rx.recv().await {
+            buf.clear();
+            let mut batch = frames;
+            loop {
+                for f in &batch {
+                    if let Err(e) = codec::write_frame(f, &mut buf) {
+                        tracing::error!(error = %e, "dropping an unencodable frame");
+                    }
+                }
+                if buf.len() > 256 * 1024 {
+                    break;
+                }
+                match rx.try_recv() {
+                    Ok(more) => batch = more,
+                    Err(_) => break,
+                }
+            }
+            if wr.write_all(&buf).await.is_err() {
+                return;
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+
+    let mut conn = Conn {
+        node,
+        conn_id,
+        out: out.clone(),
+        channels: HashMap::new(),
+        frame_max: FRAME_MAX,
+        heartbeat: 0,
+        state: State::AwaitStartOk,
+        in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+        hard_rx: None,
+        hard_tx: None,
+    };
+    let (hard_tx, hard_rx) = mpsc::channel::<Hard>(8);
+    conn.hard_tx = Some(hard_tx);
+    conn.hard_rx = Some(hard_rx);
+    conn.send_start().await;
+    let result = conn.read_loop(&mut rd).await;
+    for (_, ch) in conn.channels.drain() {
+        ch.closed.cancel();
+    }
+    if let Err(h) = &result {
+        tracing::info!(%peer, code = h.code, text = %h.text, "closing amqp connection");
+        out.one(method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: h.code,
+                reply_text: ss(&h.text),
+                class_id: h.class,
+                method_id: h.method,
+            })),
+        ))
+        .await;
+    }
+    drop(out);
+    drop(conn);
+    let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
+    result.map_err(|h| h.text)
+}
+
+#[derive(PartialEq)]
+enum State {
+    AwaitStartOk,
+    AwaitTuneOk,
+    AwaitOpen,
+    Open,
+    /// We sent connection.close; waiting for close-ok.
+    Closing,
+}
+
+struct ChannelHandle {
+    tx: mpsc::UnboundedSender<AMQPFrame>,
+    closed: CancellationToken,
+}
+
+struct Conn {
+    node: Node,
+    conn_id: u64,
+    out: Out,
+    channels: HashMap<u16, ChannelHandle>,
+    frame_max: u32,
+    heartbeat: u16,
+    state: State,
+    in_flight: Arc<Semaphore>,
+    hard_tx: Option<mpsc::Sender<Hard>>,
+    hard_rx: Option<mpsc::Receiver<Hard>>,
+}
+
+impl Conn {
+    async fn send_start(&self) {
+        let mut caps = FieldTable::default();
+        for c in [
+            "publisher_confirms",
+            "basic.nack",
+            "consumer_cancel_notify",
+            "per_consumer_qos",
+            "connection.blocked",
+            "authentication_failure_close",
+        ] {
+            caps.insert(ss(c), AMQPValue::Boolean(true));
+        }
+        let mut props = FieldTable::default();
+        props.insert(ss("product"), AMQPValue::LongString(LongString::from("mirrorq")));
+        props.insert(ss("version"), AMQPValue::LongString(LongString::from(env!("CARGO_PKG_VERSION"))));
+        props.insert(ss("cluster_name"), AMQPValue::LongString(LongString::from("mirrorq")));
+        props.insert(ss("capabilities"), AMQPValue::FieldTable(caps));
+        self.out
+            .one(method(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                    version_major: 0,
+                    version_minor: 9,
+                    server_properties: props,
+                    mechanisms: LongString::from("PLAIN AMQPLAIN"),
+                    locales: LongString::from("en_US"),
+                })),
+            ))
+            .await;
+    }
+
+    async fn read_loop(&mut self, rd: &mut tokio::net::tcp::OwnedReadHalf) -> Result<(), Hard> {
+        let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
+        let mut chunk = vec![0u8; 64 * 1024];
+        let mut last_seen = Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut last_sent_heartbeat = Instant::now();
+        let mut hard_rx = self.hard_rx.take().expect("hard_rx");
+        loop {
+            // Parse everything buffered before reading more.
+            loop {
+                match codec::parse(&buf) {
+                    Parsed::Incomplete => break,
+                    Parsed::Invalid(e) => return Err(hard(FRAME_ERROR, format!("malformed frame: {e}"))),
+                    Parsed::Frame(frame, used) => {
+                        if self.state == State::Open && used as u64 > self.frame_max as u64 {
+                            return Err(hard(FRAME_ERROR, format!("frame of {used} bytes exceeds frame_max")));
+                        }
+                        buf.drain(..used);
+                        if !self.handle(frame).await? {
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+            if buf.len() > self.frame_max as usize + 1024 {
+                return Err(hard(FRAME_ERROR, "frame exceeds frame_max"));
+            }
+            tokio::select! {
+                n = rd.read(&mut chunk) => match n {
+                    Ok(0) | Err(_) => return Ok(()),
+                    Ok(n) => {
+                        buf.extend_from_slice(&chunk[..n]);
+                        last_seen = Instant::now();
+                    }
+                },
+                Some(h) = hard_rx.recv() => return Err(h),
+                _ = tick.tick() => {
+                    if self.heartbeat > 0 {
+                        let hb = Duration::from_secs(self.heartbeat as u64);
+                        if last_seen.elapsed() > hb * 2 {
+                            return Err(hard(INTERNAL_ERROR, "missed heartbeats from client"));
+                        }
+                        if last_sent_heartbeat.elapsed() >= hb / 2 {
+                            last_sent_heartbeat = Instant::now();
+                            self.out.one(AMQPFrame::Heartbeat).await;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handle one frame; `Ok(false)` ends the connection cleanly.
+    async fn handle(&mut self, frame: AMQPFrame) -> Result<bool, Hard> {
+        match frame {
+            AMQPFrame::Heartbeat => Ok(true),
+            AMQPFrame::InvalidHeartbeat(_) => Err(hard(FRAME_ERROR, "heartbeat on a non-zero channel")),
+            AMQPFrame::ProtocolHeader(_) => Err(hard(COMMAND_INVALID, "protocol header after the handshake")),
+            AMQPFrame::Method(0, AMQPClass::Connection(m)) => self.connection_method(m).await,
+            AMQPFrame::Method(0, _) | AMQPFrame::Header(0, _) | AMQPFrame::Body(0, _) => {
+                Err(hard(COMMAND_INVALID, "non-connection frame on channel 0"))
+            }
+            other => {
+                if self.state == State::Closing {
+                    return Ok(true);
+                }
+                if self.state != State::Open {
+                    return Err(hard(CHANNEL_ERROR, "channel frame before the connection is open"));
+                }
+                self.channel_frame(other).await.map(|_| true)
+            }
+        }
+    }
+
+    async fn connection_method(&mut self, m: connection::AMQPMethod) -> Result<bool, Hard> {
+        use connection::AMQPMethod as M;
+        match (&self.state, m) {
+            (State::AwaitStartOk, M::StartOk(ok)) => {
+                if !authenticate(ok.mechanism.as_str(), ok.response.as_bytes()) {
+                    return Err(Hard {
+                        code: ACCESS_REFUSED,
+                        text: "ACCESS_REFUSED - login refused (user guest/guest only, from loopback)".into(),
+                        class: 10,
+                        method: 11,
+                    });
+                }
+                self.state = State::AwaitTuneOk;
+                self.out
+                    .one(method(
+                        0,
+                        AMQPClass::Connection(M::Tune(connection::Tune {
+                            channel_max: CHANNEL_MAX,
+                            frame_max: FRAME_MAX,
+                            heartbeat: HEARTBEAT,
+                        })),
+                    ))
+                    .await;
+                Ok(true)
+            }
+            (State::AwaitTuneOk, M::TuneOk(t)) => {
+                if t.frame_max != 0 && t.frame_max < 4096 {
+                    return Err(hard(SYNTAX_ERROR, "frame_max below 4096"));
+                }
+                self.frame_max = if t.frame_max == 0 { FRAME_MAX } else { t.frame_max.min(FRAME_MAX) };
+                self.heartbeat = t.heartbeat;
+                self.state = State::AwaitOpen;
+                Ok(true)
+            }
+            (State::AwaitOpen, M::Open(o)) => {
+                if o.virtual_host.as_str() != "/" {
+                    return Err(hard(NOT_ALLOWED, format!("vhost '{}' not found", o.virtual_host.as_str())));
+                }
+                self.state = State::Open;
+                self.out.one(method(0, AMQPClass::Connection(M::OpenOk(connection::OpenOk {})))).await;
+                Ok(true)
+            }
+            (_, M::Close(_)) => {
+                self.out.one(method(0, AMQPClass::Connection(M::CloseOk(connection::CloseOk {})))).await;
+                Ok(false)
+            }
+            (State::Closing, M::CloseOk(_)) => Ok(false),
+            (_, M::Blocked(_) | M::Unblocked(_)) => Ok(true),
+            (_, other) => Err(hard(COMMAND_INVALID, format!("unexpected {other:?} in this state"))),
+        }
+    }
+
+    async fn channel_frame(&mut self, frame: AMQPFrame) -> Result<(), Hard> {
+        let ch = match &frame {
+            AMQPFrame::Method(c, _) | AMQPFrame::Header(c, _) | AMQPFrame::Body(c, _) => *c,
+            _ => unreachable!("only channel frames get here"),
+        };
+        if let AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::Open(_))) = frame {
+            if ch > CHANNEL_MAX {
+                return Err(hard(CHANNEL_ERROR, format!("channel {ch} above channel_max")));
+            }
+            if self.channels.contains_key(&ch) {
+                return Err(hard(CHANNEL_ERROR, format!("channel {ch} already open")));
+            }
+            let (tx, rx) = mpsc::unbounded_channel();
+            let closed = CancellationToken::new();
+            let chan = Channel {
+                id: ch,
+                owner: (self.conn_id << 16) | ch as u64,
+                node: self.node.clone(),
+                out: self.out.clone(),
+                frame_max: self.frame_max,
+                confirm: false,
+                publish_seq: 0,
+                pending: None,
+                deliveries: Arc::new(Deliveries::default()),
+                consumers: HashMap::new(),
+                closed: closed.clone(),
+                in_flight: self.in_flight.clone(),
+                hard: self.hard_tx.clone().expect("hard_tx"),
+            };
+            self.channels.insert(ch, ChannelHandle { tx, closed });
+            tokio::spawn(chan.run(rx));
+            self.out.one(method(ch, AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})))).await;
+            return Ok(());
+        }
+        let is_close_ok = matches!(frame, AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))));
+        let is_close = matches!(frame, AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::Close(_))));
+        match self.channels.get(&ch) {
+            Some(h) => {
+                let _ = h.tx.send(frame);
+                if is_close || is_close_ok {
+                    // The channel task finishes the close; the id is free again.
+                    self.channels.remove(&ch);
+                }
+                Ok(())
+            }
+            None if is_close_ok => Ok(()),
+            None => Err(hard(CHANNEL_ERROR, format!("channel {ch} is not open"))),
+        }
+    }
+}
+
+/// SASL PLAIN (`\0user\0pass`) or AMQPLAIN; only guest/guest for now. The
+/// listener is loopback by default, where RabbitMQ also allows guest.
+fn authenticate(mechanism: &str, response: &[u8]) -> bool {
+    match mechanism {
+        "PLAIN" => {
+            let parts: Vec<&[u8]> = response.split(|b| *b == 0).collect();
+            parts.len() == 3 && parts[1] == b"guest" && parts[2] == b"guest"
+        }
+        "AMQPLAIN" => {
+            let s = String::from_utf8_lossy(response);
+            s.contains("LOGIN") && s.matches("guest").count() >= 2
+        }
+        _ => false,
+    }
+}
+
+/// Delivery tags of a channel and the messages they stand for.
+#[derive(Default)]
+struct Deliveries {
+    state: Mutex<DeliveryState>,
+    /// Woken when acks free room under the prefetch limit.
+    room: Notify,
+}
+
+#[derive(Default)]
+struct DeliveryState {
+    next_tag: u64,
+    /// channel tag -> (queue, queue tag)
+    unacked: BTreeMap<u64, (String, u64)>,
+    /// Acked or nacked here but not yet applied at the queue: still counted
+    /// against the prefetch, so a requeued message is back before the next
+    /// get and is the one delivered next.
+    settling: usize,
+    prefetch: u16,
+}
+
+impl Deliveries {
+    fn assign(&self, queue: &str, qtag: u64, track: bool) -> u64 {
+        let mut st = self.state.lock().expect("poisoned");
+        st.next_tag += 1;
+        let tag = st.next_tag;
+        if track {
+            st.unacked.insert(tag, (queue.to_string(), qtag));
+        }
+        tag
+    }
+
+    fn room(&self) -> u32 {
+        let st = self.state.lock().expect("poisoned");
+        if st.prefetch == 0 {
+            1000
+        } else {
+            (st.prefetch as usize).saturating_sub(st.unacked.len() + st.settling) as u32
+        }
+    }
+
+    /// Remove tags (all up to `tag` if `multiple`; all if tag 0 and multiple)
+    /// grouped by queue. `Err` if a single tag is unknown.
+    fn take(&self, tag: u64, multiple: bool) -> Result<BTreeMap<String, Vec<u64>>, u64> {
+        let mut st = self.state.lock().expect("poisoned");
+        let tags: Vec<u64> = if multiple {
+            st.unacked.keys().copied().filter(|t| tag == 0 || *t <= tag).collect()
+        } else if st.unacked.contains_key(&tag) {
+            vec![tag]
+        } else {
+            return Err(tag);
+        };
+        let mut by_queue: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        for t in tags {
+            if let Some((q, qt)) = st.unacked.remove(&t) {
+                by_queue.entry(q).or_default().push(qt);
+                st.settling += 1;
+            }
+        }
+        Ok(by_queue)
+    }
+
+    /// `n` taken tags have been applied at their queue.
+    fn settled(&self, n: usize) {
+        let mut st = self.state.lock().expect("poisoned");
+        st.settling = st.settling.saturating_sub(n);
+        drop(st);
+        self.room.notify_waiters();
+    }
+
+    fn queues_held(&self) -> BTreeSet<String> {
+        self.state.lock().expect("poisoned").unacked.values().map(|(q, _)| q.clone()).collect()
+    }
+
+    fn forget_all(&self) {
+        let mut st = self.state.lock().expect("poisoned");
+        st.unacked.clear();
+        st.settling = 0;
+        drop(st);
+        self.room.notify_waiters();
+    }
+}
+
+struct PendingPublish {
+    publish: basic::Publish,
+    header: Option<AMQPContentHeader>,
+    body: Vec<u8>,
+}
+
+struct Channel {
+    id: u16,
+    /// Owner of this channel's unacked messages in every queue.
+    owner: u64,
+    node: Node,
+    out: Out,
+    frame_max: u32,
+    confirm: bool,
+    publish_seq: u64,
+    pending: Option<PendingPublish>,
+    deliveries: Arc<Deliveries>,
+    consumers: HashMap<String, CancellationToken>,
+    closed: CancellationToken,
+    in_flight: Arc<Semaphore>,
+    hard: mpsc::Sender<Hard>,
+}
+
+/// A channel-level error: `channel.close` with this code.
+struct Soft {
+    code: u16,
+    text: String,
+    class: u16,
+    method: u16,
+}
+
+fn soft(code: u16, text: impl Into<String>, class: u16, method: u16) -> Soft {
+    Soft { code, text: text.into(), class, method }
+}
+
+impl Channel {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<AMQPFrame>) {
+        let mut closing = false;
+        while let Some(frame) = rx.recv().await {
+            if closing {
+                if let AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) = frame {
+                    break;
+                }
+                continue;
+            }
+            match self.frame(frame).await {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(Ok(s)) => {
+                    closing = true;
+                    self.shutdown().await;
+                    self.out
+                        .one(method(
+                            self.id,
+                            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                                reply_code: s.code,
+                                reply_text: ss(&s.text),
+                                class_id: s.class,
+                                method_id: s.method,
+                            })),
+                        ))
+                        .await;
+                }
+                Err(Err(h)) => {
+                    let _ = self.hard.send(h).await;
+                    break;
+                }
+            }
+        }
+        self.shutdown().await;
+    }
+
+    /// Stop consumers and give back unacked messages (requeued, redelivered).
+    async fn shutdown(&mut self) {
+        self.closed.cancel();
+        for (_, c) in self.consumers.drain() {
+            c.cancel();
+        }
+        let queues = self.deliveries.queues_held();
+        self.deliveries.forget_all();
+        for q in queues {
+            let node = self.node.clone();
+            let owner = self.owner;
+            tokio::spawn(async move {
+                if let Err(e) = node.queue_op(&q, vec![QueueCmd::Release { owner }]).await {
+                    tracing::warn!(queue = %q, error = %e, "could not requeue a closed channel's messages");
+                }
+            });
+        }
+    }
+
+    /// `Ok(false)`: the channel is closed.
+    async fn frame(&mut self, frame: AMQPFrame) -> Result<bool, Result<Soft, Hard>> {
+        match frame {
+            AMQPFrame::Method(_, class) => {
+                if self.pending.is_some() {
+                    return Err(Err(hard(UNEXPECTED_FRAME, "method frame while content was expected")));
+                }
+                self.method(class).await
+            }
+            AMQPFrame::Header(_, header) => {
+                let Some(p) = self.pending.as_mut() else {
+                    return Err(Err(hard(UNEXPECTED_FRAME, "content header without basic.publish")));
+                };
+                if p.header.is_some() {
+                    return Err(Err(hard(UNEXPECTED_FRAME, "second content header")));
+                }
+                let size = header.body_size;
+                p.header = Some(header);
+                if size == 0 {
+                    self.publish_complete().await?;
+                }
+                Ok(true)
+            }
+            AMQPFrame::Body(_, data) => {
+                let Some(p) = self.pending.as_mut() else {
+                    return Err(Err(hard(UNEXPECTED_FRAME, "content body without basic.publish")));
+                };
+                let Some(h) = p.header.as_ref() else {
+                    return Err(Err(hard(UNEXPECTED_FRAME, "content body before its header")));
+                };
+                p.body.extend_from_slice(&data);
+                if p.body.len() as u64 > h.body_size {
+                    return Err(Err(hard(FRAME_ERROR, "content body longer than announced")));
+                }
+                if p.body.len() as u64 == h.body_size {
+                    self.publish_complete().await?;
+                }
+                Ok(true)
+            }
+            _ => Err(Err(hard(UNEXPECTED_FRAME, "unexpected frame on a channel"))),
+        }
+    }
+
+    async fn reply(&self, class: AMQPClass) {
+        self.out.one(method(self.id, class)).await;
+    }
+
+    async fn method(&mut self, class: AMQPClass) -> Result<bool, Result<Soft, Hard>> {
+        match class {
+            AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {
+                self.shutdown().await;
+                self.reply(AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}))).await;
+                Ok(false)
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Flow(f)) => {
+                self.reply(AMQPClass::Channel(channel::AMQPMethod::FlowOk(channel::FlowOk { active: f.active }))).await;
+                Ok(true)
+            }
+            AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => Ok(true),
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(s)) => {
+                self.confirm = true;
+                if !s.nowait {
+                    self.reply(AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}))).await;
+                }
+                Ok(true)
+            }
+            AMQPClass::Queue(m) => self.queue_method(m).await,
+            AMQPClass::Basic(m) => self.basic_method(m).await,
+            other => Err(Err(hard(
+                NOT_IMPLEMENTED,
+                format!(
+                    "NOT_IMPLEMENTED - {} (exchanges, bindings and transactions are not built yet)",
+                    class_name(&other)
+                ),
+            ))),
+        }
+    }
+
+    async fn queue_method(&mut self, m: queue::AMQPMethod) -> Result<bool, Result<Soft, Hard>> {
+        use queue::AMQPMethod as Q;
+        match m {
+            Q::Declare(d) => {
+                let mut name = d.queue.as_str().to_string();
+                if name.is_empty() {
+                    name = format!("amq.gen-{:016x}", rand_id());
+                }
+                if name.starts_with("amq.") && !d.queue.as_str().is_empty() && !d.passive {
+                    return Err(Ok(soft(
+                        ACCESS_REFUSED,
+                        format!("ACCESS_REFUSED - queue name '{name}' contains reserved prefix 'amq.*'"),
+                        50,
+                        10,
+                    )));
+                }
+                let exists = self.node.metadata().queues.contains_key(&name);
+                if d.passive && !exists {
+                    return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{name}' in vhost '/'"), 50, 10)));
+                }
+                if !exists {
+                    // No ha-* policy yet: one replica, on this node (CONTRACT 5).
+                    self.node.declare_queue(&name, vec![self.node.id()]).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
+                }
+                let (ready, _) = self.node.status(&name).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
+                if !d.nowait {
+                    self.reply(AMQPClass::Queue(Q::DeclareOk(queue::DeclareOk {
+                        queue: ss(&name),
+                        message_count: ready.min(u32::MAX as u64) as u32,
+                        consumer_count: 0,
+                    })))
+                    .await;
+                }
+                Ok(true)
+            }
+            Q::Purge(p) => {
+                let n = self.node.purge(p.queue.as_str()).await.map_err(|e| Ok(node_soft(e, 50, 30)))?;
+                if !p.nowait {
+                    self.reply(AMQPClass::Queue(Q::PurgeOk(queue::PurgeOk { message_count: n as u32 }))).await;
+                }
+                Ok(true)
+            }
+            Q::Delete(d) => {
+                let name = d.queue.as_str();
+                let (ready, unacked) = self.node.status(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
+                if d.if_empty && ready + unacked > 0 {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        format!("PRECONDITION_FAILED - queue '{name}' in vhost '/' not empty"),
+                        50,
+                        40,
+                    )));
+                }
+                self.node.delete_queue(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
+                if !d.nowait {
+                    self.reply(AMQPClass::Queue(Q::DeleteOk(queue::DeleteOk { message_count: ready as u32 }))).await;
+                }
+                Ok(true)
+            }
+            other => Err(Err(hard(
+                NOT_IMPLEMENTED,
+                format!("NOT_IMPLEMENTED - queue.{other:?} (bindings are not built yet)"),
+            ))),
+        }
+    }
+
+    async fn basic_method(&mut self, m: basic::AMQPMethod) -> Result<bool, Result<Soft, Hard>> {
+        use basic::AMQPMethod as B;
+        match m {
+            B::Publish(p) => {
+                self.pending = Some(PendingPublish { publish: p, header: None, body: Vec::new() });
+                Ok(true)
+            }
+            B::Qos(q) => {
+                self.deliveries.state.lock().expect("poisoned").prefetch = q.prefetch_count;
+                self.deliveries.room.notify_waiters();
+                self.reply(AMQPClass::Basic(B::QosOk(basic::QosOk {}))).await;
+                Ok(true)
+            }
+            B::Get(g) => {
+                let queue = g.queue.as_str().to_string();
+                let (got, remaining) =
+                    self.node.fetch(&queue, self.owner, 1, g.no_ack).await.map_err(|e| Ok(node_soft(e, 60, 70)))?;
+                match got.into_iter().next() {
+                    None => self.reply(AMQPClass::Basic(B::GetEmpty(basic::GetEmpty {}))).await,
+                    Some(d) => {
+                        let tag = self.deliveries.assign(&queue, d.tag, !g.no_ack);
+                        let m = B::GetOk(basic::GetOk {
+                            delivery_tag: tag,
+                            redelivered: d.redelivered,
+                            exchange: ss(&d.message.exchange),
+                            routing_key: ss(&d.message.routing_key),
+                            message_count: remaining as u32,
+                        });
+                        self.out.send(content(self.id, AMQPClass::Basic(m), &d.message, self.frame_max)).await;
+                    }
+                }
+                Ok(true)
+            }
+            B::Consume(c) => {
+                let queue = c.queue.as_str().to_string();
+                if !self.node.metadata().queues.contains_key(&queue) {
+                    return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{queue}' in vhost '/'"), 60, 20)));
+                }
+                let tag = if c.consumer_tag.as_str().is_empty() {
+                    format!("amq.ctag-{:016x}", rand_id())
+                } else {
+                    c.consumer_tag.as_str().to_string()
+                };
+                if self.consumers.contains_key(&tag) {
+                    return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
+                }
+                let stop = self.closed.child_token();
+                self.consumers.insert(tag.clone(), stop.clone());
+                if !c.nowait {
+                    self.reply(AMQPClass::Basic(B::ConsumeOk(basic::ConsumeOk { consumer_tag: ss(&tag) }))).await;
+                }
+                let consumer = Consumer {
+                    channel: self.id,
+                    tag,
+                    queue,
+                    no_ack: c.no_ack,
+                    owner: self.owner,
+                    node: self.node.clone(),
+                    out: self.out.clone(),
+                    deliveries: self.deliveries.clone(),
+                    frame_max: self.frame_max,
+                    stop,
+                };
+                tokio::spawn(consumer.run());
+                Ok(true)
+            }
+            B::Cancel(c) => {
+                if let Some(t) = self.consumers.remove(c.consumer_tag.as_str()) {
+                    t.cancel();
+                }
+                if !c.nowait {
+                    self.reply(AMQPClass::Basic(B::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag }))).await;
+                }
+                Ok(true)
+            }
+            B::Ack(a) => {
+                let by_queue = self.deliveries.take(a.delivery_tag, a.multiple).map_err(|t| {
+                    Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - unknown delivery tag {t}"), 60, 80))
+                })?;
+                for (q, tags) in by_queue {
+                    let (node, deliveries) = (self.node.clone(), self.deliveries.clone());
+                    tokio::spawn(async move {
+                        let n = tags.len();
+                        if let Err(e) = node.ack(&q, tags).await {
+                            tracing::warn!(queue = %q, error = %e, "ack failed");
+                        }
+                        deliveries.settled(n);
+                    });
+                }
+                Ok(true)
+            }
+            B::Nack(n) => self.settle(n.delivery_tag, n.multiple, n.requeue, 120).await,
+            B::Reject(r) => self.settle(r.delivery_tag, false, r.requeue, 90).await,
+            B::Recover(r) => {
+                self.requeue_all(r.requeue).await;
+                self.reply(AMQPClass::Basic(B::RecoverOk(basic::RecoverOk {}))).await;
+                Ok(true)
+            }
+            B::RecoverAsync(r) => {
+                self.requeue_all(r.requeue).await;
+                Ok(true)
+            }
+            other => Err(Err(hard(COMMAND_INVALID, format!("basic.{other:?} is not a client method")))),
+        }
+    }
+
+    async fn requeue_all(&mut self, _requeue: bool) {
+        // RabbitMQ requeues in both cases; so do we.
+        if let Ok(by_queue) = self.deliveries.take(0, true) {
+            for (q, tags) in by_queue {
+                let n = tags.len();
+                let _ = self.node.nack(&q, tags, true).await;
+                self.deliveries.settled(n);
+            }
+        }
+    }
+
+    async fn settle(
+        &mut self,
+        tag: u64,
+        multiple: bool,
+        requeue: bool,
+        method_id: u16,
+    ) -> Result<bool, Result<Soft, Hard>> {
+        let by_queue = self.deliveries.take(tag, multiple).map_err(|t| {
+            Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - unknown delivery tag {t}"), 60, method_id))
+        })?;
+        for (q, tags) in by_queue {
+            let (node, deliveries) = (self.node.clone(), self.deliveries.clone());
+            tokio::spawn(async move {
+                let n = tags.len();
+                if let Err(e) = node.nack(&q, tags, requeue).await {
+                    tracing::warn!(queue = %q, error = %e, "nack failed");
+                }
+                deliveries.settled(n);
+            });
+        }
+        Ok(true)
+    }
+
+    async fn publish_complete(&mut self) -> Result<(), Result<Soft, Hard>> {
+        let p = self.pending.take().expect("pending publish");
+        let header = p.header.expect("header before completion");
+        let exchange = p.publish.exchange.as_str().to_string();
+        let routing_key = p.publish.routing_key.as_str().to_string();
+        if !exchange.is_empty() {
+            return Err(Ok(soft(
+                NOT_FOUND,
+                format!("NOT_FOUND - no exchange '{exchange}' in vhost '/' (only the default exchange exists yet)"),
+                60,
+                40,
+            )));
+        }
+        let seq = if self.confirm {
+            self.publish_seq += 1;
+            Some(self.publish_seq)
+        } else {
+            None
+        };
+        let msg = Message {
+            exchange,
+            routing_key: routing_key.clone(),
+            properties: encode_properties(&header.properties),
+            body: p.body,
+        };
+        if !self.node.metadata().queues.contains_key(&routing_key) {
+            if p.publish.mandatory {
+                let ret = basic::AMQPMethod::Return(basic::Return {
+                    reply_code: NO_ROUTE,
+                    reply_text: ss("NO_ROUTE"),
+                    exchange: ss(""),
+                    routing_key: ss(&routing_key),
+                });
+                self.out.send(content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max)).await;
+            }
+            if let Some(seq) = seq {
+                self.reply(ack_frame(seq)).await;
+            }
+            return Ok(());
+        }
+        let permit = self.in_flight.clone().acquire_owned().await.expect("semaphore never closed");
+        let (node, out, id) = (self.node.clone(), self.out.clone(), self.id);
+        tokio::spawn(async move {
+            let result = node.publish(&routing_key, vec![msg]).await;
+            drop(permit);
+            match (result, seq) {
+                (Ok(()), Some(seq)) => out.one(method(id, ack_frame(seq))).await,
+                (Err(e), Some(seq)) => {
+                    tracing::warn!(queue = %routing_key, error = %e, "publish not confirmed; nacking");
+                    out.one(method(
+                        id,
+                        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                            delivery_tag: seq,
+                            multiple: false,
+                            requeue: false,
+                        })),
+                    ))
+                    .await
+                }
+                (Err(e), None) => {
+                    tracing::warn!(queue = %routing_key, error = %e, "publish failed (no confirms requested)")
+                }
+                (Ok(()), None) => {}
+            }
+        });
+        Ok(())
+    }
+}
+
+fn ack_frame(seq: u64) -> AMQPClass {
+    AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: seq, multiple: false }))
+}
+
+fn class_name(c: &AMQPClass) -> String {
+    let s = format!("{c:?}");
+    s.split('(').take(2).collect::<Vec<_>>().join(".").to_lowercase()
+}
+
+fn node_soft(e: NodeError, class: u16, method: u16) -> Soft {
+    match e {
+        NodeError::NoSuchQueue(q) => soft(NOT_FOUND, format!("NOT_FOUND - no queue '{q}' in vhost '/'"), class, method),
+        NodeError::Invalid(why) => soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), class, method),
+        other => soft(INTERNAL_ERROR_SOFT, format!("{other}"), class, method),
+    }
+}
+
+/// Soft stand-in for "the cluster could not do it now" (RabbitMQ answers
+/// queue operations without a reachable master with 404/541 variants;
+/// clients treat a channel close as retryable).
+const INTERNAL_ERROR_SOFT: u16 = 506;
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    h.finish()
+}
+
+/// A method followed by its content header and body frames.
+fn content(ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) -> Vec<AMQPFrame> {
+    let mut frames = vec![method(ch, class)];
+    frames.push(AMQPFrame::Header(
+        ch,
+        AMQPContentHeader {
+            class_id: 60,
+            body_size: msg.body.len() as u64,
+            properties: decode_properties(&msg.properties),
+        },
+    ));
+    let chunk = (frame_max as usize).saturating_sub(8).max(1);
+    for part in msg.body.chunks(chunk) {
+        frames.push(AMQPFrame::Body(ch, part.to_vec()));
+    }
+    frames
+}
+
+/// Pushes a queue's messages to one consumer, within the channel's prefetch.
+struct Consumer {
+    channel: u16,
+    tag: String,
+    queue: String,
+    no_ack: bool,
+    owner: u64,
+    node: Node,
+    out: Out,
+    deliveries: Arc<Deliveries>,
+    frame_max: u32,
+    stop: CancellationToken,
+}
+
+impl Consumer {
+    async fn run(self) {
+        let mut idle = Duration::from_millis(5);
+        loop {
+            if self.stop.is_cancelled() {
+                return;
+            }
+            let room = if self.no_ack { 1000 } else { self.deliveries.room() };
+            if room == 0 {
+                let notified = self.deliveries.room.notified();
+                tokio::select! {
+                    _ = self.stop.cancelled() => return,
+                    _ = notified => {}
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                }
+                continue;
+            }
+            if !self.node.may_have_messages(&self.queue) {
+                tokio::select! {
+                    _ = self.stop.cancelled() => return,
+                    _ = self.node.wait_for_messages(&self.queue, Duration::from_millis(200)) => {}
+                }
+                continue;
+            }
+            match self.node.get(&self.queue, self.owner, room.min(256), self.no_ack).await {
+                Ok(msgs) if msgs.is_empty() => {
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = self.node.wait_for_messages(&self.queue, idle) => {}
+                    }
+                    idle = (idle * 2).min(Duration::from_millis(200));
+                }
+                Ok(msgs) => {
+                    idle = Duration::from_millis(5);
+                    if self.stop.is_cancelled() {
+                        // Cancelled while the get was in flight: hand them back.
+                        if !self.no_ack {
+                            let tags = msgs.iter().map(|d| d.tag).collect();
+                            let _ = self.node.nack(&self.queue, tags, true).await;
+                        }
+                        return;
+                    }
+                    self.deliver(msgs).await;
+                }
+                Err(NodeError::NoSuchQueue(_)) => {
+                    // The queue was deleted: tell the client (consumer_cancel_notify).
+                    self.out
+                        .one(method(
+                            self.channel,
+                            AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                                consumer_tag: ss(&self.tag),
+                                nowait: true,
+                            })),
+                        ))
+                        .await;
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(queue = %self.queue, error = %e, "consumer get failed; retrying");
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    async fn deliver(&self, msgs: Vec<Delivery>) {
+        let mut frames = Vec::with_capacity(msgs.len() * 3);
+        for d in msgs {
+            let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack);
+            let m = basic::AMQPMethod::Deliver(basic::Deliver {
+                consumer_tag: ss(&self.tag),
+                delivery_tag: tag,
+                redelivered: d.redelivered,
+                exchange: ss(&d.message.exchange),
+                routing_key: ss(&d.message.routing_key),
+            });
+            frames.extend(content(self.channel, AMQPClass::Basic(m), &d.message, self.frame_max));
+        }
+        self.out.send(frames).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_auth_accepts_guest_only() {
+        assert!(authenticate("PLAIN", b"\0guest\0guest"));
+        assert!(!authenticate("PLAIN", b"\0guest\0wrong"));
+        assert!(!authenticate("PLAIN", b"\0admin\0guest"));
+        assert!(!authenticate("PLAIN", b"garbage"));
+        assert!(!authenticate("EXTERNAL", b""));
+    }
+
+    #[test]
+    fn delivery_tags_multiple_and_unknown() {
+        let d = Deliveries::default();
+        let a = d.assign("q1", 10, true);
+        let b = d.assign("q2", 20, true);
+        let c = d.assign("q1", 11, true);
+        assert_eq!((a, b, c), (1, 2, 3));
+        assert_eq!(d.take(9, false), Err(9));
+        let got = d.take(2, true).unwrap();
+        assert_eq!(got.get("q1"), Some(&vec![10]));
+        assert_eq!(got.get("q2"), Some(&vec![20]));
+        assert_eq!(d.take(3, false).unwrap().get("q1"), Some(&vec![11]));
+        assert_eq!(d.take(3, false), Err(3), "a tag settles once");
+        d.state.lock().unwrap().prefetch = 2;
+        let _ = d.assign("q1", 12, true);
+        assert_eq!(d.room(), 0, "three taken but unsettled, one unacked");
+        d.settled(3);
+        assert_eq!(d.room(), 1);
+    }
+}

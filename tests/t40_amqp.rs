@@ -1,0 +1,238 @@
+//! The AMQP front end with a stock client (lapin) against a three-node
+//! cluster, connected to nodes that are not the queue's master: forwarding,
+//! confirms, properties, gets, consumers with prefetch, requeue and errors.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{fast_timing, init_tracing, Cluster};
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+struct AmqpCluster {
+    cluster: Cluster,
+    ports: Vec<u16>,
+}
+
+impl AmqpCluster {
+    async fn start() -> Self {
+        let cluster = Cluster::start(3, fast_timing(Duration::from_secs(5))).await;
+        let mut ports = Vec::new();
+        for id in 1..=3 {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            ports.push(l.local_addr().unwrap().port());
+            let node = cluster.node(id).clone();
+            tokio::spawn(mirrorq::amqp::serve(l, node.clone(), node.stopped()));
+        }
+        Self { cluster, ports }
+    }
+
+    async fn connect(&self, node: u64) -> Connection {
+        let uri = format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.ports[(node - 1) as usize]);
+        Connection::connect(&uri, ConnectionProperties::default()).await.expect("connect")
+    }
+}
+
+fn s(v: &str) -> ShortString {
+    ShortString::from(v)
+}
+
+/// Declared on node 1, published with confirms on node 2, fetched on node 3:
+/// every publish is acked, properties come back exactly, counts are right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn publish_confirm_and_get_through_other_nodes() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn1 = c.connect(1).await;
+    let ch1 = conn1.create_channel().await.unwrap();
+    let q = ch1
+        .queue_declare(s("orders"), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    assert_eq!(q.message_count(), 0);
+
+    let conn2 = c.connect(2).await;
+    let ch2 = conn2.create_channel().await.unwrap();
+    ch2.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert(s("x-trace"), AMQPValue::LongString("abc".into()));
+    headers.insert(s("attempt"), AMQPValue::LongInt(3));
+    let props = BasicProperties::default()
+        .with_content_type(s("application/json"))
+        .with_delivery_mode(2)
+        .with_correlation_id(s("corr-1"))
+        .with_headers(headers.clone());
+    let mut confirms = Vec::new();
+    for i in 0..50 {
+        let body = format!("{{\"n\":{i}}}");
+        confirms.push(
+            ch2.basic_publish(s(""), s("orders"), BasicPublishOptions::default(), body.as_bytes(), props.clone())
+                .await
+                .unwrap(),
+        );
+    }
+    for conf in confirms {
+        assert!(conf.await.unwrap().is_ack(), "publish not acked");
+    }
+
+    let conn3 = c.connect(3).await;
+    let ch3 = conn3.create_channel().await.unwrap();
+    let got = ch3.basic_get(s("orders"), BasicGetOptions { no_ack: false }).await.unwrap().expect("a message");
+    assert_eq!(got.delivery.data, b"{\"n\":0}");
+    assert!(!got.delivery.redelivered);
+    assert_eq!(got.delivery.routing_key.as_str(), "orders");
+    assert_eq!(got.delivery.properties.content_type().as_ref().map(|v| v.as_str()), Some("application/json"));
+    assert_eq!(*got.delivery.properties.delivery_mode(), Some(2));
+    assert_eq!(got.delivery.properties.correlation_id().as_ref().map(|v| v.as_str()), Some("corr-1"));
+    assert_eq!(got.delivery.properties.headers().as_ref(), Some(&headers));
+    assert_eq!(got.message_count, 49);
+    got.delivery.ack(BasicAckOptions::default()).await.unwrap();
+
+    // Passive declare on another node sees the count.
+    let q = ch3
+        .queue_declare(s("orders"), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    assert_eq!(q.message_count(), 49);
+    c.cluster.shutdown().await;
+}
+
+/// A consumer with prefetch 3 gets exactly 3 unacked messages; each ack lets
+/// one more through; closing the channel requeues the rest as redelivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_prefetch_ack_and_requeue_on_close() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn = c.connect(1).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(s("work"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    for i in 0..10 {
+        ch.basic_publish(
+            s(""),
+            s("work"),
+            BasicPublishOptions::default(),
+            format!("job{i}").as_bytes(),
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+
+    let conn2 = c.connect(2).await;
+    let cch = conn2.create_channel().await.unwrap();
+    cch.basic_qos(3, BasicQosOptions::default()).await.unwrap();
+    let mut consumer =
+        cch.basic_consume(s("work"), s("c1"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let d =
+            tokio::time::timeout(Duration::from_secs(10), consumer.next()).await.expect("delivery").unwrap().unwrap();
+        held.push(d);
+    }
+    assert_eq!(
+        held.iter().map(|d| d.data.clone()).collect::<Vec<_>>(),
+        vec![b"job0".to_vec(), b"job1".to_vec(), b"job2".to_vec()]
+    );
+    // Prefetch honoured: nothing more while three are unacked.
+    assert!(tokio::time::timeout(Duration::from_millis(700), consumer.next()).await.is_err(), "prefetch exceeded");
+    held.remove(0).ack(BasicAckOptions::default()).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("delivery after ack")
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.data, b"job3");
+    // nack with requeue: comes back first, marked redelivered.
+    d.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.unwrap();
+    let again =
+        tokio::time::timeout(Duration::from_secs(10), consumer.next()).await.expect("redelivery").unwrap().unwrap();
+    assert_eq!(again.data, b"job3");
+    assert!(again.redelivered);
+
+    // Close the channel with three unacked: they are requeued, redelivered.
+    cch.close(200, s("bye")).await.unwrap();
+    let ch3 = conn2.create_channel().await.unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..20 {
+        match ch3.basic_get(s("work"), BasicGetOptions { no_ack: true }).await.unwrap() {
+            Some(m) => seen.push((String::from_utf8(m.delivery.data).unwrap(), m.delivery.redelivered)),
+            None => {
+                if seen.len() >= 9 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    let mut bodies: Vec<&str> = seen.iter().map(|(b, _)| b.as_str()).collect();
+    bodies.sort();
+    assert_eq!(bodies, vec!["job1", "job2", "job3", "job4", "job5", "job6", "job7", "job8", "job9"]);
+    for (b, r) in &seen {
+        let expect = matches!(b.as_str(), "job1" | "job2" | "job3");
+        assert_eq!(*r, expect, "redelivered flag of {b}");
+    }
+    c.cluster.shutdown().await;
+}
+
+/// Protocol errors close the channel (or connection) with the right code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn errors_get_the_right_reply_codes() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn = c.connect(2).await;
+
+    let ch = conn.create_channel().await.unwrap();
+    let err = ch
+        .queue_declare(s("missing"), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap_err();
+    assert!(format!("{err:?}").contains("404") || format!("{err}").contains("NOT_FOUND"), "{err:?}");
+
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    // Unroutable + mandatory: returned, then acked (as RabbitMQ does).
+    let conf = ch
+        .basic_publish(
+            s(""),
+            s("nobody"),
+            BasicPublishOptions { mandatory: true, ..Default::default() },
+            b"x",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(conf.is_ack());
+    let returned = conf.take_message().expect("basic.return");
+    assert_eq!(returned.reply_code, 312);
+
+    // Acking a tag never delivered: 406 on that channel, connection lives.
+    ch.basic_ack(99, BasicAckOptions::default()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!ch.status().connected(), "channel should be closed after 406");
+    let ch2 = conn.create_channel().await.expect("connection still usable");
+    ch2.queue_declare(s("fine"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+
+    // A wrong protocol header gets ours back, then the socket closes.
+    let mut sock = tokio::net::TcpStream::connect(("127.0.0.1", c.ports[0])).await.unwrap();
+    sock.write_all(b"HTTP/1.1").await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), sock.read_to_end(&mut buf)).await.unwrap().unwrap();
+    assert_eq!(buf, b"AMQP\x00\x00\x09\x01");
+
+    // Bad credentials are refused.
+    let uri = format!("amqp://guest:nope@127.0.0.1:{}/%2f", c.ports[0]);
+    assert!(Connection::connect(&uri, ConnectionProperties::default()).await.is_err());
+    c.cluster.shutdown().await;
+}
