@@ -18,6 +18,15 @@ pub enum NodeError {
     Unavailable(String),
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// No such exchange, binding target, ... (AMQP 404).
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// Conflicts with what exists (AMQP 406).
+    #[error("precondition failed: {0}")]
+    Conflict(String),
+    /// Not permitted, e.g. a reserved name (AMQP 403).
+    #[error("refused: {0}")]
+    Refused(String),
     /// The entry was written but leadership changed before every replica
     /// confirmed it: the outcome is unknown and the publisher should resend
     /// (at-least-once), exactly as after a `basic.nack`.

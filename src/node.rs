@@ -21,8 +21,10 @@ use tokio_util::sync::CancellationToken;
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 
 use crate::error::{NodeError, ServerError};
-use crate::metadata::{MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, QueueMeta};
-use crate::queue::proposer::Proposer;
+use crate::metadata::{
+    routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, QueueMeta,
+};
+use crate::queue::proposer::{Answer, Proposer};
 use crate::queue::sync::{self, SyncState};
 use crate::queue::{Delivery, Message, QueueCmd, QueueMachine, QueueReply, QueueStats};
 use crate::raft::network::{CallError, NetworkFactory, Transport};
@@ -87,6 +89,9 @@ impl NodeConfig {
         }
     }
 }
+
+/// The wait for the replies of operations started with [`Node::submit`].
+pub type Submitted = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<QueueReply>, NodeError>> + Send>>;
 
 /// A queue as this node sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -304,6 +309,35 @@ impl Node {
         Ok(q)
     }
 
+    /// Declare an exchange (idempotent for the same type).
+    pub async fn declare_exchange(&self, ex: ExchangeMeta) -> Result<(), NodeError> {
+        let name = ex.name.clone();
+        meta_result(self.meta_write(MetaCmd::DeclareExchange(ex)).await?, || format!("exchange '{name}'"))
+    }
+
+    pub async fn delete_exchange(&self, name: &str, if_unused: bool) -> Result<(), NodeError> {
+        meta_result(self.meta_write(MetaCmd::DeleteExchange { name: name.to_string(), if_unused }).await?, || {
+            format!("no exchange '{name}' in vhost '/'")
+        })
+    }
+
+    pub async fn bind(&self, b: Binding) -> Result<(), NodeError> {
+        let what = format!("no exchange '{}' or queue '{}' in vhost '/'", b.exchange, b.queue);
+        meta_result(self.meta_write(MetaCmd::Bind(b)).await?, || what)
+    }
+
+    pub async fn unbind(&self, b: Binding) -> Result<(), NodeError> {
+        meta_result(self.meta_write(MetaCmd::Unbind(b)).await?, || "binding".into())
+    }
+
+    /// The queues a message reaches, decided from the local metadata.
+    /// `None`: no such exchange.
+    pub fn route(&self, exchange: &str, routing_key: &str, headers: &Args) -> Option<Vec<String>> {
+        let meta = self.metadata();
+        let queues = |q: &str| meta.queues.contains_key(q);
+        routing::route(&meta.exchanges, &meta.bindings, &queues, exchange, routing_key, headers)
+    }
+
     pub async fn delete_queue(&self, name: &str) -> Result<(), NodeError> {
         match self.meta_write(MetaCmd::DeleteQueue { name: name.to_string() }).await? {
             MetaReply::Ok => Ok(()),
@@ -415,6 +449,56 @@ impl Node {
             info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
         }
         Ok(info)
+    }
+
+    /// Start queue operations at the queue's master and return the wait for
+    /// their replies. Operations started one after another (awaiting each
+    /// start) reach the queue's log in that order, as AMQP requires for one
+    /// channel's publishes, while their confirms are awaited concurrently.
+    /// Only a change of master between start and commit can reorder them.
+    pub async fn submit(&self, queue: &str, cmds: Vec<QueueCmd>) -> Result<Submitted, NodeError> {
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.to_string()))?;
+        let target = self.leader_guess(&q);
+        let fast: Option<Result<Answer, NodeError>> =
+            if target == self.id() { Some(self.inner.local_enqueue(q.group, cmds.clone()).await) } else { None };
+        let node = self.clone();
+        let queue = queue.to_string();
+        match fast {
+            Some(Ok(answer)) => Ok(Box::pin(async move {
+                match answer.await.unwrap_or(Err(NodeError::Stopped)) {
+                    Err(NodeError::NotLeader { .. }) => node.queue_op(&queue, cmds).await,
+                    other => other,
+                }
+            })),
+            Some(Err(_)) => Ok(Box::pin(async move { node.queue_op(&queue, cmds).await })),
+            None => {
+                let Some(addr) = self.inner.addr_of(target) else {
+                    return Ok(Box::pin(async move { node.queue_op(&queue, cmds).await }));
+                };
+                let req = RpcRequest::Queue { group: q.group, cmds };
+                match self.inner.transport.start_call(&addr, &req).await {
+                    Ok(rx) => {
+                        let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
+                        let timeout = self.inner.timing.op_timeout;
+                        Ok(Box::pin(async move {
+                            match tokio::time::timeout(timeout, rx).await {
+                                Ok(Ok(RpcResponse::Queue(Err(NodeError::NotLeader { .. })))) => {
+                                    node.queue_op(&queue, cmds).await
+                                }
+                                Ok(Ok(RpcResponse::Queue(r))) => r,
+                                Ok(Ok(other)) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+                                Ok(Err(_)) => Err(NodeError::Unavailable(format!("connection to {addr} lost"))),
+                                Err(_) => Err(NodeError::Unavailable(format!("no answer from {addr} in time"))),
+                            }
+                        }))
+                    }
+                    Err(_) => {
+                        let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
+                        Ok(Box::pin(async move { node.queue_op(&queue, cmds).await }))
+                    }
+                }
+            }
+        }
     }
 
     /// Run queue operations at the queue's master, wherever it is.
@@ -697,6 +781,16 @@ impl Node {
     }
 }
 
+fn meta_result(reply: MetaReply, not_found: impl FnOnce() -> String) -> Result<(), NodeError> {
+    match reply {
+        MetaReply::Ok | MetaReply::Queue(_) => Ok(()),
+        MetaReply::NotFound => Err(NodeError::NotFound(not_found())),
+        MetaReply::Invalid(why) => Err(NodeError::Invalid(why)),
+        MetaReply::Conflict(why) => Err(NodeError::Conflict(why)),
+        MetaReply::Refused(why) => Err(NodeError::Refused(why)),
+    }
+}
+
 /// Current members of the metadata group.
 fn meta_members(raft: &Raft) -> Vec<NodeId> {
     raft.metrics().borrow().membership_config.membership().nodes().map(|(id, _)| *id).collect()
@@ -720,9 +814,14 @@ impl Inner {
     }
 
     async fn local_queue_op(&self, group: GroupId, cmds: Vec<QueueCmd>) -> Result<Vec<QueueReply>, NodeError> {
+        self.local_enqueue(group, cmds).await?.await.unwrap_or(Err(NodeError::Stopped))
+    }
+
+    /// Put operations in this node's proposer for `group`, in call order.
+    async fn local_enqueue(&self, group: GroupId, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned();
         match g {
-            Some(g) => g.proposer.submit(cmds).await,
+            Some(g) => g.proposer.enqueue(cmds).await,
             None => Err(NodeError::NotLeader { leader: None }),
         }
     }
@@ -749,6 +848,20 @@ impl Inner {
 }
 
 impl RpcHandler for Inner {
+    async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion {
+        if let RpcRequest::Queue { group, cmds } = req {
+            return match self.local_enqueue(group, cmds).await {
+                Ok(answer) => {
+                    Box::pin(async move { RpcResponse::Queue(answer.await.unwrap_or(Err(NodeError::Stopped))) })
+                }
+                Err(e) => Box::pin(std::future::ready(RpcResponse::Queue(Err(e)))),
+            };
+        }
+        Box::pin(self.handle(req))
+    }
+}
+
+impl Inner {
     async fn handle(self: Arc<Self>, req: RpcRequest) -> RpcResponse {
         match req {
             RpcRequest::Append { group, req } => match self.raft_of(group) {

@@ -101,6 +101,12 @@ async fn publish_confirm_and_get_through_other_nodes() {
         .await
         .unwrap();
     assert_eq!(q.message_count(), 49);
+    // One channel's publishes arrive in publish order.
+    for i in 1..50 {
+        let m = ch3.basic_get(s("orders"), BasicGetOptions { no_ack: true }).await.unwrap().expect("message");
+        assert_eq!(m.delivery.data, format!("{{\"n\":{i}}}").into_bytes());
+    }
+    assert!(ch3.basic_get(s("orders"), BasicGetOptions { no_ack: true }).await.unwrap().is_none());
     c.cluster.shutdown().await;
 }
 
@@ -234,5 +240,94 @@ async fn errors_get_the_right_reply_codes() {
     // Bad credentials are refused.
     let uri = format!("amqp://guest:nope@127.0.0.1:{}/%2f", c.ports[0]);
     assert!(Connection::connect(&uri, ConnectionProperties::default()).await.is_err());
+    c.cluster.shutdown().await;
+}
+
+/// Exchanges route like RabbitMQ's: topic wildcards, fanout, headers
+/// `x-match`, a message reaching two queues is confirmed once both have it;
+/// bad declarations get 404 / 406 / 403.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exchanges_route_and_validate() {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    use lapin::ExchangeKind;
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn = c.connect(1).await;
+    let ch = conn.create_channel().await.unwrap();
+    for q in ["errors", "everything", "pdfs"] {
+        ch.queue_declare(s(q), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    }
+    ch.exchange_declare(s("logs"), ExchangeKind::Topic, ExchangeDeclareOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(s("errors"), s("logs"), s("*.error"), QueueBindOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(s("everything"), s("logs"), s("#"), QueueBindOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let mut hargs = FieldTable::default();
+    hargs.insert(s("x-match"), AMQPValue::LongString("any".into()));
+    hargs.insert(s("format"), AMQPValue::LongString("pdf".into()));
+    ch.queue_bind(s("pdfs"), s("amq.headers"), s(""), QueueBindOptions::default(), hargs).await.unwrap();
+
+    // Publish through another node.
+    let conn2 = c.connect(3).await;
+    let p = conn2.create_channel().await.unwrap();
+    p.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let publish = |ex: &'static str, key: &'static str, props: BasicProperties| {
+        let p = p.clone();
+        async move {
+            p.basic_publish(s(ex), s(key), BasicPublishOptions::default(), key.as_bytes(), props)
+                .await
+                .unwrap()
+                .await
+                .unwrap()
+        }
+    };
+    assert!(publish("logs", "db.error", BasicProperties::default()).await.is_ack());
+    assert!(publish("logs", "db.info", BasicProperties::default()).await.is_ack());
+    let mut h = FieldTable::default();
+    h.insert(s("format"), AMQPValue::LongString("pdf".into()));
+    assert!(publish("amq.headers", "doc", BasicProperties::default().with_headers(h)).await.is_ack());
+    assert!(publish("amq.headers", "other", BasicProperties::default()).await.is_ack());
+
+    let drain = |q: &'static str| {
+        let ch = ch.clone();
+        async move {
+            let mut out = Vec::new();
+            while let Some(m) = ch.basic_get(s(q), BasicGetOptions { no_ack: true }).await.unwrap() {
+                out.push(String::from_utf8(m.delivery.data).unwrap());
+            }
+            out
+        }
+    };
+    assert_eq!(drain("errors").await, vec!["db.error"]);
+    assert_eq!(drain("everything").await, vec!["db.error", "db.info"]);
+    assert_eq!(drain("pdfs").await, vec!["doc"]);
+
+    // Same name, other type: 406.
+    let err = ch
+        .exchange_declare(s("logs"), ExchangeKind::Fanout, ExchangeDeclareOptions::default(), FieldTable::default())
+        .await
+        .unwrap_err();
+    assert!(format!("{err:?}").contains("406") || format!("{err}").contains("PRECONDITION_FAILED"), "{err:?}");
+    // Unknown exchange on publish: 404 closes the channel.
+    let ch2 = conn.create_channel().await.unwrap();
+    ch2.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let r =
+        ch2.basic_publish(s("nope"), s("k"), BasicPublishOptions::default(), b"x", BasicProperties::default()).await;
+    if let Ok(conf) = r {
+        assert!(conf.await.is_err() || !ch2.status().connected(), "publish to a missing exchange must fail");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!ch2.status().connected());
+    // Binding to the default exchange: 403.
+    let ch3 = conn.create_channel().await.unwrap();
+    let err = ch3
+        .queue_bind(s("errors"), s(""), s("k"), QueueBindOptions::default(), FieldTable::default())
+        .await
+        .unwrap_err();
+    assert!(format!("{err:?}").contains("403") || format!("{err}").contains("ACCESS_REFUSED"), "{err:?}");
     c.cluster.shutdown().await;
 }

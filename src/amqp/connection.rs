@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
-use amq_protocol::protocol::{basic, channel, confirm, connection, queue, AMQPClass};
+use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, queue, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::codec::{self, decode_properties, encode_properties, Parsed};
 use crate::error::NodeError;
+use crate::metadata::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta};
 use crate::node::Node;
 use crate::queue::{Delivery, Message, QueueCmd};
 
@@ -651,6 +652,7 @@ impl Channel {
                 Ok(true)
             }
             AMQPClass::Queue(m) => self.queue_method(m).await,
+            AMQPClass::Exchange(m) => self.exchange_method(m).await,
             AMQPClass::Basic(m) => self.basic_method(m).await,
             other => Err(Err(hard(
                 NOT_IMPLEMENTED,
@@ -721,9 +723,82 @@ impl Channel {
                 }
                 Ok(true)
             }
+            Q::Bind(b) => {
+                let binding = Binding {
+                    exchange: b.exchange.as_str().to_string(),
+                    queue: b.queue.as_str().to_string(),
+                    routing_key: b.routing_key.as_str().to_string(),
+                    args: to_args(&b.arguments),
+                };
+                self.node.bind(binding).await.map_err(|e| Ok(node_soft(e, 50, 20)))?;
+                if !b.nowait {
+                    self.reply(AMQPClass::Queue(Q::BindOk(queue::BindOk {}))).await;
+                }
+                Ok(true)
+            }
+            Q::Unbind(b) => {
+                let binding = Binding {
+                    exchange: b.exchange.as_str().to_string(),
+                    queue: b.queue.as_str().to_string(),
+                    routing_key: b.routing_key.as_str().to_string(),
+                    args: to_args(&b.arguments),
+                };
+                self.node.unbind(binding).await.map_err(|e| Ok(node_soft(e, 50, 50)))?;
+                self.reply(AMQPClass::Queue(Q::UnbindOk(queue::UnbindOk {}))).await;
+                Ok(true)
+            }
+            other => Err(Err(hard(COMMAND_INVALID, format!("queue.{other:?} is not a client method")))),
+        }
+    }
+
+    async fn exchange_method(&mut self, m: exchange::AMQPMethod) -> Result<bool, Result<Soft, Hard>> {
+        use exchange::AMQPMethod as E;
+        match m {
+            E::Declare(d) => {
+                let name = d.exchange.as_str().to_string();
+                if d.passive {
+                    if self.node.metadata().exchange(&name).is_none() {
+                        return Err(Ok(soft(
+                            NOT_FOUND,
+                            format!("NOT_FOUND - no exchange '{name}' in vhost '/'"),
+                            40,
+                            10,
+                        )));
+                    }
+                } else {
+                    let Some(kind) = ExchangeKind::parse(d.kind.as_str()) else {
+                        return Err(Err(hard(
+                            COMMAND_INVALID,
+                            format!("COMMAND_INVALID - unknown exchange type '{}'", d.kind.as_str()),
+                        )));
+                    };
+                    let ex = ExchangeMeta {
+                        name,
+                        kind,
+                        durable: d.durable,
+                        auto_delete: d.auto_delete,
+                        internal: d.internal,
+                    };
+                    self.node.declare_exchange(ex).await.map_err(|e| Ok(node_soft(e, 40, 10)))?;
+                }
+                if !d.nowait {
+                    self.reply(AMQPClass::Exchange(E::DeclareOk(exchange::DeclareOk {}))).await;
+                }
+                Ok(true)
+            }
+            E::Delete(d) => {
+                self.node
+                    .delete_exchange(d.exchange.as_str(), d.if_unused)
+                    .await
+                    .map_err(|e| Ok(node_soft(e, 40, 20)))?;
+                if !d.nowait {
+                    self.reply(AMQPClass::Exchange(E::DeleteOk(exchange::DeleteOk {}))).await;
+                }
+                Ok(true)
+            }
             other => Err(Err(hard(
                 NOT_IMPLEMENTED,
-                format!("NOT_IMPLEMENTED - queue.{other:?} (bindings are not built yet)"),
+                format!("NOT_IMPLEMENTED - exchange.{other:?} (exchange-to-exchange bindings)"),
             ))),
         }
     }
@@ -873,14 +948,10 @@ impl Channel {
         let header = p.header.expect("header before completion");
         let exchange = p.publish.exchange.as_str().to_string();
         let routing_key = p.publish.routing_key.as_str().to_string();
-        if !exchange.is_empty() {
-            return Err(Ok(soft(
-                NOT_FOUND,
-                format!("NOT_FOUND - no exchange '{exchange}' in vhost '/' (only the default exchange exists yet)"),
-                60,
-                40,
-            )));
-        }
+        let headers = header.properties.headers().as_ref().map(to_args).unwrap_or_default();
+        let Some(queues) = self.node.route(&exchange, &routing_key, &headers) else {
+            return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no exchange '{exchange}' in vhost '/'"), 60, 40)));
+        };
         let seq = if self.confirm {
             self.publish_seq += 1;
             Some(self.publish_seq)
@@ -888,17 +959,17 @@ impl Channel {
             None
         };
         let msg = Message {
-            exchange,
+            exchange: exchange.clone(),
             routing_key: routing_key.clone(),
             properties: encode_properties(&header.properties),
             body: p.body,
         };
-        if !self.node.metadata().queues.contains_key(&routing_key) {
+        if queues.is_empty() {
             if p.publish.mandatory {
                 let ret = basic::AMQPMethod::Return(basic::Return {
                     reply_code: NO_ROUTE,
                     reply_text: ss("NO_ROUTE"),
-                    exchange: ss(""),
+                    exchange: ss(&exchange),
                     routing_key: ss(&routing_key),
                 });
                 self.out.send(content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max)).await;
@@ -909,14 +980,27 @@ impl Channel {
             return Ok(());
         }
         let permit = self.in_flight.clone().acquire_owned().await.expect("semaphore never closed");
-        let (node, out, id) = (self.node.clone(), self.out.clone(), self.id);
+        // Start each queue's publish here, in channel order; wait elsewhere.
+        let mut waits = Vec::with_capacity(queues.len());
+        for q in &queues {
+            waits.push(self.node.submit(q, vec![QueueCmd::Enqueue { msgs: vec![msg.clone()] }]).await);
+        }
+        let (out, id) = (self.out.clone(), self.id);
         tokio::spawn(async move {
-            let result = node.publish(&routing_key, vec![msg]).await;
+            // Confirmed only when every queue it reached has confirmed it.
+            let results = futures::future::join_all(waits.into_iter().map(|w| async move {
+                match w {
+                    Ok(wait) => wait.await.map(|_| ()),
+                    Err(e) => Err(e),
+                }
+            }))
+            .await;
             drop(permit);
-            match (result, seq) {
-                (Ok(()), Some(seq)) => out.one(method(id, ack_frame(seq))).await,
-                (Err(e), Some(seq)) => {
-                    tracing::warn!(queue = %routing_key, error = %e, "publish not confirmed; nacking");
+            let failed = queues.iter().zip(&results).find_map(|(q, r)| r.as_ref().err().map(|e| (q, e)));
+            match (failed, seq) {
+                (None, Some(seq)) => out.one(method(id, ack_frame(seq))).await,
+                (Some((q, e)), Some(seq)) => {
+                    tracing::warn!(queue = %q, error = %e, "publish not confirmed; nacking");
                     out.one(method(
                         id,
                         AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
@@ -927,14 +1011,37 @@ impl Channel {
                     ))
                     .await
                 }
-                (Err(e), None) => {
-                    tracing::warn!(queue = %routing_key, error = %e, "publish failed (no confirms requested)")
+                (Some((q, e)), None) => {
+                    tracing::warn!(queue = %q, error = %e, "publish failed (no confirms requested)")
                 }
-                (Ok(()), None) => {}
+                (None, None) => {}
             }
         });
         Ok(())
     }
+}
+
+/// AMQP table -> the values routing compares.
+fn to_args(t: &FieldTable) -> Args {
+    t.inner()
+        .iter()
+        .map(|(k, v)| {
+            let v = match v {
+                AMQPValue::LongString(s) => ArgValue::Str(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+                AMQPValue::ShortString(s) => ArgValue::Str(s.as_str().to_string()),
+                AMQPValue::Boolean(b) => ArgValue::Bool(*b),
+                AMQPValue::ShortShortInt(i) => ArgValue::Int(*i as i64),
+                AMQPValue::ShortShortUInt(i) => ArgValue::Int(*i as i64),
+                AMQPValue::ShortInt(i) => ArgValue::Int(*i as i64),
+                AMQPValue::ShortUInt(i) => ArgValue::Int(*i as i64),
+                AMQPValue::LongInt(i) => ArgValue::Int(*i as i64),
+                AMQPValue::LongUInt(i) => ArgValue::Int(*i as i64),
+                AMQPValue::LongLongInt(i) => ArgValue::Int(*i),
+                other => ArgValue::Other(format!("{other:?}")),
+            };
+            (k.as_str().to_string(), v)
+        })
+        .collect()
 }
 
 fn ack_frame(seq: u64) -> AMQPClass {
@@ -949,6 +1056,9 @@ fn class_name(c: &AMQPClass) -> String {
 fn node_soft(e: NodeError, class: u16, method: u16) -> Soft {
     match e {
         NodeError::NoSuchQueue(q) => soft(NOT_FOUND, format!("NOT_FOUND - no queue '{q}' in vhost '/'"), class, method),
+        NodeError::NotFound(what) => soft(NOT_FOUND, format!("NOT_FOUND - {what}"), class, method),
+        NodeError::Conflict(why) => soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), class, method),
+        NodeError::Refused(why) => soft(ACCESS_REFUSED, format!("ACCESS_REFUSED - {why}"), class, method),
         NodeError::Invalid(why) => soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), class, method),
         other => soft(INTERNAL_ERROR_SOFT, format!("{other}"), class, method),
     }

@@ -4,11 +4,13 @@
 //! holds the connection and channel state machines and maps AMQP methods onto
 //! the node's library API, which forwards to each queue's master.
 //!
-//! Today: handshake (SASL PLAIN, guest/guest), channels, heartbeats, the
-//! default exchange, `queue.declare/delete/purge`, `basic.publish` with
-//! `mandatory`, publisher confirms, `basic.get`, `basic.consume` with
-//! prefetch, `basic.ack/nack/reject`, `basic.cancel`. Other exchanges,
-//! bindings and transactions answer 540 NOT_IMPLEMENTED (issue #5).
+//! Today: handshake (SASL PLAIN, guest/guest), channels, heartbeats,
+//! exchanges (default, `amq.*`, declared direct/fanout/topic/headers),
+//! `queue.declare/bind/unbind/delete/purge`, `basic.publish` with `mandatory`,
+//! publisher confirms (a message routed to several queues is confirmed when
+//! all have it), `basic.get`, `basic.consume` with prefetch,
+//! `basic.ack/nack/reject/recover`, `basic.cancel`. Transactions and
+//! exchange-to-exchange bindings answer 540 NOT_IMPLEMENTED (issue #5).
 
 mod codec;
 mod connection;

@@ -1,9 +1,11 @@
-//! Cluster metadata: which nodes exist and which queues exist on which
-//! replicas. A Raft group over every node (group 0); every node applies it
+//! Cluster metadata: which nodes exist, which queues exist on which
+//! replicas, exchanges and bindings. A Raft group over every node (group 0); every node applies it
 //! and answers reads from its local copy.
 
 mod machine;
+pub mod routing;
 mod state;
 
 pub use machine::MetaMachine;
+pub use routing::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta};
 pub use state::{MetaCmd, MetaReply, MetaState, NodeInfo, QueueMeta};

@@ -1,7 +1,8 @@
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::routing::{builtin, Binding, ExchangeMeta};
 use crate::raft::types::{GroupId, NodeId, METADATA_GROUP};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,6 +28,11 @@ pub struct MetaState {
     pub queues: BTreeMap<String, QueueMeta>,
     /// Next queue group id; 0 is the metadata group itself.
     pub next_group: GroupId,
+    /// Declared exchanges (the built-in `amq.*` and default ones are implicit).
+    #[serde(default)]
+    pub exchanges: BTreeMap<String, ExchangeMeta>,
+    #[serde(default)]
+    pub bindings: BTreeSet<Binding>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,6 +48,15 @@ pub enum MetaCmd {
     DeleteQueue {
         name: String,
     },
+    /// Create an exchange unless one of that name exists; a different type
+    /// is refused.
+    DeclareExchange(ExchangeMeta),
+    DeleteExchange {
+        name: String,
+        if_unused: bool,
+    },
+    Bind(Binding),
+    Unbind(Binding),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,6 +65,10 @@ pub enum MetaReply {
     Queue(QueueMeta),
     NotFound,
     Invalid(String),
+    /// The request conflicts with what exists (AMQP 406).
+    Conflict(String),
+    /// Reserved names (AMQP 403).
+    Refused(String),
 }
 
 impl MetaState {
@@ -84,10 +103,68 @@ impl MetaState {
                 MetaReply::Queue(q)
             }
             MetaCmd::DeleteQueue { name } => match self.queues.remove(name) {
-                Some(_) => MetaReply::Ok,
+                Some(_) => {
+                    self.bindings.retain(|b| &b.queue != name);
+                    MetaReply::Ok
+                }
                 None => MetaReply::NotFound,
             },
+            MetaCmd::DeclareExchange(ex) => {
+                if let Some(have) = self.exchange(&ex.name) {
+                    return if have.kind == ex.kind {
+                        MetaReply::Ok
+                    } else {
+                        MetaReply::Conflict(format!(
+                            "inequivalent arg 'type' for exchange '{}' in vhost '/': received '{}' but current is '{}'",
+                            ex.name,
+                            ex.kind.as_str(),
+                            have.kind.as_str()
+                        ))
+                    };
+                }
+                if ex.name.starts_with("amq.") {
+                    return MetaReply::Refused(format!("exchange name '{}' contains reserved prefix 'amq.*'", ex.name));
+                }
+                self.exchanges.insert(ex.name.clone(), ex.clone());
+                MetaReply::Ok
+            }
+            MetaCmd::DeleteExchange { name, if_unused } => {
+                if builtin(name).is_some() {
+                    return MetaReply::Refused(format!("cannot delete built-in exchange '{name}'"));
+                }
+                if !self.exchanges.contains_key(name) {
+                    return MetaReply::NotFound;
+                }
+                if *if_unused && self.bindings.iter().any(|b| &b.exchange == name) {
+                    return MetaReply::Conflict(format!("exchange '{name}' in vhost '/' in use"));
+                }
+                self.exchanges.remove(name);
+                self.bindings.retain(|b| &b.exchange != name);
+                MetaReply::Ok
+            }
+            MetaCmd::Bind(b) => {
+                if b.exchange.is_empty() {
+                    return MetaReply::Refused("operation not permitted on the default exchange".into());
+                }
+                if self.exchange(&b.exchange).is_none() || !self.queues.contains_key(&b.queue) {
+                    return MetaReply::NotFound;
+                }
+                self.bindings.insert(b.clone());
+                MetaReply::Ok
+            }
+            MetaCmd::Unbind(b) => {
+                if b.exchange.is_empty() {
+                    return MetaReply::Refused("operation not permitted on the default exchange".into());
+                }
+                self.bindings.remove(b);
+                MetaReply::Ok
+            }
         }
+    }
+
+    /// A declared or built-in exchange.
+    pub fn exchange(&self, name: &str) -> Option<ExchangeMeta> {
+        self.exchanges.get(name).cloned().or_else(|| builtin(name))
     }
 
     pub fn queue_by_group(&self, group: GroupId) -> Option<&QueueMeta> {
@@ -135,6 +212,43 @@ mod tests {
             MetaReply::Invalid(_)
         ));
         assert!(s.queues.is_empty());
+    }
+
+    #[test]
+    fn exchanges_bindings_and_queue_deletion() {
+        use crate::metadata::routing::{Args, ExchangeKind};
+        let mut s = with_nodes(1);
+        s.apply(&MetaCmd::DeclareQueue { name: "q".into(), replicas: vec![1], durable: true });
+        let ex =
+            |n: &str, k| ExchangeMeta { name: n.into(), kind: k, durable: true, auto_delete: false, internal: false };
+        assert_eq!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Topic))), MetaReply::Ok);
+        assert_eq!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Topic))), MetaReply::Ok);
+        assert!(matches!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Fanout))), MetaReply::Conflict(_)));
+        assert!(matches!(
+            s.apply(&MetaCmd::DeclareExchange(ex("amq.mine", ExchangeKind::Fanout))),
+            MetaReply::Refused(_)
+        ));
+        let b = |e: &str, q: &str| Binding {
+            exchange: e.into(),
+            queue: q.into(),
+            routing_key: "k".into(),
+            args: Args::new(),
+        };
+        assert_eq!(s.apply(&MetaCmd::Bind(b("logs", "q"))), MetaReply::Ok);
+        assert_eq!(s.apply(&MetaCmd::Bind(b("nope", "q"))), MetaReply::NotFound);
+        assert_eq!(s.apply(&MetaCmd::Bind(b("logs", "nope"))), MetaReply::NotFound);
+        assert!(matches!(s.apply(&MetaCmd::Bind(b("", "q"))), MetaReply::Refused(_)));
+        assert!(matches!(
+            s.apply(&MetaCmd::DeleteExchange { name: "logs".into(), if_unused: true }),
+            MetaReply::Conflict(_)
+        ));
+        s.apply(&MetaCmd::DeleteQueue { name: "q".into() });
+        assert!(s.bindings.is_empty(), "deleting a queue removes its bindings");
+        assert_eq!(s.apply(&MetaCmd::DeleteExchange { name: "logs".into(), if_unused: true }), MetaReply::Ok);
+        assert!(matches!(
+            s.apply(&MetaCmd::DeleteExchange { name: "amq.topic".into(), if_unused: false }),
+            MetaReply::Refused(_)
+        ));
     }
 
     #[test]

@@ -26,6 +26,8 @@ const MAX_CMDS: usize = 4096;
 const MAX_BYTES: usize = 256 << 10;
 
 type Reply = oneshot::Sender<Result<Vec<QueueReply>, NodeError>>;
+/// Where the replies of enqueued operations arrive.
+pub type Answer = oneshot::Receiver<Result<Vec<QueueReply>, NodeError>>;
 
 struct Pending {
     cmds: Vec<QueueCmd>,
@@ -85,9 +87,16 @@ impl Proposer {
 
     /// Submit operations; resolves with their replies in order.
     pub async fn submit(&self, cmds: Vec<QueueCmd>) -> Result<Vec<QueueReply>, NodeError> {
+        self.enqueue(cmds).await?.await.map_err(|_| NodeError::Stopped)?
+    }
+
+    /// Queue operations behind everything enqueued before (this is what
+    /// fixes their order in the log); the receiver answers after commit (and
+    /// confirm, for publishes).
+    pub async fn enqueue(&self, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Pending { cmds, reply }).await.map_err(|_| NodeError::Stopped)?;
-        rx.await.map_err(|_| NodeError::Stopped)?
+        Ok(rx)
     }
 }
 

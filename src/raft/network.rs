@@ -102,6 +102,12 @@ impl Transport {
         }
     }
 
+    /// Write a request to the node at `addr` now (so requests started in
+    /// order travel in order) and return the wait for its reply.
+    pub async fn start_call(&self, addr: &str, req: &RpcRequest) -> Result<oneshot::Receiver<RpcResponse>, CallError> {
+        self.peer(addr).start_call(req).await
+    }
+
     /// Drop every connection (the peers are re-dialled on the next call).
     pub fn close_all(&self) {
         for p in self.peers.lock().expect("poisoned").values() {
@@ -180,6 +186,20 @@ impl Peer {
         };
         *b = Some((Instant::now(), wait));
         CallError::Unreachable(self.addr.clone(), why)
+    }
+
+    async fn start_call(&self, req: &RpcRequest) -> Result<oneshot::Receiver<RpcResponse>, CallError> {
+        let conn = self.connection().await?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = Bytes::from(rpc::encode(&Envelope { id, body: req })?);
+        let (tx, rx) = oneshot::channel();
+        conn.pending.lock().expect("poisoned").insert(id, tx);
+        if conn.tx.send(frame).await.is_err() {
+            conn.pending.lock().expect("poisoned").remove(&id);
+            conn.closed.store(true, Ordering::Release);
+            return Err(CallError::Closed(self.addr.clone()));
+        }
+        Ok(rx)
     }
 
     async fn call(&self, req: &RpcRequest) -> Result<RpcResponse, CallError> {

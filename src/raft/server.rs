@@ -2,6 +2,7 @@
 //! request to the node, answering on the same connection in any order.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -14,9 +15,15 @@ use tokio_util::sync::CancellationToken;
 use super::network::codec;
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse};
 
+/// The rest of a request's handling, after its admission.
+pub type Completion = Pin<Box<dyn Future<Output = RpcResponse> + Send>>;
+
 /// Whatever answers requests arriving on the node link (the node).
 pub trait RpcHandler: Send + Sync + 'static {
-    fn handle(self: Arc<Self>, req: RpcRequest) -> impl Future<Output = RpcResponse> + Send;
+    /// Admit a request, in arrival order (queue operations take their place
+    /// in the master's log order here), and return the rest of its handling,
+    /// which runs concurrently with later requests.
+    fn admit(self: Arc<Self>, req: RpcRequest) -> impl Future<Output = Completion> + Send;
 }
 
 /// Accept connections until `stop` is cancelled; then every connection and
@@ -74,11 +81,12 @@ async fn connection<H: RpcHandler>(stream: tokio::net::TcpStream, handler: Arc<H
                 break;
             }
         };
-        let (h, tx, stop) = (handler.clone(), tx.clone(), stop.clone());
+        let completion = handler.clone().admit(env.body).await;
+        let (tx, stop) = (tx.clone(), stop.clone());
         tokio::spawn(async move {
             let body = tokio::select! {
                 _ = stop.cancelled() => return,
-                b = h.handle(env.body) => b,
+                b = completion => b,
             };
             match rpc::encode(&Envelope::<RpcResponse> { id: env.id, body }) {
                 Ok(b) => {

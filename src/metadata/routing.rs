@@ -1,0 +1,213 @@
+//! Exchanges, bindings and routing, as RabbitMQ users know them. Pure: the
+//! routing decision is made from the local copy of the metadata.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExchangeKind {
+    Direct,
+    Fanout,
+    Topic,
+    Headers,
+}
+
+impl ExchangeKind {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "direct" => Some(Self::Direct),
+            "fanout" => Some(Self::Fanout),
+            "topic" => Some(Self::Topic),
+            "headers" | "match" => Some(Self::Headers),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Direct => "direct",
+            Self::Fanout => "fanout",
+            Self::Topic => "topic",
+            Self::Headers => "headers",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExchangeMeta {
+    pub name: String,
+    pub kind: ExchangeKind,
+    pub durable: bool,
+    pub auto_delete: bool,
+    pub internal: bool,
+}
+
+/// A header or binding-argument value, as far as routing compares them.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ArgValue {
+    Str(String),
+    Int(i64),
+    Bool(bool),
+    /// Anything else, by its printed form (compared for equality only).
+    Other(String),
+}
+
+pub type Args = BTreeMap<String, ArgValue>;
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Binding {
+    pub exchange: String,
+    pub queue: String,
+    pub routing_key: String,
+    pub args: Args,
+}
+
+/// The exchanges every vhost has (RabbitMQ's `amq.*` set and the default).
+pub fn builtin(name: &str) -> Option<ExchangeMeta> {
+    let kind = match name {
+        "" | "amq.direct" => ExchangeKind::Direct,
+        "amq.fanout" => ExchangeKind::Fanout,
+        "amq.topic" => ExchangeKind::Topic,
+        "amq.headers" | "amq.match" => ExchangeKind::Headers,
+        _ => return None,
+    };
+    Some(ExchangeMeta { name: name.to_string(), kind, durable: true, auto_delete: false, internal: false })
+}
+
+/// AMQP topic matching: words split on '.', `*` is one word, `#` zero or more.
+pub fn topic_matches(pattern: &str, key: &str) -> bool {
+    fn go(p: &[&str], k: &[&str]) -> bool {
+        match (p.first(), k.first()) {
+            (None, None) => true,
+            (Some(&"#"), _) => go(&p[1..], k) || (!k.is_empty() && go(p, &k[1..])),
+            (Some(&"*"), Some(_)) => go(&p[1..], &k[1..]),
+            (Some(w), Some(x)) if w == x => go(&p[1..], &k[1..]),
+            _ => false,
+        }
+    }
+    let p: Vec<&str> = pattern.split('.').collect();
+    let k: Vec<&str> = if key.is_empty() { Vec::new() } else { key.split('.').collect() };
+    let p: Vec<&str> = if pattern.is_empty() { Vec::new() } else { p };
+    go(&p, &k)
+}
+
+/// Headers-exchange matching: `x-match` `all` (default) or `any` over the
+/// binding's arguments that do not start with `x-`.
+pub fn headers_match(binding: &Args, headers: &Args) -> bool {
+    let any = matches!(binding.get("x-match"), Some(ArgValue::Str(s)) if s == "any" || s == "any-with-x");
+    let mut wanted = binding.iter().filter(|(k, _)| !k.starts_with("x-")).peekable();
+    if wanted.peek().is_none() {
+        return !any;
+    }
+    let hit = |(k, v): (&String, &ArgValue)| headers.get(k) == Some(v);
+    if any {
+        wanted.any(hit)
+    } else {
+        wanted.all(hit)
+    }
+}
+
+/// Queues a message published to `exchange` with `routing_key` and `headers`
+/// reaches (sorted, each once). `None`: no such exchange.
+pub fn route(
+    exchanges: &BTreeMap<String, ExchangeMeta>,
+    bindings: &BTreeSet<Binding>,
+    queues: &dyn Fn(&str) -> bool,
+    exchange: &str,
+    routing_key: &str,
+    headers: &Args,
+) -> Option<Vec<String>> {
+    if exchange.is_empty() {
+        return Some(if queues(routing_key) { vec![routing_key.to_string()] } else { Vec::new() });
+    }
+    let ex = exchanges.get(exchange).cloned().or_else(|| builtin(exchange))?;
+    let mut out = BTreeSet::new();
+    for b in bindings.iter().filter(|b| b.exchange == exchange) {
+        let hit = match ex.kind {
+            ExchangeKind::Direct => b.routing_key == routing_key,
+            ExchangeKind::Fanout => true,
+            ExchangeKind::Topic => topic_matches(&b.routing_key, routing_key),
+            ExchangeKind::Headers => headers_match(&b.args, headers),
+        };
+        if hit {
+            out.insert(b.queue.clone());
+        }
+    }
+    Some(out.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_patterns() {
+        assert!(topic_matches("a.b.c", "a.b.c"));
+        assert!(topic_matches("a.*.c", "a.b.c"));
+        assert!(!topic_matches("a.*.c", "a.c"));
+        assert!(topic_matches("a.#", "a"));
+        assert!(topic_matches("a.#", "a.b.c"));
+        assert!(topic_matches("#", ""));
+        assert!(topic_matches("#", "x.y"));
+        assert!(topic_matches("#.c", "a.b.c"));
+        assert!(!topic_matches("#.c", "a.b.d"));
+        assert!(topic_matches("*.orange.*", "quick.orange.rabbit"));
+        assert!(!topic_matches("*.orange.*", "quick.orange.male.rabbit"));
+        assert!(topic_matches("lazy.#", "lazy.orange.male.rabbit"));
+        assert!(!topic_matches("*", ""));
+        assert!(!topic_matches("a.b", "a.b.c"));
+    }
+
+    fn args(kv: &[(&str, &str)]) -> Args {
+        kv.iter().map(|(k, v)| (k.to_string(), ArgValue::Str(v.to_string()))).collect()
+    }
+
+    #[test]
+    fn headers_all_and_any() {
+        let h = args(&[("format", "pdf"), ("type", "report")]);
+        assert!(headers_match(&args(&[("format", "pdf"), ("type", "report")]), &h));
+        assert!(!headers_match(&args(&[("format", "pdf"), ("type", "log")]), &h));
+        assert!(headers_match(&args(&[("x-match", "any"), ("format", "zip"), ("type", "report")]), &h));
+        assert!(!headers_match(&args(&[("x-match", "any"), ("format", "zip")]), &h));
+        assert!(headers_match(&args(&[]), &h), "no arguments with all matches everything");
+    }
+
+    #[test]
+    fn route_by_kind() {
+        let mut ex = BTreeMap::new();
+        ex.insert(
+            "logs".to_string(),
+            ExchangeMeta {
+                name: "logs".into(),
+                kind: ExchangeKind::Topic,
+                durable: true,
+                auto_delete: false,
+                internal: false,
+            },
+        );
+        let mut b = BTreeSet::new();
+        let bind = |e: &str, q: &str, k: &str| Binding {
+            exchange: e.into(),
+            queue: q.into(),
+            routing_key: k.into(),
+            args: Args::new(),
+        };
+        b.insert(bind("logs", "errors", "*.error"));
+        b.insert(bind("logs", "all", "#"));
+        b.insert(bind("amq.fanout", "f1", "ignored"));
+        b.insert(bind("amq.fanout", "f2", ""));
+        b.insert(bind("amq.direct", "d", "k"));
+        let queues = |q: &str| q == "plain";
+        assert_eq!(
+            route(&ex, &b, &queues, "logs", "db.error", &Args::new()),
+            Some(vec!["all".into(), "errors".into()])
+        );
+        assert_eq!(route(&ex, &b, &queues, "logs", "db.info", &Args::new()), Some(vec!["all".into()]));
+        assert_eq!(route(&ex, &b, &queues, "amq.fanout", "x", &Args::new()), Some(vec!["f1".into(), "f2".into()]));
+        assert_eq!(route(&ex, &b, &queues, "amq.direct", "k", &Args::new()), Some(vec!["d".into()]));
+        assert_eq!(route(&ex, &b, &queues, "amq.direct", "other", &Args::new()), Some(vec![]));
+        assert_eq!(route(&ex, &b, &queues, "", "plain", &Args::new()), Some(vec!["plain".into()]));
+        assert_eq!(route(&ex, &b, &queues, "", "nothing", &Args::new()), Some(vec![]));
+        assert_eq!(route(&ex, &b, &queues, "missing", "k", &Args::new()), None);
+    }
+}
