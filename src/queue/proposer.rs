@@ -9,14 +9,14 @@
 
 use std::sync::Arc;
 
-use openraft::error::{ClientWriteError, RaftError};
+use openraft::error::ClientWriteError;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::sync::SyncState;
 use super::types::{QueueCmd, QueueReply};
 use crate::error::NodeError;
-use crate::raft::types::{Raft, Request, Response};
+use crate::raft::types::{NodeId, Raft, Request, Response, TypeConfig};
 
 /// Entries of one group in flight at once. Two keeps one appending while the
 /// previous one replicates; more only makes entries smaller.
@@ -75,11 +75,19 @@ impl Proposer {
                         Err(_) => break,
                     }
                 }
-                let (raft, sync) = (raft.clone(), sync.clone());
-                tokio::spawn(async move {
-                    write_batch(raft, sync, batch).await;
-                    drop(permit);
-                });
+                // Hand the entry to Raft here, in arrival order (that fixes
+                // its place in the log); wait for commit and confirm elsewhere.
+                let (cmds, waiters, needs_confirm) = flatten(batch);
+                match raft.client_write_ff(Request::Queue(cmds)).await {
+                    Ok(rx) => {
+                        let sync = sync.clone();
+                        tokio::spawn(async move {
+                            finish(rx, sync, waiters, needs_confirm).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(fatal) => fail(waiters, NodeError::Unavailable(fatal.to_string())),
+                }
             }
         });
         Self { tx }
@@ -100,7 +108,9 @@ impl Proposer {
     }
 }
 
-async fn write_batch(raft: Raft, mut sync: watch::Receiver<SyncState>, batch: Vec<Pending>) {
+type Waiters = Vec<(usize, Reply)>;
+
+fn flatten(batch: Vec<Pending>) -> (Vec<QueueCmd>, Waiters, bool) {
     let mut cmds = Vec::with_capacity(batch.iter().map(|p| p.cmds.len()).sum());
     let mut waiters = Vec::with_capacity(batch.len());
     for p in batch {
@@ -108,8 +118,22 @@ async fn write_batch(raft: Raft, mut sync: watch::Receiver<SyncState>, batch: Ve
         cmds.extend(p.cmds);
     }
     let needs_confirm = cmds.iter().any(QueueCmd::needs_confirm);
-    let result = match raft.client_write(Request::Queue(cmds)).await {
-        Ok(resp) => match resp.data {
+    (cmds, waiters, needs_confirm)
+}
+
+fn fail(waiters: Waiters, e: NodeError) {
+    for (_, reply) in waiters {
+        let _ = reply.send(Err(e.clone()));
+    }
+}
+
+type WriteAnswer = oneshot::Receiver<
+    Result<openraft::raft::ClientWriteResponse<TypeConfig>, ClientWriteError<NodeId, openraft::BasicNode>>,
+>;
+
+async fn finish(rx: WriteAnswer, mut sync: watch::Receiver<SyncState>, waiters: Waiters, needs_confirm: bool) {
+    let result = match rx.await {
+        Ok(Ok(resp)) => match resp.data {
             Response::Queue(replies) => {
                 let (term, index) = (resp.log_id.leader_id.term, resp.log_id.index);
                 if needs_confirm {
@@ -125,10 +149,9 @@ async fn write_batch(raft: Raft, mut sync: watch::Receiver<SyncState>, batch: Ve
             }
             other => Err(NodeError::Invalid(format!("queue group answered {other:?}"))),
         },
-        Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
-            Err(NodeError::NotLeader { leader: f.leader_id })
-        }
-        Err(e) => Err(NodeError::Unavailable(e.to_string())),
+        Ok(Err(ClientWriteError::ForwardToLeader(f))) => Err(NodeError::NotLeader { leader: f.leader_id }),
+        Ok(Err(e)) => Err(NodeError::Unavailable(e.to_string())),
+        Err(_) => Err(NodeError::Stopped),
     };
     match result {
         Ok(replies) => {
@@ -137,10 +160,6 @@ async fn write_batch(raft: Raft, mut sync: watch::Receiver<SyncState>, batch: Ve
                 let _ = reply.send(Ok(it.by_ref().take(n).collect()));
             }
         }
-        Err(e) => {
-            for (_, reply) in waiters {
-                let _ = reply.send(Err(e.clone()));
-            }
-        }
+        Err(e) => fail(waiters, e),
     }
 }
