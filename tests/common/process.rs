@@ -12,6 +12,8 @@ pub struct ProcNode {
     pub cluster: String,
     pub log: PathBuf,
     pub extra: Vec<String>,
+    /// Fixed AMQP port (default: a free one at each start).
+    pub amqp_port: Option<u16>,
     child: Option<Child>,
 }
 
@@ -28,6 +30,7 @@ impl ProcNode {
             cluster,
             log: root.join(format!("node{id}.log")),
             extra: Vec::new(),
+            amqp_port: None,
             child: None,
         }
     }
@@ -44,7 +47,7 @@ impl ProcNode {
             .arg("--cluster")
             .arg(&self.cluster)
             .arg("--amqp-listen")
-            .arg(format!("127.0.0.1:{}", super::free_port()))
+            .arg(format!("127.0.0.1:{}", self.amqp_port.unwrap_or_else(super::free_port)))
             .arg("--http-listen")
             .arg(format!("127.0.0.1:{}", super::free_port()))
             .args(&self.extra)

@@ -1,0 +1,30 @@
+//! Stock Python clients against a real `mirrorq serve` process. `.ci/run`
+//! installs them (`pip install pika`); a missing client fails the test.
+
+mod common;
+
+use common::process;
+
+/// pika (BlockingConnection): confirms, properties, get, consume with
+/// prefetch and acks, requeue, mandatory returns, fanout, 404 on a channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pika_works_unchanged() {
+    let root = tempfile::tempdir().unwrap();
+    let amqp_port = common::free_port();
+    let mut nodes = process::cluster(root.path(), 1, &[]);
+    let node = &mut nodes[0];
+    node.amqp_port = Some(amqp_port);
+    node.start();
+    node.wait_listening().await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/pika_smoke.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .env("AMQP_PORT", amqp_port.to_string())
+        .output()
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "pika script failed:\n{stdout}\n{stderr}\nnode log:\n{}", node.log_text());
+    assert!(stdout.contains("pika ok"));
+    node.assert_no_panic();
+}
