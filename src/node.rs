@@ -6,8 +6,9 @@
 //! elsewhere is forwarded over the node link to the master, which answers
 //! after the confirm.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -22,7 +23,7 @@ use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 
 use crate::error::{NodeError, ServerError};
 use crate::metadata::{
-    routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, QueueMeta,
+    routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, Policy, QueueMeta,
 };
 use crate::queue::proposer::{Answer, Proposer};
 use crate::queue::sync::{self, SyncState};
@@ -115,6 +116,8 @@ pub struct QueueInfo {
 struct QueueGroup {
     meta: QueueMeta,
     raft: Raft,
+    /// A membership change towards the metadata's replicas is under way.
+    changing: AtomicBool,
     proposer: Proposer,
     sync: watch::Receiver<SyncState>,
     stats: watch::Receiver<QueueStats>,
@@ -285,20 +288,21 @@ impl Node {
     }
 
     /// Declare a queue replicated on `replicas` (the first is the initial
-    /// master; empty means every node, this one first). Returns when its
-    /// group has a master and answers.
+    /// master), or, with `replicas` empty, placed by the effective policy as
+    /// RabbitMQ would (no policy: one replica, here). Returns when its group
+    /// has a master and answers.
     pub async fn declare_queue(&self, name: &str, replicas: Vec<NodeId>) -> Result<QueueMeta, NodeError> {
         if name.is_empty() || name.len() > 255 {
             return Err(NodeError::Invalid("queue name must be 1 to 255 bytes".into()));
         }
-        let replicas = if replicas.is_empty() {
-            let mut all: Vec<NodeId> = vec![self.id()];
-            all.extend(meta_members(&self.inner.meta_raft).into_iter().filter(|id| *id != self.id()));
-            all
-        } else {
-            replicas
+        let cmd = MetaCmd::DeclareQueue {
+            name: name.to_string(),
+            replicas,
+            durable: true,
+            declared_on: self.id(),
+            locator: None,
         };
-        let reply = self.meta_write(MetaCmd::DeclareQueue { name: name.to_string(), replicas, durable: true }).await?;
+        let reply = self.meta_write(cmd).await?;
         let q = match reply {
             MetaReply::Queue(q) => q,
             MetaReply::Invalid(why) => return Err(NodeError::Invalid(why)),
@@ -307,6 +311,23 @@ impl Node {
         // Answering a status proves the group elected a master.
         self.queue_op(name, vec![QueueCmd::Status]).await?;
         Ok(q)
+    }
+
+    /// Add or replace a policy; queues it matches are re-placed.
+    pub async fn set_policy(&self, p: Policy) -> Result<(), NodeError> {
+        let name = p.name.clone();
+        meta_result(self.meta_write(MetaCmd::SetPolicy(p)).await?, || format!("policy '{name}'"))
+    }
+
+    pub async fn clear_policy(&self, name: &str) -> Result<(), NodeError> {
+        meta_result(self.meta_write(MetaCmd::ClearPolicy { name: name.to_string() }).await?, || {
+            format!("no policy '{name}' in vhost '/'")
+        })
+    }
+
+    /// Voters of the queue's group as this node's replica sees them.
+    pub fn queue_members(&self, queue: &str) -> Option<BTreeSet<NodeId>> {
+        self.queue_raft(queue).map(|r| r.metrics().borrow().membership_config.membership().voter_ids().collect())
     }
 
     /// Declare an exchange (idempotent for the same type).
@@ -703,6 +724,9 @@ impl Node {
         let node = self.clone();
         let mut meta = self.inner.meta.clone();
         tokio::spawn(async move {
+            // Also on a timer: a replica leaves only once the group's
+            // membership no longer has it, and masters move.
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
             loop {
                 let state = meta.borrow_and_update().clone();
                 if let Err(e) = node.reconcile(&state).await {
@@ -711,6 +735,7 @@ impl Node {
                 tokio::select! {
                     _ = node.inner.stop.cancelled() => return,
                     r = meta.changed() => if r.is_err() { return },
+                    _ = tick.tick() => {}
                 }
             }
         });
@@ -719,13 +744,49 @@ impl Node {
     async fn reconcile(&self, state: &MetaState) -> Result<(), ServerError> {
         let wanted: HashMap<GroupId, &QueueMeta> =
             state.queues.values().filter(|q| q.replicas.contains(&self.id())).map(|q| (q.group, q)).collect();
-        let (to_start, to_stop): (Vec<QueueMeta>, Vec<Arc<QueueGroup>>) = {
+        let exists: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
+        let (to_start, to_stop, to_steer): (Vec<QueueMeta>, Vec<Arc<QueueGroup>>, Vec<Arc<QueueGroup>>) = {
             let groups = self.inner.groups.read().expect("poisoned");
             (
                 wanted.values().filter(|q| !groups.contains_key(&q.group)).map(|q| (*q).clone()).collect(),
-                groups.values().filter(|g| !wanted.contains_key(&g.meta.group)).cloned().collect(),
+                groups
+                    .values()
+                    .filter(|g| {
+                        // Deleted, or moved away and already out of the group's
+                        // membership (so stopping cannot cost the group a vote).
+                        !exists.contains_key(&g.meta.group)
+                            || (!wanted.contains_key(&g.meta.group) && !g.is_member(self.id()))
+                    })
+                    .cloned()
+                    .collect(),
+                groups.values().filter(|g| g.is_leader(self.id())).cloned().collect(),
             )
         };
+        // Moved away but still a member in our own view: the final
+        // membership entry never reaches a removed node, so ask the replicas
+        // that stay whether the change excluding us is in effect.
+        let moved: Vec<(Arc<QueueGroup>, Vec<NodeId>)> = {
+            let groups = self.inner.groups.read().expect("poisoned");
+            groups
+                .values()
+                .filter(|g| !wanted.contains_key(&g.meta.group) && g.is_member(self.id()))
+                .filter_map(|g| exists.get(&g.meta.group).map(|q| (g.clone(), q.replicas.clone())))
+                .collect()
+        };
+        for (g, stay) in moved {
+            if self.excluded_by_peers(g.meta.group, &stay).await {
+                self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
+                g.stop.cancel();
+                let _ = g.raft.shutdown().await;
+                self.inner.db.drop_group(g.meta.group)?;
+                tracing::info!(queue = %g.meta.name, "queue replica moved away");
+            }
+        }
+        for g in to_steer {
+            if let Some(q) = exists.get(&g.meta.group) {
+                self.steer_membership(g, (*q).clone(), state);
+            }
+        }
         for g in to_stop {
             self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
             g.stop.cancel();
@@ -737,6 +798,55 @@ impl Node {
             self.start_group(q, state).await?;
         }
         Ok(())
+    }
+
+    async fn excluded_by_peers(&self, group: GroupId, peers: &[NodeId]) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        for peer in peers.iter().filter(|p| **p != self.id()) {
+            if let Ok(RpcResponse::Members(Some(members))) =
+                self.inner.call(*peer, &RpcRequest::Members { group }, deadline).await
+            {
+                if !members.contains(&self.id()) {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// As master, move the group's membership to the metadata's replica set:
+    /// new replicas join as learners and catch up (`add_learner` waits for
+    /// that), then one joint-consensus change makes the set the voters.
+    fn steer_membership(&self, g: Arc<QueueGroup>, q: QueueMeta, state: &MetaState) {
+        let wanted: BTreeSet<NodeId> = q.replicas.iter().copied().collect();
+        let m = g.raft.metrics().borrow().clone();
+        let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
+        let all: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
+        if voters == wanted && all == wanted {
+            return;
+        }
+        if g.changing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let addrs: BTreeMap<NodeId, String> = state.nodes.values().map(|n| (n.id, n.raft_addr.clone())).collect();
+        tokio::spawn(async move {
+            let result: Result<(), String> = async {
+                for id in wanted.difference(&all) {
+                    let addr = addrs.get(id).cloned().ok_or_else(|| format!("no address for node {id}"))?;
+                    tracing::info!(queue = %q.name, node = id, "adding a mirror; it catches up as a learner");
+                    g.raft.add_learner(*id, BasicNode { addr }, true).await.map_err(|e| e.to_string())?;
+                }
+                g.raft.change_membership(wanted.clone(), false).await.map_err(|e| e.to_string())?;
+                tracing::info!(queue = %q.name, members = ?wanted, "queue membership changed");
+                Ok(())
+            }
+            .await;
+            if let Err(e) = result {
+                tracing::warn!(queue = %q.name, error = %e, "membership change did not complete; will retry");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            g.changing.store(false, Ordering::Release);
+        });
     }
 
     async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
@@ -757,15 +867,23 @@ impl Node {
         let stop = self.inner.stop.child_token();
         let sync = sync::spawn(q.group, raft.clone(), self.inner.timing.sync_timeout, stop.clone());
         let proposer = Proposer::spawn(raft.clone(), sync.clone(), stop.clone());
-        let group = Arc::new(QueueGroup { meta: q.clone(), raft: raft.clone(), proposer, sync, stats, stop });
+        let group = Arc::new(QueueGroup {
+            meta: q.clone(),
+            raft: raft.clone(),
+            changing: AtomicBool::new(false),
+            proposer,
+            sync,
+            stats,
+            stop,
+        });
         self.inner.groups.write().expect("poisoned").insert(q.group, group);
 
         // The designated master starts a new group; the others wait to be
         // contacted. A restarted replica finds its group already initialized.
         let pristine = !raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
-        if pristine && q.replicas.first() == Some(&self.id()) {
+        if pristine && q.initial.first() == Some(&self.id()) {
             let members: BTreeMap<NodeId, BasicNode> = q
-                .replicas
+                .initial
                 .iter()
                 .map(|id| {
                     let addr = state.nodes.get(id).map(|n| n.raft_addr.clone()).unwrap_or_default();
@@ -791,9 +909,15 @@ fn meta_result(reply: MetaReply, not_found: impl FnOnce() -> String) -> Result<(
     }
 }
 
-/// Current members of the metadata group.
-fn meta_members(raft: &Raft) -> Vec<NodeId> {
-    raft.metrics().borrow().membership_config.membership().nodes().map(|(id, _)| *id).collect()
+impl QueueGroup {
+    fn is_member(&self, id: NodeId) -> bool {
+        self.raft.metrics().borrow().membership_config.membership().get_node(&id).is_some()
+    }
+    fn is_leader(&self, id: NodeId) -> bool {
+        let rx = self.raft.metrics();
+        let m = rx.borrow();
+        m.state == ServerState::Leader && m.current_leader == Some(id)
+    }
 }
 
 impl Inner {
@@ -877,6 +1001,10 @@ impl Inner {
                 None => RpcResponse::UnknownGroup(group),
             },
             RpcRequest::Queue { group, cmds } => RpcResponse::Queue(self.local_queue_op(group, cmds).await),
+            RpcRequest::Members { group } => RpcResponse::Members(
+                self.raft_of(group)
+                    .map(|r| r.metrics().borrow().membership_config.membership().nodes().map(|(id, _)| *id).collect()),
+            ),
             RpcRequest::Meta { cmd } => {
                 let leader = self.meta_raft.metrics().borrow().current_leader;
                 RpcResponse::Meta(if leader == Some(self.id) {

@@ -685,8 +685,8 @@ impl Channel {
                     return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{name}' in vhost '/'"), 50, 10)));
                 }
                 if !exists {
-                    // No ha-* policy yet: one replica, on this node (CONTRACT 5).
-                    self.node.declare_queue(&name, vec![self.node.id()]).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
+                    // Placed by the effective policy (none: one replica, here).
+                    self.node.declare_queue(&name, Vec::new()).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
                 }
                 let (ready, _) = self.node.status(&name).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
                 if !d.nowait {

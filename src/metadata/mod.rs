@@ -3,9 +3,11 @@
 //! and answers reads from its local copy.
 
 mod machine;
+pub mod policy;
 pub mod routing;
 mod state;
 
 pub use machine::MetaMachine;
+pub use policy::{ApplyTo, Policy};
 pub use routing::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta};
 pub use state::{MetaCmd, MetaReply, MetaState, NodeInfo, QueueMeta};

@@ -2,6 +2,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::policy::{self, Policy};
 use super::routing::{builtin, Binding, ExchangeMeta};
 use crate::raft::types::{GroupId, NodeId, METADATA_GROUP};
 
@@ -16,9 +17,17 @@ pub struct NodeInfo {
 pub struct QueueMeta {
     pub name: String,
     pub group: GroupId,
-    /// Replica nodes in seniority order; the first is the initial master.
+    /// Replica nodes in seniority order (longest in the group first); the
+    /// wish that the master reconciles the group's membership towards.
     pub replicas: Vec<NodeId>,
+    /// The members the group was founded with; only `initial[0]` ever
+    /// initializes the group, so a later first replica never founds a second one.
+    pub initial: Vec<NodeId>,
     pub durable: bool,
+    /// Placement follows policies (false: replicas given explicitly).
+    pub by_policy: bool,
+    /// Name of the effective policy, if any.
+    pub policy: Option<String>,
 }
 
 /// The metadata as every node sees it once applied.
@@ -33,6 +42,8 @@ pub struct MetaState {
     pub exchanges: BTreeMap<String, ExchangeMeta>,
     #[serde(default)]
     pub bindings: BTreeSet<Binding>,
+    #[serde(default)]
+    pub policies: BTreeMap<String, Policy>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,10 +51,22 @@ pub enum MetaCmd {
     /// A node announces its name and address (idempotent).
     RegisterNode(NodeInfo),
     /// Create a queue unless one of that name exists (then answer it as is).
+    /// Empty `replicas`: placed by the effective policy, the master chosen by
+    /// the locator (`declared_on` for client-local).
     DeclareQueue {
         name: String,
         replicas: Vec<NodeId>,
         durable: bool,
+        #[serde(default)]
+        declared_on: NodeId,
+        /// `x-queue-master-locator`: Some(true) min-masters, Some(false) client-local.
+        #[serde(default)]
+        locator: Option<bool>,
+    },
+    /// Add or replace a policy (validated first; nothing invalid is stored).
+    SetPolicy(Policy),
+    ClearPolicy {
+        name: String,
     },
     DeleteQueue {
         name: String,
@@ -75,13 +98,34 @@ impl MetaState {
     pub fn apply(&mut self, cmd: &MetaCmd) -> MetaReply {
         match cmd {
             MetaCmd::RegisterNode(info) => {
+                let new = !self.nodes.contains_key(&info.id);
                 self.nodes.insert(info.id, info.clone());
+                if new {
+                    self.replace_all();
+                }
                 MetaReply::Ok
             }
-            MetaCmd::DeclareQueue { name, replicas, durable } => {
+            MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator } => {
                 if let Some(q) = self.queues.get(name) {
                     return MetaReply::Queue(q.clone());
                 }
+                let by_policy = replicas.is_empty();
+                let (replicas, policy) = if by_policy {
+                    let pol = policy::effective(&self.policies, name).cloned();
+                    let ha = pol.as_ref().and_then(|p| policy::parse_definition(&p.definition).ok());
+                    let mode = ha.as_ref().and_then(|h| h.mode.clone());
+                    // CONTRACT 5: client-local for unmirrored queues, min-masters for mirrored.
+                    let min_masters = locator.or(ha.as_ref().and_then(|h| h.min_masters)).unwrap_or(mode.is_some());
+                    let master = if min_masters || !self.nodes.contains_key(declared_on) {
+                        self.least_masters().unwrap_or(*declared_on)
+                    } else {
+                        *declared_on
+                    };
+                    let placed = policy::placement(mode.as_ref(), &[master], &self.node_list(), &self.replica_load());
+                    (placed, pol.map(|p| p.name))
+                } else {
+                    (replicas.clone(), None)
+                };
                 if replicas.is_empty() {
                     return MetaReply::Invalid("a queue needs at least one replica".into());
                 }
@@ -96,11 +140,29 @@ impl MetaState {
                 let q = QueueMeta {
                     name: name.clone(),
                     group: self.next_group,
-                    replicas: replicas.clone(),
+                    initial: replicas.clone(),
+                    replicas,
                     durable: *durable,
+                    by_policy,
+                    policy,
                 };
                 self.queues.insert(name.clone(), q.clone());
                 MetaReply::Queue(q)
+            }
+            MetaCmd::SetPolicy(p) => {
+                if let Err(why) = policy::validate(p) {
+                    return MetaReply::Invalid(why);
+                }
+                self.policies.insert(p.name.clone(), p.clone());
+                self.replace_all();
+                MetaReply::Ok
+            }
+            MetaCmd::ClearPolicy { name } => {
+                if self.policies.remove(name).is_none() {
+                    return MetaReply::NotFound;
+                }
+                self.replace_all();
+                MetaReply::Ok
             }
             MetaCmd::DeleteQueue { name } => match self.queues.remove(name) {
                 Some(_) => {
@@ -162,6 +224,47 @@ impl MetaState {
         }
     }
 
+    fn node_list(&self) -> Vec<(NodeId, String)> {
+        self.nodes.values().map(|n| (n.id, n.name.clone())).collect()
+    }
+
+    /// Replicas per node, over every queue.
+    fn replica_load(&self) -> BTreeMap<NodeId, usize> {
+        let mut load: BTreeMap<NodeId, usize> = self.nodes.keys().map(|id| (*id, 0)).collect();
+        for q in self.queues.values() {
+            for r in &q.replicas {
+                *load.entry(*r).or_default() += 1;
+            }
+        }
+        load
+    }
+
+    /// The node that is first replica (master by placement) of the fewest queues.
+    fn least_masters(&self) -> Option<NodeId> {
+        let mut masters: BTreeMap<NodeId, usize> = self.nodes.keys().map(|id| (*id, 0)).collect();
+        for q in self.queues.values() {
+            if let Some(m) = q.replicas.first() {
+                *masters.entry(*m).or_default() += 1;
+            }
+        }
+        masters.into_iter().min_by_key(|(id, n)| (*n, *id)).map(|(id, _)| id)
+    }
+
+    /// Recompute every policy-placed queue's replicas after a policy or the
+    /// set of nodes changed. Deterministic: every node computes the same.
+    fn replace_all(&mut self) {
+        let nodes = self.node_list();
+        let names: Vec<String> = self.queues.values().filter(|q| q.by_policy).map(|q| q.name.clone()).collect();
+        for name in names {
+            let pol = policy::effective(&self.policies, &name).cloned();
+            let mode = pol.as_ref().and_then(|p| policy::parse_definition(&p.definition).ok()).and_then(|h| h.mode);
+            let load = self.replica_load();
+            let q = self.queues.get_mut(&name).expect("listed above");
+            q.replicas = policy::placement(mode.as_ref(), &q.replicas, &nodes, &load);
+            q.policy = pol.map(|p| p.name);
+        }
+    }
+
     /// A declared or built-in exchange.
     pub fn exchange(&self, name: &str) -> Option<ExchangeMeta> {
         self.exchanges.get(name).cloned().or_else(|| builtin(name))
@@ -176,6 +279,10 @@ impl MetaState {
 mod tests {
     use super::*;
 
+    fn decl(name: &str, replicas: Vec<NodeId>, durable: bool) -> MetaCmd {
+        MetaCmd::DeclareQueue { name: name.into(), replicas, durable, declared_on: 1, locator: None }
+    }
+
     fn with_nodes(n: u64) -> MetaState {
         let mut s = MetaState::default();
         for id in 1..=n {
@@ -187,38 +294,30 @@ mod tests {
     #[test]
     fn declare_assigns_distinct_groups_and_is_idempotent() {
         let mut s = with_nodes(3);
-        let a = s.apply(&MetaCmd::DeclareQueue { name: "a".into(), replicas: vec![1, 2], durable: true });
-        let b = s.apply(&MetaCmd::DeclareQueue { name: "b".into(), replicas: vec![3], durable: true });
+        let a = s.apply(&decl("a", vec![1, 2], true));
+        let b = s.apply(&decl("b", vec![3], true));
         let (MetaReply::Queue(a), MetaReply::Queue(b)) = (a, b) else { panic!("declare failed") };
         assert_ne!(a.group, b.group);
         assert_ne!(a.group, METADATA_GROUP);
-        let again = s.apply(&MetaCmd::DeclareQueue { name: "a".into(), replicas: vec![3], durable: false });
+        let again = s.apply(&decl("a", vec![3], false));
         assert_eq!(again, MetaReply::Queue(a));
     }
 
     #[test]
     fn declare_rejects_unknown_or_duplicate_replicas() {
         let mut s = with_nodes(2);
-        assert!(matches!(
-            s.apply(&MetaCmd::DeclareQueue { name: "a".into(), replicas: vec![1, 9], durable: true }),
-            MetaReply::Invalid(_)
-        ));
-        assert!(matches!(
-            s.apply(&MetaCmd::DeclareQueue { name: "a".into(), replicas: vec![1, 1], durable: true }),
-            MetaReply::Invalid(_)
-        ));
-        assert!(matches!(
-            s.apply(&MetaCmd::DeclareQueue { name: "a".into(), replicas: vec![], durable: true }),
-            MetaReply::Invalid(_)
-        ));
-        assert!(s.queues.is_empty());
+        assert!(matches!(s.apply(&decl("a", vec![1, 9], true)), MetaReply::Invalid(_)));
+        assert!(matches!(s.apply(&decl("a", vec![1, 1], true)), MetaReply::Invalid(_)));
+        // Empty replicas: placed by policy (none here: client-local, one replica).
+        assert!(matches!(s.apply(&decl("b", vec![], true)), MetaReply::Queue(q) if q.replicas == vec![1]));
+        assert_eq!(s.queues.len(), 1);
     }
 
     #[test]
     fn exchanges_bindings_and_queue_deletion() {
         use crate::metadata::routing::{Args, ExchangeKind};
         let mut s = with_nodes(1);
-        s.apply(&MetaCmd::DeclareQueue { name: "q".into(), replicas: vec![1], durable: true });
+        s.apply(&decl("q", vec![1], true));
         let ex =
             |n: &str, k| ExchangeMeta { name: n.into(), kind: k, durable: true, auto_delete: false, internal: false };
         assert_eq!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Topic))), MetaReply::Ok);
@@ -254,18 +353,100 @@ mod tests {
     #[test]
     fn delete_then_redeclare_gets_a_new_group() {
         let mut s = with_nodes(1);
-        let MetaReply::Queue(a) =
-            s.apply(&MetaCmd::DeclareQueue { name: "a".into(), replicas: vec![1], durable: true })
-        else {
-            panic!()
-        };
+        let MetaReply::Queue(a) = s.apply(&decl("a", vec![1], true)) else { panic!() };
         assert_eq!(s.apply(&MetaCmd::DeleteQueue { name: "a".into() }), MetaReply::Ok);
         assert_eq!(s.apply(&MetaCmd::DeleteQueue { name: "a".into() }), MetaReply::NotFound);
-        let MetaReply::Queue(a2) =
-            s.apply(&MetaCmd::DeclareQueue { name: "a".into(), replicas: vec![1], durable: true })
-        else {
-            panic!()
-        };
+        let MetaReply::Queue(a2) = s.apply(&decl("a", vec![1], true)) else { panic!() };
         assert_ne!(a.group, a2.group, "a re-declared queue must not reuse the old group's log");
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+    use crate::metadata::policy::{ApplyTo, Policy};
+
+    fn state(n: u64) -> MetaState {
+        let mut s = MetaState::default();
+        for id in 1..=n {
+            s.apply(&MetaCmd::RegisterNode(NodeInfo { id, name: format!("mirrorq@{id}"), raft_addr: String::new() }));
+        }
+        s
+    }
+
+    fn set(s: &mut MetaState, name: &str, pattern: &str, def: &str) -> MetaReply {
+        s.apply(&MetaCmd::SetPolicy(Policy {
+            name: name.into(),
+            pattern: pattern.into(),
+            apply_to: ApplyTo::Queues,
+            priority: 0,
+            definition: def.into(),
+        }))
+    }
+
+    fn declare(s: &mut MetaState, name: &str, on: NodeId) -> QueueMeta {
+        match s.apply(&MetaCmd::DeclareQueue {
+            name: name.into(),
+            replicas: vec![],
+            durable: true,
+            declared_on: on,
+            locator: None,
+        }) {
+            MetaReply::Queue(q) => q,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn policy_changes_regrow_and_shrink_policy_placed_queues() {
+        let mut s = state(3);
+        assert_eq!(set(&mut s, "ha", "^ha", r#"{"ha-mode":"exactly","ha-params":2}"#), MetaReply::Ok);
+        let q = declare(&mut s, "ha.q", 2);
+        assert_eq!(q.replicas.len(), 2);
+        assert_eq!(q.policy.as_deref(), Some("ha"));
+        let plain = declare(&mut s, "plain", 2);
+        assert_eq!(plain.replicas, vec![2], "no policy: one replica on the declaring node");
+        set(&mut s, "ha", "^ha", r#"{"ha-mode":"all"}"#);
+        assert_eq!(s.queues["ha.q"].replicas.len(), 3);
+        assert_eq!(s.queues["ha.q"].replicas[..2], q.replicas[..], "seniority kept");
+        set(&mut s, "ha", "^ha", r#"{"ha-mode":"exactly","ha-params":1}"#);
+        assert_eq!(s.queues["ha.q"].replicas, vec![q.replicas[0]]);
+        assert_eq!(s.queues["plain"].replicas, vec![2], "untouched");
+        assert_eq!(s.apply(&MetaCmd::ClearPolicy { name: "ha".into() }), MetaReply::Ok);
+        assert_eq!(s.queues["ha.q"].policy, None);
+        assert_eq!(s.apply(&MetaCmd::ClearPolicy { name: "ha".into() }), MetaReply::NotFound);
+    }
+
+    #[test]
+    fn invalid_policies_are_not_stored() {
+        let mut s = state(1);
+        assert!(matches!(set(&mut s, "p", "(", r#"{"ha-mode":"all"}"#), MetaReply::Invalid(_)));
+        assert!(matches!(set(&mut s, "p", "^x", r#"{"ha-mode":"most"}"#), MetaReply::Invalid(_)));
+        assert!(s.policies.is_empty());
+    }
+
+    #[test]
+    fn all_mode_follows_nodes_that_join() {
+        let mut s = state(2);
+        set(&mut s, "all", ".*", r#"{"ha-mode":"all"}"#);
+        declare(&mut s, "q", 1);
+        assert_eq!(s.queues["q"].replicas.len(), 2);
+        s.apply(&MetaCmd::RegisterNode(NodeInfo { id: 3, name: "mirrorq@3".into(), raft_addr: String::new() }));
+        assert_eq!(s.queues["q"].replicas.len(), 3);
+        assert_eq!(s.queues["q"].initial.len(), 2, "founding members stay as they were");
+    }
+
+    #[test]
+    fn mirrored_masters_spread_over_nodes() {
+        let mut s = state(3);
+        set(&mut s, "all", "^m", r#"{"ha-mode":"all"}"#);
+        for i in 0..30 {
+            declare(&mut s, &format!("m{i}"), 1);
+        }
+        let mut masters: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for q in s.queues.values() {
+            *masters.entry(q.replicas[0]).or_default() += 1;
+        }
+        assert_eq!(masters.values().copied().collect::<Vec<_>>(), vec![10, 10, 10]);
     }
 }

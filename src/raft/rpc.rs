@@ -43,6 +43,12 @@ pub enum RpcRequest {
         group: GroupId,
         cmds: Vec<QueueCmd>,
     },
+    /// The members (voters and learners) of `group` as the receiver's replica
+    /// sees them; `None` if it hosts none. A replica moved away asks this to
+    /// learn that the membership change excluding it is in effect.
+    Members {
+        group: GroupId,
+    },
     /// A metadata change for the metadata leader.
     Meta {
         cmd: MetaCmd,
@@ -61,6 +67,7 @@ pub enum RpcResponse {
     /// until it has applied it locally.
     Meta(Result<(MetaReply, u64), NodeError>),
     Client(Result<ClientReply, NodeError>),
+    Members(Option<std::collections::BTreeSet<NodeId>>),
     /// The receiver does not host this group (yet): the sender retries later.
     UnknownGroup(GroupId),
 }
@@ -68,7 +75,7 @@ pub enum RpcResponse {
 /// Requests a client (test, tool) may send to any node.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ClientRequest {
-    /// Declare a queue on the given replicas (empty: every node).
+    /// Declare a queue on the given replicas (empty: placed by policy).
     DeclareQueue {
         name: String,
         replicas: Vec<NodeId>,
