@@ -16,6 +16,7 @@
 //! - [`raft`]: type config, state-machine adapter, node-to-node wire format,
 //!   outbound network and inbound server shared by all groups.
 //! - [`amqp`]: the AMQP 0-9-1 front end (amq-protocol frames) over the node API.
+//! - [`http`]: the management HTTP API (axum), RabbitMQ's field names.
 //! - [`client`]: a client of the node link, for tools and tests.
 //! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
 //! - `mirrorq-storage` (the `storage/` crate): sled, group commit, openraft's
@@ -28,6 +29,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod error;
+pub mod http;
 pub mod metadata;
 pub mod node;
 pub mod queue;

@@ -325,6 +325,43 @@ impl Node {
         })
     }
 
+    /// The queue as its master sees it (counts, synchronised mirrors), asked
+    /// over the node link when the master is elsewhere.
+    pub async fn master_view(&self, name: &str) -> Result<QueueInfo, NodeError> {
+        let q = self.metadata().queues.get(name).cloned().ok_or_else(|| NodeError::NoSuchQueue(name.into()))?;
+        let mut target = self.leader_guess(&q);
+        for _ in 0..3 {
+            let info = if target == self.id() {
+                self.queue_info(name)?
+            } else {
+                let deadline = Instant::now() + Duration::from_secs(2);
+                match self
+                    .inner
+                    .call(target, &RpcRequest::Client(ClientRequest::QueueInfo { name: name.into() }), deadline)
+                    .await
+                {
+                    Ok(RpcResponse::Client(Ok(ClientReply::QueueInfo(i)))) => i,
+                    Ok(RpcResponse::Client(Err(e))) => return Err(e),
+                    _ => return Err(NodeError::Unavailable(format!("node {target} did not answer"))),
+                }
+            };
+            match info.leader {
+                Some(l) if l != target && info.local => target = l,
+                _ => return Ok(info),
+            }
+        }
+        Err(NodeError::Unavailable(format!("no master of '{name}' found")))
+    }
+
+    /// Does node `id` answer on the node link?
+    pub async fn ping(&self, id: NodeId, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        matches!(
+            self.inner.call(id, &RpcRequest::Members { group: METADATA_GROUP }, deadline).await,
+            Ok(RpcResponse::Members(_))
+        )
+    }
+
     /// Voters of the queue's group as this node's replica sees them.
     pub fn queue_members(&self, queue: &str) -> Option<BTreeSet<NodeId>> {
         self.queue_raft(queue).map(|r| r.metrics().borrow().membership_config.membership().voter_ids().collect())

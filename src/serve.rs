@@ -22,8 +22,10 @@ pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result
         .await
         .map_err(|source| ServerError::Listen { addr: cfg.amqp_listen.clone(), source })?;
     tokio::spawn(crate::amqp::serve(amqp, node.clone(), node.stopped()));
-    // The HTTP front end attaches here (issue #6); the flag is accepted now
-    // so configurations stay valid.
+    let http = tokio::net::TcpListener::bind(&cfg.http_listen)
+        .await
+        .map_err(|source| ServerError::Listen { addr: cfg.http_listen.clone(), source })?;
+    tokio::spawn(crate::http::serve(http, node.clone(), node.stopped()));
     tracing::info!(
         node = node.name(),
         raft = node.raft_addr(),

@@ -1022,7 +1022,7 @@ impl Channel {
 }
 
 /// AMQP table -> the values routing compares.
-fn to_args(t: &FieldTable) -> Args {
+pub(crate) fn to_args(t: &FieldTable) -> Args {
     t.inner()
         .iter()
         .map(|(k, v)| {

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::node::Node;
 
 pub use codec::{decode_properties, encode_properties};
+pub(crate) use connection::to_args;
 
 /// Accept AMQP connections until `stop` is cancelled.
 pub async fn serve(listener: TcpListener, node: Node, stop: CancellationToken) {

@@ -1,0 +1,441 @@
+//! Management HTTP API (RabbitMQ-compatible subset, CONTRACT section 3) on
+//! axum. Any node answers for the whole cluster: reads come from the local
+//! metadata and the queue masters (over the node link), writes go through
+//! the metadata leader or the queue's master.
+
+mod error;
+mod props;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::metadata::{policy, ApplyTo, Policy, QueueMeta};
+use crate::node::Node;
+use crate::queue::{Message, QueueCmd};
+pub use error::ApiError;
+
+/// Serve the API until `stop` is cancelled.
+pub async fn serve(listener: TcpListener, node: Node, stop: CancellationToken) {
+    let app = router(node);
+    let server = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(stop.cancelled_owned());
+    if let Err(e) = server.await {
+        tracing::error!(error = %e, "http server failed");
+    }
+}
+
+pub fn router(node: Node) -> Router {
+    Router::new()
+        .route("/api/overview", get(overview))
+        .route("/api/health/checks/alarms", get(health))
+        .route("/api/nodes", get(nodes))
+        .route("/api/policies", get(list_policies))
+        .route("/api/policies/{vhost}", get(list_policies_in))
+        .route("/api/policies/{vhost}/{name}", get(get_policy).put(put_policy).delete(delete_policy))
+        .route("/api/queues", get(list_queues))
+        .route("/api/queues/{vhost}", get(list_queues_in))
+        .route("/api/queues/{vhost}/{name}", get(get_queue).put(put_queue).delete(delete_queue))
+        .route("/api/queues/{vhost}/{name}/contents", delete(purge_queue))
+        .route("/api/queues/{vhost}/{name}/get", post(get_messages))
+        .route("/api/exchanges", get(list_exchanges))
+        .route("/api/exchanges/{vhost}/{name}/publish", post(publish))
+        .route("/api/bindings", get(list_bindings))
+        .fallback(|| async { ApiError::not_found() })
+        .layer(middleware::from_fn(auth))
+        .with_state(node)
+}
+
+/// HTTP basic auth: `guest`/`guest`, from loopback only (as RabbitMQ).
+async fn auth(req: Request, next: Next) -> Response {
+    let loopback = req.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip().is_loopback()).unwrap_or(true);
+    let ok = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+        .is_some_and(|creds| creds == b"guest:guest");
+    if !ok || !loopback {
+        let mut r = ApiError::new(StatusCode::UNAUTHORIZED, "not_authorised", "Login failed").into_response();
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, "Basic realm=\"RabbitMQ Management\"".parse().unwrap());
+        return r;
+    }
+    next.run(req).await
+}
+
+fn vhost_ok(vhost: &str) -> Result<(), ApiError> {
+    if vhost == "/" {
+        Ok(())
+    } else {
+        Err(ApiError::not_found())
+    }
+}
+
+fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
+    if body.is_empty() {
+        return Ok(serde_json::Map::new());
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::bad_request("body must be a JSON object")),
+        Err(e) => Err(ApiError::bad_request(format!("malformed JSON: {e}"))),
+    }
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn overview(State(node): State<Node>) -> Json<Value> {
+    let meta = node.metadata();
+    let mut ready = 0;
+    let mut unacked = 0;
+    for q in meta.queues.values() {
+        if let Ok(info) = node.master_view(&q.name).await {
+            ready += info.ready;
+            unacked += info.unacked;
+        }
+    }
+    Json(json!({
+        "cluster_name": "mirrorq",
+        "node": node.name(),
+        "product_name": "mirrorq",
+        "product_version": env!("CARGO_PKG_VERSION"),
+        "management_version": env!("CARGO_PKG_VERSION"),
+        "queue_totals": {"messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked},
+        "object_totals": {
+            "queues": meta.queues.len(),
+            "exchanges": meta.exchanges.len() + 6,
+            "connections": 0, "channels": 0, "consumers": 0,
+        },
+    }))
+}
+
+async fn nodes(State(node): State<Node>) -> Json<Value> {
+    let meta = node.metadata();
+    let mut out = Vec::new();
+    for n in meta.nodes.values() {
+        let running = n.id == node.id() || node.ping(n.id, Duration::from_millis(500)).await;
+        out.push(json!({"name": n.name, "running": running, "type": "disc", "cluster_links": []}));
+    }
+    Json(Value::Array(out))
+}
+
+fn policy_json(p: &Policy) -> Value {
+    json!({
+        "vhost": "/",
+        "name": p.name,
+        "pattern": p.pattern,
+        "apply-to": p.apply_to.as_str(),
+        "priority": p.priority,
+        "definition": serde_json::from_str::<Value>(&p.definition).unwrap_or(json!({})),
+    })
+}
+
+async fn list_policies(State(node): State<Node>) -> Json<Value> {
+    Json(Value::Array(node.metadata().policies.values().map(policy_json).collect()))
+}
+
+async fn list_policies_in(State(node): State<Node>, Path(vhost): Path<String>) -> Result<Json<Value>, ApiError> {
+    vhost_ok(&vhost)?;
+    Ok(list_policies(State(node)).await)
+}
+
+async fn get_policy(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    vhost_ok(&vhost)?;
+    node.metadata().policies.get(&name).map(|p| Json(policy_json(p))).ok_or_else(ApiError::not_found)
+}
+
+async fn put_policy(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    vhost_ok(&vhost)?;
+    let b = parse_body(&body)?;
+    let pattern = match b.get("pattern") {
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(ApiError::bad_request("pattern must be a string")),
+        None => return Err(ApiError::bad_request("pattern is required")),
+    };
+    let definition = match b.get("definition") {
+        Some(d @ Value::Object(_)) => d.to_string(),
+        Some(_) => return Err(ApiError::bad_request("definition must be a JSON object")),
+        None => return Err(ApiError::bad_request("definition is required")),
+    };
+    let priority = match b.get("priority") {
+        None | Some(Value::Null) => 0,
+        Some(Value::Number(n)) if n.is_i64() => n.as_i64().unwrap_or(0),
+        Some(Value::String(s)) => s.parse().map_err(|_| ApiError::bad_request("priority must be an integer"))?,
+        Some(_) => return Err(ApiError::bad_request("priority must be an integer")),
+    };
+    let apply_to = match b.get("apply-to") {
+        None | Some(Value::Null) => ApplyTo::All,
+        Some(Value::String(s)) => ApplyTo::parse(s).map_err(ApiError::bad_request)?,
+        Some(_) => return Err(ApiError::bad_request("apply-to must be a string")),
+    };
+    let p = Policy { name: name.clone(), pattern, apply_to, priority, definition };
+    policy::validate(&p).map_err(ApiError::bad_request)?;
+    let existed = node.metadata().policies.contains_key(&name);
+    node.set_policy(p).await?;
+    Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
+}
+
+async fn delete_policy(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    vhost_ok(&vhost)?;
+    node.clear_policy(&name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
+    let meta = node.metadata();
+    let name_of = |id: &u64| meta.nodes.get(id).map(|n| n.name.clone()).unwrap_or_else(|| format!("mirrorq@{id}"));
+    let view = node.master_view(&q.name).await.ok();
+    let master = view.as_ref().and_then(|v| v.leader);
+    let slaves: Vec<String> = q.replicas.iter().filter(|r| Some(**r) != master).map(name_of).collect();
+    let synced: Vec<String> = view
+        .as_ref()
+        .map(|v| v.synchronised.iter().filter(|r| Some(**r) != master).map(name_of).collect())
+        .unwrap_or_default();
+    let (ready, unacked) = view.as_ref().map(|v| (v.ready, v.unacked)).unwrap_or((0, 0));
+    let def = q
+        .policy
+        .as_ref()
+        .and_then(|p| meta.policies.get(p))
+        .and_then(|p| serde_json::from_str::<Value>(&p.definition).ok())
+        .unwrap_or(json!({}));
+    json!({
+        "name": q.name,
+        "vhost": "/",
+        "durable": q.durable,
+        "auto_delete": false,
+        "exclusive": false,
+        "arguments": {},
+        "node": master.map(|m| name_of(&m)).unwrap_or_else(|| name_of(&q.replicas[0])),
+        "slave_nodes": slaves,
+        "synchronised_slave_nodes": synced,
+        "messages": ready + unacked,
+        "messages_ready": ready,
+        "messages_unacknowledged": unacked,
+        "policy": q.policy,
+        "effective_policy_definition": def,
+        "state": if master.is_some() { "running" } else { "down" },
+        "type": "classic",
+    })
+}
+
+async fn list_queues(State(node): State<Node>) -> Json<Value> {
+    let meta = node.metadata();
+    let mut out = Vec::new();
+    for q in meta.queues.values() {
+        out.push(queue_json(&node, q).await);
+    }
+    Json(Value::Array(out))
+}
+
+async fn list_queues_in(State(node): State<Node>, Path(vhost): Path<String>) -> Result<Json<Value>, ApiError> {
+    vhost_ok(&vhost)?;
+    Ok(list_queues(State(node)).await)
+}
+
+async fn get_queue(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    vhost_ok(&vhost)?;
+    let q = node.metadata().queues.get(&name).cloned().ok_or_else(ApiError::not_found)?;
+    Ok(Json(queue_json(&node, &q).await))
+}
+
+async fn put_queue(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    vhost_ok(&vhost)?;
+    let b = parse_body(&body)?;
+    for k in ["durable", "auto_delete"] {
+        if b.get(k).is_some_and(|v| !v.is_boolean()) {
+            return Err(ApiError::bad_request(format!("{k} must be true or false")));
+        }
+    }
+    if b.get("arguments").is_some_and(|v| !v.is_object() && !v.is_null()) {
+        return Err(ApiError::bad_request("arguments must be an object"));
+    }
+    if name.is_empty() || name.len() > 255 {
+        return Err(ApiError::bad_request("queue name must be 1 to 255 bytes"));
+    }
+    let existed = node.metadata().queues.contains_key(&name);
+    node.declare_queue(&name, Vec::new()).await?;
+    Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
+}
+
+async fn delete_queue(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    vhost_ok(&vhost)?;
+    node.delete_queue(&name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn purge_queue(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    vhost_ok(&vhost)?;
+    node.purge(&name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn get_messages(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    vhost_ok(&vhost)?;
+    let b = parse_body(&body)?;
+    let count = match b.get("count") {
+        Some(Value::Number(n)) => {
+            n.as_u64().filter(|n| *n >= 1).ok_or_else(|| ApiError::bad_request("count must be a positive integer"))?
+        }
+        Some(Value::String(s)) => s.parse().map_err(|_| ApiError::bad_request("count must be a positive integer"))?,
+        None => return Err(ApiError::bad_request("count is required")),
+        Some(_) => return Err(ApiError::bad_request("count must be a positive integer")),
+    };
+    let requeue = match b.get("ackmode").and_then(Value::as_str) {
+        Some("ack_requeue_false") | Some("reject_requeue_false") => false,
+        Some("ack_requeue_true") | Some("reject_requeue_true") => true,
+        Some(other) => return Err(ApiError::bad_request(format!("unknown ackmode '{other}'"))),
+        None => return Err(ApiError::bad_request("ackmode is required")),
+    };
+    let base64_always = match b.get("encoding").and_then(Value::as_str) {
+        Some("auto") | None => false,
+        Some("base64") => true,
+        Some(other) => return Err(ApiError::bad_request(format!("unknown encoding '{other}'"))),
+    };
+    if !node.metadata().queues.contains_key(&name) {
+        return Err(ApiError::not_found());
+    }
+    let (msgs, remaining) = node.fetch(&name, 0, count.min(10_000) as u32, !requeue).await?;
+    if requeue && !msgs.is_empty() {
+        node.nack(&name, msgs.iter().map(|d| d.tag).collect(), true).await?;
+    }
+    let total = msgs.len() as u64;
+    let out: Vec<Value> = msgs
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let (payload, encoding) = match (base64_always, std::str::from_utf8(&d.message.body)) {
+                (false, Ok(s)) => (s.to_string(), "string"),
+                _ => (base64::engine::general_purpose::STANDARD.encode(&d.message.body), "base64"),
+            };
+            json!({
+                "payload": payload,
+                "payload_bytes": d.message.body.len(),
+                "payload_encoding": encoding,
+                "redelivered": d.redelivered,
+                "exchange": d.message.exchange,
+                "routing_key": d.message.routing_key,
+                "message_count": remaining + (total - i as u64 - 1),
+                "properties": props::to_json(&d.message.properties),
+            })
+        })
+        .collect();
+    Ok(Json(Value::Array(out)))
+}
+
+async fn list_exchanges(State(node): State<Node>) -> Json<Value> {
+    let meta = node.metadata();
+    let builtin = ["", "amq.direct", "amq.fanout", "amq.topic", "amq.headers", "amq.match"];
+    let mut out: Vec<Value> = builtin
+        .iter()
+        .filter_map(|n| meta.exchange(n))
+        .chain(meta.exchanges.values().cloned())
+        .map(|e| {
+            json!({"name": e.name, "vhost": "/", "type": e.kind.as_str(), "durable": e.durable,
+                   "auto_delete": e.auto_delete, "internal": e.internal, "arguments": {}})
+        })
+        .collect();
+    out.dedup();
+    Json(Value::Array(out))
+}
+
+async fn list_bindings(State(node): State<Node>) -> Json<Value> {
+    let meta = node.metadata();
+    Json(Value::Array(
+        meta.bindings
+            .iter()
+            .map(|b| {
+                json!({"source": b.exchange, "vhost": "/", "destination": b.queue, "destination_type": "queue",
+                       "routing_key": b.routing_key, "arguments": {}})
+            })
+            .collect(),
+    ))
+}
+
+async fn publish(
+    State(node): State<Node>,
+    Path((vhost, exchange)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    vhost_ok(&vhost)?;
+    let exchange = if exchange == "amq.default" { String::new() } else { exchange };
+    let b = parse_body(&body)?;
+    let routing_key = match b.get("routing_key") {
+        Some(Value::String(s)) => s.clone(),
+        _ => return Err(ApiError::bad_request("routing_key must be a string")),
+    };
+    let payload = match b.get("payload") {
+        Some(Value::String(s)) => s.clone(),
+        _ => return Err(ApiError::bad_request("payload must be a string")),
+    };
+    let body = match b.get("payload_encoding").and_then(Value::as_str) {
+        Some("string") | None => payload.into_bytes(),
+        Some("base64") => base64::engine::general_purpose::STANDARD
+            .decode(payload)
+            .map_err(|e| ApiError::bad_request(format!("payload is not base64: {e}")))?,
+        Some(other) => return Err(ApiError::bad_request(format!("unknown payload_encoding '{other}'"))),
+    };
+    let properties = props::from_json(b.get("properties").unwrap_or(&Value::Null)).map_err(ApiError::bad_request)?;
+    let headers = props::header_args(&properties);
+    let Some(queues) = node.route(&exchange, &routing_key, &headers) else {
+        return Err(ApiError::not_found());
+    };
+    if queues.is_empty() {
+        return Ok(Json(json!({"routed": false})));
+    }
+    let msg = Message {
+        exchange: exchange.clone(),
+        routing_key,
+        properties: crate::amqp::encode_properties(&properties),
+        body,
+    };
+    // Answer only after every queue it reached has confirmed it (CONTRACT 6).
+    let mut waits = Vec::new();
+    for q in &queues {
+        waits.push(node.submit(q, vec![QueueCmd::Enqueue { msgs: vec![msg.clone()] }]).await?);
+    }
+    for w in waits {
+        w.await?;
+    }
+    Ok(Json(json!({"routed": true})))
+}
