@@ -152,6 +152,16 @@ impl Node {
     /// Open the data dir, start every group it holds, listen on the node link
     /// and (for a new cluster) bootstrap the metadata group.
     pub async fn start(cfg: NodeConfig) -> Result<Node, ServerError> {
+        Self::start_with(cfg, None).await
+    }
+
+    /// [`Node::start`] on an already bound node-link listener (tests bind
+    /// every node's port first, so no other process can take it meanwhile).
+    pub async fn start_with_listener(cfg: NodeConfig, listener: std::net::TcpListener) -> Result<Node, ServerError> {
+        Self::start_with(cfg, Some(listener)).await
+    }
+
+    async fn start_with(cfg: NodeConfig, bound: Option<std::net::TcpListener>) -> Result<Node, ServerError> {
         if cfg.node_id == 0 {
             return Err(ServerError::Config("--node-id must be >= 1".into()));
         }
@@ -168,9 +178,14 @@ impl Node {
             None => db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?,
         }
 
-        let listener = TcpListener::bind(&cfg.raft_listen)
-            .await
-            .map_err(|source| ServerError::Listen { addr: cfg.raft_listen.clone(), source })?;
+        let listen_err = |source| ServerError::Listen { addr: cfg.raft_listen.clone(), source };
+        let listener = match bound {
+            Some(l) => {
+                l.set_nonblocking(true).map_err(listen_err)?;
+                TcpListener::from_std(l).map_err(listen_err)?
+            }
+            None => TcpListener::bind(&cfg.raft_listen).await.map_err(listen_err)?,
+        };
         let addr = listener
             .local_addr()
             .map_err(|source| ServerError::Listen { addr: cfg.raft_listen.clone(), source })?

@@ -331,3 +331,70 @@ async fn exchanges_route_and_validate() {
     assert!(format!("{err:?}").contains("403") || format!("{err}").contains("ACCESS_REFUSED"), "{err:?}");
     c.cluster.shutdown().await;
 }
+
+/// Transactions: nothing is visible before commit; rollback discards
+/// publishes and acks; commit applies publishes and acks together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactions_commit_and_rollback() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn = c.connect(2).await;
+    let setup = conn.create_channel().await.unwrap();
+    setup.queue_declare(s("txq"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.tx_select().await.unwrap();
+    for i in 0..3 {
+        ch.basic_publish(
+            s(""),
+            s("txq"),
+            BasicPublishOptions::default(),
+            format!("t{i}").as_bytes(),
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap();
+    }
+    let peek = conn.create_channel().await.unwrap();
+    let count = |ch: lapin::Channel| async move {
+        ch.queue_declare(s("txq"), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+            .await
+            .unwrap()
+            .message_count()
+    };
+    assert_eq!(count(peek.clone()).await, 0, "uncommitted publishes are invisible");
+    ch.tx_rollback().await.unwrap();
+    assert_eq!(count(peek.clone()).await, 0, "rolled back");
+    for i in 0..3 {
+        ch.basic_publish(
+            s(""),
+            s("txq"),
+            BasicPublishOptions::default(),
+            format!("t{i}").as_bytes(),
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap();
+    }
+    ch.tx_commit().await.unwrap();
+    assert_eq!(count(peek.clone()).await, 3, "committed");
+
+    // Acks inside a transaction: rolled back, the messages stay unacked.
+    let a = ch.basic_get(s("txq"), BasicGetOptions { no_ack: false }).await.unwrap().unwrap();
+    let b = ch.basic_get(s("txq"), BasicGetOptions { no_ack: false }).await.unwrap().unwrap();
+    a.delivery.ack(BasicAckOptions::default()).await.unwrap();
+    ch.tx_rollback().await.unwrap();
+    assert_eq!(count(peek.clone()).await, 1);
+    // Committed: both acks and a new publish land together. (lapin's acker
+    // will not ack one delivery twice, so ack by tag on the channel.)
+    ch.basic_ack(a.delivery.delivery_tag, BasicAckOptions::default()).await.unwrap();
+    b.delivery.ack(BasicAckOptions::default()).await.unwrap();
+    ch.basic_publish(s(""), s("txq"), BasicPublishOptions::default(), b"t3", BasicProperties::default()).await.unwrap();
+    ch.tx_commit().await.unwrap();
+    ch.close(200, s("bye")).await.unwrap();
+    let mut left = Vec::new();
+    while let Some(m) = peek.basic_get(s("txq"), BasicGetOptions { no_ack: true }).await.unwrap() {
+        left.push(String::from_utf8(m.delivery.data).unwrap());
+    }
+    assert_eq!(left, vec!["t2", "t3"], "t0 and t1 acked; nothing requeued on close");
+    c.cluster.shutdown().await;
+}

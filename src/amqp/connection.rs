@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
-use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, queue, AMQPClass};
+use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, queue, tx, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -366,6 +366,7 @@ impl Conn {
                 out: self.out.clone(),
                 frame_max: self.frame_max,
                 confirm: false,
+                tx: None,
                 publish_seq: 0,
                 pending: None,
                 deliveries: Arc::new(Deliveries::default()),
@@ -494,6 +495,20 @@ impl Deliveries {
     }
 }
 
+#[derive(Clone, Copy)]
+enum Settle {
+    Ack,
+    Nack { requeue: bool },
+}
+
+/// A transaction's work, applied at commit: per queue, its publishes and
+/// settlements go to the master as one batch, so they land in one Raft entry.
+#[derive(Default)]
+struct TxBuffer {
+    publishes: BTreeMap<String, Vec<Message>>,
+    settles: Vec<(u64, bool, Settle)>,
+}
+
 struct PendingPublish {
     publish: basic::Publish,
     header: Option<AMQPContentHeader>,
@@ -508,6 +523,8 @@ struct Channel {
     out: Out,
     frame_max: u32,
     confirm: bool,
+    /// `tx.select`ed: publishes and settlements wait here for `tx.commit`.
+    tx: Option<TxBuffer>,
     publish_seq: u64,
     pending: Option<PendingPublish>,
     deliveries: Arc<Deliveries>,
@@ -645,6 +662,14 @@ impl Channel {
             }
             AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => Ok(true),
             AMQPClass::Confirm(confirm::AMQPMethod::Select(s)) => {
+                if self.tx.is_some() {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        "PRECONDITION_FAILED - cannot switch from tx to confirm mode",
+                        85,
+                        10,
+                    )));
+                }
                 self.confirm = true;
                 if !s.nowait {
                     self.reply(AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}))).await;
@@ -653,6 +678,7 @@ impl Channel {
             }
             AMQPClass::Queue(m) => self.queue_method(m).await,
             AMQPClass::Exchange(m) => self.exchange_method(m).await,
+            AMQPClass::Tx(m) => self.tx_method(m).await,
             AMQPClass::Basic(m) => self.basic_method(m).await,
             other => Err(Err(hard(
                 NOT_IMPLEMENTED,
@@ -878,24 +904,9 @@ impl Channel {
                 }
                 Ok(true)
             }
-            B::Ack(a) => {
-                let by_queue = self.deliveries.take(a.delivery_tag, a.multiple).map_err(|t| {
-                    Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - unknown delivery tag {t}"), 60, 80))
-                })?;
-                for (q, tags) in by_queue {
-                    let (node, deliveries) = (self.node.clone(), self.deliveries.clone());
-                    tokio::spawn(async move {
-                        let n = tags.len();
-                        if let Err(e) = node.ack(&q, tags).await {
-                            tracing::warn!(queue = %q, error = %e, "ack failed");
-                        }
-                        deliveries.settled(n);
-                    });
-                }
-                Ok(true)
-            }
-            B::Nack(n) => self.settle(n.delivery_tag, n.multiple, n.requeue, 120).await,
-            B::Reject(r) => self.settle(r.delivery_tag, false, r.requeue, 90).await,
+            B::Ack(a) => self.settle(a.delivery_tag, a.multiple, Settle::Ack, 80).await,
+            B::Nack(n) => self.settle(n.delivery_tag, n.multiple, Settle::Nack { requeue: n.requeue }, 120).await,
+            B::Reject(r) => self.settle(r.delivery_tag, false, Settle::Nack { requeue: r.requeue }, 90).await,
             B::Recover(r) => {
                 self.requeue_all(r.requeue).await;
                 self.reply(AMQPClass::Basic(B::RecoverOk(basic::RecoverOk {}))).await;
@@ -924,23 +935,118 @@ impl Channel {
         &mut self,
         tag: u64,
         multiple: bool,
-        requeue: bool,
+        how: Settle,
         method_id: u16,
     ) -> Result<bool, Result<Soft, Hard>> {
-        let by_queue = self.deliveries.take(tag, multiple).map_err(|t| {
+        let unknown = |t: u64| {
             Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - unknown delivery tag {t}"), 60, method_id))
-        })?;
+        };
+        if let Some(tx) = self.tx.as_mut() {
+            if !multiple && !self.deliveries.state.lock().expect("poisoned").unacked.contains_key(&tag) {
+                return Err(unknown(tag));
+            }
+            tx.settles.push((tag, multiple, how));
+            return Ok(true);
+        }
+        let by_queue = self.deliveries.take(tag, multiple).map_err(unknown)?;
         for (q, tags) in by_queue {
             let (node, deliveries) = (self.node.clone(), self.deliveries.clone());
             tokio::spawn(async move {
                 let n = tags.len();
-                if let Err(e) = node.nack(&q, tags, requeue).await {
-                    tracing::warn!(queue = %q, error = %e, "nack failed");
+                let r = match how {
+                    Settle::Ack => node.ack(&q, tags).await,
+                    Settle::Nack { requeue } => node.nack(&q, tags, requeue).await,
+                };
+                if let Err(e) = r {
+                    tracing::warn!(queue = %q, error = %e, "settling deliveries failed");
                 }
                 deliveries.settled(n);
             });
         }
         Ok(true)
+    }
+
+    async fn tx_method(&mut self, m: tx::AMQPMethod) -> Result<bool, Result<Soft, Hard>> {
+        use tx::AMQPMethod as T;
+        match m {
+            T::Select(_) => {
+                if self.confirm {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        "PRECONDITION_FAILED - cannot switch from confirm to tx mode",
+                        90,
+                        10,
+                    )));
+                }
+                self.tx.get_or_insert_with(TxBuffer::default);
+                self.reply(AMQPClass::Tx(T::SelectOk(tx::SelectOk {}))).await;
+                Ok(true)
+            }
+            T::Rollback(_) => {
+                let Some(tx) = self.tx.as_mut() else {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        "PRECONDITION_FAILED - channel is not transactional",
+                        90,
+                        30,
+                    )));
+                };
+                *tx = TxBuffer::default();
+                self.reply(AMQPClass::Tx(T::RollbackOk(tx::RollbackOk {}))).await;
+                Ok(true)
+            }
+            T::Commit(_) => {
+                let Some(tx) = self.tx.as_mut() else {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        "PRECONDITION_FAILED - channel is not transactional",
+                        90,
+                        20,
+                    )));
+                };
+                let work = std::mem::take(tx);
+                let mut per_queue: BTreeMap<String, Vec<QueueCmd>> = BTreeMap::new();
+                for (q, msgs) in work.publishes {
+                    per_queue.entry(q).or_default().push(QueueCmd::Enqueue { msgs });
+                }
+                let mut settled = 0;
+                for (tag, multiple, how) in work.settles {
+                    let by_queue = self.deliveries.take(tag, multiple).map_err(|t| {
+                        Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - unknown delivery tag {t}"), 90, 20))
+                    })?;
+                    for (q, tags) in by_queue {
+                        settled += tags.len();
+                        per_queue.entry(q).or_default().push(match how {
+                            Settle::Ack => QueueCmd::Ack { tags },
+                            Settle::Nack { requeue } => QueueCmd::Nack { tags, requeue },
+                        });
+                    }
+                }
+                // One batch per queue: it lands in one Raft entry, all or
+                // nothing; commit-ok follows every synchronised replica's fsync.
+                let mut waits = Vec::new();
+                for (q, cmds) in per_queue {
+                    waits.push((q.clone(), self.node.submit(&q, cmds).await));
+                }
+                let mut failure = None;
+                for (q, w) in waits {
+                    let r = match w {
+                        Ok(wait) => wait.await.map(|_| ()),
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = r {
+                        failure.get_or_insert((q, e));
+                    }
+                }
+                self.deliveries.settled(settled);
+                if let Some((q, e)) = failure {
+                    return Err(Ok(soft(506, format!("RESOURCE_ERROR - commit on queue '{q}' failed: {e}"), 90, 20)));
+                }
+                self.reply(AMQPClass::Tx(T::CommitOk(tx::CommitOk {}))).await;
+                Ok(true)
+            }
+            other => Err(Err(hard(COMMAND_INVALID, format!("tx.{other:?} is not a client method")))),
+        }
     }
 
     async fn publish_complete(&mut self) -> Result<(), Result<Soft, Hard>> {
@@ -976,6 +1082,12 @@ impl Channel {
             }
             if let Some(seq) = seq {
                 self.reply(ack_frame(seq)).await;
+            }
+            return Ok(());
+        }
+        if let Some(tx) = self.tx.as_mut() {
+            for q in queues {
+                tx.publishes.entry(q).or_default().push(msg.clone());
             }
             return Ok(());
         }

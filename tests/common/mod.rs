@@ -43,9 +43,11 @@ pub struct Cluster {
 impl Cluster {
     /// Start `n` nodes (ids 1..=n) forming a new cluster.
     pub async fn start(n: u64, timing: Timing) -> Cluster {
-        let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        // Bind every node's port before any starts: no race for free ports.
+        let listeners: Vec<std::net::TcpListener> =
+            (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
         let members: BTreeMap<u64, String> =
-            (1..=n).zip(&ports).map(|(id, p)| (id, format!("127.0.0.1:{p}"))).collect();
+            (1..=n).zip(&listeners).map(|(id, l)| (id, l.local_addr().unwrap().to_string())).collect();
         let mut dirs = Vec::new();
         let mut configs = Vec::new();
         for id in 1..=n {
@@ -56,7 +58,10 @@ impl Cluster {
             dirs.push(dir);
             configs.push(cfg);
         }
-        let nodes = futures::future::join_all(configs.iter().cloned().map(Node::start)).await;
+        let nodes = futures::future::join_all(
+            configs.iter().cloned().zip(listeners).map(|(c, l)| Node::start_with_listener(c, l)),
+        )
+        .await;
         let nodes = nodes.into_iter().map(|r| Some(r.expect("node starts"))).collect();
         let c = Cluster { dirs, configs, nodes };
         c.wait_registered().await;
