@@ -16,6 +16,47 @@ pub struct Cli {
 pub enum Command {
     /// Start one node (the default when no subcommand is given).
     Serve(ServeArgs),
+    /// AMQP load generator (works against RabbitMQ too).
+    Perf(PerfArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct PerfArgs {
+    #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    pub uri: String,
+    #[arg(long, default_value_t = 1)]
+    pub producers: u32,
+    #[arg(long, default_value_t = 1)]
+    pub consumers: u32,
+    /// Message size in bytes (at least 8).
+    #[arg(long, default_value_t = 100)]
+    pub size: usize,
+    /// Publisher confirm window per producer (0: no confirms).
+    #[arg(long, default_value_t = 1000)]
+    pub confirm: u32,
+    /// Seconds to run.
+    #[arg(long, default_value_t = 10)]
+    pub time: u64,
+    #[arg(long, default_value = "perf-test")]
+    pub queue: String,
+    /// Consumer prefetch.
+    #[arg(long, default_value_t = 1000)]
+    pub prefetch: u16,
+    /// Ack every N deliveries with `multiple`.
+    #[arg(long, default_value_t = 100)]
+    pub multi_ack: u32,
+    /// Publish rate limit per producer, msg/s (0: unlimited).
+    #[arg(long, default_value_t = 0)]
+    pub rate: u64,
+    /// Non-persistent messages.
+    #[arg(long)]
+    pub transient: bool,
+    /// Declare the queue as a RabbitMQ quorum queue.
+    #[arg(long)]
+    pub quorum: bool,
+    /// One JSON summary instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Flags of `mirrorq serve`. Each also reads `MIRRORQ_<FLAG>` and the TOML

@@ -19,6 +19,7 @@
 //! - [`http`]: the management HTTP API (axum), RabbitMQ's field names.
 //! - [`client`]: a client of the node link, for tools and tests.
 //! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
+//! - [`perf`]: `mirrorq perf`, an AMQP load generator (lapin).
 //! - `mirrorq-storage` (the `storage/` crate): sled, group commit, openraft's
 //!   log storage.
 //!
@@ -32,6 +33,7 @@ pub mod error;
 pub mod http;
 pub mod metadata;
 pub mod node;
+pub mod perf;
 pub mod queue;
 pub mod raft;
 pub mod serve;

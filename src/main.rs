@@ -28,6 +28,14 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let args = match cli.command {
         Some(Command::Serve(a)) => a,
+        Some(Command::Perf(p)) => {
+            let rt = tokio::runtime::Runtime::new()?;
+            if let Err(e) = rt.block_on(mirrorq::perf::run(p)) {
+                eprintln!("mirrorq perf: {e}");
+                std::process::exit(1);
+            }
+            return Ok(());
+        }
         None => ServeArgs::default(),
     };
     let cfg = match ServeConfig::resolve(&args) {

@@ -1,0 +1,35 @@
+//! `mirrorq perf` against a real node: it publishes with confirms, consumes,
+//! and reports a JSON summary. (Figures are benchmarks, not asserted here.)
+
+mod common;
+
+use common::process;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn perf_runs_and_reports() {
+    let root = tempfile::tempdir().unwrap();
+    let amqp_port = common::free_port();
+    let mut nodes = process::cluster(root.path(), 1, &[]);
+    let node = &mut nodes[0];
+    node.amqp_port = Some(amqp_port);
+    node.start();
+    node.wait_listening().await;
+    let uri = format!("amqp://guest:guest@127.0.0.1:{amqp_port}/%2f");
+    let out = std::process::Command::new(process::binary())
+        .args(["perf", "--uri", &uri, "--time", "2", "--size", "64", "--confirm", "50", "--json"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "perf failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    assert!(v["confirmed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["consumed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
+    assert_eq!(v["nacked"], 0, "{v}");
+    assert!(v["confirm_latency_ms"]["p99"].as_f64().unwrap() >= v["confirm_latency_ms"]["p50"].as_f64().unwrap());
+    // Bad input is a clear error and a non-zero exit.
+    let bad =
+        std::process::Command::new(process::binary()).args(["perf", "--uri", &uri, "--size", "4"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--size"));
+    node.assert_no_panic();
+}
