@@ -750,12 +750,7 @@ impl Channel {
                 Ok(true)
             }
             Q::Bind(b) => {
-                let binding = Binding {
-                    exchange: b.exchange.as_str().to_string(),
-                    queue: b.queue.as_str().to_string(),
-                    routing_key: b.routing_key.as_str().to_string(),
-                    args: to_args(&b.arguments),
-                };
+                let binding = binding_of(&b.exchange, &b.queue, &b.routing_key, &b.arguments);
                 self.node.bind(binding).await.map_err(|e| Ok(node_soft(e, 50, 20)))?;
                 if !b.nowait {
                     self.reply(AMQPClass::Queue(Q::BindOk(queue::BindOk {}))).await;
@@ -763,12 +758,7 @@ impl Channel {
                 Ok(true)
             }
             Q::Unbind(b) => {
-                let binding = Binding {
-                    exchange: b.exchange.as_str().to_string(),
-                    queue: b.queue.as_str().to_string(),
-                    routing_key: b.routing_key.as_str().to_string(),
-                    args: to_args(&b.arguments),
-                };
+                let binding = binding_of(&b.exchange, &b.queue, &b.routing_key, &b.arguments);
                 self.node.unbind(binding).await.map_err(|e| Ok(node_soft(e, 50, 50)))?;
                 self.reply(AMQPClass::Queue(Q::UnbindOk(queue::UnbindOk {}))).await;
                 Ok(true)
@@ -1130,6 +1120,15 @@ impl Channel {
             }
         });
         Ok(())
+    }
+}
+
+fn binding_of(exchange: &ShortString, queue: &ShortString, key: &ShortString, args: &FieldTable) -> Binding {
+    Binding {
+        exchange: exchange.as_str().to_string(),
+        queue: queue.as_str().to_string(),
+        routing_key: key.as_str().to_string(),
+        args: to_args(args),
     }
 }
 

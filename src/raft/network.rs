@@ -224,30 +224,35 @@ impl Peer {
     }
 }
 
+/// Write queued frames until the queue closes or the socket fails; whatever
+/// is already queued goes out in one write.
+pub(crate) async fn write_frames(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
+    let mut out = FramedWrite::new(wr, codec());
+    'outer: while let Some(frame) = rx.recv().await {
+        if out.feed(frame).await.is_err() {
+            break;
+        }
+        while let Ok(frame) = rx.try_recv() {
+            if out.feed(frame).await.is_err() {
+                break 'outer;
+            }
+        }
+        if SinkExt::<Bytes>::flush(&mut out).await.is_err() {
+            break;
+        }
+    }
+}
+
 fn start_conn(stream: TcpStream) -> Conn {
     let (rd, wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::channel::<Bytes>(1024);
+    let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
     let closed = Arc::new(AtomicBool::new(false));
 
     let writer = {
         let closed = closed.clone();
         tokio::spawn(async move {
-            let mut out = FramedWrite::new(wr, codec());
-            'outer: while let Some(frame) = rx.recv().await {
-                if out.feed(frame).await.is_err() {
-                    break;
-                }
-                // Everything already queued goes out in the same write.
-                while let Ok(frame) = rx.try_recv() {
-                    if out.feed(frame).await.is_err() {
-                        break 'outer;
-                    }
-                }
-                if SinkExt::<Bytes>::flush(&mut out).await.is_err() {
-                    break;
-                }
-            }
+            write_frames(wr, rx).await;
             closed.store(true, Ordering::Release);
         })
     };

@@ -6,13 +6,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::{SinkExt, StreamExt};
+use futures::StreamExt;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use super::network::codec;
+use super::network::{codec, write_frames};
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse};
 
 /// The rest of a request's handling, after its admission.
@@ -55,23 +55,8 @@ pub async fn serve<H: RpcHandler>(listener: TcpListener, handler: Arc<H>, stop: 
 
 async fn connection<H: RpcHandler>(stream: tokio::net::TcpStream, handler: Arc<H>, stop: CancellationToken) {
     let (rd, wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::channel::<Bytes>(1024);
-    let writer = tokio::spawn(async move {
-        let mut out = FramedWrite::new(wr, codec());
-        'outer: while let Some(frame) = rx.recv().await {
-            if out.feed(frame).await.is_err() {
-                break;
-            }
-            while let Ok(frame) = rx.try_recv() {
-                if out.feed(frame).await.is_err() {
-                    break 'outer;
-                }
-            }
-            if SinkExt::<Bytes>::flush(&mut out).await.is_err() {
-                break;
-            }
-        }
-    });
+    let (tx, rx) = mpsc::channel::<Bytes>(1024);
+    let writer = tokio::spawn(write_frames(wr, rx));
     let mut input = FramedRead::new(rd, codec());
     while let Some(Ok(frame)) = input.next().await {
         let env: Envelope<RpcRequest> = match rpc::decode(&frame) {
