@@ -307,6 +307,15 @@ impl Node {
     /// RabbitMQ would (no policy: one replica, here). Returns when its group
     /// has a master and answers.
     pub async fn declare_queue(&self, name: &str, replicas: Vec<NodeId>) -> Result<QueueMeta, NodeError> {
+        self.declare_queue_reporting(name, replicas).await.map(|(q, _)| q)
+    }
+
+    /// [`Node::declare_queue`], also telling whether this call created it.
+    pub async fn declare_queue_reporting(
+        &self,
+        name: &str,
+        replicas: Vec<NodeId>,
+    ) -> Result<(QueueMeta, bool), NodeError> {
         if name.is_empty() || name.len() > 255 {
             return Err(NodeError::Invalid("queue name must be 1 to 255 bytes".into()));
         }
@@ -319,7 +328,8 @@ impl Node {
         };
         let reply = self.meta_write(cmd).await?;
         let q = match reply {
-            MetaReply::Queue(q) => q,
+            MetaReply::Queue(q) => (q, false),
+            MetaReply::NewQueue(q) => (q, true),
             MetaReply::Invalid(why) => return Err(NodeError::Invalid(why)),
             other => return Err(NodeError::Invalid(format!("unexpected metadata reply {other:?}"))),
         };
@@ -328,10 +338,13 @@ impl Node {
         Ok(q)
     }
 
-    /// Add or replace a policy; queues it matches are re-placed.
-    pub async fn set_policy(&self, p: Policy) -> Result<(), NodeError> {
+    /// Add or replace a policy; queues it matches are re-placed. `true`
+    /// when the policy is new.
+    pub async fn set_policy(&self, p: Policy) -> Result<bool, NodeError> {
         let name = p.name.clone();
-        meta_result(self.meta_write(MetaCmd::SetPolicy(p)).await?, || format!("policy '{name}'"))
+        let reply = self.meta_write(MetaCmd::SetPolicy(p)).await?;
+        let created = reply == MetaReply::Created;
+        meta_result(reply, || format!("policy '{name}'")).map(|_| created)
     }
 
     pub async fn clear_policy(&self, name: &str) -> Result<(), NodeError> {
@@ -343,7 +356,7 @@ impl Node {
     /// The queue as its master sees it (counts, synchronised mirrors), asked
     /// over the node link when the master is elsewhere.
     pub async fn master_view(&self, name: &str) -> Result<QueueInfo, NodeError> {
-        let q = self.metadata().queues.get(name).cloned().ok_or_else(|| NodeError::NoSuchQueue(name.into()))?;
+        let q = self.find_queue(name).await?;
         let mut target = self.leader_guess(&q);
         for _ in 0..3 {
             let info = if target == self.id() {
@@ -628,6 +641,50 @@ impl Node {
             return *h;
         }
         q.replicas[0]
+    }
+
+    /// Catch up with the metadata leader: wait (briefly) until this node has
+    /// applied everything the leader had applied when asked, so a change
+    /// made through another node is visible here. Without a reachable leader
+    /// it returns at once and reads stay local (CONTRACT 5).
+    pub async fn meta_barrier(&self) {
+        let m = self.inner.meta_raft.metrics().borrow().clone();
+        let Some(leader) = m.current_leader else { return };
+        if leader == self.id() {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_millis(1000);
+        if let Ok(RpcResponse::MetaIndex(Some(index))) = self.inner.call(leader, &RpcRequest::MetaIndex, deadline).await
+        {
+            let _ = self
+                .inner
+                .meta_raft
+                .wait(Some(Duration::from_secs(2)))
+                .applied_index_at_least(Some(index), "metadata barrier")
+                .await;
+        }
+    }
+
+    /// The queue's metadata, catching up with the leader before saying it
+    /// does not exist.
+    pub async fn find_queue(&self, name: &str) -> Result<QueueMeta, NodeError> {
+        if let Some(q) = self.metadata().queues.get(name) {
+            return Ok(q.clone());
+        }
+        self.meta_barrier().await;
+        self.metadata().queues.get(name).cloned().ok_or_else(|| NodeError::NoSuchQueue(name.to_string()))
+    }
+
+    /// [`Node::route`], catching up with the metadata leader before calling a
+    /// message unroutable or an exchange missing.
+    pub async fn route_fresh(&self, exchange: &str, routing_key: &str, headers: &Args) -> Option<Vec<String>> {
+        match self.route(exchange, routing_key, headers) {
+            Some(q) if !q.is_empty() => Some(q),
+            _ => {
+                self.meta_barrier().await;
+                self.route(exchange, routing_key, headers)
+            }
+        }
     }
 
     /// Write to the metadata group through its leader, then wait until this
@@ -953,7 +1010,7 @@ impl Node {
 
 fn meta_result(reply: MetaReply, not_found: impl FnOnce() -> String) -> Result<(), NodeError> {
     match reply {
-        MetaReply::Ok | MetaReply::Queue(_) => Ok(()),
+        MetaReply::Ok | MetaReply::Created | MetaReply::Queue(_) | MetaReply::NewQueue(_) => Ok(()),
         MetaReply::NotFound => Err(NodeError::NotFound(not_found())),
         MetaReply::Invalid(why) => Err(NodeError::Invalid(why)),
         MetaReply::Conflict(why) => Err(NodeError::Conflict(why)),
@@ -1053,6 +1110,14 @@ impl Inner {
                 None => RpcResponse::UnknownGroup(group),
             },
             RpcRequest::Queue { group, cmds } => RpcResponse::Queue(self.local_queue_op(group, cmds).await),
+            RpcRequest::MetaIndex => {
+                let m = self.meta_raft.metrics().borrow().clone();
+                RpcResponse::MetaIndex(if m.current_leader == Some(self.id) {
+                    m.last_applied.map(|l| l.index)
+                } else {
+                    None
+                })
+            }
             RpcRequest::Members { group } => RpcResponse::Members(
                 self.raft_of(group)
                     .map(|r| r.metrics().borrow().membership_config.membership().nodes().map(|(id, _)| *id).collect()),

@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{fast_timing, init_tracing, msg, wait_until, Cluster};
+use common::{fast_timing, init_tracing, wait_until, Cluster};
 use mirrorq::metadata::{ApplyTo, Policy};
 
 fn policy(pattern: &str, def: &str) -> Policy {
@@ -49,7 +49,7 @@ async fn policy_grows_and_shrinks_a_queue_without_losing_messages() {
     let q = c.node(1).declare_queue("ha-q", vec![]).await.unwrap();
     assert_eq!(q.replicas.len(), 2, "exactly 2: a master and one mirror");
     assert_eq!(q.policy.as_deref(), Some("ha"));
-    c.node(1).publish("ha-q", vec![msg("m1")]).await.unwrap();
+    common::publish_retrying(c.node(1), "ha-q", b"m1".to_vec()).await;
     members_settle(&c, "ha-q", 2).await;
 
     tracing::info!("--- ha-mode all: grows to three, the new mirror catches up");
@@ -67,7 +67,7 @@ async fn policy_grows_and_shrinks_a_queue_without_losing_messages() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(has, "new mirror did not catch up with m1");
-    c.node(3).publish("ha-q", vec![msg("m2")]).await.unwrap();
+    common::publish_retrying(c.node(3), "ha-q", b"m2".to_vec()).await;
     for id in 1..=3 {
         assert!(bodies(c.node(id).local_messages("ha-q").await.unwrap()).contains(&b"m2".to_vec()), "node {id}");
     }
@@ -98,7 +98,7 @@ async fn nodes_mode_places_replicas_on_listed_nodes() {
     let q = c.node(1).declare_queue("pinned", vec![]).await.unwrap();
     let placed: BTreeSet<u64> = q.replicas.iter().copied().collect();
     assert_eq!(placed, BTreeSet::from([2, 3]));
-    c.node(1).publish("pinned", vec![msg("x")]).await.unwrap();
+    common::publish_retrying(c.node(1), "pinned", b"x".to_vec()).await;
     assert!(c.node(1).queue_raft("pinned").is_none(), "node 1 is not listed");
     members_settle(&c, "pinned", 2).await;
     c.shutdown().await;

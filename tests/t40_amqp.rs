@@ -73,13 +73,22 @@ async fn publish_confirm_and_get_through_other_nodes() {
     for i in 0..50 {
         let body = format!("{{\"n\":{i}}}");
         confirms.push(
-            ch2.basic_publish(s(""), s("orders"), BasicPublishOptions::default(), body.as_bytes(), props.clone())
-                .await
-                .unwrap(),
+            // mandatory: a queue declared on node 1 must route on node 2 at once.
+            ch2.basic_publish(
+                s(""),
+                s("orders"),
+                BasicPublishOptions { mandatory: true, ..Default::default() },
+                body.as_bytes(),
+                props.clone(),
+            )
+            .await
+            .unwrap(),
         );
     }
     for conf in confirms {
-        assert!(conf.await.unwrap().is_ack(), "publish not acked");
+        let conf = conf.await.unwrap();
+        assert!(conf.is_ack(), "publish not acked");
+        assert!(conf.take_message().is_none(), "returned as unroutable");
     }
 
     let conn3 = c.connect(3).await;

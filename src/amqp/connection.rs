@@ -706,7 +706,7 @@ impl Channel {
                         10,
                     )));
                 }
-                let exists = self.node.metadata().queues.contains_key(&name);
+                let exists = self.node.find_queue(&name).await.is_ok();
                 if d.passive && !exists {
                     return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{name}' in vhost '/'"), 50, 10)));
                 }
@@ -773,7 +773,10 @@ impl Channel {
             E::Declare(d) => {
                 let name = d.exchange.as_str().to_string();
                 if d.passive {
-                    if self.node.metadata().exchange(&name).is_none() {
+                    if self.node.metadata().exchange(&name).is_none() && {
+                        self.node.meta_barrier().await;
+                        self.node.metadata().exchange(&name).is_none()
+                    } {
                         return Err(Ok(soft(
                             NOT_FOUND,
                             format!("NOT_FOUND - no exchange '{name}' in vhost '/'"),
@@ -854,7 +857,7 @@ impl Channel {
             }
             B::Consume(c) => {
                 let queue = c.queue.as_str().to_string();
-                if !self.node.metadata().queues.contains_key(&queue) {
+                if self.node.find_queue(&queue).await.is_err() {
                     return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{queue}' in vhost '/'"), 60, 20)));
                 }
                 let tag = if c.consumer_tag.as_str().is_empty() {
@@ -1045,7 +1048,7 @@ impl Channel {
         let exchange = p.publish.exchange.as_str().to_string();
         let routing_key = p.publish.routing_key.as_str().to_string();
         let headers = header.properties.headers().as_ref().map(to_args).unwrap_or_default();
-        let Some(queues) = self.node.route(&exchange, &routing_key, &headers) else {
+        let Some(queues) = self.node.route_fresh(&exchange, &routing_key, &headers).await else {
             return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no exchange '{exchange}' in vhost '/'"), 60, 40)));
         };
         let seq = if self.confirm {

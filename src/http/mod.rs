@@ -53,6 +53,7 @@ pub fn router(node: Node) -> Router {
         .route("/api/exchanges/{vhost}/{name}/publish", post(publish))
         .route("/api/bindings", get(list_bindings))
         .fallback(|| async { ApiError::not_found() })
+        .layer(middleware::from_fn_with_state(node.clone(), fresh_reads))
         .layer(middleware::from_fn(auth))
         .with_state(node)
 }
@@ -71,6 +72,15 @@ async fn auth(req: Request, next: Next) -> Response {
         let mut r = ApiError::new(StatusCode::UNAUTHORIZED, "not_authorised", "Login failed").into_response();
         r.headers_mut().insert(header::WWW_AUTHENTICATE, "Basic realm=\"RabbitMQ Management\"".parse().unwrap());
         return r;
+    }
+    next.run(req).await
+}
+
+/// Reads see every change made through any node before they were asked:
+/// catch up with the metadata leader first (at once if it is unreachable).
+async fn fresh_reads(State(node): State<Node>, req: Request, next: Next) -> Response {
+    if req.method() == axum::http::Method::GET || req.method() == axum::http::Method::POST {
+        node.meta_barrier().await;
     }
     next.run(req).await
 }
@@ -191,9 +201,8 @@ async fn put_policy(
     };
     let p = Policy { name: name.clone(), pattern, apply_to, priority, definition };
     policy::validate(&p).map_err(ApiError::bad_request)?;
-    let existed = node.metadata().policies.contains_key(&name);
-    node.set_policy(p).await?;
-    Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
+    let created = node.set_policy(p).await?;
+    Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
 }
 
 async fn delete_policy(
@@ -283,9 +292,9 @@ async fn put_queue(
     if name.is_empty() || name.len() > 255 {
         return Err(ApiError::bad_request("queue name must be 1 to 255 bytes"));
     }
-    let existed = node.metadata().queues.contains_key(&name);
-    node.declare_queue(&name, Vec::new()).await?;
-    Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
+    // Decided by the metadata apply, not a local look-up that may lag.
+    let (_, created) = node.declare_queue_reporting(&name, Vec::new()).await?;
+    Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
 }
 
 async fn delete_queue(
@@ -332,9 +341,7 @@ async fn get_messages(
         Some("base64") => true,
         Some(other) => return Err(ApiError::bad_request(format!("unknown encoding '{other}'"))),
     };
-    if !node.metadata().queues.contains_key(&name) {
-        return Err(ApiError::not_found());
-    }
+    node.find_queue(&name).await?;
     let (msgs, remaining) = node.fetch(&name, 0, count.min(10_000) as u32, !requeue).await?;
     if requeue && !msgs.is_empty() {
         node.nack(&name, msgs.iter().map(|d| d.tag).collect(), true).await?;
@@ -417,7 +424,7 @@ async fn publish(
     };
     let properties = props::from_json(b.get("properties").unwrap_or(&Value::Null)).map_err(ApiError::bad_request)?;
     let headers = props::header_args(&properties);
-    let Some(queues) = node.route(&exchange, &routing_key, &headers) else {
+    let Some(queues) = node.route_fresh(&exchange, &routing_key, &headers).await else {
         return Err(ApiError::not_found());
     };
     if queues.is_empty() {

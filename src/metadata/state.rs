@@ -85,7 +85,12 @@ pub enum MetaCmd {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MetaReply {
     Ok,
+    /// A new object was made (HTTP answers 201 rather than 204).
+    Created,
+    /// The queue, as it already was.
     Queue(QueueMeta),
+    /// The queue, just created.
+    NewQueue(QueueMeta),
     NotFound,
     Invalid(String),
     /// The request conflicts with what exists (AMQP 406).
@@ -147,15 +152,19 @@ impl MetaState {
                     policy,
                 };
                 self.queues.insert(name.clone(), q.clone());
-                MetaReply::Queue(q)
+                MetaReply::NewQueue(q)
             }
             MetaCmd::SetPolicy(p) => {
                 if let Err(why) = policy::validate(p) {
                     return MetaReply::Invalid(why);
                 }
-                self.policies.insert(p.name.clone(), p.clone());
+                let new = self.policies.insert(p.name.clone(), p.clone()).is_none();
                 self.replace_all();
-                MetaReply::Ok
+                if new {
+                    MetaReply::Created
+                } else {
+                    MetaReply::Ok
+                }
             }
             MetaCmd::ClearPolicy { name } => {
                 if self.policies.remove(name).is_none() {
@@ -296,7 +305,7 @@ mod tests {
         let mut s = with_nodes(3);
         let a = s.apply(&decl("a", vec![1, 2], true));
         let b = s.apply(&decl("b", vec![3], true));
-        let (MetaReply::Queue(a), MetaReply::Queue(b)) = (a, b) else { panic!("declare failed") };
+        let (MetaReply::NewQueue(a), MetaReply::NewQueue(b)) = (a, b) else { panic!("declare failed") };
         assert_ne!(a.group, b.group);
         assert_ne!(a.group, METADATA_GROUP);
         let again = s.apply(&decl("a", vec![3], false));
@@ -309,7 +318,7 @@ mod tests {
         assert!(matches!(s.apply(&decl("a", vec![1, 9], true)), MetaReply::Invalid(_)));
         assert!(matches!(s.apply(&decl("a", vec![1, 1], true)), MetaReply::Invalid(_)));
         // Empty replicas: placed by policy (none here: client-local, one replica).
-        assert!(matches!(s.apply(&decl("b", vec![], true)), MetaReply::Queue(q) if q.replicas == vec![1]));
+        assert!(matches!(s.apply(&decl("b", vec![], true)), MetaReply::NewQueue(q) if q.replicas == vec![1]));
         assert_eq!(s.queues.len(), 1);
     }
 
@@ -353,10 +362,10 @@ mod tests {
     #[test]
     fn delete_then_redeclare_gets_a_new_group() {
         let mut s = with_nodes(1);
-        let MetaReply::Queue(a) = s.apply(&decl("a", vec![1], true)) else { panic!() };
+        let MetaReply::NewQueue(a) = s.apply(&decl("a", vec![1], true)) else { panic!() };
         assert_eq!(s.apply(&MetaCmd::DeleteQueue { name: "a".into() }), MetaReply::Ok);
         assert_eq!(s.apply(&MetaCmd::DeleteQueue { name: "a".into() }), MetaReply::NotFound);
-        let MetaReply::Queue(a2) = s.apply(&decl("a", vec![1], true)) else { panic!() };
+        let MetaReply::NewQueue(a2) = s.apply(&decl("a", vec![1], true)) else { panic!() };
         assert_ne!(a.group, a2.group, "a re-declared queue must not reuse the old group's log");
     }
 }
@@ -392,7 +401,7 @@ mod policy_tests {
             declared_on: on,
             locator: None,
         }) {
-            MetaReply::Queue(q) => q,
+            MetaReply::NewQueue(q) => q,
             other => panic!("{other:?}"),
         }
     }
@@ -400,7 +409,7 @@ mod policy_tests {
     #[test]
     fn policy_changes_regrow_and_shrink_policy_placed_queues() {
         let mut s = state(3);
-        assert_eq!(set(&mut s, "ha", "^ha", r#"{"ha-mode":"exactly","ha-params":2}"#), MetaReply::Ok);
+        assert_eq!(set(&mut s, "ha", "^ha", r#"{"ha-mode":"exactly","ha-params":2}"#), MetaReply::Created);
         let q = declare(&mut s, "ha.q", 2);
         assert_eq!(q.replicas.len(), 2);
         assert_eq!(q.policy.as_deref(), Some("ha"));

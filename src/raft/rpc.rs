@@ -49,6 +49,9 @@ pub enum RpcRequest {
     Members {
         group: GroupId,
     },
+    /// The metadata leader's last applied index: a node that waits until it
+    /// has applied as far reads its own writes made through other nodes.
+    MetaIndex,
     /// A metadata change for the metadata leader.
     Meta {
         cmd: MetaCmd,
@@ -68,6 +71,7 @@ pub enum RpcResponse {
     Meta(Result<(MetaReply, u64), NodeError>),
     Client(Result<ClientReply, NodeError>),
     Members(Option<std::collections::BTreeSet<NodeId>>),
+    MetaIndex(Option<u64>),
     /// The receiver does not host this group (yet): the sender retries later.
     UnknownGroup(GroupId),
 }

@@ -25,9 +25,11 @@ pub fn free_port() -> u16 {
 
 pub fn fast_timing(sync_timeout: Duration) -> Timing {
     Timing {
-        heartbeat: Duration::from_millis(100),
-        election_min: Duration::from_millis(500),
-        election_max: Duration::from_millis(1000),
+        // Short enough for quick failovers, long enough that a loaded 2-core
+        // CI machine running several clusters does not call elections.
+        heartbeat: Duration::from_millis(150),
+        election_min: Duration::from_millis(800),
+        election_max: Duration::from_millis(1600),
         sync_timeout,
         op_timeout: Duration::from_secs(20),
     }
@@ -130,6 +132,22 @@ pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> b
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Publish until confirmed, resending on the errors that leave the outcome
+/// unknown, as a publisher does after a nack.
+pub async fn publish_retrying(node: &Node, queue: &str, body: Vec<u8>) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match node.publish(queue, vec![msg(body.clone())]).await {
+            Ok(()) => return,
+            Err(e @ (mirrorq::NodeError::Unconfirmed(_) | mirrorq::NodeError::Unavailable(_))) => {
+                assert!(Instant::now() < deadline, "never confirmed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("publish failed: {e}"),
+        }
     }
 }
 
