@@ -58,7 +58,7 @@ impl NodeDb {
         std::fs::create_dir_all(dir).map_err(|source| StorageError::CreateDir { path: dir.to_owned(), source })?;
         let lock = lock_dir(dir)?;
         let sled_dir = dir.join("sled");
-        let db = sled::Config::new()
+        let config = sled::Config::new()
             .path(&sled_dir)
             .cache_capacity(opts.cache_bytes)
             // Our flusher syncs; sled's periodic background flush would only add fsyncs.
@@ -66,9 +66,21 @@ impl NodeDb {
             // Values over a quarter segment go to unsynced blob files; a larger
             // segment keeps batched log entries inline in the synced log.
             .segment_size(4 << 20)
-            .mode(sled::Mode::HighThroughput)
-            .open()
-            .map_err(|source| StorageError::Corrupt { path: sled_dir.clone(), source })?;
+            .mode(sled::Mode::HighThroughput);
+        // We hold LOCK, so no other process uses the dir; sled's own lock can
+        // still be held for a moment by this process's previous instance while
+        // sled's background threads let go of it (an in-process restart).
+        let mut attempts = 0;
+        let db = loop {
+            match config.open() {
+                Ok(db) => break db,
+                Err(sled::Error::Io(e)) if e.to_string().contains("could not acquire lock") && attempts < 250 => {
+                    attempts += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(source) => return Err(StorageError::Corrupt { path: sled_dir.clone(), source }),
+            }
+        };
         let open_tree =
             |name: &str| db.open_tree(name).map_err(|source| StorageError::Corrupt { path: sled_dir.clone(), source });
         let log = open_tree("log")?;
