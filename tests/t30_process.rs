@@ -48,7 +48,7 @@ async fn killed_replica_recovers_and_catches_up() {
     for n in nodes.iter_mut() {
         n.start();
     }
-    for n in &nodes {
+    for n in nodes.iter_mut() {
         n.wait_listening().await;
     }
     let c1 = NodeClient::new(nodes[0].raft_addr.clone());

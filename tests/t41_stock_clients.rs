@@ -10,12 +10,11 @@ use common::process;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pika_works_unchanged() {
     let root = tempfile::tempdir().unwrap();
-    let amqp_port = common::free_port();
     let mut nodes = process::cluster(root.path(), 1, &[]);
     let node = &mut nodes[0];
-    node.amqp_port = Some(amqp_port);
     node.start();
     node.wait_listening().await;
+    let amqp_port = node.amqp_port.unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/pika_smoke.py");
     let out = std::process::Command::new("python3")
         .arg(script)

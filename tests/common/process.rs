@@ -12,8 +12,9 @@ pub struct ProcNode {
     pub cluster: String,
     pub log: PathBuf,
     pub extra: Vec<String>,
-    /// Fixed AMQP port (default: a free one at each start).
+    /// AMQP and HTTP ports, picked at the first start (re-picked if taken).
     pub amqp_port: Option<u16>,
+    pub http_port: Option<u16>,
     child: Option<Child>,
 }
 
@@ -31,6 +32,7 @@ impl ProcNode {
             log: root.join(format!("node{id}.log")),
             extra: Vec::new(),
             amqp_port: None,
+            http_port: None,
             child: None,
         }
     }
@@ -49,7 +51,7 @@ impl ProcNode {
             .arg("--amqp-listen")
             .arg(format!("127.0.0.1:{}", self.amqp_port.unwrap_or_else(super::free_port)))
             .arg("--http-listen")
-            .arg(format!("127.0.0.1:{}", super::free_port()))
+            .arg(format!("127.0.0.1:{}", self.http_port.unwrap_or_else(super::free_port)))
             .args(&self.extra)
             .env("MIRRORQ_LOG", "info,openraft=warn");
         cmd
@@ -58,15 +60,38 @@ impl ProcNode {
     /// Start the process; its stderr goes to `self.log` (appended).
     pub fn start(&mut self) {
         assert!(self.child.is_none(), "node {} already running", self.id);
+        self.amqp_port.get_or_insert_with(super::free_port);
+        self.http_port.get_or_insert_with(super::free_port);
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
         let child = self.command().stdout(Stdio::null()).stderr(log).spawn().expect("spawn mirrorq");
         self.child = Some(child);
     }
 
-    /// Wait until the node link accepts connections.
-    pub async fn wait_listening(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while tokio::net::TcpStream::connect(&self.raft_addr).await.is_err() {
+    /// Wait until the node link accepts connections. If a port picked for
+    /// AMQP or HTTP was taken meanwhile (free-port races with other tests'
+    /// outgoing connections), pick new ones and start again.
+    pub async fn wait_listening(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut retries = 0;
+        loop {
+            if tokio::net::TcpStream::connect(&self.raft_addr).await.is_ok() {
+                return;
+            }
+            let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()).is_some();
+            if exited {
+                let log = self.log_text();
+                let taken = log.matches("Address already in use").count();
+                assert!(
+                    taken > retries && retries < 5 && !log.contains(&format!("cannot listen on {}", self.raft_addr)),
+                    "node {} exited; log:\n{log}",
+                    self.id
+                );
+                retries += 1;
+                self.child = None;
+                self.amqp_port = Some(super::free_port());
+                self.http_port = Some(super::free_port());
+                self.start();
+            }
             assert!(Instant::now() < deadline, "node {} never listened; log:\n{}", self.id, self.log_text());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
