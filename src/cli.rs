@@ -18,6 +18,58 @@ pub enum Command {
     Serve(ServeArgs),
     /// AMQP load generator (works against RabbitMQ too).
     Perf(PerfArgs),
+    /// Manage a cluster through the HTTP API.
+    Ctl(CtlArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CtlArgs {
+    #[arg(long, default_value = "http://127.0.0.1:15672", env = "MIRRORQ_URL")]
+    pub url: String,
+    #[arg(long, default_value = "guest")]
+    pub user: String,
+    #[arg(long, default_value = "guest")]
+    pub password: String,
+    /// Print the API's JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum CtlCommand {
+    /// Nodes and whether they run.
+    ClusterStatus,
+    /// Queues with master, mirrors and counts.
+    ListQueues,
+    ListPolicies,
+    /// Add or replace a policy: NAME PATTERN DEFINITION_JSON.
+    SetPolicy {
+        name: String,
+        pattern: String,
+        definition: String,
+        #[arg(long, default_value_t = 0)]
+        priority: i64,
+        #[arg(long, default_value = "all")]
+        apply_to: String,
+    },
+    ClearPolicy {
+        name: String,
+    },
+    SyncQueue {
+        name: String,
+    },
+    CancelSyncQueue {
+        name: String,
+    },
+    Rebalance,
+    ExportDefinitions {
+        file: PathBuf,
+    },
+    ImportDefinitions {
+        file: PathBuf,
+    },
 }
 
 #[derive(Debug, Clone, Args)]

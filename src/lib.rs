@@ -20,6 +20,7 @@
 //! - [`client`]: a client of the node link, for tools and tests.
 //! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
 //! - [`perf`]: `mirrorq perf`, an AMQP load generator (lapin).
+//! - [`ctl`]: `mirrorq ctl`, the HTTP API from the command line.
 //! - `mirrorq-storage` (the `storage/` crate): sled, group commit, openraft's
 //!   log storage.
 //!
@@ -29,6 +30,7 @@ pub mod amqp;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod ctl;
 pub mod error;
 pub mod http;
 pub mod metadata;

@@ -28,6 +28,16 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let args = match cli.command {
         Some(Command::Serve(a)) => a,
+        Some(Command::Ctl(c)) => match mirrorq::ctl::run(&c) {
+            Ok(out) => {
+                println!("{out}");
+                return Ok(());
+            }
+            Err(e) => {
+                eprintln!("mirrorq ctl: {e}");
+                std::process::exit(1);
+            }
+        },
         Some(Command::Perf(p)) => {
             let rt = tokio::runtime::Runtime::new()?;
             if let Err(e) = rt.block_on(mirrorq::perf::run(p)) {
