@@ -91,6 +91,15 @@ impl NodeConfig {
     }
 }
 
+/// Options of [`Node::declare_queue_with`].
+#[derive(Debug, Clone, Default)]
+pub struct DeclareOpts {
+    /// `x-queue-master-locator`: `Some(true)` min-masters, `Some(false)` client-local.
+    pub min_masters: Option<bool>,
+    /// The AMQP connection owning an exclusive queue.
+    pub exclusive_owner: Option<u64>,
+}
+
 /// The wait for the replies of operations started with [`Node::submit`].
 pub type Submitted = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<QueueReply>, NodeError>> + Send>>;
 
@@ -316,6 +325,16 @@ impl Node {
         name: &str,
         replicas: Vec<NodeId>,
     ) -> Result<(QueueMeta, bool), NodeError> {
+        self.declare_queue_with(name, replicas, DeclareOpts::default()).await
+    }
+
+    /// Declare with AMQP's extras: master locator and exclusive owner.
+    pub async fn declare_queue_with(
+        &self,
+        name: &str,
+        replicas: Vec<NodeId>,
+        opts: DeclareOpts,
+    ) -> Result<(QueueMeta, bool), NodeError> {
         if name.is_empty() || name.len() > 255 {
             return Err(NodeError::Invalid("queue name must be 1 to 255 bytes".into()));
         }
@@ -324,7 +343,8 @@ impl Node {
             replicas,
             durable: true,
             declared_on: self.id(),
-            locator: None,
+            locator: opts.min_masters,
+            exclusive_owner: opts.exclusive_owner,
         };
         let reply = self.meta_write(cmd).await?;
         let q = match reply {

@@ -407,3 +407,47 @@ async fn transactions_commit_and_rollback() {
     assert_eq!(left, vec!["t2", "t3"], "t0 and t1 acked; nothing requeued on close");
     c.cluster.shutdown().await;
 }
+
+/// An exclusive queue: other connections get 405 RESOURCE_LOCKED; it goes
+/// away with the connection that declared it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exclusive_queues_are_locked_and_die_with_their_connection() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let owner = c.connect(1).await;
+    let och = owner.create_channel().await.unwrap();
+    och.queue_declare(s("excl"), QueueDeclareOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    let other = c.connect(2).await;
+    let ch = other.create_channel().await.unwrap();
+    let err = ch
+        .queue_declare(s("excl"), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap_err();
+    assert!(format!("{err:?}").contains("405") || format!("{err}").contains("RESOURCE_LOCKED"), "{err:?}");
+    let ch = other.create_channel().await.unwrap();
+    let err = ch.basic_get(s("excl"), BasicGetOptions::default()).await.unwrap_err();
+    assert!(format!("{err:?}").contains("405") || format!("{err}").contains("RESOURCE_LOCKED"), "{err:?}");
+    // The owner uses it freely.
+    assert!(och.basic_get(s("excl"), BasicGetOptions::default()).await.unwrap().is_none());
+    // A bad locator argument is refused.
+    let mut args = FieldTable::default();
+    args.insert(s("x-queue-master-locator"), AMQPValue::LongString("random-ish".into()));
+    let err = och.queue_declare(s("loc"), QueueDeclareOptions::default(), args).await.unwrap_err();
+    assert!(format!("{err:?}").contains("406") || format!("{err}").contains("PRECONDITION_FAILED"), "{err:?}");
+
+    owner.close(200, s("bye")).await.unwrap();
+    let n2 = c.cluster.node(2).clone();
+    let mut gone = false;
+    for _ in 0..100 {
+        n2.meta_barrier().await;
+        if !n2.metadata().queues.contains_key("excl") {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "exclusive queue outlived its connection");
+    c.cluster.shutdown().await;
+}

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use super::codec::{self, decode_properties, encode_properties, Parsed};
 use crate::error::NodeError;
 use crate::metadata::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta};
-use crate::node::Node;
+use crate::node::{DeclareOpts, Node};
 use crate::queue::{Delivery, Message, QueueCmd};
 
 const PROTOCOL_HEADER: &[u8; 8] = b"AMQP\x00\x00\x09\x01";
@@ -37,6 +37,7 @@ const MAX_IN_FLIGHT: usize = 10_000;
 const NO_ROUTE: u16 = 312;
 const ACCESS_REFUSED: u16 = 403;
 const NOT_FOUND: u16 = 404;
+const RESOURCE_LOCKED: u16 = 405;
 const PRECONDITION_FAILED: u16 = 406;
 const FRAME_ERROR: u16 = 501;
 const SYNTAX_ERROR: u16 = 502;
@@ -131,6 +132,7 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
         hard_rx: None,
         hard_tx: None,
+        exclusive: Arc::default(),
     };
     let (hard_tx, hard_rx) = mpsc::channel::<Hard>(8);
     conn.hard_tx = Some(hard_tx);
@@ -139,6 +141,13 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
     let result = conn.read_loop(&mut rd).await;
     for (_, ch) in conn.channels.drain() {
         ch.closed.cancel();
+    }
+    // Exclusive queues live as long as the connection that declared them.
+    let exclusive: Vec<String> = conn.exclusive.lock().expect("poisoned").iter().cloned().collect();
+    for q in exclusive {
+        if let Err(e) = conn.node.delete_queue(&q).await {
+            tracing::warn!(queue = %q, error = %e, "could not delete an exclusive queue");
+        }
     }
     if let Err(h) = &result {
         tracing::info!(%peer, code = h.code, text = %h.text, "closing amqp connection");
@@ -185,6 +194,7 @@ struct Conn {
     in_flight: Arc<Semaphore>,
     hard_tx: Option<mpsc::Sender<Hard>>,
     hard_rx: Option<mpsc::Receiver<Hard>>,
+    exclusive: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl Conn {
@@ -374,6 +384,8 @@ impl Conn {
                 closed: closed.clone(),
                 in_flight: self.in_flight.clone(),
                 hard: self.hard_tx.clone().expect("hard_tx"),
+                conn_id: self.conn_id,
+                exclusive: self.exclusive.clone(),
             };
             self.channels.insert(ch, ChannelHandle { tx, closed });
             tokio::spawn(chan.run(rx));
@@ -532,6 +544,9 @@ struct Channel {
     closed: CancellationToken,
     in_flight: Arc<Semaphore>,
     hard: mpsc::Sender<Hard>,
+    conn_id: u64,
+    /// Exclusive queues this connection declared: deleted when it closes.
+    exclusive: Arc<Mutex<BTreeSet<String>>>,
 }
 
 /// A channel-level error: `channel.close` with this code.
@@ -706,14 +721,40 @@ impl Channel {
                         10,
                     )));
                 }
-                let exists = self.node.find_queue(&name).await.is_ok();
-                if d.passive && !exists {
+                let existing = self.node.find_queue(&name).await.ok();
+                if d.passive && existing.is_none() {
                     return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{name}' in vhost '/'"), 50, 10)));
                 }
-                if !exists {
-                    // Placed by the effective policy (none: one replica, here).
-                    self.node.declare_queue(&name, Vec::new()).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
-                }
+                let q = match existing {
+                    Some(q) => q,
+                    None => {
+                        let min_masters = match d.arguments.inner().get(&ss("x-queue-master-locator")) {
+                            None => None,
+                            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"min-masters" => Some(true),
+                            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"client-local" => Some(false),
+                            Some(other) => {
+                                return Err(Ok(soft(
+                                    PRECONDITION_FAILED,
+                                    format!("PRECONDITION_FAILED - invalid x-queue-master-locator {other:?}"),
+                                    50,
+                                    10,
+                                )))
+                            }
+                        };
+                        let opts = DeclareOpts { min_masters, exclusive_owner: d.exclusive.then_some(self.conn_id) };
+                        // Placed by the effective policy (none: one replica, here).
+                        let (q, created) = self
+                            .node
+                            .declare_queue_with(&name, Vec::new(), opts)
+                            .await
+                            .map_err(|e| Ok(node_soft(e, 50, 10)))?;
+                        if created && d.exclusive {
+                            self.exclusive.lock().expect("poisoned").insert(name.clone());
+                        }
+                        q
+                    }
+                };
+                self.check_exclusive(&q, 50, 10)?;
                 let (ready, _) = self.node.status(&name).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
                 if !d.nowait {
                     self.reply(AMQPClass::Queue(Q::DeclareOk(queue::DeclareOk {
@@ -726,6 +767,7 @@ impl Channel {
                 Ok(true)
             }
             Q::Purge(p) => {
+                self.locked_check(p.queue.as_str(), 50, 30).await?;
                 let n = self.node.purge(p.queue.as_str()).await.map_err(|e| Ok(node_soft(e, 50, 30)))?;
                 if !p.nowait {
                     self.reply(AMQPClass::Queue(Q::PurgeOk(queue::PurgeOk { message_count: n as u32 }))).await;
@@ -734,6 +776,7 @@ impl Channel {
             }
             Q::Delete(d) => {
                 let name = d.queue.as_str();
+                self.locked_check(name, 50, 40).await?;
                 let (ready, unacked) = self.node.status(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
                 if d.if_empty && ready + unacked > 0 {
                     return Err(Ok(soft(
@@ -822,6 +865,31 @@ impl Channel {
         }
     }
 
+    /// Another connection's exclusive queue: 405 RESOURCE_LOCKED.
+    fn check_exclusive(
+        &self,
+        q: &crate::metadata::QueueMeta,
+        class: u16,
+        method: u16,
+    ) -> Result<(), Result<Soft, Hard>> {
+        match q.exclusive_owner {
+            Some(owner) if owner != self.conn_id => Err(Ok(soft(
+                RESOURCE_LOCKED,
+                format!("RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{}' in vhost '/'", q.name),
+                class,
+                method,
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    async fn locked_check(&self, queue: &str, class: u16, method: u16) -> Result<(), Result<Soft, Hard>> {
+        match self.node.find_queue(queue).await {
+            Ok(q) => self.check_exclusive(&q, class, method),
+            Err(_) => Ok(()),
+        }
+    }
+
     async fn basic_method(&mut self, m: basic::AMQPMethod) -> Result<bool, Result<Soft, Hard>> {
         use basic::AMQPMethod as B;
         match m {
@@ -837,6 +905,7 @@ impl Channel {
             }
             B::Get(g) => {
                 let queue = g.queue.as_str().to_string();
+                self.locked_check(&queue, 60, 70).await?;
                 let (got, remaining) =
                     self.node.fetch(&queue, self.owner, 1, g.no_ack).await.map_err(|e| Ok(node_soft(e, 60, 70)))?;
                 match got.into_iter().next() {
@@ -857,8 +926,11 @@ impl Channel {
             }
             B::Consume(c) => {
                 let queue = c.queue.as_str().to_string();
-                if self.node.find_queue(&queue).await.is_err() {
-                    return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{queue}' in vhost '/'"), 60, 20)));
+                match self.node.find_queue(&queue).await {
+                    Ok(q) => self.check_exclusive(&q, 60, 20)?,
+                    Err(_) => {
+                        return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{queue}' in vhost '/'"), 60, 20)))
+                    }
                 }
                 let tag = if c.consumer_tag.as_str().is_empty() {
                     format!("amq.ctag-{:016x}", rand_id())

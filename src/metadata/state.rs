@@ -28,6 +28,9 @@ pub struct QueueMeta {
     pub by_policy: bool,
     /// Name of the effective policy, if any.
     pub policy: Option<String>,
+    /// AMQP connection that declared it exclusive (deleted when it closes).
+    #[serde(default)]
+    pub exclusive_owner: Option<u64>,
 }
 
 /// The metadata as every node sees it once applied.
@@ -62,6 +65,8 @@ pub enum MetaCmd {
         /// `x-queue-master-locator`: Some(true) min-masters, Some(false) client-local.
         #[serde(default)]
         locator: Option<bool>,
+        #[serde(default)]
+        exclusive_owner: Option<u64>,
     },
     /// Add or replace a policy (validated first; nothing invalid is stored).
     SetPolicy(Policy),
@@ -110,7 +115,7 @@ impl MetaState {
                 }
                 MetaReply::Ok
             }
-            MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator } => {
+            MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator, exclusive_owner } => {
                 if let Some(q) = self.queues.get(name) {
                     return MetaReply::Queue(q.clone());
                 }
@@ -150,6 +155,7 @@ impl MetaState {
                     durable: *durable,
                     by_policy,
                     policy,
+                    exclusive_owner: *exclusive_owner,
                 };
                 self.queues.insert(name.clone(), q.clone());
                 MetaReply::NewQueue(q)
@@ -289,7 +295,14 @@ mod tests {
     use super::*;
 
     fn decl(name: &str, replicas: Vec<NodeId>, durable: bool) -> MetaCmd {
-        MetaCmd::DeclareQueue { name: name.into(), replicas, durable, declared_on: 1, locator: None }
+        MetaCmd::DeclareQueue {
+            name: name.into(),
+            replicas,
+            durable,
+            declared_on: 1,
+            locator: None,
+            exclusive_owner: None,
+        }
     }
 
     fn with_nodes(n: u64) -> MetaState {
