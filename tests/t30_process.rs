@@ -53,21 +53,8 @@ async fn killed_replica_recovers_and_catches_up() {
     }
     let c1 = NodeClient::new(nodes[0].raft_addr.clone());
     tracing::info!("--- declare on node 1, publish 100 confirmed");
-    let q = {
-        let mut tries = 0;
-        loop {
-            match c1.declare_queue("pq", vec![1, 2, 3]).await {
-                Ok(q) => break q,
-                Err(e) if tries < 100 => {
-                    tries += 1;
-                    tracing::info!(error = %e, "cluster not ready yet");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => panic!("declare failed: {e}"),
-            }
-        }
-    };
-    assert_eq!(q.replicas, vec![1, 2, 3]);
+    process::declare_retrying(&c1, "pq", vec![1, 2, 3]).await;
+    assert_eq!(c1.queue_info("pq").await.unwrap().replicas, vec![1, 2, 3]);
     for i in 0..100 {
         publish_confirmed(&c1, "pq", format!("m{i}").into_bytes()).await;
     }
@@ -120,12 +107,7 @@ async fn single_node_kill9_keeps_every_confirmed_message() {
     node.start();
     node.wait_listening().await;
     let client = Arc::new(NodeClient::new(node.raft_addr.clone()));
-    let mut tries = 0;
-    while let Err(e) = client.declare_queue("solo", vec![1]).await {
-        tries += 1;
-        assert!(tries < 100, "declare failed: {e}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    process::declare_retrying(&client, "solo", vec![1]).await;
 
     tracing::info!("--- 8 publishers flat out; SIGKILL after 1.5 s");
     let confirmed = Arc::new(Mutex::new(BTreeSet::new()));
@@ -224,12 +206,7 @@ async fn sigterm_exits_zero_and_keeps_data() {
     node.start();
     node.wait_listening().await;
     let client = NodeClient::new(node.raft_addr.clone());
-    let mut tries = 0;
-    while client.declare_queue("kept", vec![1]).await.is_err() {
-        tries += 1;
-        assert!(tries < 100);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    process::declare_retrying(&client, "kept", vec![1]).await;
     publish_confirmed(&client, "kept", b"still here".to_vec()).await;
     assert_eq!(node.terminate(), Some(0));
     node.start();

@@ -10,10 +10,7 @@ use common::process;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pika_works_unchanged() {
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = process::cluster(root.path(), 1, &[]);
-    let node = &mut nodes[0];
-    node.start();
-    node.wait_listening().await;
+    let node = process::single(root.path()).await;
     let amqp_port = node.amqp_port.unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/pika_smoke.py");
     let out = std::process::Command::new("python3")
@@ -33,10 +30,7 @@ async fn pika_works_unchanged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn celery_works_unchanged() {
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = process::cluster(root.path(), 1, &[]);
-    let node = &mut nodes[0];
-    node.start();
-    node.wait_listening().await;
+    let node = process::single(root.path()).await;
     let amqp_port = node.amqp_port.unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/celery_smoke.py");
     let out = std::process::Command::new("python3")

@@ -8,10 +8,7 @@ use common::process;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn perf_runs_and_reports() {
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = process::cluster(root.path(), 1, &[]);
-    let node = &mut nodes[0];
-    node.start();
-    node.wait_listening().await;
+    let node = process::single(root.path()).await;
     let amqp_port = node.amqp_port.unwrap();
     let uri = format!("amqp://guest:guest@127.0.0.1:{amqp_port}/%2f");
     let out = std::process::Command::new(process::binary())

@@ -4,7 +4,6 @@
 mod common;
 
 use std::process::Output;
-use std::time::Duration;
 
 use common::process;
 use mirrorq::client::NodeClient;
@@ -38,18 +37,9 @@ fn fails(o: &Output, has: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctl_commands() {
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = process::cluster(root.path(), 1, &[]);
-    let node = &mut nodes[0];
-    node.start();
-    node.wait_listening().await;
+    let node = process::single(root.path()).await;
     let port = node.http_port.unwrap();
-    let client = NodeClient::new(node.raft_addr.clone());
-    let mut tries = 0;
-    while client.declare_queue("ha.one", vec![]).await.is_err() {
-        tries += 1;
-        assert!(tries < 100);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    process::declare_retrying(&NodeClient::new(node.raft_addr.clone()), "ha.one", vec![]).await;
 
     let out = tokio::task::spawn_blocking(move || {
         let status = ok(&ctl(port, &["cluster-status"]));

@@ -413,6 +413,7 @@ mod policy_tests {
             durable: true,
             declared_on: on,
             locator: None,
+            exclusive_owner: None,
         }) {
             MetaReply::NewQueue(q) => q,
             other => panic!("{other:?}"),

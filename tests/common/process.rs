@@ -144,3 +144,26 @@ pub fn cluster(root: &Path, n: u64, extra: &[&str]) -> Vec<ProcNode> {
         })
         .collect()
 }
+
+/// One node, started and listening.
+pub async fn single(root: &Path) -> ProcNode {
+    let mut node = cluster(root, 1, &[]).pop().expect("one node");
+    node.start();
+    node.wait_listening().await;
+    node
+}
+
+/// Declare through the node link, retrying while the node elects its
+/// metadata leader after start.
+pub async fn declare_retrying(client: &mirrorq::client::NodeClient, queue: &str, replicas: Vec<u64>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match client.declare_queue(queue, replicas.clone()).await {
+            Ok(_) => return,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "declare of {queue} failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
