@@ -232,3 +232,43 @@ async fn mirrored_queue_publish_and_get() {
     wait_until(Duration::from_secs(10), "queue gone everywhere", || n1.metadata().queues.is_empty()).await;
     api.cluster.shutdown().await;
 }
+
+/// A RabbitMQ-style definitions export imports (policy, exchange, queue,
+/// binding) and exports back; a bad file is refused whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn definitions_import_and_export() {
+    init_tracing();
+    let api = Api::start().await;
+    let defs = r#"{
+      "rabbit_version": "3.10.8",
+      "users": [{"name":"guest","password_hash":"x","hashing_algorithm":"rabbit_password_hashing_sha256","tags":["administrator"]}],
+      "vhosts": [{"name":"/"}],
+      "permissions": [{"user":"guest","vhost":"/","configure":".*","write":".*","read":".*"}],
+      "policies": [{"vhost":"/","name":"ha-all","pattern":"^ha\\.","apply-to":"queues","definition":{"ha-mode":"all"},"priority":0}],
+      "queues": [{"name":"ha.orders","vhost":"/","durable":true,"auto_delete":false,"arguments":{}}],
+      "exchanges": [{"name":"orders","vhost":"/","type":"topic","durable":true,"auto_delete":false,"internal":false,"arguments":{}},
+                    {"name":"amq.direct","vhost":"/","type":"direct","durable":true,"auto_delete":false,"internal":false,"arguments":{}}],
+      "bindings": [{"source":"orders","vhost":"/","destination":"ha.orders","destination_type":"queue","routing_key":"order.#","arguments":{}}]
+    }"#;
+    assert_eq!(api.call(1, "POST", "/api/definitions", Some(defs)).await.0, 204);
+    let (_, q) = api.call(2, "GET", "/api/queues/%2F/ha.orders", None).await;
+    assert_eq!(q["policy"], "ha-all");
+    assert_eq!(q["slave_nodes"].as_array().unwrap().len(), 2, "{q}");
+    let msg = r#"{"properties":{},"routing_key":"order.new","payload":"o1","payload_encoding":"string"}"#;
+    assert_eq!(api.call(3, "POST", "/api/exchanges/%2F/orders/publish", Some(msg)).await.1, json!({"routed": true}));
+    let (s, out) = api.call(3, "GET", "/api/definitions", None).await;
+    assert_eq!(s, 200);
+    assert_eq!(out["policies"][0]["name"], "ha-all");
+    assert_eq!(out["queues"][0]["name"], "ha.orders");
+    assert_eq!(out["exchanges"][0]["name"], "orders");
+    assert_eq!(out["bindings"][0]["routing_key"], "order.#");
+    assert_eq!(out["vhosts"][0]["name"], "/");
+
+    let bad = r#"{"policies":[{"name":"ok","pattern":"^z","definition":{"ha-mode":"all"}}],
+                  "queues":[{"name":"q","vhost":"/other"}]}"#;
+    assert_error(&api.call(1, "POST", "/api/definitions", Some(bad)).await, 400, "vhost");
+    assert_eq!(api.call(1, "GET", "/api/policies/%2F/ok", None).await.0, 404, "nothing of a bad file applied");
+    assert_error(&api.call(1, "POST", "/api/definitions", Some(r#"{"queues":{}}"#)).await, 400, "list");
+    assert_error(&api.call(1, "POST", "/api/definitions", Some(r#"{"users":[{"name":"admin"}]}"#)).await, 400, "admin");
+    api.cluster.shutdown().await;
+}

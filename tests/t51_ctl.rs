@@ -65,6 +65,17 @@ async fn ctl_commands() {
         assert!(ok(&ctl(port, &["clear-policy", "ha"])).contains("cleared"));
         fails(&ctl(port, &["clear-policy", "ha"]), "404");
         fails(&ctl(port, &["sync-queue", "ha.one"]), "not supported");
+        let file = std::env::temp_dir().join(format!("mirrorq-defs-{}.json", std::process::id()));
+        let f = file.to_str().unwrap();
+        assert!(ok(&ctl(port, &["export-definitions", f])).contains("written"));
+        let exported: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        assert_eq!(exported["queues"][0]["name"], "ha.one");
+        std::fs::write(&file, r#"{"queues":[{"name":"imported","vhost":"/"}]}"#).unwrap();
+        assert!(ok(&ctl(port, &["import-definitions", f])).contains("imported"));
+        assert!(ok(&ctl(port, &["list-queues"])).contains("imported"));
+        std::fs::write(&file, "not json").unwrap();
+        fails(&ctl(port, &["import-definitions", f]), "not JSON");
+        let _ = std::fs::remove_file(&file);
         fails(&ctl(port, &["--password", "wrong", "list-queues"]), "401");
         fails(&ctl(1, &["list-queues"]), "cannot reach");
         true

@@ -3,6 +3,7 @@
 //! metadata and the queue masters (over the node link), writes go through
 //! the metadata leader or the queue's master.
 
+mod definitions;
 mod error;
 mod props;
 
@@ -52,6 +53,7 @@ pub fn router(node: Node) -> Router {
         .route("/api/exchanges", get(list_exchanges))
         .route("/api/exchanges/{vhost}/{name}/publish", post(publish))
         .route("/api/bindings", get(list_bindings))
+        .route("/api/definitions", get(definitions::export).post(definitions::import))
         .fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn_with_state(node.clone(), fresh_reads))
         .layer(middleware::from_fn(auth))
