@@ -29,6 +29,7 @@
 pub mod amqp;
 pub mod cli;
 pub mod client;
+pub mod clients;
 pub mod config;
 pub mod ctl;
 pub mod error;

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 
+use crate::clients::{Clients, ConnectionInfo, ConsumerInfo};
 use crate::error::{NodeError, ServerError};
 use crate::metadata::{
     routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, Policy, QueueMeta,
@@ -146,6 +147,8 @@ struct Inner {
     groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
     /// Last master seen per group, so forwarding starts at the right node.
     hints: Mutex<HashMap<GroupId, NodeId>>,
+    /// AMQP clients connected here.
+    clients: Arc<Clients>,
     stop: CancellationToken,
 }
 
@@ -242,6 +245,7 @@ impl Node {
             meta,
             groups: RwLock::new(HashMap::new()),
             hints: Mutex::new(HashMap::new()),
+            clients: Arc::default(),
             stop: CancellationToken::new(),
         });
 
@@ -399,6 +403,25 @@ impl Node {
             }
         }
         Err(NodeError::Unavailable(format!("no master of '{name}' found")))
+    }
+
+    /// This node's AMQP client registry.
+    pub fn clients(&self) -> &Arc<Clients> {
+        &self.inner.clients
+    }
+
+    /// AMQP connections and consumers of every reachable node.
+    pub async fn cluster_clients(&self) -> (Vec<ConnectionInfo>, Vec<ConsumerInfo>) {
+        let (mut conns, mut consumers) = self.inner.clients.snapshot();
+        let peers: Vec<NodeId> = self.metadata().nodes.keys().copied().filter(|id| *id != self.id()).collect();
+        for peer in peers {
+            let deadline = Instant::now() + Duration::from_millis(1000);
+            if let Ok(RpcResponse::Clients(c, k)) = self.inner.call(peer, &RpcRequest::Clients, deadline).await {
+                conns.extend(c);
+                consumers.extend(k);
+            }
+        }
+        (conns, consumers)
     }
 
     /// Does node `id` answer on the node link?
@@ -1130,6 +1153,10 @@ impl Inner {
                 None => RpcResponse::UnknownGroup(group),
             },
             RpcRequest::Queue { group, cmds } => RpcResponse::Queue(self.local_queue_op(group, cmds).await),
+            RpcRequest::Clients => {
+                let (c, k) = self.clients.snapshot();
+                RpcResponse::Clients(c, k)
+            }
             RpcRequest::MetaIndex => {
                 let m = self.meta_raft.metrics().borrow().clone();
                 RpcResponse::MetaIndex(if m.current_leader == Some(self.id) {

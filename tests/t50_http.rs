@@ -272,3 +272,61 @@ async fn definitions_import_and_export() {
     assert_error(&api.call(1, "POST", "/api/definitions", Some(r#"{"users":[{"name":"admin"}]}"#)).await, 400, "admin");
     api.cluster.shutdown().await;
 }
+
+/// Connections, channels and consumers of every node, asked on any node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_channels_and_consumers_cluster_wide() {
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+    use lapin::types::{FieldTable, ShortString};
+    init_tracing();
+    let api = Api::start().await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let amqp_port = l.local_addr().unwrap().port();
+    let n2 = api.cluster.node(2).clone();
+    tokio::spawn(mirrorq::amqp::serve(l, n2.clone(), n2.stopped()));
+    let conn = lapin::Connection::connect(&format!("amqp://guest:guest@127.0.0.1:{amqp_port}/%2f"), Default::default())
+        .await
+        .unwrap();
+    let ch1 = conn.create_channel().await.unwrap();
+    let _ch2 = conn.create_channel().await.unwrap();
+    ch1.queue_declare(ShortString::from("watched"), QueueDeclareOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    ch1.basic_qos(7, BasicQosOptions::default()).await.unwrap();
+    let _consumer = ch1
+        .basic_consume(
+            ShortString::from("watched"),
+            ShortString::from("c-1"),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    let (s, conns) = api.call(1, "GET", "/api/connections", None).await;
+    assert_eq!(s, 200);
+    assert_eq!(conns.as_array().unwrap().len(), 1, "{conns}");
+    assert_eq!(conns[0]["node"], "mirrorq@2");
+    assert_eq!(conns[0]["user"], "guest");
+    assert_eq!(conns[0]["channels"], 2);
+    let (_, chans) = api.call(3, "GET", "/api/channels", None).await;
+    assert_eq!(chans.as_array().unwrap().len(), 2, "{chans}");
+    let (_, consumers) = api.call(1, "GET", "/api/consumers", None).await;
+    assert_eq!(consumers.as_array().unwrap().len(), 1, "{consumers}");
+    assert_eq!(consumers[0]["consumer_tag"], "c-1");
+    assert_eq!(consumers[0]["queue"]["name"], "watched");
+    assert_eq!(consumers[0]["prefetch_count"], 7);
+
+    conn.close(200, ShortString::from("bye")).await.unwrap();
+    let mut left = Value::Null;
+    for _ in 0..50 {
+        left = api.call(1, "GET", "/api/connections", None).await.1;
+        if left.as_array().is_some_and(|a| a.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(left, json!([]));
+    assert_eq!(api.call(1, "GET", "/api/consumers", None).await.1, json!([]));
+    api.cluster.shutdown().await;
+}

@@ -93,6 +93,15 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         return Err(format!("bad protocol header {header:?}"));
     }
 
+    let local = wr.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    node.clients().connected(crate::clients::ConnectionInfo {
+        id: conn_id,
+        name: format!("{peer} -> {local}"),
+        peer: peer.to_string(),
+        user: "guest".into(),
+        node: node.name().to_string(),
+        channels: Vec::new(),
+    });
     let (tx, mut rx) = mpsc::channel::<Vec<AMQPFrame>>(1024);
     let out = Out(tx);
     let writer = tokio::spawn(async move {
@@ -142,6 +151,7 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
     for (_, ch) in conn.channels.drain() {
         ch.closed.cancel();
     }
+    conn.node.clients().disconnected(conn_id);
     // Exclusive queues live as long as the connection that declared them.
     let exclusive: Vec<String> = conn.exclusive.lock().expect("poisoned").iter().cloned().collect();
     for q in exclusive {
@@ -388,6 +398,7 @@ impl Conn {
                 exclusive: self.exclusive.clone(),
             };
             self.channels.insert(ch, ChannelHandle { tx, closed });
+            self.node.clients().channel_opened(self.conn_id, ch);
             tokio::spawn(chan.run(rx));
             self.out.one(method(ch, AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})))).await;
             return Ok(());
@@ -601,6 +612,7 @@ impl Channel {
     /// Stop consumers and give back unacked messages (requeued, redelivered).
     async fn shutdown(&mut self) {
         self.closed.cancel();
+        self.node.clients().channel_closed(self.conn_id, self.id);
         for (_, c) in self.consumers.drain() {
             c.cancel();
         }
@@ -942,6 +954,14 @@ impl Channel {
                 }
                 let stop = self.closed.child_token();
                 self.consumers.insert(tag.clone(), stop.clone());
+                self.node.clients().consuming(crate::clients::ConsumerInfo {
+                    connection: self.conn_id,
+                    channel: self.id,
+                    tag: tag.clone(),
+                    queue: queue.clone(),
+                    ack_required: !c.no_ack,
+                    prefetch: self.deliveries.state.lock().expect("poisoned").prefetch,
+                });
                 if !c.nowait {
                     self.reply(AMQPClass::Basic(B::ConsumeOk(basic::ConsumeOk { consumer_tag: ss(&tag) }))).await;
                 }
@@ -964,6 +984,7 @@ impl Channel {
                 if let Some(t) = self.consumers.remove(c.consumer_tag.as_str()) {
                     t.cancel();
                 }
+                self.node.clients().stopped_consuming(self.conn_id, self.id, c.consumer_tag.as_str());
                 if !c.nowait {
                     self.reply(AMQPClass::Basic(B::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag }))).await;
                 }
@@ -1339,6 +1360,7 @@ impl Consumer {
                     self.deliver(msgs).await;
                 }
                 Err(NodeError::NoSuchQueue(_)) => {
+                    self.node.clients().stopped_consuming(self.owner >> 16, self.channel, &self.tag);
                     // The queue was deleted: tell the client (consumer_cancel_notify).
                     self.out
                         .one(method(

@@ -54,6 +54,9 @@ pub fn router(node: Node) -> Router {
         .route("/api/exchanges/{vhost}/{name}/publish", post(publish))
         .route("/api/bindings", get(list_bindings))
         .route("/api/definitions", get(definitions::export).post(definitions::import))
+        .route("/api/connections", get(list_connections))
+        .route("/api/channels", get(list_channels))
+        .route("/api/consumers", get(list_consumers))
         .fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn_with_state(node.clone(), fresh_reads))
         .layer(middleware::from_fn(auth))
@@ -447,4 +450,54 @@ async fn publish(
         w.await?;
     }
     Ok(Json(json!({"routed": true})))
+}
+
+fn split_peer(peer: &str) -> (String, u16) {
+    match peer.rsplit_once(':') {
+        Some((h, p)) => (h.to_string(), p.parse().unwrap_or(0)),
+        None => (peer.to_string(), 0),
+    }
+}
+
+async fn list_connections(State(node): State<Node>) -> Json<Value> {
+    let (conns, _) = node.cluster_clients().await;
+    Json(Value::Array(
+        conns
+            .iter()
+            .map(|c| {
+                let (host, port) = split_peer(&c.peer);
+                json!({"name": c.name, "node": c.node, "user": c.user, "vhost": "/", "channels": c.channels.len(),
+                       "peer_host": host, "peer_port": port, "state": "running", "protocol": "AMQP 0-9-1"})
+            })
+            .collect(),
+    ))
+}
+
+async fn list_channels(State(node): State<Node>) -> Json<Value> {
+    let (conns, consumers) = node.cluster_clients().await;
+    let mut out = Vec::new();
+    for c in &conns {
+        for ch in &c.channels {
+            let n = consumers.iter().filter(|k| k.connection == c.id && k.channel == *ch).count();
+            out.push(json!({"name": format!("{} ({ch})", c.name), "number": ch, "node": c.node, "user": c.user,
+                            "vhost": "/", "consumer_count": n, "state": "running",
+                            "connection_details": {"name": c.name}}));
+        }
+    }
+    Json(Value::Array(out))
+}
+
+async fn list_consumers(State(node): State<Node>) -> Json<Value> {
+    let (conns, consumers) = node.cluster_clients().await;
+    let name_of = |id: u64| conns.iter().find(|c| c.id == id).map(|c| c.name.clone()).unwrap_or_default();
+    Json(Value::Array(
+        consumers
+            .iter()
+            .map(|k| {
+                json!({"consumer_tag": k.tag, "queue": {"name": k.queue, "vhost": "/"}, "ack_required": k.ack_required,
+                       "prefetch_count": k.prefetch, "exclusive": false,
+                       "channel_details": {"name": format!("{} ({})", name_of(k.connection), k.channel), "number": k.channel}})
+            })
+            .collect(),
+    ))
 }

@@ -49,6 +49,8 @@ pub enum RpcRequest {
     Members {
         group: GroupId,
     },
+    /// This node's AMQP connections and consumers (for the API's listings).
+    Clients,
     /// The metadata leader's last applied index: a node that waits until it
     /// has applied as far reads its own writes made through other nodes.
     MetaIndex,
@@ -72,6 +74,7 @@ pub enum RpcResponse {
     Client(Result<ClientReply, NodeError>),
     Members(Option<std::collections::BTreeSet<NodeId>>),
     MetaIndex(Option<u64>),
+    Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),
     /// The receiver does not host this group (yet): the sender retries later.
     UnknownGroup(GroupId),
 }

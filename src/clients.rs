@@ -1,0 +1,73 @@
+//! Who is connected to this node over AMQP: what the management API lists
+//! as connections, channels and consumers (each node reports its own; the
+//! API gathers them cluster-wide).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectionInfo {
+    pub id: u64,
+    /// `peer -> local`, as RabbitMQ names connections.
+    pub name: String,
+    pub peer: String,
+    pub user: String,
+    pub node: String,
+    /// Open channel numbers.
+    pub channels: Vec<u16>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumerInfo {
+    pub connection: u64,
+    pub channel: u16,
+    pub tag: String,
+    pub queue: String,
+    pub ack_required: bool,
+    pub prefetch: u16,
+}
+
+/// This node's AMQP clients.
+#[derive(Default)]
+pub struct Clients {
+    connections: Mutex<BTreeMap<u64, ConnectionInfo>>,
+    consumers: Mutex<BTreeMap<(u64, u16, String), ConsumerInfo>>,
+}
+
+impl Clients {
+    pub fn connected(&self, info: ConnectionInfo) {
+        self.connections.lock().expect("poisoned").insert(info.id, info);
+    }
+    pub fn disconnected(&self, id: u64) {
+        self.connections.lock().expect("poisoned").remove(&id);
+        self.consumers.lock().expect("poisoned").retain(|k, _| k.0 != id);
+    }
+    pub fn channel_opened(&self, id: u64, channel: u16) {
+        if let Some(c) = self.connections.lock().expect("poisoned").get_mut(&id) {
+            if !c.channels.contains(&channel) {
+                c.channels.push(channel);
+                c.channels.sort_unstable();
+            }
+        }
+    }
+    pub fn consuming(&self, info: ConsumerInfo) {
+        self.consumers.lock().expect("poisoned").insert((info.connection, info.channel, info.tag.clone()), info);
+    }
+    pub fn stopped_consuming(&self, connection: u64, channel: u16, tag: &str) {
+        self.consumers.lock().expect("poisoned").remove(&(connection, channel, tag.to_string()));
+    }
+    pub fn channel_closed(&self, connection: u64, channel: u16) {
+        if let Some(c) = self.connections.lock().expect("poisoned").get_mut(&connection) {
+            c.channels.retain(|ch| *ch != channel);
+        }
+        self.consumers.lock().expect("poisoned").retain(|k, _| !(k.0 == connection && k.1 == channel));
+    }
+    pub fn snapshot(&self) -> (Vec<ConnectionInfo>, Vec<ConsumerInfo>) {
+        (
+            self.connections.lock().expect("poisoned").values().cloned().collect(),
+            self.consumers.lock().expect("poisoned").values().cloned().collect(),
+        )
+    }
+}
