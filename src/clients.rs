@@ -40,9 +40,18 @@ impl Clients {
     pub fn connected(&self, info: ConnectionInfo) {
         self.connections.lock().expect("poisoned").insert(info.id, info);
     }
-    pub fn disconnected(&self, id: u64) {
+    /// Forget a connection; returns the queues its consumers were on.
+    pub fn disconnected(&self, id: u64) -> Vec<String> {
         self.connections.lock().expect("poisoned").remove(&id);
-        self.consumers.lock().expect("poisoned").retain(|k, _| k.0 != id);
+        let mut gone = Vec::new();
+        self.consumers.lock().expect("poisoned").retain(|k, v| {
+            let keep = k.0 != id;
+            if !keep {
+                gone.push(v.queue.clone());
+            }
+            keep
+        });
+        gone
     }
     pub fn channel_opened(&self, id: u64, channel: u16) {
         if let Some(c) = self.connections.lock().expect("poisoned").get_mut(&id) {
@@ -55,14 +64,24 @@ impl Clients {
     pub fn consuming(&self, info: ConsumerInfo) {
         self.consumers.lock().expect("poisoned").insert((info.connection, info.channel, info.tag.clone()), info);
     }
-    pub fn stopped_consuming(&self, connection: u64, channel: u16, tag: &str) {
-        self.consumers.lock().expect("poisoned").remove(&(connection, channel, tag.to_string()));
+    /// Forget a consumer; returns its queue.
+    pub fn stopped_consuming(&self, connection: u64, channel: u16, tag: &str) -> Option<String> {
+        self.consumers.lock().expect("poisoned").remove(&(connection, channel, tag.to_string())).map(|c| c.queue)
     }
-    pub fn channel_closed(&self, connection: u64, channel: u16) {
+    /// Forget a channel; returns the queues its consumers were on.
+    pub fn channel_closed(&self, connection: u64, channel: u16) -> Vec<String> {
         if let Some(c) = self.connections.lock().expect("poisoned").get_mut(&connection) {
             c.channels.retain(|ch| *ch != channel);
         }
-        self.consumers.lock().expect("poisoned").retain(|k, _| !(k.0 == connection && k.1 == channel));
+        let mut gone = Vec::new();
+        self.consumers.lock().expect("poisoned").retain(|k, v| {
+            let keep = !(k.0 == connection && k.1 == channel);
+            if !keep {
+                gone.push(v.queue.clone());
+            }
+            keep
+        });
+        gone
     }
     pub fn snapshot(&self) -> (Vec<ConnectionInfo>, Vec<ConsumerInfo>) {
         (

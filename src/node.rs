@@ -99,6 +99,8 @@ pub struct DeclareOpts {
     pub min_masters: Option<bool>,
     /// The AMQP connection owning an exclusive queue.
     pub exclusive_owner: Option<u64>,
+    /// Delete the queue when its last consumer goes away.
+    pub auto_delete: bool,
 }
 
 /// The wait for the replies of operations started with [`Node::submit`].
@@ -349,6 +351,7 @@ impl Node {
             declared_on: self.id(),
             locator: opts.min_masters,
             exclusive_owner: opts.exclusive_owner,
+            auto_delete: opts.auto_delete,
         };
         let reply = self.meta_write(cmd).await?;
         let q = match reply {
@@ -422,6 +425,24 @@ impl Node {
             }
         }
         (conns, consumers)
+    }
+
+    /// An auto-delete queue lost a consumer here: delete it if no node has
+    /// a consumer on it any more (RabbitMQ: when its last consumer goes).
+    pub async fn consumer_gone(&self, queue: &str) {
+        let auto = self.metadata().queues.get(queue).is_some_and(|q| q.auto_delete);
+        if !auto {
+            return;
+        }
+        let (_, consumers) = self.cluster_clients().await;
+        if consumers.iter().any(|c| c.queue == queue) {
+            return;
+        }
+        match self.delete_queue(queue).await {
+            Ok(()) => tracing::info!(queue, "auto-delete queue deleted after its last consumer"),
+            Err(NodeError::NoSuchQueue(_)) => {}
+            Err(e) => tracing::warn!(queue, error = %e, "could not auto-delete queue"),
+        }
     }
 
     /// Does node `id` answer on the node link?

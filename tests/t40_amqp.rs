@@ -451,3 +451,37 @@ async fn exclusive_queues_are_locked_and_die_with_their_connection() {
     assert!(gone, "exclusive queue outlived its connection");
     c.cluster.shutdown().await;
 }
+
+/// An auto-delete queue goes when its last consumer does, not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn auto_delete_queue_goes_with_its_last_consumer() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn = c.connect(1).await;
+    let ch = conn.create_channel().await.unwrap();
+    let opts = QueueDeclareOptions { auto_delete: true, ..Default::default() };
+    ch.queue_declare(s("ad"), opts, FieldTable::default()).await.unwrap();
+    let c1 = ch.basic_consume(s("ad"), s("a1"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let other = c.connect(3).await.create_channel().await.unwrap();
+    let c2 =
+        other.basic_consume(s("ad"), s("a2"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    // (Both consumer handles stay alive: lapin cancels a dropped consumer.)
+    ch.basic_cancel(s("a1"), Default::default()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let node1 = c.cluster.node(1).clone();
+    node1.meta_barrier().await;
+    assert!(node1.metadata().queues.contains_key("ad"), "deleted while a consumer on another node remains");
+    other.basic_cancel(s("a2"), Default::default()).await.unwrap();
+    let mut gone = false;
+    for _ in 0..100 {
+        node1.meta_barrier().await;
+        if !node1.metadata().queues.contains_key("ad") {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "auto-delete queue outlived its last consumer");
+    drop((c1, c2));
+    c.cluster.shutdown().await;
+}

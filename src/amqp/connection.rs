@@ -151,7 +151,9 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
     for (_, ch) in conn.channels.drain() {
         ch.closed.cancel();
     }
-    conn.node.clients().disconnected(conn_id);
+    for q in conn.node.clients().disconnected(conn_id) {
+        conn.node.consumer_gone(&q).await;
+    }
     // Exclusive queues live as long as the connection that declared them.
     let exclusive: Vec<String> = conn.exclusive.lock().expect("poisoned").iter().cloned().collect();
     for q in exclusive {
@@ -612,7 +614,10 @@ impl Channel {
     /// Stop consumers and give back unacked messages (requeued, redelivered).
     async fn shutdown(&mut self) {
         self.closed.cancel();
-        self.node.clients().channel_closed(self.conn_id, self.id);
+        for q in self.node.clients().channel_closed(self.conn_id, self.id) {
+            let node = self.node.clone();
+            tokio::spawn(async move { node.consumer_gone(&q).await });
+        }
         for (_, c) in self.consumers.drain() {
             c.cancel();
         }
@@ -753,7 +758,11 @@ impl Channel {
                                 )))
                             }
                         };
-                        let opts = DeclareOpts { min_masters, exclusive_owner: d.exclusive.then_some(self.conn_id) };
+                        let opts = DeclareOpts {
+                            min_masters,
+                            exclusive_owner: d.exclusive.then_some(self.conn_id),
+                            auto_delete: d.auto_delete,
+                        };
                         // Placed by the effective policy (none: one replica, here).
                         let (q, created) = self
                             .node
@@ -984,7 +993,10 @@ impl Channel {
                 if let Some(t) = self.consumers.remove(c.consumer_tag.as_str()) {
                     t.cancel();
                 }
-                self.node.clients().stopped_consuming(self.conn_id, self.id, c.consumer_tag.as_str());
+                if let Some(q) = self.node.clients().stopped_consuming(self.conn_id, self.id, c.consumer_tag.as_str()) {
+                    let node = self.node.clone();
+                    tokio::spawn(async move { node.consumer_gone(&q).await });
+                }
                 if !c.nowait {
                     self.reply(AMQPClass::Basic(B::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag }))).await;
                 }

@@ -31,6 +31,9 @@ pub struct QueueMeta {
     /// AMQP connection that declared it exclusive (deleted when it closes).
     #[serde(default)]
     pub exclusive_owner: Option<u64>,
+    /// Deleted when its last consumer goes away (AMQP `auto_delete`).
+    #[serde(default)]
+    pub auto_delete: bool,
 }
 
 /// The metadata as every node sees it once applied.
@@ -67,6 +70,8 @@ pub enum MetaCmd {
         locator: Option<bool>,
         #[serde(default)]
         exclusive_owner: Option<u64>,
+        #[serde(default)]
+        auto_delete: bool,
     },
     /// Add or replace a policy (validated first; nothing invalid is stored).
     SetPolicy(Policy),
@@ -115,7 +120,7 @@ impl MetaState {
                 }
                 MetaReply::Ok
             }
-            MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator, exclusive_owner } => {
+            MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator, exclusive_owner, auto_delete } => {
                 if let Some(q) = self.queues.get(name) {
                     return MetaReply::Queue(q.clone());
                 }
@@ -156,6 +161,7 @@ impl MetaState {
                     by_policy,
                     policy,
                     exclusive_owner: *exclusive_owner,
+                    auto_delete: *auto_delete,
                 };
                 self.queues.insert(name.clone(), q.clone());
                 MetaReply::NewQueue(q)
@@ -302,6 +308,7 @@ mod tests {
             declared_on: 1,
             locator: None,
             exclusive_owner: None,
+            auto_delete: false,
         }
     }
 
@@ -414,6 +421,7 @@ mod policy_tests {
             declared_on: on,
             locator: None,
             exclusive_owner: None,
+            auto_delete: false,
         }) {
             MetaReply::NewQueue(q) => q,
             other => panic!("{other:?}"),
