@@ -40,6 +40,11 @@ impl AmqpCluster {
     }
 }
 
+/// The broker closed with `code` (lapin reports it as a number or by name).
+fn assert_amqp_error(err: &lapin::Error, code: &str, name: &str) {
+    assert!(format!("{err:?}").contains(code) || format!("{err}").contains(name), "expected {code} {name}: {err:?}");
+}
+
 fn s(v: &str) -> ShortString {
     ShortString::from(v)
 }
@@ -211,7 +216,7 @@ async fn errors_get_the_right_reply_codes() {
         .queue_declare(s("missing"), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
         .await
         .unwrap_err();
-    assert!(format!("{err:?}").contains("404") || format!("{err}").contains("NOT_FOUND"), "{err:?}");
+    assert_amqp_error(&err, "404", "NOT_FOUND");
 
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
@@ -320,7 +325,7 @@ async fn exchanges_route_and_validate() {
         .exchange_declare(s("logs"), ExchangeKind::Fanout, ExchangeDeclareOptions::default(), FieldTable::default())
         .await
         .unwrap_err();
-    assert!(format!("{err:?}").contains("406") || format!("{err}").contains("PRECONDITION_FAILED"), "{err:?}");
+    assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
     // Unknown exchange on publish: 404 closes the channel.
     let ch2 = conn.create_channel().await.unwrap();
     ch2.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
@@ -337,7 +342,7 @@ async fn exchanges_route_and_validate() {
         .queue_bind(s("errors"), s(""), s("k"), QueueBindOptions::default(), FieldTable::default())
         .await
         .unwrap_err();
-    assert!(format!("{err:?}").contains("403") || format!("{err}").contains("ACCESS_REFUSED"), "{err:?}");
+    assert_amqp_error(&err, "403", "ACCESS_REFUSED");
     c.cluster.shutdown().await;
 }
 
@@ -425,17 +430,17 @@ async fn exclusive_queues_are_locked_and_die_with_their_connection() {
         .queue_declare(s("excl"), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
         .await
         .unwrap_err();
-    assert!(format!("{err:?}").contains("405") || format!("{err}").contains("RESOURCE_LOCKED"), "{err:?}");
+    assert_amqp_error(&err, "405", "RESOURCE_LOCKED");
     let ch = other.create_channel().await.unwrap();
     let err = ch.basic_get(s("excl"), BasicGetOptions::default()).await.unwrap_err();
-    assert!(format!("{err:?}").contains("405") || format!("{err}").contains("RESOURCE_LOCKED"), "{err:?}");
+    assert_amqp_error(&err, "405", "RESOURCE_LOCKED");
     // The owner uses it freely.
     assert!(och.basic_get(s("excl"), BasicGetOptions::default()).await.unwrap().is_none());
     // A bad locator argument is refused.
     let mut args = FieldTable::default();
     args.insert(s("x-queue-master-locator"), AMQPValue::LongString("random-ish".into()));
     let err = och.queue_declare(s("loc"), QueueDeclareOptions::default(), args).await.unwrap_err();
-    assert!(format!("{err:?}").contains("406") || format!("{err}").contains("PRECONDITION_FAILED"), "{err:?}");
+    assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
 
     owner.close(200, s("bye")).await.unwrap();
     let n2 = c.cluster.node(2).clone();

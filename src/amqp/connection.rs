@@ -574,6 +574,14 @@ fn soft(code: u16, text: impl Into<String>, class: u16, method: u16) -> Soft {
     Soft { code, text: text.into(), class, method }
 }
 
+fn unknown_tag(tag: u64, class: u16, method: u16) -> Soft {
+    soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - unknown delivery tag {tag}"), class, method)
+}
+
+fn not_transactional(method: u16) -> Soft {
+    soft(PRECONDITION_FAILED, "PRECONDITION_FAILED - channel is not transactional", 90, method)
+}
+
 impl Channel {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<AMQPFrame>) {
         let mut closing = false;
@@ -1036,9 +1044,7 @@ impl Channel {
         how: Settle,
         method_id: u16,
     ) -> Result<bool, Result<Soft, Hard>> {
-        let unknown = |t: u64| {
-            Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - unknown delivery tag {t}"), 60, method_id))
-        };
+        let unknown = |t: u64| Ok(unknown_tag(t, 60, method_id));
         if let Some(tx) = self.tx.as_mut() {
             if !multiple && !self.deliveries.state.lock().expect("poisoned").unacked.contains_key(&tag) {
                 return Err(unknown(tag));
@@ -1082,12 +1088,7 @@ impl Channel {
             }
             T::Rollback(_) => {
                 let Some(tx) = self.tx.as_mut() else {
-                    return Err(Ok(soft(
-                        PRECONDITION_FAILED,
-                        "PRECONDITION_FAILED - channel is not transactional",
-                        90,
-                        30,
-                    )));
+                    return Err(Ok(not_transactional(30)));
                 };
                 *tx = TxBuffer::default();
                 self.reply(AMQPClass::Tx(T::RollbackOk(tx::RollbackOk {}))).await;
@@ -1095,12 +1096,7 @@ impl Channel {
             }
             T::Commit(_) => {
                 let Some(tx) = self.tx.as_mut() else {
-                    return Err(Ok(soft(
-                        PRECONDITION_FAILED,
-                        "PRECONDITION_FAILED - channel is not transactional",
-                        90,
-                        20,
-                    )));
+                    return Err(Ok(not_transactional(20)));
                 };
                 let work = std::mem::take(tx);
                 let mut per_queue: BTreeMap<String, Vec<QueueCmd>> = BTreeMap::new();
@@ -1109,9 +1105,7 @@ impl Channel {
                 }
                 let mut settled = 0;
                 for (tag, multiple, how) in work.settles {
-                    let by_queue = self.deliveries.take(tag, multiple).map_err(|t| {
-                        Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - unknown delivery tag {t}"), 90, 20))
-                    })?;
+                    let by_queue = self.deliveries.take(tag, multiple).map_err(|t| Ok(unknown_tag(t, 90, 20)))?;
                     for (q, tags) in by_queue {
                         settled += tags.len();
                         per_queue.entry(q).or_default().push(match how {
