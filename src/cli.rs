@@ -144,6 +144,11 @@ pub struct ServeArgs {
     /// for it [default: 5]
     #[arg(long, env = "MIRRORQ_SYNC_TIMEOUT")]
     pub sync_timeout: Option<f64>,
+    /// Seconds a queue's replicas may be without a majority of their group
+    /// before the most senior one left re-forms the queue
+    /// (`ha-promote-on-failure: always`) [default: 5]
+    #[arg(long, env = "MIRRORQ_FAILURE_TIMEOUT")]
+    pub failure_timeout: Option<f64>,
     /// sled page cache in MiB [default: 64]
     #[arg(long, env = "MIRRORQ_CACHE_MB")]
     pub cache_mb: Option<u64>,

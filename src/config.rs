@@ -31,6 +31,8 @@ pub struct FileConfig {
     pub cluster: Option<String>,
     #[serde(alias = "sync_timeout")]
     pub sync_timeout: Option<f64>,
+    #[serde(alias = "failure_timeout")]
+    pub failure_timeout: Option<f64>,
     #[serde(alias = "cache_mb")]
     pub cache_mb: Option<u64>,
 }
@@ -88,6 +90,12 @@ impl ServeConfig {
                 return Err(ServerError::Config("--sync-timeout must be a positive number of seconds".into()));
             }
             node.timing = Timing { sync_timeout: Duration::from_secs_f64(s), ..node.timing };
+        }
+        if let Some(s) = args.failure_timeout.or(file.failure_timeout) {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(ServerError::Config("--failure-timeout must be a positive number of seconds".into()));
+            }
+            node.timing = Timing { failure_timeout: Duration::from_secs_f64(s), ..node.timing };
         }
         if let Some(mb) = args.cache_mb.or(file.cache_mb) {
             node.cache_bytes = mb << 20;

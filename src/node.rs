@@ -6,17 +6,17 @@
 //! elsewhere is forwarded over the node link to the master, which answers
 //! after the confirm.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use openraft::error::{ClientWriteError, RaftError};
-use openraft::{BasicNode, ServerState};
+use openraft::{BasicNode, ChangeMembers, ServerState};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
@@ -26,14 +26,17 @@ use crate::error::{NodeError, ServerError};
 use crate::metadata::{
     routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, Policy, QueueMeta,
 };
+use crate::queue::epoch::Epoch;
 use crate::queue::proposer::{Answer, Proposer};
 use crate::queue::sync::{self, SyncState};
 use crate::queue::{Delivery, Message, QueueCmd, QueueMachine, QueueReply, QueueStats};
-use crate::raft::network::{CallError, NetworkFactory, Transport};
+use crate::raft::network::{CallError, EpochNews, NetworkFactory, Transport};
 use crate::raft::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
 use crate::raft::server::{self, RpcHandler};
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{GroupId, LogStore, NodeId, Raft, Request, Response, METADATA_GROUP};
+
+mod failover;
 
 /// Everything a node needs to start.
 #[derive(Debug, Clone)]
@@ -64,6 +67,10 @@ pub struct Timing {
     pub sync_timeout: Duration,
     /// How long an operation may look for a reachable master.
     pub op_timeout: Duration,
+    /// How long a queue's replicas may be without a reachable majority of
+    /// their group before the most senior one left re-forms it
+    /// (`ha-promote-on-failure: always`).
+    pub failure_timeout: Duration,
 }
 
 impl Default for Timing {
@@ -74,6 +81,7 @@ impl Default for Timing {
             election_max: Duration::from_millis(2000),
             sync_timeout: Duration::from_secs(5),
             op_timeout: Duration::from_secs(15),
+            failure_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -127,6 +135,13 @@ pub struct QueueInfo {
 /// One hosted queue replica.
 struct QueueGroup {
     meta: QueueMeta,
+    /// The epoch this replica is in; fixed for the life of this Raft instance
+    /// (re-forming and healing restart the group).
+    epoch: Epoch,
+    /// Last time a majority of the group's voters answered pings.
+    majority_seen: Mutex<Instant>,
+    /// Since when this replica has known no master.
+    leaderless_since: Mutex<Option<Instant>>,
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,
@@ -151,6 +166,12 @@ struct Inner {
     hints: Mutex<HashMap<GroupId, NodeId>>,
     /// AMQP clients connected here.
     clients: Arc<Clients>,
+    /// Peers' reports of newer epochs of our groups.
+    news: mpsc::UnboundedSender<EpochNews>,
+    /// Groups being re-formed or healed: not (re)started meanwhile.
+    busy: Mutex<HashSet<GroupId>>,
+    /// Peers that answered the last round of pings, and when it ran.
+    reach: Mutex<Option<(Instant, BTreeSet<NodeId>)>>,
     stop: CancellationToken,
 }
 
@@ -161,6 +182,9 @@ pub struct Node {
 }
 
 const NODE_ID_KEY: &str = "node_id";
+
+/// A learner this close to the end of the master's log may become a voter.
+const CATCH_UP_SLACK: u64 = 64;
 
 impl Node {
     /// Open the data dir, start every group it holds, listen on the node link
@@ -221,13 +245,20 @@ impl Node {
         .map_err(|e| ServerError::Config(e.to_string()))?;
         let raft_config = Arc::new(raft_config);
         let transport = Arc::new(Transport::new());
+        let (news, news_rx) = mpsc::unbounded_channel();
 
         let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP))?;
         let meta = meta_sm.with(|m| m.subscribe()).await;
         let meta_raft = Raft::new(
             cfg.node_id,
             raft_config.clone(),
-            NetworkFactory { group: METADATA_GROUP, transport: transport.clone() },
+            NetworkFactory {
+                group: METADATA_GROUP,
+                epoch: Epoch::default(),
+                me: cfg.node_id,
+                news: news.clone(),
+                transport: transport.clone(),
+            },
             LogStore::new(db.clone(), METADATA_GROUP),
             meta_sm.clone(),
         )
@@ -248,6 +279,9 @@ impl Node {
             groups: RwLock::new(HashMap::new()),
             hints: Mutex::new(HashMap::new()),
             clients: Arc::default(),
+            news,
+            busy: Mutex::default(),
+            reach: Mutex::default(),
             stop: CancellationToken::new(),
         });
 
@@ -271,6 +305,7 @@ impl Node {
 
         let node = Node { inner };
         node.spawn_reconciler();
+        node.spawn_epoch_watch(news_rx);
         node.spawn_registration();
         node.spawn_fatal_watch();
         tracing::info!(
@@ -343,6 +378,13 @@ impl Node {
     ) -> Result<(QueueMeta, bool), NodeError> {
         if name.is_empty() || name.len() > 255 {
             return Err(NodeError::Invalid("queue name must be 1 to 255 bytes".into()));
+        }
+        // An existing queue needs no metadata write, so a node cut off from
+        // the metadata majority still answers declares of the queues it
+        // serves (as every client library declares before it uses a queue).
+        if let Some(q) = self.metadata().queues.get(name).cloned() {
+            self.queue_op(name, vec![QueueCmd::Status]).await?;
+            return Ok((q, false));
         }
         let cmd = MetaCmd::DeclareQueue {
             name: name.to_string(),
@@ -622,7 +664,9 @@ impl Node {
             })),
             Some(Err(_)) => Ok(Box::pin(async move { node.queue_op(&queue, cmds).await })),
             None => {
-                let Some(addr) = self.inner.addr_of(target) else {
+                let addr =
+                    if self.inner.transport.control.is_blocked(target) { None } else { self.inner.addr_of(target) };
+                let Some(addr) = addr else {
                     return Ok(Box::pin(async move { node.queue_op(&queue, cmds).await }));
                 };
                 let req = RpcRequest::Queue { group: q.group, cmds };
@@ -670,6 +714,14 @@ impl Node {
                     // Sent, outcome unknown: the caller decides whether to resend.
                     Err(e) => Err(NodeError::Unavailable(e.to_string())),
                 }
+            };
+            // A replica that stopped under the operation (re-forming,
+            // healing) is about to be replaced: look for the master again.
+            let result = match result {
+                Err(NodeError::Stopped) if !self.inner.stop.is_cancelled() => {
+                    Err(NodeError::NotLeader { leader: None })
+                }
+                other => other,
             };
             match result {
                 Err(NodeError::NotLeader { leader }) => {
@@ -793,13 +845,15 @@ impl Node {
 
     /// Stop the node: no new work, every group shut down, storage synced.
     pub async fn shutdown(&self) {
+        let successors = self.successors();
         self.inner.stop.cancel();
-        self.inner.transport.close_all();
         let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
         for g in groups {
             g.stop.cancel();
             let _ = g.raft.shutdown().await;
         }
+        self.hand_over(successors).await;
+        self.inner.transport.close_all();
         let _ = self.inner.meta_raft.shutdown().await;
         if let Err(e) = self.inner.db.flusher().sync().await {
             tracing::error!(error = %e, "final sync failed");
@@ -921,7 +975,14 @@ impl Node {
         let (to_start, to_stop, to_steer): (Vec<QueueMeta>, Vec<Arc<QueueGroup>>, Vec<Arc<QueueGroup>>) = {
             let groups = self.inner.groups.read().expect("poisoned");
             (
-                wanted.values().filter(|q| !groups.contains_key(&q.group)).map(|q| (*q).clone()).collect(),
+                {
+                    let busy = self.inner.busy.lock().expect("poisoned");
+                    wanted
+                        .values()
+                        .filter(|q| !groups.contains_key(&q.group) && !busy.contains(&q.group))
+                        .map(|q| (*q).clone())
+                        .collect()
+                },
                 groups
                     .values()
                     .filter(|g| {
@@ -970,6 +1031,7 @@ impl Node {
         for q in to_start {
             self.start_group(q, state).await?;
         }
+        self.watch_failures(state).await;
         Ok(())
     }
 
@@ -987,9 +1049,11 @@ impl Node {
         false
     }
 
-    /// As master, move the group's membership to the metadata's replica set:
-    /// new replicas join as learners and catch up (`add_learner` waits for
-    /// that), then one joint-consensus change makes the set the voters.
+    /// As master, move the group's membership to the metadata's replica set,
+    /// one step per call: new replicas join as learners; learners that have
+    /// caught up become voters (one joint-consensus change); unwanted ones
+    /// go. A replica that is down stays a learner until it returns, so the
+    /// voters are always replicas that answer and the change can commit.
     fn steer_membership(&self, g: Arc<QueueGroup>, q: QueueMeta, state: &MetaState) {
         let wanted: BTreeSet<NodeId> = q.replicas.iter().copied().collect();
         let m = g.raft.metrics().borrow().clone();
@@ -1007,10 +1071,42 @@ impl Node {
                 for id in wanted.difference(&all) {
                     let addr = addrs.get(id).cloned().ok_or_else(|| format!("no address for node {id}"))?;
                     tracing::info!(queue = %q.name, node = id, "adding a mirror; it catches up as a learner");
-                    g.raft.add_learner(*id, BasicNode { addr }, true).await.map_err(|e| e.to_string())?;
+                    g.raft.add_learner(*id, BasicNode { addr }, false).await.map_err(|e| e.to_string())?;
                 }
-                g.raft.change_membership(wanted.clone(), false).await.map_err(|e| e.to_string())?;
-                tracing::info!(queue = %q.name, members = ?wanted, "queue membership changed");
+                let m = g.raft.metrics().borrow().clone();
+                let last = m.last_log_index.unwrap_or(0);
+                let matched =
+                    |id: &NodeId| m.replication.as_ref().and_then(|r| r.get(id).cloned().flatten()).map(|l| l.index);
+                // Voters that stay, and learners close enough to the end of
+                // the log to be waited for without stalling commits.
+                let next: BTreeSet<NodeId> = wanted
+                    .iter()
+                    .copied()
+                    .filter(|id| voters.contains(id) || matched(id).is_some_and(|i| i + CATCH_UP_SLACK >= last))
+                    .collect();
+                if !next.is_empty() && next != voters {
+                    g.raft
+                        .change_membership(ChangeMembers::ReplaceAllVoters(next.clone()), true)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    tracing::info!(queue = %q.name, voters = ?next, "queue membership changed");
+                }
+                let m = g.raft.metrics().borrow().clone();
+                let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
+                let gone: BTreeSet<NodeId> = m
+                    .membership_config
+                    .membership()
+                    .nodes()
+                    .map(|(id, _)| *id)
+                    .filter(|id| !wanted.contains(id) && !voters.contains(id))
+                    .collect();
+                if !gone.is_empty() {
+                    g.raft
+                        .change_membership(ChangeMembers::RemoveNodes(gone.clone()), false)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    tracing::info!(queue = %q.name, removed = ?gone, "replicas left the queue");
+                }
                 Ok(())
             }
             .await;
@@ -1025,12 +1121,19 @@ impl Node {
     async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
         let started = Instant::now();
         let db = &self.inner.db;
+        let epoch = failover::load_epoch(db, q.group)?;
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group))?;
         let stats = sm.with(|m| m.stats()).await;
         let raft = Raft::new(
             self.id(),
             self.inner.raft_config.clone(),
-            NetworkFactory { group: q.group, transport: self.inner.transport.clone() },
+            NetworkFactory {
+                group: q.group,
+                epoch,
+                me: self.id(),
+                news: self.inner.news.clone(),
+                transport: self.inner.transport.clone(),
+            },
             LogStore::new(db.clone(), q.group),
             sm.clone(),
         )
@@ -1042,6 +1145,9 @@ impl Node {
         let proposer = Proposer::spawn(raft.clone(), sync.clone(), stop.clone());
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
+            epoch,
+            majority_seen: Mutex::new(Instant::now()),
+            leaderless_since: Mutex::new(None),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
             proposer,
@@ -1052,9 +1158,10 @@ impl Node {
         self.inner.groups.write().expect("poisoned").insert(q.group, group);
 
         // The designated master starts a new group; the others wait to be
-        // contacted. A restarted replica finds its group already initialized.
+        // contacted. A restarted replica finds its group already initialized,
+        // and one that joined a re-formed epoch waits for that epoch's master.
         let pristine = !raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
-        if pristine && q.initial.first() == Some(&self.id()) {
+        if pristine && epoch == Epoch::default() && q.initial.first() == Some(&self.id()) {
             let members: BTreeMap<NodeId, BasicNode> = q
                 .initial
                 .iter()
@@ -1067,7 +1174,7 @@ impl Node {
                 tracing::info!(queue = %q.name, error = %e, "queue group already initialized");
             }
         }
-        tracing::info!(queue = %q.name, group = q.group, pristine, elapsed_ms = started.elapsed().as_millis() as u64, "queue replica started");
+        tracing::info!(queue = %q.name, group = q.group, %epoch, pristine, elapsed_ms = started.elapsed().as_millis() as u64, "queue replica started");
         Ok(())
     }
 }
@@ -1103,6 +1210,9 @@ impl Inner {
     }
 
     async fn call(&self, target: NodeId, req: &RpcRequest, deadline: Instant) -> Result<RpcResponse, CallError> {
+        if self.transport.control.is_blocked(target) {
+            return Err(CallError::Unreachable(format!("node {target}"), "blocked by test hook".into()));
+        }
         let addr = self
             .addr_of(target)
             .ok_or_else(|| CallError::Unreachable(format!("node {target}"), "address unknown".into()))?;
@@ -1144,6 +1254,27 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// The local Raft of `group` if the sender is in the same epoch. A
+    /// sender in an older epoch is told ours; one in a newer epoch means
+    /// this replica must heal before it takes part again.
+    fn raft_in_epoch(&self, group: GroupId, epoch: Epoch, from: NodeId) -> Result<Raft, RpcResponse> {
+        if group == METADATA_GROUP {
+            return Ok(self.meta_raft.clone());
+        }
+        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        match g {
+            None => Err(RpcResponse::UnknownGroup(group)),
+            Some(g) if g.epoch == epoch => Ok(g.raft.clone()),
+            Some(g) if g.epoch > epoch => Err(RpcResponse::NewerEpoch(g.epoch)),
+            Some(_) => {
+                let _ = self.news.send(EpochNews { group, epoch, from });
+                Err(RpcResponse::UnknownGroup(group))
+            }
+        }
+    }
+}
+
 impl RpcHandler for Inner {
     async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion {
         if let RpcRequest::Queue { group, cmds } = req {
@@ -1161,18 +1292,36 @@ impl RpcHandler for Inner {
 impl Inner {
     async fn handle(self: Arc<Self>, req: RpcRequest) -> RpcResponse {
         match req {
-            RpcRequest::Append { group, req } => match self.raft_of(group) {
-                Some(r) => RpcResponse::Append(r.append_entries(req).await),
-                None => RpcResponse::UnknownGroup(group),
+            RpcRequest::Append { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
+                Ok(r) => RpcResponse::Append(r.append_entries(req).await),
+                Err(refusal) => refusal,
             },
-            RpcRequest::Vote { group, req } => match self.raft_of(group) {
-                Some(r) => RpcResponse::Vote(r.vote(req).await),
-                None => RpcResponse::UnknownGroup(group),
+            RpcRequest::Vote { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
+                Ok(r) => RpcResponse::Vote(r.vote(req).await),
+                Err(refusal) => refusal,
             },
-            RpcRequest::Snapshot { group, req } => match self.raft_of(group) {
-                Some(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
-                None => RpcResponse::UnknownGroup(group),
+            RpcRequest::Snapshot { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
+                Ok(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
+                Err(refusal) => refusal,
             },
+            RpcRequest::Fork { group } => RpcResponse::Fork(self.fork_record(group)),
+            RpcRequest::Handback { group, epoch, batches } => {
+                let g = self.groups.read().expect("poisoned").get(&group).cloned();
+                RpcResponse::Queue(match g {
+                    Some(g) if g.epoch == epoch => {
+                        let cmds =
+                            batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
+                        self.local_queue_op(group, cmds).await
+                    }
+                    _ => Err(NodeError::NotLeader { leader: None }),
+                })
+            }
+            RpcRequest::Elect { group } => {
+                if let Some(r) = self.raft_of(group) {
+                    let _ = r.trigger().elect().await;
+                }
+                RpcResponse::Done
+            }
             RpcRequest::Queue { group, cmds } => RpcResponse::Queue(self.local_queue_op(group, cmds).await),
             RpcRequest::Clients => {
                 let (c, k) = self.clients.snapshot();

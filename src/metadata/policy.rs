@@ -60,6 +60,24 @@ pub struct HaPolicy {
     pub sync_automatic: bool,
     /// `queue-master-locator`: `Some(true)` min-masters, `Some(false)` client-local.
     pub min_masters: Option<bool>,
+    /// `ha-promote-on-failure: always` (the default): the replicas left may
+    /// re-form the queue without a majority of its group.
+    pub promote_on_failure_always: bool,
+    /// `ha-promote-on-shutdown: always`: a stopping master hands over even
+    /// to a mirror that is not synchronised.
+    pub promote_on_shutdown_always: bool,
+}
+
+impl Default for HaPolicy {
+    fn default() -> Self {
+        Self {
+            mode: None,
+            sync_automatic: false,
+            min_masters: None,
+            promote_on_failure_always: true,
+            promote_on_shutdown_always: false,
+        }
+    }
 }
 
 const KNOWN_KEYS: &[&str] = &[
@@ -134,9 +152,12 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
         Some("automatic") => true,
         Some(other) => return Err(format!("ha-sync-mode '{other}' is not one of automatic, manual")),
     };
-    for k in ["ha-promote-on-shutdown", "ha-promote-on-failure"] {
+    let mut promote_always = [false, true];
+    for (i, k) in ["ha-promote-on-shutdown", "ha-promote-on-failure"].into_iter().enumerate() {
         match str_of(k)? {
-            None | Some("when-synced") | Some("always") => {}
+            None => {}
+            Some("when-synced") => promote_always[i] = false,
+            Some("always") => promote_always[i] = true,
             Some(other) => return Err(format!("{k} '{other}' is not one of when-synced, always")),
         }
     }
@@ -159,7 +180,13 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
         Some("random") => Some(true),
         Some(other) => return Err(format!("queue-master-locator '{other}' is not one of client-local, min-masters")),
     };
-    Ok(HaPolicy { mode, sync_automatic, min_masters })
+    Ok(HaPolicy {
+        mode,
+        sync_automatic,
+        min_masters,
+        promote_on_shutdown_always: promote_always[0],
+        promote_on_failure_always: promote_always[1],
+    })
 }
 
 /// Validate a whole policy before it is stored.

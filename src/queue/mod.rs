@@ -1,8 +1,10 @@
 //! Queues: the deterministic state ([`state`]), its commands ([`types`]), its
 //! on-disk state machine ([`sm`]), and the per-group machinery on the master
 //! that batches operations into entries and holds confirms until every
-//! synchronised replica has them ([`proposer`], [`sync`]).
+//! synchronised replica has them ([`proposer`], [`sync`]); and the epochs
+//! a group goes through when it is re-formed after losing its majority ([`epoch`]).
 
+pub mod epoch;
 pub mod proposer;
 pub mod sm;
 pub mod state;

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use openraft::error::ClientWriteError;
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -137,6 +138,17 @@ async fn finish(rx: WriteAnswer, mut sync: watch::Receiver<SyncState>, waiters: 
             Response::Queue(replies) => {
                 let (term, index) = (resp.log_id.leader_id.term, resp.log_id.index);
                 if needs_confirm {
+                    let slow = tokio::time::timeout(
+                        Duration::from_secs(3),
+                        sync.wait_for(|s| s.confirms(term, index).is_some()),
+                    )
+                    .await
+                    .is_err();
+                    if slow {
+                        // Normal while a mirror is being dropped from the
+                        // synchronised set; worth seeing when it is not.
+                        tracing::info!(term, index, sync = ?*sync.borrow(), "confirm waiting over 3 s");
+                    }
                     match sync.wait_for(|s| s.confirms(term, index).is_some()).await {
                         Ok(s) if s.confirms(term, index) == Some(Ok(())) => Ok(replies),
                         _ => Err(NodeError::Unconfirmed(format!(

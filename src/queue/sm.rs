@@ -7,6 +7,8 @@
 //!   scanned at start to rebuild the index (never-delivered messages are a
 //!   range given by the counters, so a deep queue restarts without reading it)
 //! - `b` + seq(8)   the [`Message`], read only to deliver
+//! - `h` + origin(24) an old-epoch entry whose messages were handed back
+//! - `e`            the [`ForkRecord`] of the group's current epoch, if re-formed
 
 use std::collections::HashMap;
 
@@ -15,17 +17,32 @@ use tokio::sync::watch;
 
 use mirrorq_storage::{keys, SmSpace, StorageError};
 
+use super::epoch::ForkRecord;
 use super::state::{Change, Counters, QueueState};
-use super::types::{Delivery, Message, MsgState, QueueCmd, QueueReply};
+use super::types::{Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
 use crate::raft::state_machine::Machine;
 use crate::raft::types::{Request, Response};
 
 const COUNTERS: &[u8] = b"c";
+const FORK: &[u8] = b"e";
 
 fn state_key(seq: u64) -> [u8; 9] {
     let mut k = [b's'; 9];
     k[1..].copy_from_slice(&seq.to_be_bytes());
     k
+}
+
+fn handed_key((term, node, index): Origin) -> [u8; 25] {
+    let mut k = [b'h'; 25];
+    k[1..9].copy_from_slice(&term.to_be_bytes());
+    k[9..17].copy_from_slice(&node.to_be_bytes());
+    k[17..].copy_from_slice(&index.to_be_bytes());
+    k
+}
+
+fn handed_origin(k: &[u8]) -> Origin {
+    let n = |r: std::ops::Range<usize>| u64::from_be_bytes(k[r].try_into().expect("handed key is 25 bytes"));
+    (n(1..9), n(9..17), n(17..25))
 }
 
 fn body_key(seq: u64) -> [u8; 9] {
@@ -60,6 +77,37 @@ impl QueueMachine {
         Ok(out)
     }
 
+    /// Live messages with a seq of at least `from` (handed-back ones
+    /// included: their seqs are above every other).
+    pub fn stored_from(space: &SmSpace, from: u64) -> Result<Vec<Message>, StorageError> {
+        let mut out = Vec::new();
+        for kv in space.scan(b"b") {
+            let (k, v) = kv?;
+            if u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes")) >= from {
+                out.push(keys::decode(&v, "message body")?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The message stored under `seq`, if it is still live.
+    pub fn stored_body(space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
+        space.get(&body_key(seq))?.map(|b| keys::decode(&b, "message body")).transpose()
+    }
+
+    /// The counters as stored (a stopped replica's, for healing).
+    pub fn stored_counters(space: &SmSpace) -> Result<Counters, StorageError> {
+        match space.get(COUNTERS)? {
+            Some(b) => keys::decode(&b, "queue counters"),
+            None => Ok(Counters::default()),
+        }
+    }
+
+    /// The fork record of the group's current epoch, if it was re-formed.
+    pub fn fork_record(space: &SmSpace) -> Result<Option<ForkRecord>, StorageError> {
+        space.get(FORK)?.map(|b| keys::decode(&b, "fork record")).transpose()
+    }
+
     fn read_body(space: &SmSpace, seq: u64) -> Result<Message, StorageError> {
         let b = space.get(&body_key(seq))?.ok_or(StorageError::Decode {
             what: "message body (missing)",
@@ -75,21 +123,24 @@ struct Dump {
     counters: Counters,
     /// Delivered or requeued messages with their state; fresh ones without.
     msgs: Vec<(u64, Option<MsgState>, Message)>,
+    fork: Option<ForkRecord>,
+    handed: Vec<Origin>,
 }
 
 impl Machine for QueueMachine {
     fn load(space: &SmSpace) -> Result<Self, StorageError> {
-        let counters = match space.get(COUNTERS)? {
-            Some(b) => keys::decode(&b, "queue counters")?,
-            None => Counters::default(),
-        };
+        let counters = Self::stored_counters(space)?;
         let mut stored = Vec::new();
         for kv in space.scan(b"s") {
             let (k, v) = kv?;
             let seq = u64::from_be_bytes(k[1..9].try_into().expect("state key is 9 bytes"));
             stored.push((seq, keys::decode::<MsgState>(&v, "message state")?));
         }
-        let state = QueueState::restore(counters, stored);
+        let mut handed = Vec::new();
+        for kv in space.scan(b"h") {
+            handed.push(handed_origin(&kv?.0));
+        }
+        let state = QueueState::restore(counters, stored).with_handed(handed);
         let (stats, _) = watch::channel(QueueStats { ready: state.ready_count(), unacked: state.unacked_count() });
         Ok(Self { state, stats })
     }
@@ -104,15 +155,23 @@ impl Machine for QueueMachine {
         // is applied; a get in the same entry reads them from here.
         let mut fresh: HashMap<u64, &Message> = HashMap::new();
         for cmd in cmds {
+            if let QueueCmd::Fork(record) = cmd {
+                batch.insert(space.key(FORK), keys::encode(record, "fork record")?);
+            }
             changes.clear();
             let mut reply = self.state.apply(cmd, &mut changes);
             for ch in &changes {
                 match *ch {
                     Change::Insert { seq, batch_index } => {
-                        let QueueCmd::Enqueue { msgs } = cmd else { unreachable!("insert without enqueue") };
+                        let (QueueCmd::Enqueue { msgs } | QueueCmd::Handback { msgs, .. }) = cmd else {
+                            unreachable!("insert without messages")
+                        };
                         let m = &msgs[batch_index];
                         batch.insert(space.key(&body_key(seq)), keys::encode(m, "message body")?);
                         fresh.insert(seq, m);
+                    }
+                    Change::Handed { origin } => {
+                        batch.insert(space.key(&handed_key(origin)), &[][..]);
                     }
                     Change::SetState { seq, state } => {
                         batch.insert(space.key(&state_key(seq)), keys::encode(&state, "message state")?);
@@ -158,13 +217,21 @@ impl Machine for QueueMachine {
             let seq = u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes"));
             msgs.push((seq, states.get(&seq).copied(), keys::decode(&v, "message body")?));
         }
-        keys::encode(&Dump { counters: self.state.counters().clone(), msgs }, "queue dump")
+        let fork = Self::fork_record(space)?;
+        let handed = self.state.handed().iter().copied().collect();
+        keys::encode(&Dump { counters: self.state.counters().clone(), msgs, fork, handed }, "queue dump")
     }
 
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
         let d: Dump = keys::decode(dump, "queue dump")?;
         let mut batch = sled::Batch::default();
         batch.insert(space.key(COUNTERS), keys::encode(&d.counters, "queue counters")?);
+        for o in &d.handed {
+            batch.insert(space.key(&handed_key(*o)), &[][..]);
+        }
+        if let Some(f) = &d.fork {
+            batch.insert(space.key(FORK), keys::encode(f, "fork record")?);
+        }
         for (seq, st, m) in &d.msgs {
             if let Some(st) = st {
                 batch.insert(space.key(&state_key(*seq)), keys::encode(st, "message state")?);
@@ -172,7 +239,8 @@ impl Machine for QueueMachine {
             batch.insert(space.key(&body_key(*seq)), keys::encode(m, "message body")?);
         }
         space.apply(batch)?;
-        self.state = QueueState::restore(d.counters, d.msgs.into_iter().filter_map(|(seq, st, _)| Some((seq, st?))));
+        self.state = QueueState::restore(d.counters, d.msgs.into_iter().filter_map(|(seq, st, _)| Some((seq, st?))))
+            .with_handed(d.handed);
         Ok(())
     }
 }

@@ -14,11 +14,14 @@
 //! Every replica applies the same commands in the same order and so makes the
 //! same choices (which message a get takes, which delivery tag it gets).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use super::types::{MsgState, QueueCmd, QueueReply};
+use super::types::{MsgState, Origin, QueueCmd, QueueReply};
+
+/// Seqs of handed-back messages have this bit set.
+pub const HANDBACK_SEQ: u64 = 1 << 63;
 
 /// One step of a command's effect on stored messages, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,6 +36,8 @@ pub enum Change {
     /// The reply includes this message: read its body before a later
     /// `Remove` of the same seq takes effect.
     Deliver { seq: u64, tag: u64, redelivered: bool },
+    /// Remember that the messages of this old-epoch entry were handed back.
+    Handed { origin: Origin },
 }
 
 /// Counters that must survive restarts alongside the per-message states.
@@ -60,6 +65,8 @@ pub struct QueueState {
     requeued: BTreeMap<u64, u64>,
     /// Delivered, awaiting ack: delivery tag -> message.
     unacked: HashMap<u64, Unacked>,
+    /// Old-epoch entries whose messages were handed back already.
+    handed: BTreeSet<Origin>,
 }
 
 impl QueueState {
@@ -77,6 +84,16 @@ impl QueueState {
             }
         }
         s
+    }
+
+    /// Add the remembered hand-back origins (after [`QueueState::restore`]).
+    pub fn with_handed(mut self, handed: impl IntoIterator<Item = Origin>) -> Self {
+        self.handed.extend(handed);
+        self
+    }
+
+    pub fn handed(&self) -> &BTreeSet<Origin> {
+        &self.handed
     }
 
     pub fn counters(&self) -> &Counters {
@@ -177,6 +194,28 @@ impl QueueState {
                 QueueReply::Purged { count }
             }
             QueueCmd::Status => QueueReply::Status { ready: self.ready_count(), unacked: self.unacked_count() },
+            QueueCmd::Handback { origin, msgs } => {
+                if let Some(o) = origin {
+                    if !self.handed.insert(*o) {
+                        return QueueReply::Enqueued { count: 0 };
+                    }
+                    changes.push(Change::Handed { origin: *o });
+                }
+                for i in 0..msgs.len() {
+                    // Outside the never-delivered range, which must stay
+                    // contiguous: a seq space of its own, unique by the tag
+                    // counter it borrows.
+                    let seq = HANDBACK_SEQ | self.counters.next_tag;
+                    self.counters.next_tag += 1;
+                    changes.push(Change::Insert { seq, batch_index: i });
+                    let order = self.counters.next_requeue;
+                    self.counters.next_requeue += 1;
+                    self.requeued.insert(order, seq);
+                    changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
+                }
+                QueueReply::Enqueued { count: msgs.len() as u32 }
+            }
+            QueueCmd::Fork(_) => QueueReply::Enqueued { count: 0 },
         }
     }
 
@@ -352,6 +391,32 @@ mod tests {
         assert!(s.unacked.is_empty() && s.requeued.is_empty());
         assert_eq!((s.counters().ready_head, s.counters().next_seq), (10, 1000));
         assert!(s.is_fresh(10) && !s.is_fresh(9) && !s.is_fresh(1000));
+    }
+
+    #[test]
+    fn handed_back_messages_come_first_redelivered_and_leave_the_fresh_range_alone() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 2);
+        let mut c = Vec::new();
+        let origin = Some((4, 1, 17));
+        s.apply(&QueueCmd::Handback { origin, msgs: vec![msg("old")] }, &mut c);
+        let seq = HANDBACK_SEQ;
+        assert_eq!(
+            c,
+            vec![
+                Change::Handed { origin: (4, 1, 17) },
+                Change::Insert { seq, batch_index: 0 },
+                Change::SetState { seq, state: MsgState::Requeued { order: 0 } }
+            ]
+        );
+        // A second replica handing back the same entry adds nothing.
+        let mut c2 = Vec::new();
+        let r = s.apply(&QueueCmd::Handback { origin, msgs: vec![msg("old")] }, &mut c2);
+        assert_eq!((r, c2), (QueueReply::Enqueued { count: 0 }, vec![]));
+        assert_eq!(s.ready_count(), 3);
+        assert!(!s.is_fresh(seq));
+        let (d, _) = get(&mut s, 1, 3, false);
+        assert_eq!(d, vec![(seq, 1, true), (0, 2, false), (1, 3, false)]);
     }
 
     #[test]

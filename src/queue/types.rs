@@ -2,6 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// A log entry's identity `(leader term, leader node, index)`.
+pub type Origin = (u64, u64, u64);
+
 /// A message as stored and replicated. `properties` are the AMQP content
 /// properties in their wire encoding, opaque to the queue.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,13 +54,25 @@ pub enum QueueCmd {
     Delete,
     /// Read-only: counts, through the log so they are linearizable.
     Status,
+    /// Messages a replica of an older epoch gave back (see `queue::epoch`):
+    /// stored as requeued, so they are served first and marked redelivered.
+    Handback {
+        /// The log entry (of the old epoch) the messages were published in,
+        /// as `(term, node, index)`: replicas of that epoch holding the same
+        /// entry hand back the same messages, and only the first is kept.
+        /// `None` when the entry is no longer known (then no de-duplication).
+        origin: Option<Origin>,
+        msgs: Vec<Message>,
+    },
+    /// The first command of a re-formed epoch: where its history forked.
+    Fork(super::epoch::ForkRecord),
 }
 
 impl QueueCmd {
     /// Must the caller wait for every synchronised replica before answering?
     /// Only publishes carry that promise.
     pub fn needs_confirm(&self) -> bool {
-        matches!(self, QueueCmd::Enqueue { .. })
+        matches!(self, QueueCmd::Enqueue { .. } | QueueCmd::Handback { .. })
     }
 }
 

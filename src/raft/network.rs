@@ -26,6 +26,7 @@ use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
 use super::types::{GroupId, NodeId, TypeConfig};
+use crate::queue::epoch::Epoch;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
@@ -51,7 +52,8 @@ pub fn codec() -> LengthDelimitedCodec {
 /// Test and operations hooks on the outbound side.
 #[derive(Default)]
 pub struct NetControl {
-    /// Raft traffic to these peers fails as if they were unreachable.
+    /// Traffic to these peers (Raft and every other call) fails as if they
+    /// were unreachable.
     blocked: RwLock<HashSet<NodeId>>,
 }
 
@@ -62,7 +64,7 @@ impl NetControl {
     pub fn unblock(&self, peer: NodeId) {
         self.blocked.write().expect("poisoned").remove(&peer);
     }
-    fn is_blocked(&self, peer: NodeId) -> bool {
+    pub fn is_blocked(&self, peer: NodeId) -> bool {
         self.blocked.read().expect("poisoned").contains(&peer)
     }
 }
@@ -281,9 +283,23 @@ fn start_conn(stream: TcpStream) -> Conn {
     Conn { tx, pending, closed, tasks: [writer.abort_handle(), reader.abort_handle()] }
 }
 
+/// A peer told us a group has moved on to a newer epoch than ours.
+#[derive(Debug, Clone, Copy)]
+pub struct EpochNews {
+    pub group: GroupId,
+    pub epoch: Epoch,
+    /// A node of that epoch.
+    pub from: NodeId,
+}
+
 /// Creates the per-target network clients of one group.
 pub struct NetworkFactory {
     pub group: GroupId,
+    /// This replica's epoch, sent with every message so that replicas of
+    /// different epochs never exchange log entries.
+    pub epoch: Epoch,
+    pub me: NodeId,
+    pub news: mpsc::UnboundedSender<EpochNews>,
     pub transport: Arc<Transport>,
 }
 
@@ -291,13 +307,24 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
     type Network = GroupNetwork;
 
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Self::Network {
-        GroupNetwork { group: self.group, target, addr: node.addr.clone(), transport: self.transport.clone() }
+        GroupNetwork {
+            group: self.group,
+            epoch: self.epoch,
+            me: self.me,
+            news: self.news.clone(),
+            target,
+            addr: node.addr.clone(),
+            transport: self.transport.clone(),
+        }
     }
 }
 
 /// One group's link to one target node.
 pub struct GroupNetwork {
     group: GroupId,
+    epoch: Epoch,
+    me: NodeId,
+    news: mpsc::UnboundedSender<EpochNews>,
     target: NodeId,
     addr: String,
     transport: Arc<Transport>,
@@ -314,6 +341,11 @@ impl GroupNetwork {
         match self.transport.call(&self.addr, &req, ttl).await {
             Ok(RpcResponse::UnknownGroup(g)) => {
                 let e = CallError::Unreachable(self.addr.clone(), format!("group {g} not hosted (yet)"));
+                Err(RPCError::Unreachable(Unreachable::new(&e)))
+            }
+            Ok(RpcResponse::NewerEpoch(epoch)) => {
+                let _ = self.news.send(EpochNews { group: self.group, epoch, from: self.target });
+                let e = CallError::Unreachable(self.addr.clone(), format!("replica is in newer epoch {epoch}"));
                 Err(RPCError::Unreachable(Unreachable::new(&e)))
             }
             Ok(r) => Ok(r),
@@ -334,7 +366,10 @@ impl RaftNetwork<TypeConfig> for GroupNetwork {
         req: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RpcErr> {
-        match self.send(RpcRequest::Append { group: self.group, req }, option.hard_ttl()).await? {
+        match self
+            .send(RpcRequest::Append { group: self.group, epoch: self.epoch, from: self.me, req }, option.hard_ttl())
+            .await?
+        {
             RpcResponse::Append(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
             _ => Err(self.unexpected()),
         }
@@ -345,14 +380,20 @@ impl RaftNetwork<TypeConfig> for GroupNetwork {
         req: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<InstallSnapshotResponse<NodeId>, RpcErr<InstallSnapshotError>> {
-        match self.send(RpcRequest::Snapshot { group: self.group, req }, option.hard_ttl()).await? {
+        match self
+            .send(RpcRequest::Snapshot { group: self.group, epoch: self.epoch, from: self.me, req }, option.hard_ttl())
+            .await?
+        {
             RpcResponse::Snapshot(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
             _ => Err(self.unexpected()),
         }
     }
 
     async fn vote(&mut self, req: VoteRequest<NodeId>, option: RPCOption) -> Result<VoteResponse<NodeId>, RpcErr> {
-        match self.send(RpcRequest::Vote { group: self.group, req }, option.hard_ttl()).await? {
+        match self
+            .send(RpcRequest::Vote { group: self.group, epoch: self.epoch, from: self.me, req }, option.hard_ttl())
+            .await?
+        {
             RpcResponse::Vote(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
             _ => Err(self.unexpected()),
         }

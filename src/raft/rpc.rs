@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::types::{GroupId, NodeId, TypeConfig};
 use crate::error::NodeError;
 use crate::metadata::{MetaCmd, MetaReply};
+use crate::queue::epoch::{Epoch, ForkRecord};
 use crate::queue::{QueueCmd, QueueReply};
 
 /// Largest frame accepted on the node link.
@@ -27,14 +28,20 @@ pub struct Envelope<T> {
 pub enum RpcRequest {
     Append {
         group: GroupId,
+        epoch: Epoch,
+        from: NodeId,
         req: AppendEntriesRequest<TypeConfig>,
     },
     Vote {
         group: GroupId,
+        epoch: Epoch,
+        from: NodeId,
         req: VoteRequest<NodeId>,
     },
     Snapshot {
         group: GroupId,
+        epoch: Epoch,
+        from: NodeId,
         req: InstallSnapshotRequest<TypeConfig>,
     },
     /// Queue operations for the master of `group`; answered after confirm.
@@ -60,6 +67,21 @@ pub enum RpcRequest {
     },
     /// Library-level requests from tools and tests using the link as a client.
     Client(ClientRequest),
+    /// The fork record of the receiver's epoch of `group` (a stale replica
+    /// asks before healing).
+    Fork {
+        group: GroupId,
+    },
+    /// Messages a stale replica hands back, for the master of `epoch`.
+    Handback {
+        group: GroupId,
+        epoch: Epoch,
+        batches: Vec<(Option<crate::queue::types::Origin>, Vec<crate::queue::Message>)>,
+    },
+    /// A stopping master asks its successor to stand for election now.
+    Elect {
+        group: GroupId,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -77,6 +99,10 @@ pub enum RpcResponse {
     Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),
     /// The receiver does not host this group (yet): the sender retries later.
     UnknownGroup(GroupId),
+    /// The receiver's replica is in a newer epoch than the sender's.
+    NewerEpoch(Epoch),
+    Fork(Option<ForkRecord>),
+    Done,
 }
 
 /// Requests a client (test, tool) may send to any node.

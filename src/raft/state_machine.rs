@@ -75,6 +75,15 @@ fn sto(subject: ErrorSubject<NodeId>, verb: ErrorVerb, e: StorageError) -> RaftS
     openraft::StorageError::IO { source: StorageIOError::new(subject, verb, AnyError::new(&e)) }
 }
 
+/// The last applied log id stored in a group's space (read while its Raft
+/// is stopped).
+pub fn stored_applied(space: &SmSpace) -> Result<Option<LogId<NodeId>>, StorageError> {
+    Ok(match space.get(APPLIED_KEY)? {
+        Some(b) => keys::decode::<Applied>(&b, "applied state")?.last_applied,
+        None => None,
+    })
+}
+
 impl<M: Machine> StateMachine<M> {
     pub fn open(space: SmSpace) -> Result<Self, StorageError> {
         let applied = match space.get(APPLIED_KEY)? {

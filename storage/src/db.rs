@@ -140,6 +140,12 @@ impl NodeDb {
         self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)
     }
 
+    /// Remove a node-level value, durably.
+    pub fn remove_node_value(&self, key: &str) -> Result<(), StorageError> {
+        self.inner.node.remove(key)?;
+        self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)
+    }
+
     /// Does this group have any state on disk?
     pub fn group_exists(&self, group: GroupId) -> Result<bool, StorageError> {
         let p = group_prefix(group);

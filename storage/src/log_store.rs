@@ -106,6 +106,40 @@ where
     }
 }
 
+impl<C> LogStore<C>
+where
+    C: RaftTypeConfig,
+    C::Entry: Serialize + DeserializeOwned,
+{
+    /// The ids of every entry kept, ascending, read one entry at a time.
+    pub fn log_ids(&self) -> Result<Vec<LogId<C::NodeId>>, RaftStorageError<C>> {
+        let range = log_key(self.group, 0)..=log_key(self.group, u64::MAX);
+        let mut out = Vec::new();
+        for kv in self.db.log_tree().range(range) {
+            let (_, v) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+            out.push(Self::decode_entry(&v)?.get_log_id().clone());
+        }
+        Ok(out)
+    }
+
+    /// Re-found the group on this replica's log, outside of Raft: write
+    /// `entries` (rewritten unapplied entries, then the new epoch's
+    /// membership after the last one) and adopt `vote`, durably, while the
+    /// group's Raft is stopped. Used only when a group must go on without a
+    /// majority (see mirrorq's `queue::epoch`).
+    pub async fn refound(&mut self, vote: &Vote<C::NodeId>, entries: Vec<C::Entry>) -> Result<(), RaftStorageError<C>> {
+        let mut batch = sled::Batch::default();
+        for entry in entries {
+            let index = entry.get_log_id().index;
+            let bytes =
+                keys::encode(&entry, "log entry").map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+            batch.insert(&log_key(self.group, index)[..], bytes);
+        }
+        self.db.log_tree().apply_batch(batch).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+        self.save_vote(vote).await
+    }
+}
+
 impl<C> RaftLogReader<C> for LogStore<C>
 where
     C: RaftTypeConfig,

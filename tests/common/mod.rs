@@ -32,6 +32,7 @@ pub fn fast_timing(sync_timeout: Duration) -> Timing {
         election_max: Duration::from_millis(1600),
         sync_timeout,
         op_timeout: Duration::from_secs(20),
+        failure_timeout: Duration::from_secs(3),
     }
 }
 

@@ -1,0 +1,496 @@
+//! What a node does when the replicas of a queue fail: who may stand for
+//! election (seniority), re-forming a group that lost its majority
+//! (`ha-promote-on-failure: always`), healing replicas of an older epoch, and
+//! handing over mastership on a graceful stop. The reasoning is in
+//! `docs/reliability.md`; the epoch rules in `queue::epoch`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use openraft::storage::RaftLogStorage;
+use openraft::{
+    BasicNode, CommittedLeaderId, Entry, EntryPayload, LogId, Membership, RaftLogReader, ServerState, Vote,
+};
+use tokio::sync::mpsc;
+
+use super::{Inner, Node, QueueGroup};
+use crate::error::{NodeError, ServerError};
+use crate::metadata::{policy, MetaState, QueueMeta};
+use crate::queue::epoch::{divergence, Epoch, ForkRecord};
+use crate::queue::types::Origin;
+use crate::queue::{Message, QueueCmd, QueueMachine};
+use crate::raft::network::EpochNews;
+use crate::raft::rpc::{RpcRequest, RpcResponse};
+use crate::raft::state_machine::stored_applied;
+use crate::raft::types::{GroupId, LogStore, NodeId, Request, TypeConfig};
+use mirrorq_storage::{NodeDb, SmSpace, StorageError};
+
+/// How long a ping may take before the peer counts as unreachable.
+const PING_LIMIT: Duration = Duration::from_millis(800);
+/// Handed-back messages travel in chunks of at most this many bytes.
+const HANDBACK_CHUNK_BYTES: usize = 1 << 20;
+
+fn epoch_key(group: GroupId) -> String {
+    format!("epoch/{group}")
+}
+fn heal_key(group: GroupId) -> String {
+    format!("healing/{group}")
+}
+
+/// The epoch this node's replica of `group` is in. Also finishes a heal that
+/// a crash interrupted after the hand-back (wiping is idempotent).
+pub(super) fn load_epoch(db: &NodeDb, group: GroupId) -> Result<Epoch, StorageError> {
+    let decode = |b: Vec<u8>, what| mirrorq_storage::keys::decode::<Epoch>(&b, what);
+    if let Some(b) = db.get_node_value(&heal_key(group))? {
+        let epoch = decode(b, "healing marker")?;
+        db.drop_group(group)?;
+        store_epoch(db, group, epoch)?;
+        db.remove_node_value(&heal_key(group))?;
+        return Ok(epoch);
+    }
+    match db.get_node_value(&epoch_key(group))? {
+        Some(b) => decode(b, "group epoch"),
+        None => Ok(Epoch::default()),
+    }
+}
+
+fn store_epoch(db: &NodeDb, group: GroupId, epoch: Epoch) -> Result<(), StorageError> {
+    db.put_node_value(&epoch_key(group), &mirrorq_storage::keys::encode(&epoch, "group epoch")?)
+}
+
+/// The mirroring settings in force for a queue.
+fn ha_of(state: &MetaState, q: &QueueMeta) -> policy::HaPolicy {
+    q.policy
+        .as_ref()
+        .and_then(|n| state.policies.get(n))
+        .and_then(|p| policy::parse_definition(&p.definition).ok())
+        .unwrap_or_default()
+}
+
+/// `ids` ordered by seniority: the metadata's replica order first, then any
+/// others by id.
+fn by_seniority(q: &QueueMeta, ids: &BTreeSet<NodeId>) -> Vec<NodeId> {
+    let mut out: Vec<NodeId> = q.replicas.iter().copied().filter(|id| ids.contains(id)).collect();
+    out.extend(ids.iter().copied().filter(|id| !q.replicas.contains(id)));
+    out
+}
+
+/// Messages handed back together: those one old-epoch entry published.
+type Batch = (Option<Origin>, Vec<Message>);
+
+/// What a log entry published: its origin and its messages, each marked
+/// if it was a hand-back (stored outside the seq range) rather than a publish.
+fn publishes(e: &Entry<TypeConfig>) -> (Origin, Vec<(&Message, bool)>) {
+    let origin = (e.log_id.leader_id.term, e.log_id.leader_id.node_id, e.log_id.index);
+    let mut msgs = Vec::new();
+    if let EntryPayload::Normal(Request::Queue(cmds)) = &e.payload {
+        for c in cmds {
+            match c {
+                QueueCmd::Enqueue { msgs: m } => msgs.extend(m.iter().map(|m| (m, false))),
+                QueueCmd::Handback { msgs: m, .. } => msgs.extend(m.iter().map(|m| (m, true))),
+                _ => {}
+            }
+        }
+    }
+    (origin, msgs)
+}
+
+/// Marks a group busy (re-forming or healing) until dropped.
+struct Busy<'a> {
+    inner: &'a Inner,
+    group: GroupId,
+}
+
+impl<'a> Busy<'a> {
+    fn take(inner: &'a Inner, group: GroupId) -> Option<Self> {
+        inner.busy.lock().expect("poisoned").insert(group).then_some(Busy { inner, group })
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.inner.busy.lock().expect("poisoned").remove(&self.group);
+    }
+}
+
+impl Inner {
+    /// The fork record of our replica's epoch of `group`, if it has one.
+    pub(super) fn fork_record(&self, group: GroupId) -> Option<ForkRecord> {
+        let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
+        let rec = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok()??;
+        (rec.epoch == g.epoch).then_some(rec)
+    }
+}
+
+impl Node {
+    pub(super) fn spawn_epoch_watch(&self, mut rx: mpsc::UnboundedReceiver<EpochNews>) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let news = tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    n = rx.recv() => match n { Some(n) => n, None => return },
+                };
+                let stale =
+                    node.inner.groups.read().expect("poisoned").get(&news.group).is_some_and(|g| g.epoch < news.epoch);
+                if stale {
+                    let node = node.clone();
+                    tokio::spawn(async move { node.heal(news).await });
+                }
+            }
+        });
+    }
+
+    /// Peers answering pings, refreshed at most every 400 ms.
+    async fn reachable(&self, state: &MetaState) -> BTreeSet<NodeId> {
+        if let Some((at, set)) = self.inner.reach.lock().expect("poisoned").as_ref() {
+            if at.elapsed() < Duration::from_millis(400) {
+                return set.clone();
+            }
+        }
+        let peers: Vec<NodeId> = state.nodes.keys().copied().filter(|id| *id != self.id()).collect();
+        let pings = peers.iter().map(|id| self.ping(*id, PING_LIMIT));
+        let answers = futures::future::join_all(pings).await;
+        let mut set: BTreeSet<NodeId> =
+            peers.into_iter().zip(answers).filter(|(_, ok)| *ok).map(|(id, _)| id).collect();
+        set.insert(self.id());
+        *self.inner.reach.lock().expect("poisoned") = Some((Instant::now(), set.clone()));
+        set
+    }
+
+    /// Called on every reconcile: decide, per hosted group, who may stand
+    /// for election, and whether to re-form a group that lost its majority.
+    pub(super) async fn watch_failures(&self, state: &MetaState) {
+        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        if groups.is_empty() {
+            return;
+        }
+        let reach = self.reachable(state).await;
+        let timing = &self.inner.timing;
+        for g in groups {
+            let Some(q) = state.queues.values().find(|q| q.group == g.meta.group) else { continue };
+            let m = g.raft.metrics().borrow().clone();
+            let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
+            if !voters.contains(&self.id()) {
+                continue;
+            }
+            let alive: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
+            let now = Instant::now();
+            let seen = {
+                let mut seen = g.majority_seen.lock().expect("poisoned");
+                if alive.len() * 2 > voters.len() {
+                    *seen = now;
+                }
+                *seen
+            };
+            let senior = by_seniority(q, &alive).first().copied();
+
+            // Seniority: while the master is away, only the most senior
+            // replica still reachable stands for election, so it wins
+            // whenever its log is up to date (a synchronised mirror's is). If
+            // no one has won after a while, everyone may stand again: a
+            // lagging senior must not keep the queue without a master.
+            if m.state != ServerState::Leader {
+                let leaderless_since = {
+                    let mut l = g.leaderless_since.lock().expect("poisoned");
+                    match m.current_leader {
+                        Some(_) => *l = None,
+                        None => {
+                            l.get_or_insert(now);
+                        }
+                    }
+                    *l
+                };
+                let leaderless_long = leaderless_since.is_some_and(|t| now.duration_since(t) > timing.election_max * 3);
+                g.raft.runtime_config().elect(senior == Some(self.id()) || leaderless_long);
+            }
+
+            // Re-form: no majority reachable for the failure timeout, the
+            // policy allows it, and we are the most senior replica left.
+            if now.duration_since(seen) >= timing.failure_timeout
+                && senior == Some(self.id())
+                && ha_of(state, q).promote_on_failure_always
+            {
+                let node = self.clone();
+                let q = q.clone();
+                let state = state.clone();
+                tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas for the failure timeout: re-forming it");
+                if let Err(e) = node.reform(g, q.clone(), &state).await {
+                    tracing::error!(queue = %q.name, error = %e, "re-forming the queue failed");
+                }
+            }
+        }
+    }
+
+    /// Make this replica the only voter of a new epoch of the group, with
+    /// its whole log (committed or not: anything may have been confirmed).
+    async fn reform(&self, g: Arc<QueueGroup>, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
+        let group = q.group;
+        let Some(_busy) = Busy::take(&self.inner, group) else { return Ok(()) };
+        self.inner.groups.write().expect("poisoned").remove(&group);
+        g.stop.cancel();
+        let _ = g.raft.shutdown().await;
+
+        let raft_err = |e: openraft::StorageError<NodeId>| ServerError::Raft(e.to_string());
+        let mut log = LogStore::new(self.inner.db.clone(), group);
+        let log_state = log.get_log_state().await.map_err(raft_err)?;
+        let vote = log.read_vote().await.map_err(raft_err)?;
+        let ids = log.log_ids().map_err(raft_err)?;
+        let term =
+            [vote.map_or(0, |v| v.leader_id.term), log_state.last_log_id.map_or(0, |l| l.leader_id.term), g.epoch.term]
+                .into_iter()
+                .max()
+                .unwrap_or(0)
+                + 1;
+        let me = self.id();
+        let epoch = Epoch { term, node: me };
+        let record = ForkRecord::from_log(epoch, log_state.last_purged_log_id, ids);
+        let index = log_state.last_log_id.map_or(0, |l| l.index + 1);
+        let members = Membership::new(
+            vec![BTreeSet::from([me])],
+            BTreeMap::from([(me, BasicNode { addr: self.inner.addr.clone() })]),
+        );
+        let entry: Entry<TypeConfig> = Entry {
+            log_id: LogId::new(CommittedLeaderId::new(term, me), index),
+            payload: EntryPayload::Membership(members),
+        };
+        // Operations in entries not applied here were never answered (replies
+        // follow commit), so a get there must not count as a delivery in the
+        // new epoch: keep only what publishes. (Publishes may have been
+        // confirmed: confirms wait for the synchronised replicas' disks, not
+        // for commit.)
+        let applied = stored_applied(&SmSpace::new(self.inner.db.clone(), group))?.map_or(0, |l| l.index + 1);
+        let mut reader = log.get_log_reader().await;
+        let mut entries: Vec<Entry<TypeConfig>> = Vec::new();
+        for mut e in reader.try_get_log_entries(applied..).await.map_err(raft_err)? {
+            if let EntryPayload::Normal(Request::Queue(cmds)) = &mut e.payload {
+                let before = cmds.len();
+                cmds.retain(|c| matches!(c, QueueCmd::Enqueue { .. } | QueueCmd::Handback { .. } | QueueCmd::Fork(_)));
+                if cmds.len() != before {
+                    entries.push(e);
+                }
+            }
+        }
+        entries.push(entry);
+        log.refound(&Vote::new_committed(term, me), entries).await.map_err(raft_err)?;
+        store_epoch(&self.inner.db, group, epoch)?;
+        self.start_group(q.clone(), state).await?;
+        tracing::warn!(queue = %q.name, %epoch, from_index = index, "queue re-formed on this replica alone; other replicas rejoin when they return");
+
+        // Record where the new epoch forked, for the replicas that return.
+        let raft = self.inner.raft_of(group).ok_or(ServerError::Raft("re-formed group vanished".into()))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match raft.client_write(Request::Queue(vec![QueueCmd::Fork(record.clone())])).await {
+                Ok(_) => return Ok(()),
+                Err(e) if Instant::now() > deadline => return Err(ServerError::Raft(e.to_string())),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
+    /// A peer is in a newer epoch of a group we host: hand back what that
+    /// epoch lacks, wipe our replica and rejoin the epoch as a new mirror.
+    async fn heal(&self, news: EpochNews) {
+        let group = news.group;
+        let Some(_busy) = Busy::take(&self.inner, group) else { return };
+        let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
+        if g.epoch >= news.epoch {
+            return;
+        }
+        let q = g.meta.clone();
+        tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "replica is in an older epoch: healing");
+        self.inner.groups.write().expect("poisoned").remove(&group);
+        g.stop.cancel();
+        let _ = g.raft.shutdown().await;
+        tracing::info!(queue = %q.name, "old-epoch replica stopped");
+
+        let result: Result<(), NodeError> = async {
+            let record = self.fetch_fork(group, news).await;
+            tracing::info!(queue = %q.name, found = record.is_some(), "fork record of the newer epoch");
+            let batches = self.handback_set(group, record.as_ref()).await?;
+            let count: usize = batches.iter().map(|b| b.1.len()).sum();
+            self.send_handback(&q, news, batches).await?;
+            tracing::warn!(queue = %q.name, handed_back = count, divergent_after = ?record.as_ref().map(|r| r.epoch), "messages handed back to the newer epoch");
+            let db = &self.inner.db;
+            let io = |e: StorageError| NodeError::Unavailable(e.to_string());
+            db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&news.epoch, "healing marker").map_err(io)?)
+                .map_err(io)?;
+            load_epoch(db, group).map_err(io)?;
+            Ok(())
+        }
+        .await;
+        if let Err(e) = &result {
+            tracing::error!(queue = %q.name, error = %e, "healing failed; the replica restarts in its old epoch and retries");
+        }
+        let state = self.metadata();
+        if let Err(e) = self.start_group(q.clone(), &state).await {
+            tracing::error!(queue = %q.name, error = %e, "cannot restart the queue replica after healing");
+        }
+    }
+
+    /// Ask the peer that told us (then the other replicas) for the newer
+    /// epoch's fork record. `None` if no one has it: then everything we hold
+    /// is handed back.
+    async fn fetch_fork(&self, group: GroupId, news: EpochNews) -> Option<ForkRecord> {
+        let q = self.metadata().queues.values().find(|q| q.group == group).cloned()?;
+        let mut peers = vec![news.from];
+        peers.extend(q.replicas.iter().copied().filter(|id| *id != news.from && *id != self.id()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            for peer in &peers {
+                let limit = Instant::now() + Duration::from_secs(1);
+                if let Ok(RpcResponse::Fork(Some(rec))) =
+                    self.inner.call(*peer, &RpcRequest::Fork { group }, limit).await
+                {
+                    if rec.epoch >= news.epoch {
+                        return Some(rec);
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        None
+    }
+
+    /// Every message this (stopped) replica holds that the epoch described
+    /// by `record` may lack, grouped by the log entry that published it:
+    /// live messages published after the point where the histories part,
+    /// and every publish in log entries not applied here.
+    async fn handback_set(&self, group: GroupId, record: Option<&ForkRecord>) -> Result<Vec<Batch>, NodeError> {
+        let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
+        let db = self.inner.db.clone();
+        let space = SmSpace::new(db.clone(), group);
+        let mut log = LogStore::new(db, group);
+        let log_state = log.get_log_state().await.map_err(|e| io(&e))?;
+        let ids = log.log_ids().map_err(|e| io(&e))?;
+        let shared = record.and_then(|r| divergence(r, log_state.last_purged_log_id, &ids));
+        let applied = stored_applied(&space).map_err(|e| io(&e))?.map(|l| l.index);
+        let mut reader = log.get_log_reader().await;
+        let mut out = Vec::new();
+        // Applied past the shared point: of what those entries published,
+        // what is still live here.
+        if let Some(a) = applied.filter(|a| shared.is_none_or(|p| p < *a)) {
+            let purged = log_state.last_purged_log_id.map(|l| l.index);
+            match shared {
+                Some(p) if purged.is_none_or(|x| x <= p) => {
+                    let entries = reader.try_get_log_entries(p + 1..=a).await.map_err(|e| io(&e))?;
+                    // Publishes took consecutive seqs ending at next_seq.
+                    let published: u64 =
+                        entries.iter().map(|e| publishes(e).1.iter().filter(|(_, hb)| !hb).count() as u64).sum();
+                    let c = QueueMachine::stored_counters(&space).map_err(|e| io(&e))?;
+                    let mut seq = c.next_seq.saturating_sub(published);
+                    for e in &entries {
+                        let (origin, msgs) = publishes(e);
+                        let mut live = Vec::new();
+                        for (m, handed_back) in msgs {
+                            if handed_back {
+                                // Their seqs are not recoverable: all go
+                                // again (the receiver keeps one copy per entry).
+                                live.push(m.clone());
+                            } else {
+                                if QueueMachine::stored_body(&space, seq).map_err(|e| io(&e))?.is_some() {
+                                    live.push(m.clone());
+                                }
+                                seq += 1;
+                            }
+                        }
+                        if !live.is_empty() {
+                            out.push((Some(origin), live));
+                        }
+                    }
+                }
+                // The entries are gone: everything live goes back.
+                _ => out.push((None, QueueMachine::stored_from(&space, 0).map_err(|e| io(&e))?)),
+            }
+        }
+        // Not applied here (not known to be committed, maybe confirmed).
+        let start = [shared, applied].into_iter().flatten().max().map_or(0, |i| i + 1);
+        for e in reader.try_get_log_entries(start..).await.map_err(|e| io(&e))? {
+            let (origin, msgs) = publishes(&e);
+            if !msgs.is_empty() {
+                out.push((Some(origin), msgs.into_iter().map(|(m, _)| m.clone()).collect()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Give messages to the master of the newer epoch, a chunk at a time,
+    /// each answered once confirmed there.
+    async fn send_handback(&self, q: &QueueMeta, news: EpochNews, batches: Vec<Batch>) -> Result<(), NodeError> {
+        let deadline = Instant::now() + self.inner.timing.op_timeout * 4;
+        let mut candidates = vec![news.from];
+        candidates.extend(q.replicas.iter().copied().filter(|id| *id != news.from && *id != self.id()));
+        let mut target = news.from;
+        let mut attempt = 0usize;
+        let mut rest = batches.into_iter().peekable();
+        while rest.peek().is_some() {
+            let mut chunk = Vec::new();
+            let mut bytes = 0;
+            while let Some(b) = rest.next_if(|_| chunk.is_empty() || bytes <= HANDBACK_CHUNK_BYTES) {
+                bytes += b.1.iter().map(|m| m.body.len() + m.properties.len()).sum::<usize>();
+                chunk.push(b);
+            }
+            loop {
+                let req = RpcRequest::Handback { group: q.group, epoch: news.epoch, batches: chunk.clone() };
+                match self.inner.call(target, &req, Instant::now() + Duration::from_secs(10)).await {
+                    Ok(RpcResponse::Queue(Ok(_))) => break,
+                    Ok(RpcResponse::Queue(Err(NodeError::NotLeader { leader: Some(l) }))) if l != target => target = l,
+                    other => {
+                        tracing::debug!(queue = %q.name, target, answer = ?other.map(|_| ()), "hand-back not taken yet");
+                        if Instant::now() > deadline {
+                            return Err(NodeError::Unavailable(
+                                "no master of the newer epoch took the hand-back".into(),
+                            ));
+                        }
+                        attempt += 1;
+                        target = candidates[attempt % candidates.len()];
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Graceful stop, before the groups stop: for each queue this node
+    /// masters, the most senior mirror that may take over.
+    pub(super) fn successors(&self) -> Vec<(GroupId, NodeId)> {
+        let state = self.metadata();
+        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        let mut out = Vec::new();
+        for g in groups {
+            if !g.is_leader(self.id()) {
+                continue;
+            }
+            let Some(q) = state.queues.values().find(|q| q.group == g.meta.group) else { continue };
+            let me = self.id();
+            let synced: BTreeSet<NodeId> =
+                g.sync.borrow().synchronised.iter().copied().filter(|id| *id != me).collect();
+            let m = g.raft.metrics().borrow().clone();
+            let voters: BTreeSet<NodeId> =
+                m.membership_config.membership().voter_ids().filter(|id| *id != me).collect();
+            let eligible = if ha_of(&state, q).promote_on_shutdown_always { voters } else { synced };
+            match by_seniority(q, &eligible).first() {
+                Some(next) => {
+                    tracing::info!(queue = %q.name, successor = next, "handing mastership over");
+                    out.push((g.meta.group, *next));
+                }
+                None => tracing::warn!(
+                    queue = %q.name,
+                    "stopping with no synchronised mirror: the queue waits for this node rather than lose messages"
+                ),
+            }
+        }
+        out
+    }
+
+    /// After our groups stopped: ask each successor to stand for election now.
+    pub(super) async fn hand_over(&self, successors: Vec<(GroupId, NodeId)>) {
+        let calls = successors.into_iter().map(|(group, next)| async move {
+            let _ = self.inner.call(next, &RpcRequest::Elect { group }, Instant::now() + Duration::from_secs(1)).await;
+        });
+        futures::future::join_all(calls).await;
+    }
+}

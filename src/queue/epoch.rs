@@ -1,0 +1,185 @@
+//! Epochs: how a queue goes on after losing the majority of its group, and
+//! how the replicas of an older epoch find out what they must hand back.
+//!
+//! Raft cannot change a group's membership without a majority. When the
+//! master and most mirrors are gone and `ha-promote-on-failure` is `always`,
+//! a surviving replica *re-forms* the group: it makes its own log the start of
+//! a new epoch with itself as the only voter (see `node::failover`). Replicas
+//! still in an older epoch must never be merged back by Raft's log repair,
+//! which would silently drop whatever they accepted that the new epoch lacks.
+//! So every Raft message carries the sender's epoch, and a replica that learns
+//! of a newer epoch stops, hands back its messages past the point where its
+//! log and the new epoch's history part ([`divergence`]), wipes its copy and
+//! rejoins as a new mirror.
+//!
+//! Finding that point is the job of the [`ForkRecord`]: the leader ids of the
+//! re-forming replica's log at the moment it re-formed, as runs of indexes
+//! (the idea of Kafka's leader-epoch cache). Log ids carry the leader's
+//! `(term, node)`, and a node leads a given term at most once, so an entry of
+//! the stale replica is in the new epoch's history exactly when the record
+//! shows the same leader at its index.
+
+use std::fmt;
+
+use openraft::LogId;
+use serde::{Deserialize, Serialize};
+
+use crate::raft::types::NodeId;
+
+/// Which incarnation of a queue's group a replica belongs to. `(0, 0)` is
+/// the group as founded; a re-formation creates `(term, node)` with a term
+/// above any the re-forming node has seen. Higher epochs win.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Epoch {
+    pub term: u64,
+    pub node: NodeId,
+}
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.term, self.node)
+    }
+}
+
+/// A log entry's leader: `(term, node)`.
+pub type Leader = (u64, NodeId);
+
+fn leader_of(id: &LogId<NodeId>) -> Leader {
+    (id.leader_id.term, id.leader_id.node_id)
+}
+
+/// The re-forming replica's log at the moment it re-formed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkRecord {
+    pub epoch: Epoch,
+    /// Runs of equal leaders: `(last index of the run, leader)`, ascending.
+    pub runs: Vec<(u64, Leader)>,
+    /// First index the runs describe; below it only `purged` is known.
+    pub known_from: u64,
+    /// The last purged entry (covered by a snapshot), if any.
+    pub purged: Option<(u64, Leader)>,
+}
+
+impl ForkRecord {
+    /// Build from the log ids of a log (ascending) and its purge point.
+    pub fn from_log(epoch: Epoch, purged: Option<LogId<NodeId>>, ids: impl IntoIterator<Item = LogId<NodeId>>) -> Self {
+        let mut runs: Vec<(u64, Leader)> = Vec::new();
+        let mut known_from = None;
+        for id in ids {
+            known_from.get_or_insert(id.index);
+            let leader = leader_of(&id);
+            match runs.last_mut() {
+                Some((last, l)) if *l == leader => *last = id.index,
+                _ => runs.push((id.index, leader)),
+            }
+        }
+        let purged = purged.map(|p| (p.index, leader_of(&p)));
+        let known_from = known_from.unwrap_or_else(|| purged.map_or(0, |p| p.0 + 1));
+        Self { epoch, runs, known_from, purged }
+    }
+
+    /// Is the entry with this id part of the re-formed epoch's history?
+    pub fn contains(&self, id: &LogId<NodeId>) -> bool {
+        let leader = leader_of(id);
+        if self.purged == Some((id.index, leader)) {
+            return true;
+        }
+        if id.index < self.known_from {
+            return false;
+        }
+        self.runs.iter().find(|(last, _)| *last >= id.index).is_some_and(|(_, l)| *l == leader)
+    }
+}
+
+/// The last index up to which a replica's log (its remaining entries' ids,
+/// ascending, and its purge point) is shared with the epoch `record`
+/// describes. `None`: nothing is known to be shared, so everything the
+/// replica holds must be handed back. When unsure it answers lower, which
+/// costs duplicates, never losses.
+pub fn divergence(record: &ForkRecord, purged: Option<LogId<NodeId>>, ids: &[LogId<NodeId>]) -> Option<u64> {
+    // Shared entries form a prefix (Raft's log matching), so the highest
+    // shared entry found is the answer.
+    if let Some(id) = ids.iter().rev().find(|id| record.contains(id)) {
+        return Some(id.index);
+    }
+    purged.filter(|p| record.contains(p)).map(|p| p.index)
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::CommittedLeaderId;
+
+    use super::*;
+
+    fn id(term: u64, node: NodeId, index: u64) -> LogId<NodeId> {
+        LogId::new(CommittedLeaderId::new(term, node), index)
+    }
+
+    fn log(spec: &[(u64, NodeId, std::ops::RangeInclusive<u64>)]) -> Vec<LogId<NodeId>> {
+        spec.iter().flat_map(|(t, n, r)| r.clone().map(move |i| id(*t, *n, i))).collect()
+    }
+
+    #[test]
+    fn record_keeps_runs_of_leaders() {
+        let ids = log(&[(1, 1, 1..=4), (2, 2, 5..=9), (3, 1, 10..=10)]);
+        let r = ForkRecord::from_log(Epoch { term: 4, node: 3 }, Some(id(1, 1, 0)), ids);
+        assert_eq!(r.runs, vec![(4, (1, 1)), (9, (2, 2)), (10, (3, 1))]);
+        assert_eq!(r.known_from, 1);
+        assert!(r.contains(&id(2, 2, 7)));
+        assert!(!r.contains(&id(2, 3, 7)), "same term, other leader: another history");
+        assert!(!r.contains(&id(3, 1, 11)), "beyond the fork");
+        assert!(r.contains(&id(1, 1, 0)), "the purge point is known");
+    }
+
+    #[test]
+    fn a_replica_with_the_same_log_shares_all_of_it() {
+        let ids = log(&[(1, 1, 1..=20)]);
+        let r = ForkRecord::from_log(Epoch { term: 2, node: 3 }, None, ids.clone());
+        assert_eq!(divergence(&r, None, &ids), Some(20));
+    }
+
+    #[test]
+    fn entries_the_survivor_never_had_are_divergent() {
+        // The old master 1 wrote 11..=15 in term 1 that survivor 3 never got.
+        let survivor = log(&[(1, 1, 1..=10)]);
+        let r = ForkRecord::from_log(Epoch { term: 2, node: 3 }, None, survivor);
+        let stale = log(&[(1, 1, 1..=15)]);
+        assert_eq!(divergence(&r, None, &stale), Some(10));
+    }
+
+    #[test]
+    fn a_later_leader_of_the_old_epoch_diverges_where_it_started() {
+        // After 3 re-formed, 1 and 2 came back and elected 2 in term 2 at 11.
+        let survivor = log(&[(1, 1, 1..=12)]);
+        let r = ForkRecord::from_log(Epoch { term: 2, node: 3 }, None, survivor);
+        let stale = log(&[(1, 1, 1..=10), (2, 2, 11..=14)]);
+        assert_eq!(divergence(&r, None, &stale), Some(10));
+    }
+
+    #[test]
+    fn purged_survivor_log_is_matched_through_later_entries() {
+        let survivor = log(&[(1, 1, 51..=60)]);
+        let r = ForkRecord::from_log(Epoch { term: 2, node: 3 }, Some(id(1, 1, 50)), survivor);
+        // The stale replica still has old entries the survivor purged: they
+        // are shared because a later one is.
+        let stale = log(&[(1, 1, 30..=58)]);
+        assert_eq!(divergence(&r, None, &stale), Some(58));
+    }
+
+    #[test]
+    fn nothing_known_in_common_hands_back_everything() {
+        let r = ForkRecord::from_log(Epoch { term: 5, node: 3 }, Some(id(1, 1, 100)), log(&[(4, 3, 101..=110)]));
+        let stale = log(&[(1, 1, 20..=40)]);
+        assert_eq!(divergence(&r, Some(id(1, 1, 19)), &stale), None);
+        // ...unless the stale replica's purge point is the survivor's.
+        assert_eq!(divergence(&r, Some(id(1, 1, 100)), &[]), Some(100));
+    }
+
+    #[test]
+    fn epochs_order_by_term_then_node() {
+        let a = Epoch { term: 3, node: 2 };
+        assert!(Epoch::default() < a);
+        assert!(a < Epoch { term: 3, node: 3 });
+        assert!(Epoch { term: 3, node: 3 } < Epoch { term: 4, node: 1 });
+    }
+}

@@ -1,0 +1,190 @@
+//! Failover in-process: a queue that lost the majority of its group is
+//! re-formed by the replica left (`ha-promote-on-failure: always`), serves,
+//! and the returning replicas heal into the new epoch without losing or
+//! duplicating what they share with it.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::{fast_timing, init_tracing, publish_retrying, wait_until, Cluster};
+use mirrorq::metadata::{ApplyTo, Policy};
+
+async fn drain(node: &mirrorq::Node, queue: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    loop {
+        let got = node.get(queue, 1, 100, true).await.unwrap();
+        if got.is_empty() {
+            return out;
+        }
+        out.extend(got.into_iter().map(|d| String::from_utf8(d.message.body).unwrap()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn last_replica_standing_serves_and_the_others_heal_into_its_epoch() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    for i in 0..10 {
+        publish_retrying(c.node(1), "q", format!("m{i}").into_bytes()).await;
+    }
+    // Every replica has every confirmed message before the crash.
+    wait_until(Duration::from_secs(10), "node 3 applied all", || c.node(3).queue_info("q").unwrap().ready == 10).await;
+
+    tracing::info!("--- nodes 1 and 2 crash at once");
+    c.crash(1).await;
+    c.crash(2).await;
+    let n3 = c.node(3).clone();
+    // Node 3 alone re-forms the queue after the failure timeout and serves it.
+    let got = n3.get("q", 1, 4, true).await.expect("served by the last replica");
+    let bodies: Vec<String> = got.iter().map(|d| String::from_utf8(d.message.body.clone()).unwrap()).collect();
+    assert_eq!(bodies, vec!["m0", "m1", "m2", "m3"]);
+    assert_eq!(n3.queue_members("q").unwrap(), BTreeSet::from([3]));
+    publish_retrying(&n3, "q", b"during".to_vec()).await;
+
+    tracing::info!("--- nodes 1 and 2 come back");
+    c.restart(1).await;
+    c.restart(2).await;
+    wait_until(Duration::from_secs(40), "old replicas rejoin as voters", || {
+        n3.queue_members("q") == Some(BTreeSet::from([1, 2, 3]))
+            && [1, 2].iter().all(|id| c.node(*id).queue_info("q").map(|i| i.ready == 7).unwrap_or(false))
+    })
+    .await;
+    // They shared their whole history with node 3: nothing was handed back,
+    // so nothing node 3 delivered comes again.
+    let rest = drain(c.node(1), "q").await;
+    assert_eq!(rest, vec!["m4", "m5", "m6", "m7", "m8", "m9", "during"]);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_only_the_old_epoch_has_are_handed_back() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    for i in 0..3 {
+        publish_retrying(c.node(1), "q", format!("a{i}").into_bytes()).await;
+    }
+    wait_until(Duration::from_secs(10), "node 3 applied all", || c.node(3).queue_info("q").unwrap().ready == 3).await;
+
+    tracing::info!("--- node 3 is cut off; 1 and 2 go on with more messages");
+    for id in [1, 2] {
+        c.node(id).transport().control.block(3);
+        c.node(3).transport().control.block(id);
+    }
+    for i in 0..4 {
+        publish_retrying(c.node(1), "q", format!("b{i}").into_bytes()).await;
+    }
+    let n3 = c.node(3).clone();
+    // Node 3 re-forms alone and takes a publish of its own.
+    publish_retrying(&n3, "q", b"c0".to_vec()).await;
+    assert_eq!(n3.queue_members("q").unwrap(), BTreeSet::from([3]));
+
+    tracing::info!("--- the partition heals");
+    for id in [1, 2] {
+        c.node(id).transport().control.unblock(3);
+        c.node(3).transport().control.unblock(id);
+    }
+    wait_until(Duration::from_secs(40), "one group again", || {
+        (1..=3).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3])))
+    })
+    .await;
+    let mut all = drain(c.node(2), "q").await;
+    all.sort();
+    // Node 3's epoch is newer: the b's, which only the old epoch had, were
+    // handed back to it; nothing is lost and nothing shared is duplicated.
+    assert_eq!(all, vec!["a0", "a1", "a2", "b0", "b1", "b2", "b3", "c0"]);
+    c.shutdown().await;
+}
+
+fn policy(pattern: &str, def: &str) -> Policy {
+    Policy {
+        name: "ha".into(),
+        pattern: pattern.into(),
+        apply_to: ApplyTo::Queues,
+        priority: 0,
+        definition: def.into(),
+    }
+}
+
+/// The master dies; of its two synchronised mirrors the older one (earlier
+/// in the seniority order) takes over, every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_most_senior_synchronised_mirror_takes_over() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    // Seniority order 2, 3, 1 (2 founds the group; 3 is the older mirror).
+    c.node(1).declare_queue("q", vec![2, 3, 1]).await.unwrap();
+    publish_retrying(c.node(1), "q", b"x".to_vec()).await;
+    assert_eq!(c.master_of("q").await, 2);
+    wait_until(Duration::from_secs(10), "all replicas synchronised", || {
+        c.node(2).queue_info("q").unwrap().synchronised.len() == 3
+    })
+    .await;
+    c.crash(2).await;
+    let next = c.master_of("q").await;
+    assert_eq!(next, 3, "the senior mirror 3 must win, not 1");
+    // And after 2 returns, 3 stays master (no flapping back).
+    c.restart(2).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(c.master_of("q").await, 3);
+    c.shutdown().await;
+}
+
+/// `ha-promote-on-failure: when-synced` keeps strict Raft: the one replica
+/// left never serves, so there is no second master anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_synced_minority_never_serves() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1)
+        .set_policy(policy(
+            "^strict",
+            r#"{"ha-mode":"all","ha-sync-mode":"automatic","ha-promote-on-failure":"when-synced"}"#,
+        ))
+        .await
+        .unwrap();
+    c.node(1).declare_queue("strict-q", vec![]).await.unwrap();
+    wait_until(Duration::from_secs(20), "three replicas", || {
+        c.node(3).queue_members("strict-q") == Some(BTreeSet::from([1, 2, 3]))
+    })
+    .await;
+    publish_retrying(c.node(3), "strict-q", b"x".to_vec()).await;
+    c.crash(1).await;
+    c.crash(2).await;
+    let n3 = c.node(3).clone();
+    // Well past the failure timeout (3 s): still no master, same group.
+    let r = tokio::time::timeout(Duration::from_secs(8), n3.get("strict-q", 1, 1, true)).await;
+    assert!(!matches!(r, Ok(Ok(_))), "a minority replica served: {r:?}");
+    assert!(!n3.is_master("strict-q"));
+    assert_eq!(n3.queue_members("strict-q").unwrap(), BTreeSet::from([1, 2, 3]));
+    // With a majority back, the message is there.
+    c.restart(1).await;
+    let got = c.node(1).get("strict-q", 1, 1, true).await.unwrap();
+    assert_eq!(got.len(), 1);
+    c.shutdown().await;
+}
+
+/// The master loses both mirrors while a get is waiting for a commit that
+/// cannot come. It re-forms alone; that get was never answered, so it must
+/// not have consumed the message in the new epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_get_does_not_consume_across_re_formation() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    publish_retrying(c.node(1), "q", b"keep me".to_vec()).await;
+    assert_eq!(c.master_of("q").await, 1);
+    c.crash(2).await;
+    c.crash(3).await;
+    let n1 = c.node(1).clone();
+    // Appended on the master, never committed, never answered.
+    let stuck = tokio::time::timeout(Duration::from_secs(1), n1.get("q", 7, 1, true)).await;
+    assert!(stuck.is_err(), "a get committed without a majority: {stuck:?}");
+    let got = n1.get("q", 8, 1, true).await.expect("served after re-forming");
+    assert_eq!(got.len(), 1, "the message was consumed by a get nobody received");
+    assert_eq!(got[0].message.body, b"keep me");
+    c.shutdown().await;
+}
