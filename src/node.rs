@@ -172,6 +172,12 @@ struct Inner {
     busy: Mutex<HashSet<GroupId>>,
     /// Peers that answered the last round of pings, and when it ran.
     reach: Mutex<Option<(Instant, BTreeSet<NodeId>)>>,
+    /// Peers known down (the complement of `reach`, plus masters that
+    /// announced their stop): confirms do not wait for them at a new term.
+    down: sync::Down,
+    /// Set once a graceful stop starts handing masterships over: no replica
+    /// here stands for election any more.
+    leaving: AtomicBool,
     stop: CancellationToken,
 }
 
@@ -282,6 +288,8 @@ impl Node {
             news,
             busy: Mutex::default(),
             reach: Mutex::default(),
+            down: sync::Down::default(),
+            leaving: AtomicBool::new(false),
             stop: CancellationToken::new(),
         });
 
@@ -843,16 +851,16 @@ impl Node {
         }
     }
 
-    /// Stop the node: no new work, every group shut down, storage synced.
+    /// Stop the node: masterships handed over (`ha-promote-on-shutdown`), no
+    /// new work, every group shut down, storage synced.
     pub async fn shutdown(&self) {
-        let successors = self.successors();
+        self.hand_over().await;
         self.inner.stop.cancel();
         let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
         for g in groups {
             g.stop.cancel();
             let _ = g.raft.shutdown().await;
         }
-        self.hand_over(successors).await;
         self.inner.transport.close_all();
         let _ = self.inner.meta_raft.shutdown().await;
         if let Err(e) = self.inner.db.flusher().sync().await {
@@ -1141,7 +1149,8 @@ impl Node {
         .map_err(|e| ServerError::Raft(e.to_string()))?;
         sm.enable_snapshot_transfer();
         let stop = self.inner.stop.child_token();
-        let sync = sync::spawn(q.group, raft.clone(), self.inner.timing.sync_timeout, stop.clone());
+        let sync =
+            sync::spawn(q.group, raft.clone(), self.inner.timing.sync_timeout, self.inner.down.clone(), stop.clone());
         let proposer = Proposer::spawn(raft.clone(), sync.clone(), stop.clone());
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
@@ -1316,7 +1325,8 @@ impl Inner {
                     _ => Err(NodeError::NotLeader { leader: None }),
                 })
             }
-            RpcRequest::Elect { group } => {
+            RpcRequest::Elect { group, leaving } => {
+                self.down.write().expect("poisoned").insert(leaving);
                 if let Some(r) = self.raft_of(group) {
                     let _ = r.trigger().elect().await;
                 }

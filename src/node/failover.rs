@@ -5,6 +5,7 @@
 //! `docs/reliability.md`; the epoch rules in `queue::epoch`.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -156,6 +157,8 @@ impl Node {
             peers.into_iter().zip(answers).filter(|(_, ok)| *ok).map(|(id, _)| id).collect();
         set.insert(self.id());
         *self.inner.reach.lock().expect("poisoned") = Some((Instant::now(), set.clone()));
+        *self.inner.down.write().expect("poisoned") =
+            state.nodes.keys().copied().filter(|id| !set.contains(id)).collect();
         set
     }
 
@@ -172,26 +175,39 @@ impl Node {
             let Some(q) = state.queues.values().find(|q| q.group == g.meta.group) else { continue };
             let m = g.raft.metrics().borrow().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
-            if !voters.contains(&self.id()) {
+            // A learner that is a wanted replica may have every confirmed
+            // message too (confirms wait for caught-up learners), so it may
+            // carry the queue on when no voter is left.
+            let members: BTreeSet<NodeId> = m
+                .membership_config
+                .membership()
+                .nodes()
+                .map(|(id, _)| *id)
+                .filter(|id| voters.contains(id) || q.replicas.contains(id))
+                .collect();
+            if !members.contains(&self.id()) {
                 continue;
             }
-            let alive: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
+            let alive_voters = voters.intersection(&reach).count();
+            let alive: BTreeSet<NodeId> = members.intersection(&reach).copied().collect();
             let now = Instant::now();
             let seen = {
                 let mut seen = g.majority_seen.lock().expect("poisoned");
-                if alive.len() * 2 > voters.len() {
+                if alive_voters * 2 > voters.len() {
                     *seen = now;
                 }
                 *seen
             };
             let senior = by_seniority(q, &alive).first().copied();
+            let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
+            let senior_voter = by_seniority(q, &alive_voter_set).first().copied();
 
             // Seniority: while the master is away, only the most senior
             // replica still reachable stands for election, so it wins
             // whenever its log is up to date (a synchronised mirror's is). If
             // no one has won after a while, everyone may stand again: a
             // lagging senior must not keep the queue without a master.
-            if m.state != ServerState::Leader {
+            if m.state != ServerState::Leader && !self.inner.leaving.load(Ordering::Acquire) {
                 let leaderless_since = {
                     let mut l = g.leaderless_since.lock().expect("poisoned");
                     match m.current_leader {
@@ -203,7 +219,7 @@ impl Node {
                     *l
                 };
                 let leaderless_long = leaderless_since.is_some_and(|t| now.duration_since(t) > timing.election_max * 3);
-                g.raft.runtime_config().elect(senior == Some(self.id()) || leaderless_long);
+                g.raft.runtime_config().elect(senior_voter == Some(self.id()) || leaderless_long);
             }
 
             // Re-form: no majority reachable for the failure timeout, the
@@ -454,9 +470,9 @@ impl Node {
         Ok(())
     }
 
-    /// Graceful stop, before the groups stop: for each queue this node
-    /// masters, the most senior mirror that may take over.
-    pub(super) fn successors(&self) -> Vec<(GroupId, NodeId)> {
+    /// For each queue this node masters, the most senior mirror that may
+    /// take over (`ha-promote-on-shutdown`).
+    fn successors(&self) -> Vec<(GroupId, NodeId)> {
         let state = self.metadata();
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
         let mut out = Vec::new();
@@ -473,10 +489,7 @@ impl Node {
                 m.membership_config.membership().voter_ids().filter(|id| *id != me).collect();
             let eligible = if ha_of(&state, q).promote_on_shutdown_always { voters } else { synced };
             match by_seniority(q, &eligible).first() {
-                Some(next) => {
-                    tracing::info!(queue = %q.name, successor = next, "handing mastership over");
-                    out.push((g.meta.group, *next));
-                }
+                Some(next) => out.push((g.meta.group, *next)),
                 None => tracing::warn!(
                     queue = %q.name,
                     "stopping with no synchronised mirror: the queue waits for this node rather than lose messages"
@@ -486,10 +499,35 @@ impl Node {
         out
     }
 
-    /// After our groups stopped: ask each successor to stand for election now.
-    pub(super) async fn hand_over(&self, successors: Vec<(GroupId, NodeId)>) {
+    /// Graceful stop, while our groups still run: for each queue we master,
+    /// stop standing for election, ask the successor to stand now, and wait
+    /// until it leads. Our replica, still running, grants it the vote (a
+    /// leader's own vote carries no lease), so the handover takes one round
+    /// trip instead of an election timeout.
+    pub(super) async fn hand_over(&self) {
+        self.inner.leaving.store(true, Ordering::Release);
+        for g in self.inner.groups.read().expect("poisoned").values() {
+            g.raft.runtime_config().elect(false);
+        }
+        let successors = self.successors();
+        let limit = self.inner.timing.election_max * 2;
         let calls = successors.into_iter().map(|(group, next)| async move {
-            let _ = self.inner.call(next, &RpcRequest::Elect { group }, Instant::now() + Duration::from_secs(1)).await;
+            let Some(raft) = self.inner.raft_of(group) else { return };
+            raft.runtime_config().elect(false);
+            let req = RpcRequest::Elect { group, leaving: self.id() };
+            let asked = self.inner.call(next, &req, Instant::now() + Duration::from_secs(1)).await;
+            if !matches!(asked, Ok(RpcResponse::Done)) {
+                return;
+            }
+            let me = self.id();
+            let moved = raft
+                .wait(Some(limit))
+                .metrics(|m| m.current_leader.is_some_and(|l| l != me), "mastership handed over")
+                .await;
+            match moved {
+                Ok(_) => tracing::info!(group, successor = next, "mastership handed over"),
+                Err(e) => tracing::warn!(group, successor = next, error = %e, "handover did not complete"),
+            }
         });
         futures::future::join_all(calls).await;
     }

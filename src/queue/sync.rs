@@ -13,6 +13,7 @@
 //! synchronised member always holds every confirmed message.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use openraft::ServerState;
@@ -86,7 +87,17 @@ const STALL: Duration = Duration::from_millis(500);
 /// backs off from an unreachable member, and on an idle queue nothing new
 /// comes to replicate, so a member that comes back would stay behind (and
 /// unsynchronised) until the next publish. An empty entry wakes it up.
-pub fn spawn(group: u64, raft: Raft, timeout: Duration, stop: CancellationToken) -> watch::Receiver<SyncState> {
+/// Nodes known to be down (no answer to pings, or a master that announced
+/// its stop): not waited for during a new term's grace period.
+pub type Down = Arc<RwLock<BTreeSet<NodeId>>>;
+
+pub fn spawn(
+    group: u64,
+    raft: Raft,
+    timeout: Duration,
+    down: Down,
+    stop: CancellationToken,
+) -> watch::Receiver<SyncState> {
     let (tx, rx) = watch::channel(SyncState::default());
     tokio::spawn(async move {
         let mut metrics = raft.metrics();
@@ -151,7 +162,9 @@ pub fn spawn(group: u64, raft: Raft, timeout: Duration, stop: CancellationToken)
                 });
                 // What every replica waited on has: during the grace period
                 // after takeover that is every member, later the synchronised.
-                let waiting = st.members.iter().filter(|id| in_sync.contains(id) || now < grace_until);
+                let down = down.read().expect("poisoned").clone();
+                let waiting =
+                    st.members.iter().filter(|id| in_sync.contains(id) || (now < grace_until && !down.contains(id)));
                 let confirmed = waiting.map(matched_of).min().flatten();
                 // Back in only with everything confirmed so far (so joining
                 // never lowers `confirmed`).

@@ -81,6 +81,8 @@ pub enum RpcRequest {
     /// A stopping master asks its successor to stand for election now.
     Elect {
         group: GroupId,
+        /// The stopping master: confirms need not wait for it.
+        leaving: NodeId,
     },
 }
 
