@@ -1151,7 +1151,7 @@ impl Node {
         let stop = self.inner.stop.child_token();
         let sync =
             sync::spawn(q.group, raft.clone(), self.inner.timing.sync_timeout, self.inner.down.clone(), stop.clone());
-        let proposer = Proposer::spawn(raft.clone(), sync.clone(), stop.clone());
+        let proposer = Proposer::spawn(raft.clone(), sync.clone(), self.inner.timing.sync_timeout, stop.clone());
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
             epoch,

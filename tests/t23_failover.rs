@@ -188,3 +188,32 @@ async fn an_unanswered_get_does_not_consume_across_re_formation() {
     assert_eq!(got[0].message.body, b"keep me");
     c.shutdown().await;
 }
+
+/// `ha-min-synchronised: 3`: with a mirror gone, a publish waits, then is
+/// refused (a nack for AMQP); with the mirror back, publishes confirm again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_synchronised_refuses_publishes_without_enough_replicas() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    let def = r#"{"ha-mode":"all","ha-sync-mode":"automatic","ha-min-synchronised":3}"#;
+    c.node(1).set_policy(policy("^ms", def)).await.unwrap();
+    c.node(1).declare_queue("ms-q", vec![]).await.unwrap();
+    let master = c.master_of("ms-q").await;
+    wait_until(Duration::from_secs(20), "three synchronised replicas", || {
+        c.node(master).queue_info("ms-q").unwrap().synchronised.len() == 3
+    })
+    .await;
+    publish_retrying(c.node(master), "ms-q", b"with three".to_vec()).await;
+
+    let mirror = (1..=3).find(|id| *id != master).unwrap();
+    c.crash(mirror).await;
+    let refused = c.node(master).publish("ms-q", vec![common::msg("with two")]).await;
+    assert!(
+        matches!(refused, Err(mirrorq::NodeError::Unconfirmed(ref why)) if why.contains("ha-min-synchronised")),
+        "a publish was confirmed with two synchronised replicas: {refused:?}"
+    );
+
+    c.restart(mirror).await;
+    publish_retrying(c.node(master), "ms-q", b"three again".to_vec()).await;
+    c.shutdown().await;
+}

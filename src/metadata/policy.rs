@@ -66,6 +66,9 @@ pub struct HaPolicy {
     /// `ha-promote-on-shutdown: always`: a stopping master hands over even
     /// to a mirror that is not synchronised.
     pub promote_on_shutdown_always: bool,
+    /// `ha-min-synchronised` (ours): publishes wait, then are refused, while
+    /// fewer replicas than this are synchronised.
+    pub min_synchronised: Option<usize>,
 }
 
 impl Default for HaPolicy {
@@ -76,6 +79,7 @@ impl Default for HaPolicy {
             min_masters: None,
             promote_on_failure_always: true,
             promote_on_shutdown_always: false,
+            min_synchronised: None,
         }
     }
 }
@@ -161,11 +165,13 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
             Some(other) => return Err(format!("{k} '{other}' is not one of when-synced, always")),
         }
     }
-    if let Some(v) = obj.get("ha-min-synchronised") {
-        if !v.as_i64().is_some_and(|n| n >= 1) {
-            return Err("ha-min-synchronised must be a positive integer".into());
-        }
-    }
+    let min_synchronised = match obj.get("ha-min-synchronised") {
+        None => None,
+        Some(v) => match v.as_i64() {
+            Some(n) if n >= 1 => Some(n as usize),
+            _ => return Err("ha-min-synchronised must be a positive integer".into()),
+        },
+    };
     for k in ["message-ttl", "expires", "max-length", "max-length-bytes", "ha-sync-batch-size"] {
         if let Some(v) = obj.get(k) {
             if !v.as_i64().is_some_and(|n| n >= 0) {
@@ -186,6 +192,7 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
         min_masters,
         promote_on_shutdown_always: promote_always[0],
         promote_on_failure_always: promote_always[1],
+        min_synchronised,
     })
 }
 

@@ -185,6 +185,7 @@ impl Node {
                 .map(|(id, _)| *id)
                 .filter(|id| voters.contains(id) || q.replicas.contains(id))
                 .collect();
+            g.proposer.set_min_synchronised(ha_of(state, q).min_synchronised.unwrap_or(0));
             if !members.contains(&self.id()) {
                 continue;
             }

@@ -7,6 +7,7 @@
 //! that arrives while earlier entries are in flight goes into the next entry
 //! together: the busier the queue, the bigger the entries.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use openraft::error::ClientWriteError;
@@ -39,6 +40,8 @@ struct Pending {
 #[derive(Clone)]
 pub struct Proposer {
     tx: mpsc::Sender<Pending>,
+    /// `ha-min-synchronised` (0: none), set from the effective policy.
+    min_sync: Arc<AtomicUsize>,
 }
 
 fn approx_size(cmds: &[QueueCmd]) -> usize {
@@ -51,8 +54,17 @@ fn approx_size(cmds: &[QueueCmd]) -> usize {
 }
 
 impl Proposer {
-    pub fn spawn(raft: Raft, sync: watch::Receiver<SyncState>, stop: CancellationToken) -> Self {
+    /// `min_sync_wait`: how long a publish waits for `ha-min-synchronised`
+    /// replicas before it is refused.
+    pub fn spawn(
+        raft: Raft,
+        sync: watch::Receiver<SyncState>,
+        min_sync_wait: Duration,
+        stop: CancellationToken,
+    ) -> Self {
         let (tx, mut rx) = mpsc::channel::<Pending>(65536);
+        let min_sync = Arc::new(AtomicUsize::new(0));
+        let min = min_sync.clone();
         tokio::spawn(async move {
             let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
             loop {
@@ -82,16 +94,18 @@ impl Proposer {
                 match raft.client_write_ff(Request::Queue(cmds)).await {
                     Ok(rx) => {
                         let sync = sync.clone();
-                        tokio::spawn(async move {
-                            finish(rx, sync, waiters, needs_confirm).await;
-                            drop(permit);
-                        });
+                        let min = (needs_confirm, min.load(Ordering::Relaxed), min_sync_wait);
+                        tokio::spawn(finish(rx, sync, waiters, min, permit));
                     }
                     Err(fatal) => fail(waiters, NodeError::Unavailable(fatal.to_string())),
                 }
             }
         });
-        Self { tx }
+        Self { tx, min_sync }
+    }
+
+    pub fn set_min_synchronised(&self, n: usize) {
+        self.min_sync.store(n, Ordering::Relaxed);
     }
 
     /// Submit operations; resolves with their replies in order.
@@ -109,13 +123,15 @@ impl Proposer {
     }
 }
 
-type Waiters = Vec<(usize, Reply)>;
+/// Per submitter: how many commands, whether any of them is a publish
+/// (only those wait for, and can fail on, the confirm), where to answer.
+type Waiters = Vec<(usize, bool, Reply)>;
 
 fn flatten(batch: Vec<Pending>) -> (Vec<QueueCmd>, Waiters, bool) {
     let mut cmds = Vec::with_capacity(batch.iter().map(|p| p.cmds.len()).sum());
     let mut waiters = Vec::with_capacity(batch.len());
     for p in batch {
-        waiters.push((p.cmds.len(), p.reply));
+        waiters.push((p.cmds.len(), p.cmds.iter().any(QueueCmd::needs_confirm), p.reply));
         cmds.extend(p.cmds);
     }
     let needs_confirm = cmds.iter().any(QueueCmd::needs_confirm);
@@ -123,7 +139,7 @@ fn flatten(batch: Vec<Pending>) -> (Vec<QueueCmd>, Waiters, bool) {
 }
 
 fn fail(waiters: Waiters, e: NodeError) {
-    for (_, reply) in waiters {
+    for (_, _, reply) in waiters {
         let _ = reply.send(Err(e.clone()));
     }
 }
@@ -132,7 +148,17 @@ type WriteAnswer = oneshot::Receiver<
     Result<openraft::raft::ClientWriteResponse<TypeConfig>, ClientWriteError<NodeId, openraft::BasicNode>>,
 >;
 
-async fn finish(rx: WriteAnswer, mut sync: watch::Receiver<SyncState>, waiters: Waiters, needs_confirm: bool) {
+/// Wait for commit and, for publishes, the confirm; answer the waiters.
+/// `(needs_confirm, min_sync, wait)`: with `min_sync` > 0 a confirm also
+/// needs that many synchronised replicas, waited for at most `wait` (with
+/// the in-flight slot released: other operations go on meanwhile).
+async fn finish(
+    rx: WriteAnswer,
+    mut sync: watch::Receiver<SyncState>,
+    waiters: Waiters,
+    (needs_confirm, min_sync, wait): (bool, usize, Duration),
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
     let result = match rx.await {
         Ok(Ok(resp)) => match resp.data {
             Response::Queue(replies) => {
@@ -149,14 +175,25 @@ async fn finish(rx: WriteAnswer, mut sync: watch::Receiver<SyncState>, waiters: 
                         // synchronised set; worth seeing when it is not.
                         tracing::info!(term, index, sync = ?*sync.borrow(), "confirm waiting over 3 s");
                     }
-                    match sync.wait_for(|s| s.confirms(term, index).is_some()).await {
-                        Ok(s) if s.confirms(term, index) == Some(Ok(())) => Ok(replies),
+                    let mut confirmed = match sync.wait_for(|s| s.confirms(term, index).is_some()).await {
+                        Ok(s) if s.confirms(term, index) == Some(Ok(())) => Ok(()),
                         _ => Err(NodeError::Unconfirmed(format!(
                             "leadership of term {term} ended before every replica had entry {index}"
                         ))),
+                    };
+                    drop(permit);
+                    if confirmed.is_ok() && min_sync > 1 {
+                        let enough = |s: &SyncState| s.term > term || s.synchronised.len() >= min_sync;
+                        confirmed = match tokio::time::timeout(wait, sync.wait_for(enough)).await {
+                            Ok(Ok(s)) if s.term == term => Ok(()),
+                            _ => Err(NodeError::Unconfirmed(format!(
+                                "fewer than ha-min-synchronised = {min_sync} replicas are synchronised"
+                            ))),
+                        };
                     }
+                    Ok((replies, confirmed))
                 } else {
-                    Ok(replies)
+                    Ok((replies, Ok(())))
                 }
             }
             other => Err(NodeError::Invalid(format!("queue group answered {other:?}"))),
@@ -166,10 +203,18 @@ async fn finish(rx: WriteAnswer, mut sync: watch::Receiver<SyncState>, waiters: 
         Err(_) => Err(NodeError::Stopped),
     };
     match result {
-        Ok(replies) => {
+        // Committed: every operation took effect. Publishes answer with the
+        // confirm's outcome; the others (gets, acks) with their replies,
+        // which must reach their callers even when a publish beside them
+        // could not be confirmed.
+        Ok((replies, confirmed)) => {
             let mut it = replies.into_iter();
-            for (n, reply) in waiters {
-                let _ = reply.send(Ok(it.by_ref().take(n).collect()));
+            for (n, publishes, reply) in waiters {
+                let mine: Vec<QueueReply> = it.by_ref().take(n).collect();
+                let _ = reply.send(match (&confirmed, publishes) {
+                    (Err(e), true) => Err(e.clone()),
+                    _ => Ok(mine),
+                });
             }
         }
         Err(e) => fail(waiters, e),
