@@ -1316,14 +1316,16 @@ impl Inner {
             RpcRequest::Fork { group } => RpcResponse::Fork(self.fork_record(group)),
             RpcRequest::Handback { group, epoch, batches } => {
                 let g = self.groups.read().expect("poisoned").get(&group).cloned();
-                RpcResponse::Queue(match g {
+                match g {
                     Some(g) if g.epoch == epoch => {
                         let cmds =
                             batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
-                        self.local_queue_op(group, cmds).await
+                        RpcResponse::Queue(self.local_queue_op(group, cmds).await)
                     }
-                    _ => Err(NodeError::NotLeader { leader: None }),
-                })
+                    // The epoch moved on again: the sender must heal into this one.
+                    Some(g) if g.epoch > epoch => RpcResponse::NewerEpoch(g.epoch),
+                    _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),
+                }
             }
             RpcRequest::Elect { group, leaving } => {
                 self.down.write().expect("poisoned").insert(leaving);

@@ -323,13 +323,23 @@ impl Node {
         let _ = g.raft.shutdown().await;
         tracing::info!(queue = %q.name, "old-epoch replica stopped");
 
+        let mut news = news;
         let result: Result<(), NodeError> = async {
-            let record = self.fetch_fork(group, news).await;
-            tracing::info!(queue = %q.name, found = record.is_some(), "fork record of the newer epoch");
-            let batches = self.handback_set(group, record.as_ref()).await?;
-            let count: usize = batches.iter().map(|b| b.1.len()).sum();
-            self.send_handback(&q, news, batches).await?;
-            tracing::warn!(queue = %q.name, handed_back = count, divergent_after = ?record.as_ref().map(|r| r.epoch), "messages handed back to the newer epoch");
+            // The hand-back goes to the newest epoch we hear of; our log is
+            // untouched until it is taken, so starting over is safe.
+            loop {
+                let record = self.fetch_fork(group, news).await;
+                tracing::info!(queue = %q.name, epoch = %news.epoch, found = record.is_some(), "fork record of the newer epoch");
+                let batches = self.handback_set(group, record.as_ref()).await?;
+                let count: usize = batches.iter().map(|b| b.1.len()).sum();
+                match self.send_handback(&q, news, batches).await? {
+                    None => {
+                        tracing::warn!(queue = %q.name, handed_back = count, epoch = %news.epoch, "messages handed back to the newer epoch");
+                        break;
+                    }
+                    Some(newer) => news = newer,
+                }
+            }
             let db = &self.inner.db;
             let io = |e: StorageError| NodeError::Unavailable(e.to_string());
             db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&news.epoch, "healing marker").map_err(io)?)
@@ -434,8 +444,14 @@ impl Node {
     }
 
     /// Give messages to the master of the newer epoch, a chunk at a time,
-    /// each answered once confirmed there.
-    async fn send_handback(&self, q: &QueueMeta, news: EpochNews, batches: Vec<Batch>) -> Result<(), NodeError> {
+    /// each answered once confirmed there. `Some(news)`: a replica answered
+    /// with an even newer epoch, which is where the messages must go instead.
+    async fn send_handback(
+        &self,
+        q: &QueueMeta,
+        news: EpochNews,
+        batches: Vec<Batch>,
+    ) -> Result<Option<EpochNews>, NodeError> {
         let deadline = Instant::now() + self.inner.timing.op_timeout * 4;
         let mut candidates = vec![news.from];
         candidates.extend(q.replicas.iter().copied().filter(|id| *id != news.from && *id != self.id()));
@@ -453,6 +469,9 @@ impl Node {
                 let req = RpcRequest::Handback { group: q.group, epoch: news.epoch, batches: chunk.clone() };
                 match self.inner.call(target, &req, Instant::now() + Duration::from_secs(10)).await {
                     Ok(RpcResponse::Queue(Ok(_))) => break,
+                    Ok(RpcResponse::NewerEpoch(epoch)) if epoch > news.epoch => {
+                        return Ok(Some(EpochNews { group: q.group, epoch, from: target }));
+                    }
                     Ok(RpcResponse::Queue(Err(NodeError::NotLeader { leader: Some(l) }))) if l != target => target = l,
                     other => {
                         tracing::debug!(queue = %q.name, target, answer = ?other.map(|_| ()), "hand-back not taken yet");
@@ -468,7 +487,7 @@ impl Node {
                 }
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// For each queue this node masters, the most senior mirror that may
