@@ -394,6 +394,11 @@ impl Node {
             self.queue_op(name, vec![QueueCmd::Status]).await?;
             return Ok((q, false));
         }
+        // Placement needs this node in the metadata; right after start its
+        // registration may still be on its way.
+        let mut meta = self.inner.meta.clone();
+        let me = self.id();
+        let _ = tokio::time::timeout(self.inner.timing.op_timeout, meta.wait_for(|m| m.nodes.contains_key(&me))).await;
         let cmd = MetaCmd::DeclareQueue {
             name: name.to_string(),
             replicas,

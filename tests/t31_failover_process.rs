@@ -64,7 +64,16 @@ async fn start_cluster(root: &std::path::Path) -> Vec<ProcNode> {
     for n in nodes.iter_mut() {
         n.wait_listening().await;
     }
-    nodes
+    // Every node registered in the metadata before the test starts.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = http(&nodes[0], "GET", "/api/nodes", None).await;
+        if status == 200 && body.as_array().is_some_and(|a| a.len() == 3) {
+            return nodes;
+        }
+        assert!(Instant::now() < deadline, "nodes never registered: {status} {body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Set `^ha` to `ha-mode: all`, `ha-sync-mode: automatic`, retrying while
