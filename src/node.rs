@@ -1042,6 +1042,10 @@ impl Node {
             tracing::info!(queue = %g.meta.name, "queue replica removed");
         }
         for q in to_start {
+            // A heal may have begun since the list was made.
+            if self.inner.busy.lock().expect("poisoned").contains(&q.group) {
+                continue;
+            }
             self.start_group(q, state).await?;
         }
         self.watch_failures(state).await;

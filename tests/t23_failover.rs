@@ -272,3 +272,26 @@ async fn both_sides_of_a_partition_re_form_and_lose_nothing_when_it_heals() {
     println!("partition healed: {} deliveries of {} messages", got.len(), want.len());
     c.shutdown().await;
 }
+
+/// A replica that re-formed a queue alone and then crashed comes back in its
+/// epoch, as the queue's master, with its messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_formed_replica_restarts_as_master_of_its_epoch() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    publish_retrying(c.node(1), "q", b"before".to_vec()).await;
+    wait_until(Duration::from_secs(10), "node 3 applied it", || c.node(3).queue_info("q").unwrap().ready == 1).await;
+    c.crash(1).await;
+    c.crash(2).await;
+    publish_retrying(c.node(3), "q", b"alone".to_vec()).await;
+    assert_eq!(c.node(3).queue_members("q").unwrap(), BTreeSet::from([3]));
+    c.crash(3).await;
+    c.restart(3).await;
+    let n3 = c.node(3).clone();
+    let got = n3.get("q", 1, 10, true).await.expect("served after restart");
+    let bodies: Vec<&[u8]> = got.iter().map(|d| d.message.body.as_slice()).collect();
+    assert_eq!(bodies, vec![&b"before"[..], &b"alone"[..]]);
+    assert_eq!(n3.queue_members("q").unwrap(), BTreeSet::from([3]));
+    c.shutdown().await;
+}

@@ -290,8 +290,10 @@ impl Node {
             }
         }
         entries.push(entry);
-        log.refound(&Vote::new_committed(term, me), entries).await.map_err(raft_err)?;
-        store_epoch(&self.inner.db, group, epoch)?;
+        let epoch_value = (epoch_key(group), mirrorq_storage::keys::encode(&epoch, "group epoch")?);
+        log.refound(&Vote::new_committed(term, me), entries, (&epoch_value.0, epoch_value.1))
+            .await
+            .map_err(raft_err)?;
         self.start_group(q.clone(), state).await?;
         tracing::warn!(queue = %q.name, %epoch, from_index = index, "queue re-formed on this replica alone; other replicas rejoin when they return");
 

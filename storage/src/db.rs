@@ -120,6 +120,10 @@ impl NodeDb {
     pub fn raft_meta_tree(&self) -> &sled::Tree {
         &self.inner.raft_meta
     }
+    /// Node-level values (see [`NodeDb::put_node_value`]).
+    pub fn node_tree(&self) -> &sled::Tree {
+        &self.inner.node
+    }
     pub fn sm_tree(&self) -> &sled::Tree {
         &self.inner.sm
     }

@@ -124,19 +124,40 @@ where
 
     /// Re-found the group on this replica's log, outside of Raft: write
     /// `entries` (rewritten unapplied entries, then the new epoch's
-    /// membership after the last one) and adopt `vote`, durably, while the
-    /// group's Raft is stopped. Used only when a group must go on without a
-    /// majority (see mirrorq's `queue::epoch`).
-    pub async fn refound(&mut self, vote: &Vote<C::NodeId>, entries: Vec<C::Entry>) -> Result<(), RaftStorageError<C>> {
-        let mut batch = sled::Batch::default();
-        for entry in entries {
-            let index = entry.get_log_id().index;
-            let bytes =
-                keys::encode(&entry, "log entry").map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
-            batch.insert(&log_key(self.group, index)[..], bytes);
+    /// membership after the last one), adopt `vote` and set the node-level
+    /// value `node_kv` (the group's epoch) in one transaction, then sync.
+    /// Atomic, so a crash never leaves the new leadership without its epoch.
+    /// Used only while the group's Raft is stopped, when a group must go on
+    /// without a majority (see mirrorq's `queue::epoch`).
+    pub async fn refound(
+        &mut self,
+        vote: &Vote<C::NodeId>,
+        entries: Vec<C::Entry>,
+        node_kv: (&str, Vec<u8>),
+    ) -> Result<(), RaftStorageError<C>> {
+        use sled::Transactional;
+        let wr = |e: &dyn std::fmt::Display| {
+            io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, io::Error::other(e.to_string()))
+        };
+        let mut log_kvs = Vec::with_capacity(entries.len());
+        for entry in &entries {
+            let bytes = keys::encode(entry, "log entry").map_err(|e| wr(&e))?;
+            log_kvs.push((log_key(self.group, entry.get_log_id().index), bytes));
         }
-        self.db.log_tree().apply_batch(batch).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
-        self.save_vote(vote).await
+        let vote_bytes = keys::encode(vote, "raft meta").map_err(|e| wr(&e))?;
+        let vote_key = meta_key(self.group, META_VOTE);
+        let trees = (self.db.log_tree(), self.db.raft_meta_tree(), self.db.node_tree());
+        trees
+            .transaction(|(log, meta, node)| {
+                for (k, v) in &log_kvs {
+                    log.insert(&k[..], v.as_slice())?;
+                }
+                meta.insert(&vote_key[..], vote_bytes.as_slice())?;
+                node.insert(node_kv.0.as_bytes(), node_kv.1.as_slice())?;
+                Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
+            })
+            .map_err(|e| wr(&format!("{e:?}")))?;
+        self.db.flusher().sync().await.map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
     }
 }
 
