@@ -859,13 +859,14 @@ impl Node {
     /// Stop the node: masterships handed over (`ha-promote-on-shutdown`), no
     /// new work, every group shut down, storage synced.
     pub async fn shutdown(&self) {
-        self.hand_over().await;
+        let successors = self.prepare_hand_over();
         self.inner.stop.cancel();
         let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
         for g in groups {
             g.stop.cancel();
             let _ = g.raft.shutdown().await;
         }
+        self.hand_over(successors).await;
         self.inner.transport.close_all();
         let _ = self.inner.meta_raft.shutdown().await;
         if let Err(e) = self.inner.db.flusher().sync().await {
@@ -1339,7 +1340,24 @@ impl Inner {
             RpcRequest::Elect { group, leaving } => {
                 self.down.write().expect("poisoned").insert(leaving);
                 if let Some(r) = self.raft_of(group) {
-                    let _ = r.trigger().elect().await;
+                    // The other mirrors refuse votes until the lease of the
+                    // old master's last heartbeat runs out: keep standing
+                    // until someone leads, a little longer than that lease.
+                    let (me, until) = (self.id, Instant::now() + self.timing.election_max * 2);
+                    let step = self.timing.heartbeat;
+                    tokio::spawn(async move {
+                        while Instant::now() < until {
+                            let m = r.metrics().borrow().clone();
+                            if m.current_leader.is_some_and(|l| l != leaving) || m.state == ServerState::Leader {
+                                return;
+                            }
+                            if m.state != ServerState::Candidate {
+                                let _ = r.trigger().elect().await;
+                            }
+                            tokio::time::sleep(step).await;
+                        }
+                        tracing::debug!(node = me, "gave up standing after a handover");
+                    });
                 }
                 RpcResponse::Done
             }

@@ -5,6 +5,8 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::init_tracing;
@@ -62,7 +64,7 @@ async fn start_cluster(root: &std::path::Path) -> Vec<ProcNode> {
         n.start();
     }
     for n in nodes.iter_mut() {
-        n.wait_listening().await;
+        n.wait_serving().await;
     }
     // Every node registered in the metadata before the test starts.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -193,8 +195,8 @@ async fn classic_demo_two_of_three_killed_message_fetched_from_the_third() {
     tracing::info!("--- nodes 1 and 2 return and rejoin; the consumed message does not come back");
     nodes[0].start();
     nodes[1].start();
-    nodes[0].wait_listening().await;
-    nodes[1].wait_listening().await;
+    nodes[0].wait_serving().await;
+    nodes[1].wait_serving().await;
     wait_mirrored(&nodes[0], "ha-queue-demo", 0).await;
     let conn1 = amqp(&nodes[0]).await;
     let ch1 = conn1.create_channel().await.unwrap();
@@ -291,7 +293,7 @@ async fn confirmed_stream_survives_a_killed_master() {
 
     tracing::info!("--- restart the killed node, then drain");
     nodes[(master - 1) as usize].start();
-    nodes[(master - 1) as usize].wait_listening().await;
+    nodes[(master - 1) as usize].wait_serving().await;
     let conn = amqp(&nodes[(master - 1) as usize]).await;
     let ch = conn.create_channel().await.unwrap();
     let mut seen: BTreeMap<u64, u32> = BTreeMap::new();
@@ -354,41 +356,75 @@ async fn graceful_stop_hands_mastership_to_the_senior_mirror() {
     let conn = amqp(&nodes[(via - 1) as usize]).await;
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    let mut confirmed = Vec::new();
-    let mut last = Instant::now();
-    let mut gap = Duration::ZERO;
-    let mut stopped: Option<Instant> = None;
-    let started = Instant::now();
-    while stopped.is_none_or(|t| t.elapsed() < Duration::from_secs(4)) {
-        assert!(started.elapsed() < Duration::from_secs(60), "publishing stalled");
-        let id = confirmed.len() as u64;
-        let c = ch
-            .basic_publish(
-                s(""),
-                s("ha-graceful"),
-                BasicPublishOptions::default(),
-                id.to_string().as_bytes(),
-                BasicProperties::default(),
-            )
-            .await
-            .expect("the publisher's connection survives the master's stop")
-            .await
-            .expect("confirm");
-        if !c.is_ack() {
-            continue; // nacked: the publisher resends, as a real one would
-        }
-        confirmed.push(id);
-        gap = gap.max(last.elapsed());
-        last = Instant::now();
-        if stopped.is_none() && confirmed.len() == 200 {
-            tracing::info!(master, "--- SIGTERM the master");
-            assert_eq!(nodes[(master - 1) as usize].terminate(), Some(0), "graceful stop exits 0");
-            stopped = Some(Instant::now());
-            gap = Duration::ZERO; // measure from the stop on
-            last = Instant::now();
+    // The publisher runs on its own; SIGTERM is sent while it publishes.
+    let done = Arc::new(AtomicBool::new(false));
+    let stopping = Arc::new(AtomicBool::new(false));
+    let after_stop = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let publisher = {
+        let (ch, done, stopping, after_stop) = (ch.clone(), done.clone(), stopping.clone(), after_stop.clone());
+        tokio::spawn(async move {
+            let mut confirmed: Vec<(u64, Instant)> = Vec::new();
+            let mut id = 0u64;
+            while !done.load(Ordering::Acquire) {
+                id += 1;
+                let c = ch
+                    .basic_publish(
+                        s(""),
+                        s("ha-graceful"),
+                        BasicPublishOptions::default(),
+                        id.to_string().as_bytes(),
+                        BasicProperties::default(),
+                    )
+                    .await
+                    .expect("the publisher's connection survives the master's stop")
+                    .await
+                    .expect("confirm");
+                if c.is_ack() {
+                    confirmed.push((id, Instant::now()));
+                    if stopping.load(Ordering::Acquire) {
+                        after_stop.fetch_add(1, Ordering::AcqRel);
+                    }
+                }
+            }
+            confirmed
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tracing::info!(master, "--- SIGTERM the master");
+    let sigterm = Instant::now();
+    stopping.store(true, Ordering::Release);
+    let mut victim = std::mem::replace(
+        &mut nodes[(master - 1) as usize],
+        ProcNode::new(0, root.path(), String::new(), String::new()),
+    );
+    let code = tokio::task::spawn_blocking(move || (victim.terminate(), victim)).await.unwrap();
+    assert_eq!(code.0, Some(0), "graceful stop exits 0");
+    nodes[(master - 1) as usize] = code.1;
+    let exited = sigterm.elapsed();
+    // Publish on until 50 more confirms came after the stop (or give up).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline && !publisher.is_finished() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if after_stop.load(Ordering::Acquire) >= 50 {
+            break;
         }
     }
-    println!("graceful stop of the master: longest confirm gap {} ms", gap.as_millis());
+    done.store(true, Ordering::Release);
+    let confirmed = publisher.await.unwrap();
+    // The longest pause between confirms from SIGTERM on.
+    let before = confirmed.iter().filter(|(_, t)| *t < sigterm).map(|(_, t)| *t).max().unwrap();
+    let mut gap = Duration::ZERO;
+    let mut last = before;
+    for (_, t) in confirmed.iter().filter(|(_, t)| *t >= sigterm) {
+        gap = gap.max(t.duration_since(last));
+        last = *t;
+    }
+    assert!(last > before, "nothing confirmed after the SIGTERM");
+    println!(
+        "graceful stop of the master: longest confirm gap {} ms (process exited {} ms after SIGTERM)",
+        gap.as_millis(),
+        exited.as_millis()
+    );
     if std::env::var("SHOW_LOGS").is_ok() {
         for n in &nodes {
             println!("==== node {}\n{}", n.id, n.log_text());
@@ -402,7 +438,7 @@ async fn graceful_stop_hands_mastership_to_the_senior_mirror() {
     while let Some(m) = ch.basic_get(s("ha-graceful"), BasicGetOptions { no_ack: true }).await.unwrap() {
         seen.insert(String::from_utf8(m.delivery.data).unwrap().parse::<u64>().unwrap());
     }
-    let missing = confirmed.iter().filter(|id| !seen.contains(id)).count();
+    let missing = confirmed.iter().filter(|(id, _)| !seen.contains(id)).count();
     assert_eq!(missing, 0, "confirmed but missing after a graceful stop");
     for n in &nodes {
         n.assert_no_panic();

@@ -521,34 +521,27 @@ impl Node {
         out
     }
 
-    /// Graceful stop, while our groups still run: for each queue we master,
-    /// stop standing for election, ask the successor to stand now, and wait
-    /// until it leads. Our replica, still running, grants it the vote (a
-    /// leader's own vote carries no lease), so the handover takes one round
-    /// trip instead of an election timeout.
-    pub(super) async fn hand_over(&self) {
+    /// Graceful stop, before the groups stop: turn elections off here and
+    /// pick, for each queue we master, the mirror that should take over.
+    pub(super) fn prepare_hand_over(&self) -> Vec<(GroupId, NodeId)> {
         self.inner.leaving.store(true, Ordering::Release);
         for g in self.inner.groups.read().expect("poisoned").values() {
             g.raft.runtime_config().elect(false);
         }
-        let successors = self.successors();
-        let limit = self.inner.timing.election_max * 2;
+        self.successors()
+    }
+
+    /// After our groups stopped: ask each successor to stand for election
+    /// now, and to stop waiting for us. The other mirrors still honour the
+    /// leader lease of our last heartbeat, so the successor wins within
+    /// about one election timeout instead of after failure detection.
+    pub(super) async fn hand_over(&self, successors: Vec<(GroupId, NodeId)>) {
         let calls = successors.into_iter().map(|(group, next)| async move {
-            let Some(raft) = self.inner.raft_of(group) else { return };
-            raft.runtime_config().elect(false);
             let req = RpcRequest::Elect { group, leaving: self.id() };
             let asked = self.inner.call(next, &req, Instant::now() + Duration::from_secs(1)).await;
-            if !matches!(asked, Ok(RpcResponse::Done)) {
-                return;
-            }
-            let me = self.id();
-            let moved = raft
-                .wait(Some(limit))
-                .metrics(|m| m.current_leader.is_some_and(|l| l != me), "mastership handed over")
-                .await;
-            match moved {
-                Ok(_) => tracing::info!(group, successor = next, "mastership handed over"),
-                Err(e) => tracing::warn!(group, successor = next, error = %e, "handover did not complete"),
+            match asked {
+                Ok(RpcResponse::Done) => tracing::info!(group, successor = next, "mastership handed over"),
+                _ => tracing::warn!(group, successor = next, "successor did not answer the handover"),
             }
         });
         futures::future::join_all(calls).await;

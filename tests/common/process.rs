@@ -97,6 +97,24 @@ impl ProcNode {
         }
     }
 
+    /// Wait until the node link, AMQP and HTTP all accept connections (a
+    /// node that lost a port race exits and is restarted on new ports).
+    pub async fn wait_serving(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.wait_listening().await;
+            let amqp = format!("127.0.0.1:{}", self.amqp_port.unwrap());
+            let http = format!("127.0.0.1:{}", self.http_port.unwrap());
+            if tokio::net::TcpStream::connect(&amqp).await.is_ok()
+                && tokio::net::TcpStream::connect(&http).await.is_ok()
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "node {} never served; log:\n{}", self.id, self.log_text());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// SIGKILL, no warning.
     pub fn kill9(&mut self) {
         let mut child = self.child.take().expect("node running");
