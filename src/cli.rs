@@ -144,6 +144,12 @@ pub struct ServeArgs {
     /// for it [default: 5]
     #[arg(long, env = "MIRRORQ_SYNC_TIMEOUT")]
     pub sync_timeout: Option<f64>,
+    /// Seconds without a master's heartbeat before a mirror stands for
+    /// election (a random value up to twice this is used; heartbeats go
+    /// every quarter of it). Shorter fails over sooner; too short on a busy
+    /// machine causes needless elections [default: 1]
+    #[arg(long, env = "MIRRORQ_ELECTION_TIMEOUT")]
+    pub election_timeout: Option<f64>,
     /// Seconds a queue's replicas may be without a majority of their group
     /// before the most senior one left re-forms the queue
     /// (`ha-promote-on-failure: always`) [default: 5]

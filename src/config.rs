@@ -33,6 +33,8 @@ pub struct FileConfig {
     pub sync_timeout: Option<f64>,
     #[serde(alias = "failure_timeout")]
     pub failure_timeout: Option<f64>,
+    #[serde(alias = "election_timeout")]
+    pub election_timeout: Option<f64>,
     #[serde(alias = "cache_mb")]
     pub cache_mb: Option<u64>,
 }
@@ -97,6 +99,13 @@ impl ServeConfig {
             }
             node.timing = Timing { failure_timeout: Duration::from_secs_f64(s), ..node.timing };
         }
+        if let Some(s) = args.election_timeout.or(file.election_timeout) {
+            if !(s.is_finite() && (0.1..=60.0).contains(&s)) {
+                return Err(ServerError::Config("--election-timeout must be between 0.1 and 60 seconds".into()));
+            }
+            let min = Duration::from_secs_f64(s);
+            node.timing = Timing { heartbeat: min / 4, election_min: min, election_max: min * 2, ..node.timing };
+        }
         if let Some(mb) = args.cache_mb.or(file.cache_mb) {
             node.cache_bytes = mb << 20;
         }
@@ -141,6 +150,20 @@ mod tests {
         assert_eq!(c.node.raft_listen, "127.0.0.1:9");
         assert_eq!(c.node.timing.sync_timeout, Duration::from_millis(2500));
         assert_eq!(c.amqp_listen, "127.0.0.1:5672", "default");
+    }
+
+    #[test]
+    fn election_timeout_sets_heartbeat_and_range_and_is_checked() {
+        let args = ServeArgs { election_timeout: Some(0.4), ..Default::default() };
+        let t = ServeConfig::resolve(&args).unwrap().node.timing;
+        assert_eq!(
+            (t.heartbeat, t.election_min, t.election_max),
+            (Duration::from_millis(100), Duration::from_millis(400), Duration::from_millis(800))
+        );
+        for bad in [0.0, -1.0, 0.05, f64::NAN, 61.0] {
+            let args = ServeArgs { election_timeout: Some(bad), ..Default::default() };
+            assert!(ServeConfig::resolve(&args).is_err(), "{bad} accepted");
+        }
     }
 
     #[test]
