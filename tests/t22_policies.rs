@@ -6,18 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{fast_timing, init_tracing, wait_until, Cluster};
-use mirrorq::metadata::{ApplyTo, Policy};
-
-fn policy(pattern: &str, def: &str) -> Policy {
-    Policy {
-        name: "ha".into(),
-        pattern: pattern.into(),
-        apply_to: ApplyTo::Queues,
-        priority: 0,
-        definition: def.into(),
-    }
-}
+use common::{fast_timing, init_tracing, policy, wait_until, Cluster};
 
 async fn members_settle(c: &Cluster, queue: &str, n: usize) -> BTreeSet<u64> {
     let mut found = BTreeSet::new();

@@ -8,8 +8,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{fast_timing, init_tracing, publish_retrying, wait_until, Cluster};
-use mirrorq::metadata::{ApplyTo, Policy};
+use common::{fast_timing, init_tracing, policy, publish_retrying, wait_until, Cluster};
 
 async fn drain(node: &mirrorq::Node, queue: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -97,16 +96,6 @@ async fn messages_only_the_old_epoch_has_are_handed_back() {
     // handed back to it; nothing is lost and nothing shared is duplicated.
     assert_eq!(all, vec!["a0", "a1", "a2", "b0", "b1", "b2", "b3", "c0"]);
     c.shutdown().await;
-}
-
-fn policy(pattern: &str, def: &str) -> Policy {
-    Policy {
-        name: "ha".into(),
-        pattern: pattern.into(),
-        apply_to: ApplyTo::Queues,
-        priority: 0,
-        definition: def.into(),
-    }
 }
 
 /// The master dies; of its two synchronised mirrors the older one (earlier

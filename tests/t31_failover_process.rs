@@ -93,6 +93,15 @@ async fn ha_all_policy(node: &ProcNode) {
     }
 }
 
+/// Declare a durable queue over AMQP on `node`, as a client would.
+async fn declare_durable(node: &ProcNode, queue: &str) {
+    let conn = amqp(node).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(s(queue), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+}
+
 /// Wait until the queue shows a master and two synchronised mirrors.
 async fn wait_mirrored(node: &ProcNode, queue: &str, messages: u64) -> Value {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -216,19 +225,9 @@ async fn confirmed_stream_survives_a_killed_master() {
     let root = tempfile::tempdir().unwrap();
     let mut nodes = start_cluster(root.path()).await;
     ha_all_policy(&nodes[0]).await;
-    let conn = amqp(&nodes[0]).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        s("ha-stream"),
-        QueueDeclareOptions { durable: true, ..Default::default() },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare_durable(&nodes[0], "ha-stream").await;
     let q = wait_mirrored(&nodes[0], "ha-stream", 0).await;
     let master = node_id(&q["node"]);
-    drop(ch);
-    drop(conn);
 
     // Publish from the master's own node, 20 in flight, until 100 more are
     // confirmed after the kill.
@@ -337,17 +336,7 @@ async fn graceful_stop_hands_mastership_to_the_senior_mirror() {
     let root = tempfile::tempdir().unwrap();
     let mut nodes = start_cluster(root.path()).await;
     ha_all_policy(&nodes[0]).await;
-    let conn = amqp(&nodes[0]).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        s("ha-graceful"),
-        QueueDeclareOptions { durable: true, ..Default::default() },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    drop(ch);
-    drop(conn);
+    declare_durable(&nodes[0], "ha-graceful").await;
     let q = wait_mirrored(&nodes[0], "ha-graceful", 0).await;
     let master = node_id(&q["node"]);
     let senior = node_id(&q["slave_nodes"][0]);

@@ -4,7 +4,7 @@
 //! handing over mastership on a graceful stop. The reasoning is in
 //! `docs/reliability.md`; the epoch rules in `queue::epoch`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -170,9 +170,11 @@ impl Node {
             return;
         }
         let reach = self.reachable(state).await;
+        let by_group: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
         let timing = &self.inner.timing;
         for g in groups {
-            let Some(q) = state.queues.values().find(|q| q.group == g.meta.group) else { continue };
+            let Some(q) = by_group.get(&g.meta.group).copied() else { continue };
+            let ha = ha_of(state, q);
             let m = g.raft.metrics().borrow().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
             // A learner that is a wanted replica may have every confirmed
@@ -185,7 +187,7 @@ impl Node {
                 .map(|(id, _)| *id)
                 .filter(|id| voters.contains(id) || q.replicas.contains(id))
                 .collect();
-            g.proposer.set_min_synchronised(ha_of(state, q).min_synchronised.unwrap_or(0));
+            g.proposer.set_min_synchronised(ha.min_synchronised.unwrap_or(0));
             if !members.contains(&self.id()) {
                 continue;
             }
@@ -227,13 +229,10 @@ impl Node {
             // policy allows it, and we are the most senior replica left.
             if now.duration_since(seen) >= timing.failure_timeout
                 && senior == Some(self.id())
-                && ha_of(state, q).promote_on_failure_always
+                && ha.promote_on_failure_always
             {
-                let node = self.clone();
-                let q = q.clone();
-                let state = state.clone();
                 tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas for the failure timeout: re-forming it");
-                if let Err(e) = node.reform(g, q.clone(), &state).await {
+                if let Err(e) = self.reform(g, q.clone(), state).await {
                     tracing::error!(queue = %q.name, error = %e, "re-forming the queue failed");
                 }
             }

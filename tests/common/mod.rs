@@ -155,3 +155,14 @@ pub async fn publish_retrying(node: &Node, queue: &str, body: Vec<u8>) {
 pub fn msg(body: impl Into<Vec<u8>>) -> Message {
     Message { exchange: String::new(), routing_key: "q".into(), properties: vec![1, 2, 3], body: body.into() }
 }
+
+/// A queue policy named `ha`.
+pub fn policy(pattern: &str, def: &str) -> mirrorq::metadata::Policy {
+    mirrorq::metadata::Policy {
+        name: "ha".into(),
+        pattern: pattern.into(),
+        apply_to: mirrorq::metadata::ApplyTo::Queues,
+        priority: 0,
+        definition: def.into(),
+    }
+}
