@@ -42,7 +42,7 @@ impl Client {
                 let v: Value = r.into_json().unwrap_or(Value::Null);
                 let reason = v["reason"].as_str().unwrap_or("").to_string();
                 Err(CtlError::Api(match code {
-                    404 if path.contains("/actions") || path.contains("rebalance") || path.contains("definitions") => {
+                    404 if path.contains("rebalance") => {
                         format!("{path}: not supported by this server yet (404)")
                     }
                     _ => format!("{method} {path}: {code} {} {reason}", v["error"].as_str().unwrap_or("")),

@@ -26,6 +26,7 @@ use crate::error::{NodeError, ServerError};
 use crate::metadata::{
     routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, Policy, QueueMeta,
 };
+use crate::queue::catchup::{Plan, SyncProgress};
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::{Answer, Proposer};
 use crate::queue::sync::{self, SyncState};
@@ -36,6 +37,7 @@ use crate::raft::server::{self, RpcHandler};
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{GroupId, LogStore, NodeId, Raft, Request, Response, METADATA_GROUP};
 
+mod catchup;
 mod failover;
 
 /// Everything a node needs to start.
@@ -54,6 +56,8 @@ pub struct NodeConfig {
     pub timing: Timing,
     /// sled page cache in bytes.
     pub cache_bytes: u64,
+    /// Message bytes a catching-up mirror fetches per request.
+    pub sync_batch_bytes: usize,
 }
 
 /// Time limits. Defaults suit a loaded 2-core machine running three nodes.
@@ -96,6 +100,7 @@ impl NodeConfig {
             cluster: BTreeMap::new(),
             timing: Timing::default(),
             cache_bytes: DbOptions::default().cache_bytes,
+            sync_batch_bytes: 1 << 20,
         }
     }
 }
@@ -130,6 +135,10 @@ pub struct QueueInfo {
     pub applied: Option<u64>,
     /// Synchronised members (only when this node is the master).
     pub synchronised: Vec<NodeId>,
+    /// Members still fetching message bodies, as they last reported (only
+    /// when this node is the master).
+    #[serde(default)]
+    pub catching_up: Vec<(NodeId, SyncProgress)>,
 }
 
 /// One hosted queue replica.
@@ -148,6 +157,13 @@ struct QueueGroup {
     proposer: Proposer,
     sync: watch::Receiver<SyncState>,
     stats: watch::Receiver<QueueStats>,
+    sm: StateMachine<QueueMachine>,
+    /// Bodies this replica still lacks (`None`: it has them all).
+    plan: watch::Receiver<Option<Plan>>,
+    /// A `sync` action asked this replica to fetch what it lacks.
+    sync_run: watch::Sender<bool>,
+    /// As master: members fetching bodies, by their reports.
+    catching: sync::CatchingUp,
     stop: CancellationToken,
 }
 
@@ -159,6 +175,7 @@ struct Inner {
     transport: Arc<Transport>,
     raft_config: Arc<openraft::Config>,
     timing: Timing,
+    catch_up_bytes: usize,
     meta_raft: Raft,
     meta: watch::Receiver<Arc<MetaState>>,
     groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
@@ -280,6 +297,7 @@ impl Node {
             transport,
             raft_config,
             timing: cfg.timing.clone(),
+            catch_up_bytes: cfg.sync_batch_bytes.max(1),
             meta_raft: meta_raft.clone(),
             meta,
             groups: RwLock::new(HashMap::new()),
@@ -644,6 +662,7 @@ impl Node {
             unacked: 0,
             applied: None,
             synchronised: Vec::new(),
+            catching_up: Vec::new(),
         };
         if let Some(g) = group {
             let m = g.raft.metrics().borrow().clone();
@@ -652,6 +671,9 @@ impl Node {
             let s = *g.stats.borrow();
             (info.ready, info.unacked) = (s.ready, s.unacked);
             info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
+            if g.is_leader(self.id()) {
+                info.catching_up = sync::catching_up(&g.catching, Instant::now()).into_iter().collect();
+            }
         }
         Ok(info)
     }
@@ -1026,7 +1048,7 @@ impl Node {
                 self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
                 g.stop.cancel();
                 let _ = g.raft.shutdown().await;
-                self.inner.db.drop_group(g.meta.group)?;
+                self.inner.drop_replica(g.meta.group)?;
                 tracing::info!(queue = %g.meta.name, "queue replica moved away");
             }
         }
@@ -1039,7 +1061,7 @@ impl Node {
             self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
             g.stop.cancel();
             let _ = g.raft.shutdown().await;
-            self.inner.db.drop_group(g.meta.group)?;
+            self.inner.drop_replica(g.meta.group)?;
             tracing::info!(queue = %g.meta.name, "queue replica removed");
         }
         for q in to_start {
@@ -1084,8 +1106,12 @@ impl Node {
             return;
         }
         let addrs: BTreeMap<NodeId, String> = state.nodes.values().map(|n| (n.id, n.raft_addr.clone())).collect();
+        let manual = !failover::ha_of(state, &q).sync_automatic;
         tokio::spawn(async move {
             let result: Result<(), String> = async {
+                if manual && wanted.difference(&all).next().is_some() {
+                    catchup::snapshot_and_purge(&g.raft, &q.name).await;
+                }
                 for id in wanted.difference(&all) {
                     let addr = addrs.get(id).cloned().ok_or_else(|| format!("no address for node {id}"))?;
                     tracing::info!(queue = %q.name, node = id, "adding a mirror; it catches up as a learner");
@@ -1141,7 +1167,7 @@ impl Node {
         let db = &self.inner.db;
         let epoch = failover::load_epoch(db, q.group)?;
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group))?;
-        let stats = sm.with(|m| m.stats()).await;
+        let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
         let raft = Raft::new(
             self.id(),
             self.inner.raft_config.clone(),
@@ -1159,8 +1185,15 @@ impl Node {
         .map_err(|e| ServerError::Raft(e.to_string()))?;
         sm.enable_snapshot_transfer();
         let stop = self.inner.stop.child_token();
-        let sync =
-            sync::spawn(q.group, raft.clone(), self.inner.timing.sync_timeout, self.inner.down.clone(), stop.clone());
+        let catching = sync::CatchingUp::default();
+        let sync = sync::spawn(
+            q.group,
+            raft.clone(),
+            self.inner.timing.sync_timeout,
+            self.inner.down.clone(),
+            catching.clone(),
+            stop.clone(),
+        );
         let proposer = Proposer::spawn(raft.clone(), sync.clone(), self.inner.timing.sync_timeout, stop.clone());
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
@@ -1172,14 +1205,25 @@ impl Node {
             proposer,
             sync,
             stats,
+            sm,
+            plan,
+            sync_run: watch::channel(false).0,
+            catching,
             stop,
         });
-        self.inner.groups.write().expect("poisoned").insert(q.group, group);
+        self.inner.groups.write().expect("poisoned").insert(q.group, group.clone());
 
         // The designated master starts a new group; the others wait to be
         // contacted. A restarted replica finds its group already initialized,
         // and one that joined a re-formed epoch waits for that epoch's master.
         let pristine = !raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
+        if pristine && epoch == Epoch::default() && !q.initial.contains(&self.id()) {
+            db.put_node_value(&catchup::new_mirror_key(q.group), &[])?;
+        }
+        if group.plan.borrow().is_some() {
+            raft.runtime_config().elect(false);
+        }
+        self.spawn_catch_up(group);
         if pristine && epoch == Epoch::default() && q.initial.first() == Some(&self.id()) {
             let members: BTreeMap<NodeId, BasicNode> = q
                 .initial
@@ -1220,6 +1264,13 @@ impl QueueGroup {
 }
 
 impl Inner {
+    /// Delete this node's replica of a group (it left the group or the
+    /// queue was deleted).
+    fn drop_replica(&self, group: GroupId) -> Result<(), mirrorq_storage::StorageError> {
+        self.db.drop_group(group)?;
+        self.db.remove_node_value(&catchup::new_mirror_key(group))
+    }
+
     fn addr_of(&self, id: NodeId) -> Option<String> {
         if let Some(n) = self.meta.borrow().nodes.get(&id) {
             return Some(n.raft_addr.clone());
@@ -1336,6 +1387,13 @@ impl Inner {
                     Some(g) if g.epoch > epoch => RpcResponse::NewerEpoch(g.epoch),
                     _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),
                 }
+            }
+            RpcRequest::Bodies { group, from, ranges, max_bytes, totals, report } => {
+                RpcResponse::Bodies(self.serve_bodies(group, from, ranges, max_bytes, totals, report).await)
+            }
+            RpcRequest::SyncControl { group, run } => {
+                self.sync_control(group, run);
+                RpcResponse::Done
             }
             RpcRequest::Elect { group, leaving } => {
                 self.down.write().expect("poisoned").insert(leaving);

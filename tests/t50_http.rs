@@ -174,6 +174,15 @@ async fn mirrored_queue_publish_and_get() {
     assert!(q["node"].as_str().unwrap().starts_with("mirrorq@"));
     assert_eq!(q["slave_nodes"].as_array().unwrap().len(), 2, "{q}");
     assert_eq!(q["synchronised_slave_nodes"].as_array().unwrap().len(), 2, "{q}");
+    assert_eq!(q["sync_progress"], json!([]), "nobody is catching up: {q}");
+
+    let actions = "/api/queues/%2F/ha-queue-demo/actions";
+    assert_eq!(api.call(2, "POST", actions, Some(r#"{"action":"sync"}"#)).await.0, 204);
+    assert_eq!(api.call(3, "POST", actions, Some(r#"{"action":"cancel_sync"}"#)).await.0, 204);
+    assert_error(&api.call(1, "POST", actions, Some(r#"{"action":"resync"}"#)).await, 400, "unknown action");
+    assert_error(&api.call(1, "POST", actions, Some(r#"{}"#)).await, 400, "action missing");
+    assert_error(&api.call(1, "POST", actions, Some("nope")).await, 400, "");
+    assert_error(&api.call(1, "POST", "/api/queues/%2F/no-such/actions", Some(r#"{"action":"sync"}"#)).await, 404, "");
 
     let msg = r#"{"properties":{"delivery_mode":2,"headers":{"k":"v"}},"routing_key":"ha-queue-demo","payload":"hello","payload_encoding":"string"}"#;
     let (s, r) = api.call(2, "POST", "/api/exchanges/%2F/amq.default/publish", Some(msg)).await;

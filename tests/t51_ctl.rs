@@ -64,7 +64,9 @@ async fn ctl_commands() {
         fails(&ctl(port, &["set-policy", "p", "(", r#"{"ha-mode":"all"}"#]), "regex");
         assert!(ok(&ctl(port, &["clear-policy", "ha"])).contains("cleared"));
         fails(&ctl(port, &["clear-policy", "ha"]), "404");
-        fails(&ctl(port, &["sync-queue", "ha.one"]), "not supported");
+        assert!(ok(&ctl(port, &["sync-queue", "ha.one"])).contains("sync of ha.one started"));
+        assert!(ok(&ctl(port, &["cancel-sync-queue", "ha.one"])).contains("sync of ha.one cancelled"));
+        fails(&ctl(port, &["sync-queue", "no.such.queue"]), "404");
         let file = std::env::temp_dir().join(format!("mirrorq-defs-{}.json", std::process::id()));
         let f = file.to_str().unwrap();
         assert!(ok(&ctl(port, &["export-definitions", f])).contains("written"));

@@ -50,6 +50,7 @@ pub fn router(node: Node) -> Router {
         .route("/api/queues/{vhost}/{name}", get(get_queue).put(put_queue).delete(delete_queue))
         .route("/api/queues/{vhost}/{name}/contents", delete(purge_queue))
         .route("/api/queues/{vhost}/{name}/get", post(get_messages))
+        .route("/api/queues/{vhost}/{name}/actions", post(queue_action))
         .route("/api/exchanges", get(list_exchanges))
         .route("/api/exchanges/{vhost}/{name}/publish", post(publish))
         .route("/api/bindings", get(list_bindings))
@@ -230,6 +231,19 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         .map(|v| v.synchronised.iter().filter(|r| Some(**r) != master).map(name_of).collect())
         .unwrap_or_default();
     let (ready, unacked) = view.as_ref().map(|v| (v.ready, v.unacked)).unwrap_or((0, 0));
+    let catching: Vec<Value> = view
+        .as_ref()
+        .map(|v| {
+            v.catching_up
+                .iter()
+                .map(|(id, p)| {
+                    json!({"node": name_of(id), "messages_done": p.msgs_done, "messages_total": p.msgs_total,
+                           "bytes_done": p.bytes_done, "bytes_total": p.bytes_total, "running": p.running})
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let syncing = view.as_ref().is_some_and(|v| v.catching_up.iter().any(|(_, p)| p.running));
     let def = q
         .policy
         .as_ref()
@@ -251,7 +265,12 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         "messages_unacknowledged": unacked,
         "policy": q.policy,
         "effective_policy_definition": def,
-        "state": if master.is_some() { "running" } else { "down" },
+        "sync_progress": catching,
+        "state": match (master, syncing) {
+            (None, _) => "down",
+            (Some(_), true) => "syncing",
+            (Some(_), false) => "running",
+        },
         "type": "classic",
     })
 }
@@ -308,6 +327,25 @@ async fn delete_queue(
 ) -> Result<StatusCode, ApiError> {
     vhost_ok(&vhost)?;
     node.delete_queue(&name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `{"action":"sync"}` or `{"action":"cancel_sync"}`: start or stop the
+/// catch-up of the queue's unsynchronised mirrors.
+async fn queue_action(
+    State(node): State<Node>,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    vhost_ok(&vhost)?;
+    let b = parse_body(&body)?;
+    let run = match b.get("action").and_then(Value::as_str) {
+        Some("sync") => true,
+        Some("cancel_sync") => false,
+        Some(other) => return Err(ApiError::bad_request(format!("unknown action '{other}': use sync or cancel_sync"))),
+        None => return Err(ApiError::bad_request("action missing: use sync or cancel_sync")),
+    };
+    node.sync_queue(&name, run).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

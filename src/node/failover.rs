@@ -61,7 +61,7 @@ fn store_epoch(db: &NodeDb, group: GroupId, epoch: Epoch) -> Result<(), StorageE
 }
 
 /// The mirroring settings in force for a queue.
-fn ha_of(state: &MetaState, q: &QueueMeta) -> policy::HaPolicy {
+pub(super) fn ha_of(state: &MetaState, q: &QueueMeta) -> policy::HaPolicy {
     q.policy
         .as_ref()
         .and_then(|n| state.policies.get(n))
@@ -222,7 +222,10 @@ impl Node {
                     *l
                 };
                 let leaderless_long = leaderless_since.is_some_and(|t| now.duration_since(t) > timing.election_max * 3);
-                g.raft.runtime_config().elect(senior_voter == Some(self.id()) || leaderless_long);
+                // A replica still fetching bodies never stands: it cannot
+                // serve what it does not have.
+                let complete = g.plan.borrow().is_none();
+                g.raft.runtime_config().elect(complete && (senior_voter == Some(self.id()) || leaderless_long));
             }
 
             // Re-form: no majority reachable for the failure timeout, the
@@ -230,6 +233,7 @@ impl Node {
             if now.duration_since(seen) >= timing.failure_timeout
                 && senior == Some(self.id())
                 && ha.promote_on_failure_always
+                && g.plan.borrow().is_none()
             {
                 tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas for the failure timeout: re-forming it");
                 if let Err(e) = self.reform(g, q.clone(), state).await {

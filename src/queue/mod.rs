@@ -2,8 +2,10 @@
 //! on-disk state machine ([`sm`]), and the per-group machinery on the master
 //! that batches operations into entries and holds confirms until every
 //! synchronised replica has them ([`proposer`], [`sync`]); and the epochs
-//! a group goes through when it is re-formed after losing its majority ([`epoch`]).
+//! a group goes through when it is re-formed after losing its majority ([`epoch`]);
+//! the bodies a replica still has to fetch after a snapshot ([`catchup`]).
 
+pub mod catchup;
 pub mod epoch;
 pub mod proposer;
 pub mod sm;

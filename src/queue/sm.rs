@@ -9,14 +9,17 @@
 //! - `b` + seq(8)   the [`Message`], read only to deliver
 //! - `h` + origin(24) an old-epoch entry whose messages were handed back
 //! - `e`            the [`ForkRecord`] of the group's current epoch, if re-formed
+//! - `y`            the catch-up [`Plan`]: bodies this replica still lacks
+//!   after installing a snapshot (absent once it has them all)
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use mirrorq_storage::{keys, SmSpace, StorageError};
 
+use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
 use super::state::{Change, Counters, QueueState};
 use super::types::{Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
@@ -25,6 +28,7 @@ use crate::raft::types::{Request, Response};
 
 const COUNTERS: &[u8] = b"c";
 const FORK: &[u8] = b"e";
+const PLAN: &[u8] = b"y";
 
 fn state_key(seq: u64) -> [u8; 9] {
     let mut k = [b's'; 9];
@@ -61,11 +65,93 @@ pub struct QueueStats {
 pub struct QueueMachine {
     state: QueueState,
     stats: watch::Sender<QueueStats>,
+    /// Bodies still to fetch; `None` when the replica has every body.
+    plan: watch::Sender<Option<Plan>>,
 }
 
 impl QueueMachine {
     pub fn stats(&self) -> watch::Receiver<QueueStats> {
         self.stats.subscribe()
+    }
+
+    /// The catch-up plan, announced whenever it changes.
+    pub fn plan(&self) -> watch::Receiver<Option<Plan>> {
+        self.plan.subscribe()
+    }
+
+    /// Store fetched bodies (encoded as the master stores them) of messages
+    /// this replica still holds and lacks, and record that everything in
+    /// the plan below `upto` has been fetched. A body of a message consumed
+    /// here meanwhile is dropped: it must not come back.
+    pub fn fill(
+        &mut self,
+        space: &SmSpace,
+        bodies: &[(u64, Vec<u8>)],
+        upto: u64,
+        bytes_total: Option<u64>,
+    ) -> Result<(), StorageError> {
+        let Some(mut plan) = self.plan.borrow().clone() else { return Ok(()) };
+        let tracked = self.state.tracked_seqs();
+        let mut batch = sled::Batch::default();
+        for (seq, body) in bodies {
+            if plan.lacks(*seq) && self.state.holds(*seq, &tracked) {
+                batch.insert(space.key(&body_key(*seq)), body.as_slice());
+                plan.msgs_done += 1;
+                plan.bytes_done += body.len() as u64;
+            }
+        }
+        plan.advance(upto);
+        plan.bytes_total = plan.bytes_total.or(bytes_total);
+        batch.insert(space.key(PLAN), keys::encode(&plan, "catch-up plan")?);
+        space.apply(batch)?;
+        self.plan.send_replace(Some(plan));
+        Ok(())
+    }
+
+    /// Every body is here (and synced by the caller): drop the plan.
+    pub fn finish_catch_up(&mut self, space: &SmSpace) -> Result<(), StorageError> {
+        let mut batch = sled::Batch::default();
+        batch.remove(space.key(PLAN));
+        space.apply(batch)?;
+        self.plan.send_replace(None);
+        Ok(())
+    }
+
+    /// Encoded bodies with seqs in `ranges` from `from` on, at most about
+    /// `max_bytes` of them, and the seq to continue from (`None`: the
+    /// ranges are exhausted). Read from sled without the state machine
+    /// lock: bodies are immutable, and one consumed meanwhile is simply
+    /// not sent.
+    pub fn read_bodies(
+        space: &SmSpace,
+        ranges: &[(u64, u64)],
+        max_bytes: usize,
+    ) -> Result<(Vec<(u64, Vec<u8>)>, Option<u64>), StorageError> {
+        let mut out = Vec::new();
+        let mut bytes = 0;
+        for (start, end) in ranges {
+            for kv in space.range(&body_key(*start), &body_key(*end)) {
+                let (k, v) = kv?;
+                let seq = u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes"));
+                if bytes >= max_bytes && !out.is_empty() {
+                    return Ok((out, Some(seq)));
+                }
+                bytes += v.len();
+                out.push((seq, v.to_vec()));
+            }
+        }
+        Ok((out, None))
+    }
+
+    /// Total size of the bodies with seqs in `ranges`.
+    pub fn bytes_in(space: &SmSpace, ranges: &[(u64, u64)]) -> Result<u64, StorageError> {
+        let mut total = 0;
+        for (start, end) in ranges {
+            for kv in space.range(&body_key(*start), &body_key(*end)) {
+                total += kv?.1.len() as u64;
+            }
+        }
+        Ok(total)
     }
 
     /// Bodies of every message stored in a group's space (tests, tools).
@@ -108,21 +194,27 @@ impl QueueMachine {
         space.get(FORK)?.map(|b| keys::decode(&b, "fork record")).transpose()
     }
 
-    fn read_body(space: &SmSpace, seq: u64) -> Result<Message, StorageError> {
-        let b = space.get(&body_key(seq))?.ok_or(StorageError::Decode {
-            what: "message body (missing)",
-            source: bincode::error::DecodeError::Other("body of a live message is missing"),
-        })?;
-        keys::decode(&b, "message body")
+    /// The body of a live message; `None` if this replica has not fetched
+    /// it yet (such a replica never leads, so the reply is not used).
+    fn read_body(&self, space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
+        match space.get(&body_key(seq))? {
+            Some(b) => keys::decode(&b, "message body").map(Some),
+            None if self.plan.borrow().as_ref().is_some_and(|p| p.lacks(seq)) => Ok(None),
+            None => Err(StorageError::Decode {
+                what: "message body (missing)",
+                source: bincode::error::DecodeError::Other("body of a live message is missing"),
+            }),
+        }
     }
 }
 
-/// The whole queue, as sent to a replica that is too far behind for the log.
+/// The queue's index, as sent to a replica that is too far behind for the
+/// log. Bodies are not in it: the replica fetches them afterwards.
 #[derive(Serialize, Deserialize)]
 struct Dump {
     counters: Counters,
-    /// Delivered or requeued messages with their state; fresh ones without.
-    msgs: Vec<(u64, Option<MsgState>, Message)>,
+    /// Delivered or requeued messages and their state.
+    states: Vec<(u64, MsgState)>,
     fork: Option<ForkRecord>,
     handed: Vec<Origin>,
 }
@@ -142,7 +234,9 @@ impl Machine for QueueMachine {
         }
         let state = QueueState::restore(counters, stored).with_handed(handed);
         let (stats, _) = watch::channel(QueueStats { ready: state.ready_count(), unacked: state.unacked_count() });
-        Ok(Self { state, stats })
+        let plan = space.get(PLAN)?.map(|b| keys::decode::<Plan>(&b, "catch-up plan")).transpose()?;
+        let (plan, _) = watch::channel(plan);
+        Ok(Self { state, stats, plan })
     }
 
     fn apply(&mut self, space: &SmSpace, req: &Request, batch: &mut sled::Batch) -> Result<Response, StorageError> {
@@ -184,10 +278,10 @@ impl Machine for QueueMachine {
                     }
                     Change::Deliver { seq, tag, redelivered } => {
                         let message = match fresh.get(&seq) {
-                            Some(m) => (*m).clone(),
-                            None => Self::read_body(space, seq)?,
+                            Some(m) => Some((*m).clone()),
+                            None => self.read_body(space, seq)?,
                         };
-                        if let QueueReply::Got { msgs, .. } = &mut reply {
+                        if let (Some(message), QueueReply::Got { msgs, .. }) = (message, &mut reply) {
                             msgs.push(Delivery { tag, redelivered, message });
                         }
                     }
@@ -204,26 +298,26 @@ impl Machine for QueueMachine {
         Ok(())
     }
 
+    const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[b"b"];
+
     fn dump(&self, space: &SmSpace) -> Result<Vec<u8>, StorageError> {
-        let mut states = HashMap::new();
+        let mut states = Vec::new();
         for kv in space.scan(b"s") {
             let (k, v) = kv?;
             let seq = u64::from_be_bytes(k[1..9].try_into().expect("state key is 9 bytes"));
-            states.insert(seq, keys::decode::<MsgState>(&v, "message state")?);
-        }
-        let mut msgs = Vec::new();
-        for kv in space.scan(b"b") {
-            let (k, v) = kv?;
-            let seq = u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes"));
-            msgs.push((seq, states.get(&seq).copied(), keys::decode(&v, "message body")?));
+            states.push((seq, keys::decode::<MsgState>(&v, "message state")?));
         }
         let fork = Self::fork_record(space)?;
         let handed = self.state.handed().iter().copied().collect();
-        keys::encode(&Dump { counters: self.state.counters().clone(), msgs, fork, handed }, "queue dump")
+        keys::encode(&Dump { counters: self.state.counters().clone(), states, fork, handed }, "queue dump")
     }
 
+    /// Bodies this replica already had (kept by the install) stay if the new
+    /// state still holds their message; the others it holds go in the plan.
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
         let d: Dump = keys::decode(dump, "queue dump")?;
+        let state = QueueState::restore(d.counters.clone(), d.states.iter().copied()).with_handed(d.handed.clone());
+        let tracked = state.tracked_seqs();
         let mut batch = sled::Batch::default();
         batch.insert(space.key(COUNTERS), keys::encode(&d.counters, "queue counters")?);
         for o in &d.handed {
@@ -232,15 +326,28 @@ impl Machine for QueueMachine {
         if let Some(f) = &d.fork {
             batch.insert(space.key(FORK), keys::encode(f, "fork record")?);
         }
-        for (seq, st, m) in &d.msgs {
-            if let Some(st) = st {
-                batch.insert(space.key(&state_key(*seq)), keys::encode(st, "message state")?);
+        for (seq, st) in &d.states {
+            batch.insert(space.key(&state_key(*seq)), keys::encode(st, "message state")?);
+        }
+        let mut present = BTreeSet::new();
+        for kv in space.scan(b"b") {
+            let (k, _) = kv?;
+            let seq = u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes"));
+            if state.holds(seq, &tracked) {
+                present.insert(seq);
+            } else {
+                batch.remove(space.key(&k));
             }
-            batch.insert(space.key(&body_key(*seq)), keys::encode(m, "message body")?);
+        }
+        let (missing, msgs_total) = missing_ranges(d.counters.ready_head..d.counters.next_seq, &tracked, &present);
+        let plan = (!missing.is_empty()).then(|| Plan { missing, msgs_total, ..Plan::default() });
+        match &plan {
+            Some(p) => batch.insert(space.key(PLAN), keys::encode(p, "catch-up plan")?),
+            None => batch.remove(space.key(PLAN)),
         }
         space.apply(batch)?;
-        self.state = QueueState::restore(d.counters, d.msgs.into_iter().filter_map(|(seq, st, _)| Some((seq, st?))))
-            .with_handed(d.handed);
+        self.state = state;
+        self.plan.send_replace(plan);
         Ok(())
     }
 }

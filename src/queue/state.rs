@@ -112,6 +112,14 @@ impl QueueState {
     pub fn unacked_count(&self) -> u64 {
         self.unacked.len() as u64
     }
+    /// Seqs of the delivered and requeued messages.
+    pub fn tracked_seqs(&self) -> BTreeSet<u64> {
+        self.requeued.values().copied().chain(self.unacked.values().map(|u| u.seq)).collect()
+    }
+    /// Is `seq` a message the queue still holds?
+    pub fn holds(&self, seq: u64, tracked: &BTreeSet<u64>) -> bool {
+        self.is_fresh(seq) || tracked.contains(&seq)
+    }
 
     /// Apply one command. Pure: no I/O, same input, same output.
     pub fn apply(&mut self, cmd: &QueueCmd, changes: &mut Vec<Change>) -> QueueReply {

@@ -12,7 +12,7 @@
 //! comes back in by itself once it has every entry confirmed without it, so a
 //! synchronised member always holds every confirmed message.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,7 @@ use openraft::ServerState;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::catchup::SyncProgress;
 use crate::raft::types::{NodeId, Raft};
 
 /// Published after every change of the group's metrics.
@@ -91,11 +92,69 @@ const STALL: Duration = Duration::from_millis(500);
 /// its stop): not waited for during a new term's grace period.
 pub type Down = Arc<RwLock<BTreeSet<NodeId>>>;
 
+/// What members told this node, as their master, about their message
+/// bodies. Every member reports to each new master (and every second while
+/// it is fetching): a master admits a member to the synchronised set only
+/// once it has heard from it in its own term, so it never counts a member
+/// that still lacks bodies just because its log is complete. Confirms are
+/// not delayed by this: in the first `sync_timeout` of a term they wait for
+/// every member that answers anyway.
+#[derive(Debug, Default)]
+pub struct CatchUpBook {
+    /// Members still fetching, their last report and when it came.
+    behind: HashMap<NodeId, (SyncProgress, Instant)>,
+    /// Members heard from in `term`.
+    heard: BTreeSet<NodeId>,
+    term: u64,
+}
+
+pub type CatchingUp = Arc<RwLock<CatchUpBook>>;
+
+/// A member's report of being behind counts this long; it reports every
+/// second while behind.
+pub const REPORT_TTL: Duration = Duration::from_secs(3);
+
+impl CatchUpBook {
+    /// A report from `from` to this node as master of `term` (`None`: it
+    /// has every body).
+    pub fn record(&mut self, term: u64, from: NodeId, report: Option<SyncProgress>) {
+        if term != self.term {
+            self.term = term;
+            self.heard.clear();
+        }
+        self.heard.insert(from);
+        match report {
+            Some(p) => {
+                self.behind.insert(from, (p, Instant::now()));
+            }
+            None => {
+                self.behind.remove(&from);
+            }
+        }
+    }
+
+    fn heard_in(&self, term: u64, id: NodeId) -> bool {
+        self.term == term && self.heard.contains(&id)
+    }
+}
+
+/// The members with a current report of being behind.
+pub fn catching_up(c: &CatchingUp, now: Instant) -> BTreeMap<NodeId, SyncProgress> {
+    c.read()
+        .expect("poisoned")
+        .behind
+        .iter()
+        .filter(|(_, (_, at))| now.duration_since(*at) < REPORT_TTL)
+        .map(|(id, (p, _))| (*id, *p))
+        .collect()
+}
+
 pub fn spawn(
     group: u64,
     raft: Raft,
     timeout: Duration,
     down: Down,
+    catching: CatchingUp,
     stop: CancellationToken,
 ) -> watch::Receiver<SyncState> {
     let (tx, rx) = watch::channel(SyncState::default());
@@ -157,20 +216,29 @@ pub fn spawn(
                     });
                 }
                 let matched_of = |id: &NodeId| repl.get(id).cloned().flatten().map(|l| l.index);
+                let behind = catching_up(&catching, now);
                 in_sync.retain(|id| {
-                    *id == m.id || (st.members.contains(id) && (threshold.is_none() || matched_of(id) >= threshold))
+                    *id == m.id
+                        || (st.members.contains(id)
+                            && !behind.contains_key(id)
+                            && (threshold.is_none() || matched_of(id) >= threshold))
                 });
                 // What every replica waited on has: during the grace period
                 // after takeover that is every member, later the synchronised.
                 let down = down.read().expect("poisoned").clone();
-                let waiting =
-                    st.members.iter().filter(|id| in_sync.contains(id) || (now < grace_until && !down.contains(id)));
+                let waiting = st.members.iter().filter(|id| {
+                    in_sync.contains(id) || (now < grace_until && !down.contains(id) && !behind.contains_key(id))
+                });
                 let confirmed = waiting.map(matched_of).min().flatten();
                 // Back in only with everything confirmed so far (so joining
                 // never lowers `confirmed`).
                 let entry_floor = floor.max(confirmed);
                 for id in &st.members {
-                    if !in_sync.contains(id) && matched_of(id) >= entry_floor {
+                    if catching.read().expect("poisoned").heard_in(m.current_term, *id)
+                        && !in_sync.contains(id)
+                        && !behind.contains_key(id)
+                        && matched_of(id) >= entry_floor
+                    {
                         in_sync.insert(*id);
                     }
                 }

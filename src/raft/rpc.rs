@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::types::{GroupId, NodeId, TypeConfig};
 use crate::error::NodeError;
 use crate::metadata::{MetaCmd, MetaReply};
+use crate::queue::catchup::SyncProgress;
 use crate::queue::epoch::{Epoch, ForkRecord};
 use crate::queue::{QueueCmd, QueueReply};
 
@@ -78,6 +79,24 @@ pub enum RpcRequest {
         epoch: Epoch,
         batches: Vec<(Option<crate::queue::types::Origin>, Vec<crate::queue::Message>)>,
     },
+    /// A replica catching up after a snapshot asks the master of `group`
+    /// for message bodies in `ranges` (about `max_bytes` of them; none: a
+    /// progress report only) and tells how far it is (`None`: it has every
+    /// body now). `totals`: also count the bytes still to fetch.
+    Bodies {
+        group: GroupId,
+        from: NodeId,
+        ranges: Vec<(u64, u64)>,
+        max_bytes: u32,
+        totals: bool,
+        report: Option<SyncProgress>,
+    },
+    /// Start (`run`) or stop fetching missing bodies: the `sync` and
+    /// `cancel_sync` actions, sent to every replica of the queue.
+    SyncControl {
+        group: GroupId,
+        run: bool,
+    },
     /// A stopping master asks its successor to stand for election now.
     Elect {
         group: GroupId,
@@ -104,7 +123,29 @@ pub enum RpcResponse {
     /// The receiver's replica is in a newer epoch than the sender's.
     NewerEpoch(Epoch),
     Fork(Option<ForkRecord>),
+    Bodies(Result<BodyChunk, NodeError>),
     Done,
+}
+
+/// One encoded message body, as the master stores it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Body {
+    pub seq: u64,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
+/// The master's answer to [`RpcRequest::Bodies`].
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BodyChunk {
+    pub bodies: Vec<Body>,
+    /// Where to continue; `None`: the ranges asked for are done.
+    pub next: Option<u64>,
+    /// The master's applied index after reading: a body it did not have was
+    /// consumed at or before it, so the replica must apply that far before
+    /// it may count as synchronised.
+    pub applied: Option<u64>,
+    pub bytes_total: Option<u64>,
 }
 
 /// Requests a client (test, tool) may send to any node.

@@ -34,10 +34,13 @@ pub trait Machine: Send + Sync + Sized + 'static {
     /// Add aggregate state to the batch that ends an apply call; announce the
     /// new state to watchers.
     fn commit(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError>;
+    /// Group-relative key prefixes an installed snapshot leaves in place
+    /// for [`Machine::restore`] to sort out (the rest is cleared first).
+    const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[];
     /// The whole state, for a snapshot sent to another replica.
     fn dump(&self, space: &SmSpace) -> Result<Vec<u8>, StorageError>;
-    /// Replace the state with a dump, writing it into the (already cleared)
-    /// space. In place, so watchers of the machine stay subscribed.
+    /// Replace the state with a dump, writing it into the space (cleared
+    /// but for [`Machine::KEEP_ON_INSTALL`]). In place, so watchers of the machine stay subscribed.
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError>;
 }
 
@@ -106,6 +109,19 @@ impl<M: Machine> StateMachine<M> {
     /// Run `f` on the machine (for reads that need not go through the log).
     pub async fn with<T>(&self, f: impl FnOnce(&M) -> T) -> T {
         f(&self.inner.lock().await.machine)
+    }
+
+    /// Run `f` on the machine and its space, between two applies (for
+    /// local state that is not the log's: fetched message bodies).
+    pub async fn with_mut<T>(&self, f: impl FnOnce(&mut M, &SmSpace) -> T) -> T {
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
+        f(&mut inner.machine, &inner.space)
+    }
+
+    /// The group's key space.
+    pub async fn space(&self) -> SmSpace {
+        self.inner.lock().await.space.clone()
     }
 }
 
@@ -207,7 +223,7 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
     ) -> Result<(), RaftStorageError> {
         let mut inner = self.inner.lock().await;
         let err = |e| sto(ErrorSubject::Snapshot(Some(meta.signature())), ErrorVerb::Write, e);
-        inner.space.clear().map_err(err)?;
+        inner.space.clear_keeping(M::KEEP_ON_INSTALL).map_err(err)?;
         {
             let inner = &mut *inner;
             inner.machine.restore(&inner.space, snapshot.get_ref()).map_err(err)?;

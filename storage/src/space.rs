@@ -47,12 +47,34 @@ impl SmSpace {
             .map(|kv| kv.map(|(k, v)| (k[8..].to_vec(), v)).map_err(StorageError::from))
     }
 
+    /// Iterate over the group's keys in `[start, end)` (group-relative),
+    /// yielding group-relative keys.
+    pub fn range(
+        &self,
+        start: &[u8],
+        end: &[u8],
+    ) -> impl Iterator<Item = Result<(Vec<u8>, sled::IVec), StorageError>> + '_ {
+        self.db
+            .sm_tree()
+            .range(self.key(start)..self.key(end))
+            .map(|kv| kv.map(|(k, v)| (k[8..].to_vec(), v)).map_err(StorageError::from))
+    }
+
     /// Remove every key of the group.
     pub fn clear(&self) -> Result<(), StorageError> {
+        self.clear_keeping(&[])
+    }
+
+    /// Remove every key of the group except those starting with one of
+    /// `keep` (group-relative prefixes).
+    pub fn clear_keeping(&self, keep: &[&[u8]]) -> Result<(), StorageError> {
         let tree = self.db.sm_tree();
         let mut batch = sled::Batch::default();
         for kv in tree.scan_prefix(self.prefix) {
-            batch.remove(kv?.0);
+            let k = kv?.0;
+            if !keep.iter().any(|p| k[8..].starts_with(p)) {
+                batch.remove(k);
+            }
         }
         Ok(tree.apply_batch(batch)?)
     }

@@ -46,6 +46,11 @@ pub struct Cluster {
 impl Cluster {
     /// Start `n` nodes (ids 1..=n) forming a new cluster.
     pub async fn start(n: u64, timing: Timing) -> Cluster {
+        Self::start_configured(n, timing, |_| {}).await
+    }
+
+    /// [`Cluster::start`] with each node's config adjusted by `tweak`.
+    pub async fn start_configured(n: u64, timing: Timing, tweak: impl Fn(&mut NodeConfig)) -> Cluster {
         // Bind every node's port before any starts: no race for free ports.
         let listeners: Vec<std::net::TcpListener> =
             (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
@@ -58,6 +63,7 @@ impl Cluster {
             let mut cfg = NodeConfig::new(id, dir.path(), members[&id].clone());
             cfg.cluster = members.clone();
             cfg.timing = timing.clone();
+            tweak(&mut cfg);
             dirs.push(dir);
             configs.push(cfg);
         }

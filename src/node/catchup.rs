@@ -1,0 +1,308 @@
+//! A replica fetching the message bodies its installed snapshot left out
+//! (see `queue::catchup`), and the master's side: serving those bodies and
+//! keeping the replicas' reports, which take them out of the synchronised
+//! set until they have everything.
+//!
+//! The fetch runs beside the queue: the master reads bodies from sled
+//! without the state machine's lock and the replica stores each chunk
+//! between two applies, so publishing and consuming go on meanwhile.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mirrorq_storage::SmSpace;
+
+use super::{Inner, Node, QueueGroup};
+use crate::error::NodeError;
+use crate::queue::catchup::{Plan, SyncProgress};
+use crate::queue::QueueMachine;
+use crate::raft::rpc::{Body, BodyChunk, RpcRequest, RpcResponse};
+use crate::raft::state_machine::stored_applied;
+use crate::raft::types::{GroupId, NodeId, Raft};
+
+/// Most ranges named in one request (a plan is usually one or two).
+const RANGES_PER_REQUEST: usize = 64;
+/// How often a replica that is behind reports to the master.
+const REPORT_EVERY: Duration = Duration::from_secs(1);
+/// How often progress is logged.
+const LOG_EVERY: Duration = Duration::from_secs(5);
+
+/// Marks a replica that joined an existing queue as a new mirror: with
+/// `ha-sync-mode: manual` its catch-up waits for a `sync` action. Replicas
+/// that were members before (restarted, healed) always catch up at once:
+/// fetching never stops the queue, so there is no reason to make them wait.
+pub(super) fn new_mirror_key(group: GroupId) -> String {
+    format!("new-mirror.{group}")
+}
+
+/// Before a new mirror joins a `manual` queue: snapshot the master's state
+/// and purge the log it covers, so the mirror is sent the snapshot (the
+/// queue's index without bodies) and then only entries after it: it holds
+/// what is published from now on, as in RabbitMQ. If the purge does not
+/// happen in time the mirror replicates the log instead and so ends up
+/// synchronised by itself.
+pub(super) async fn snapshot_and_purge(raft: &Raft, queue: &str) {
+    let applied = raft.metrics().borrow().last_applied.map(|l| l.index);
+    let Some(applied) = applied else { return };
+    let limit = Some(Duration::from_secs(5));
+    let _ = raft.trigger().snapshot().await;
+    let snap =
+        raft.wait(limit).metrics(|m| m.snapshot.is_some_and(|s| s.index >= applied), "snapshot for a new mirror").await;
+    let Ok(m) = snap else {
+        tracing::warn!(queue, "no snapshot in time: the new mirror replicates the whole log");
+        return;
+    };
+    let upto = m.snapshot.map_or(applied, |s| s.index);
+    let _ = raft.trigger().purge_log(upto).await;
+    let purged =
+        raft.wait(limit).metrics(|m| m.purged.is_some_and(|p| p.index >= upto), "log purged for a new mirror").await;
+    if purged.is_err() {
+        tracing::warn!(queue, "log not purged in time: the new mirror replicates it");
+    }
+}
+
+impl Node {
+    /// Run the catch-up of one hosted replica until its group stops.
+    pub(super) fn spawn_catch_up(&self, g: Arc<QueueGroup>) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let stop = g.stop.clone();
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = node.catch_up(g) => {}
+            }
+        });
+    }
+
+    async fn catch_up(&self, g: Arc<QueueGroup>) {
+        let mut plan_rx = g.plan.clone();
+        let mut run_rx = g.sync_run.subscribe();
+        let mut metrics = g.raft.metrics();
+        // The master this replica last reported to.
+        let mut told: Option<NodeId> = None;
+        let started = Instant::now();
+        let mut last_log = Instant::now();
+        let mut last_report: Option<Instant> = None;
+        // The master's applied index after each read: applying that far
+        // makes every body it lacked gone here too.
+        let mut must_apply: Option<u64> = None;
+        loop {
+            let Some(plan) = plan_rx.borrow_and_update().clone() else {
+                // Complete: say so to each new master, which counts this
+                // replica as synchronised only after hearing it.
+                let master = metrics.borrow_and_update().current_leader.filter(|m| *m != self.id());
+                if master.is_some() && master != told {
+                    match self.report(&g, None).await {
+                        Ok(_) => told = master,
+                        Err(_) => {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    }
+                }
+                tokio::select! {
+                    r = plan_rx.changed() => if r.is_err() { return },
+                    r = metrics.changed() => if r.is_err() { return },
+                }
+                continue;
+            };
+            told = None;
+            g.raft.runtime_config().elect(false);
+            if plan.is_done() {
+                match self.finish_catch_up(&g, must_apply).await {
+                    Ok(()) => {
+                        tracing::info!(queue = %g.meta.name, messages = plan.msgs_done, bytes = plan.bytes_done,
+                            elapsed_ms = started.elapsed().as_millis() as u64, "mirror synchronised");
+                        let _ = g.sync_run.send(false);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(queue = %g.meta.name, error = %e, "cannot finish the catch-up yet");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                }
+            }
+            let running = *run_rx.borrow_and_update() || !self.waits_for_sync(&g);
+            if !running {
+                if last_report.is_none_or(|t| t.elapsed() >= REPORT_EVERY) {
+                    if self.report(&g, Some(plan.progress(false))).await.is_ok() {
+                        last_report = Some(Instant::now());
+                    }
+                }
+                tokio::select! {
+                    _ = plan_rx.changed() => {}
+                    _ = run_rx.changed() => {}
+                    _ = metrics.changed() => last_report = None,
+                    _ = tokio::time::sleep(REPORT_EVERY) => {}
+                }
+                continue;
+            }
+            let chunk = self.inner.catch_up_bytes as u32;
+            match self.ask_bodies(&g, &plan, chunk, plan.bytes_total.is_none()).await {
+                Ok(c) => {
+                    last_report = Some(Instant::now());
+                    must_apply = must_apply.max(c.applied);
+                    let upto = c.next.unwrap_or_else(|| {
+                        plan.missing[..plan.missing.len().min(RANGES_PER_REQUEST)].last().map_or(0, |r| r.1)
+                    });
+                    let bodies: Vec<(u64, Vec<u8>)> = c.bodies.into_iter().map(|b| (b.seq, b.data)).collect();
+                    let r = g.sm.with_mut(|m, space| m.fill(space, &bodies, upto, c.bytes_total)).await;
+                    if let Err(e) = r {
+                        tracing::error!(queue = %g.meta.name, error = %e, "cannot store fetched bodies");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    if last_log.elapsed() >= LOG_EVERY {
+                        last_log = Instant::now();
+                        if let Some(p) = g.plan.borrow().as_ref() {
+                            tracing::info!(queue = %g.meta.name, messages_done = p.msgs_done, messages_total = p.msgs_total,
+                                bytes_done = p.bytes_done, bytes_total = ?p.bytes_total, "mirror synchronising");
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(queue = %g.meta.name, error = %e, "no bodies from the master yet");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    /// A new mirror of a `manual` queue waits for a `sync` action.
+    fn waits_for_sync(&self, g: &QueueGroup) -> bool {
+        let new = matches!(self.inner.db.get_node_value(&new_mirror_key(g.meta.group)), Ok(Some(_)));
+        new && !super::failover::ha_of(&self.metadata(), &g.meta).sync_automatic
+    }
+
+    async fn finish_catch_up(&self, g: &QueueGroup, must_apply: Option<u64>) -> Result<(), NodeError> {
+        let unavailable = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
+        if must_apply.is_some() {
+            g.raft
+                .wait(Some(Duration::from_secs(5)))
+                .applied_index_at_least(must_apply, "catch-up applied as far as the master had")
+                .await
+                .map_err(|e| unavailable(&e))?;
+        }
+        let space = g.sm.space().await;
+        // Bodies durable before the plan goes: a crash in between only
+        // repeats this step.
+        space.sync().await.map_err(|e| unavailable(&e))?;
+        g.sm.with_mut(|m, space| m.finish_catch_up(space)).await.map_err(|e| unavailable(&e))?;
+        space.sync().await.map_err(|e| unavailable(&e))?;
+        self.inner.db.remove_node_value(&new_mirror_key(g.meta.group)).map_err(|e| unavailable(&e))?;
+        Ok(())
+    }
+
+    /// Tell the master how this replica stands, fetching nothing.
+    async fn report(&self, g: &QueueGroup, report: Option<SyncProgress>) -> Result<BodyChunk, NodeError> {
+        let req = RpcRequest::Bodies {
+            group: g.meta.group,
+            from: self.id(),
+            ranges: Vec::new(),
+            max_bytes: 0,
+            totals: false,
+            report,
+        };
+        self.call_master(g, req).await
+    }
+
+    async fn ask_bodies(
+        &self,
+        g: &QueueGroup,
+        plan: &Plan,
+        max_bytes: u32,
+        totals: bool,
+    ) -> Result<BodyChunk, NodeError> {
+        let ranges = plan.missing[..plan.missing.len().min(RANGES_PER_REQUEST)].to_vec();
+        let req = RpcRequest::Bodies {
+            group: g.meta.group,
+            from: self.id(),
+            ranges,
+            max_bytes,
+            totals,
+            report: Some(plan.progress(true)),
+        };
+        self.call_master(g, req).await
+    }
+
+    async fn call_master(&self, g: &QueueGroup, req: RpcRequest) -> Result<BodyChunk, NodeError> {
+        let master = g.raft.metrics().borrow().current_leader;
+        let Some(master) = master.filter(|m| *m != self.id()) else {
+            return Err(NodeError::NotLeader { leader: None });
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        match self.inner.call(master, &req, deadline).await {
+            Ok(RpcResponse::Bodies(r)) => r,
+            Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+            Err(e) => Err(NodeError::Unavailable(e.to_string())),
+        }
+    }
+
+    /// Start (`run`) or stop fetching the bodies the queue's mirrors lack:
+    /// the `sync` and `cancel_sync` actions. Every replica is told; a
+    /// replica that is down catches up by itself when it returns (it was a
+    /// member before, see [`new_mirror_key`]).
+    pub async fn sync_queue(&self, name: &str, run: bool) -> Result<(), NodeError> {
+        let q = self.find_queue(name).await?;
+        for r in &q.replicas {
+            if *r == self.id() {
+                self.inner.sync_control(q.group, run);
+                continue;
+            }
+            let deadline = Instant::now() + Duration::from_secs(2);
+            let req = RpcRequest::SyncControl { group: q.group, run };
+            if let Err(e) = self.inner.call(*r, &req, deadline).await {
+                tracing::warn!(queue = name, node = r, error = %e, "replica not told to sync");
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
+    pub(super) fn sync_control(&self, group: GroupId, run: bool) {
+        if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
+            g.sync_run.send_replace(run);
+        }
+    }
+
+    /// Master side of [`RpcRequest::Bodies`].
+    pub(super) async fn serve_bodies(
+        &self,
+        group: GroupId,
+        from: NodeId,
+        ranges: Vec<(u64, u64)>,
+        max_bytes: u32,
+        totals: bool,
+        report: Option<SyncProgress>,
+    ) -> Result<BodyChunk, NodeError> {
+        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        let Some(g) = g else { return Err(NodeError::NotLeader { leader: None }) };
+        if !g.is_leader(self.id) {
+            return Err(NodeError::NotLeader { leader: g.raft.metrics().borrow().current_leader });
+        }
+        let term = g.raft.metrics().borrow().current_term;
+        g.catching.write().expect("poisoned").record(term, from, report);
+        if ranges.is_empty() {
+            return Ok(BodyChunk { bodies: Vec::new(), next: None, applied: None, bytes_total: None });
+        }
+        let space = SmSpace::new(self.db.clone(), group);
+        let read = tokio::task::spawn_blocking(move || {
+            let total = if totals { Some(QueueMachine::bytes_in(&space, &ranges)?) } else { None };
+            let (bodies, next) = QueueMachine::read_bodies(&space, &ranges, max_bytes as usize)?;
+            // Read after the bodies, from the same store the applies write
+            // atomically with their removals: covers every body not found.
+            let applied = stored_applied(&space)?.map(|l| l.index);
+            Ok::<_, mirrorq_storage::StorageError>((bodies, next, total, applied))
+        })
+        .await
+        .map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        let (bodies, next, bytes_total, applied) = read.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        Ok(BodyChunk {
+            bodies: bodies.into_iter().map(|(seq, data)| Body { seq, data }).collect(),
+            next,
+            applied,
+            bytes_total,
+        })
+    }
+}

@@ -1,0 +1,119 @@
+//! Which message bodies a replica still lacks after installing a snapshot.
+//!
+//! A snapshot sent to a replica carries the queue's *index* (counters and
+//! the states of delivered and requeued messages) but no bodies: a deep
+//! queue's bodies are far too large to serialize under the state machine's
+//! lock, which would stop the queue while a mirror joins. The replica
+//! installs the index at once, records which held messages it has no body
+//! for (a [`Plan`]), and fetches those bodies from the master in chunks
+//! while the queue goes on (`node::catchup`). Until its plan is done the
+//! replica is not synchronised: confirms do not wait for it and it never
+//! stands for election, so it can never serve a message it does not have.
+//!
+//! With `ha-sync-mode: manual` the fetch waits for a `sync` action, so a new
+//! mirror holds only what was published after it joined (RabbitMQ's
+//! behaviour), and `cancel_sync` pauses it again.
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+/// Bodies a replica lacks, and how far fetching them has come.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Seq ranges `[start, end)`, ascending and disjoint, of messages this
+    /// replica's state holds but has no body for.
+    pub missing: Vec<(u64, u64)>,
+    pub msgs_total: u64,
+    pub msgs_done: u64,
+    pub bytes_done: u64,
+    /// Size of everything to fetch, as the master counted it (first chunk).
+    pub bytes_total: Option<u64>,
+}
+
+impl Plan {
+    /// Is `seq` among the messages without a body?
+    pub fn lacks(&self, seq: u64) -> bool {
+        let i = self.missing.partition_point(|(_, end)| *end <= seq);
+        self.missing.get(i).is_some_and(|(start, _)| *start <= seq)
+    }
+
+    /// Everything below `upto` has been fetched (or is gone at the master).
+    pub fn advance(&mut self, upto: u64) {
+        self.missing.retain_mut(|(start, end)| {
+            *start = (*start).max(upto);
+            start < end
+        });
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.missing.is_empty()
+    }
+
+    pub fn progress(&self, running: bool) -> SyncProgress {
+        SyncProgress {
+            msgs_done: self.msgs_done,
+            msgs_total: self.msgs_total,
+            bytes_done: self.bytes_done,
+            bytes_total: self.bytes_total,
+            running,
+        }
+    }
+}
+
+/// How a replica's catch-up stands, as reported to the master and the API.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncProgress {
+    pub msgs_done: u64,
+    pub msgs_total: u64,
+    pub bytes_done: u64,
+    pub bytes_total: Option<u64>,
+    /// Fetching now (false: a manual mirror waiting for `sync`, or cancelled).
+    pub running: bool,
+}
+
+/// The held seqs (never-delivered range `fresh` plus the `tracked` ones,
+/// delivered or requeued) that have no body in `present`, as ranges, and
+/// their number.
+pub fn missing_ranges(fresh: Range<u64>, tracked: &BTreeSet<u64>, present: &BTreeSet<u64>) -> (Vec<(u64, u64)>, u64) {
+    let held = tracked.range(..fresh.start).copied().chain(fresh.clone()).chain(tracked.range(fresh.start..).copied());
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut count = 0;
+    for seq in held.filter(|s| !present.contains(s)) {
+        count += 1;
+        match out.last_mut() {
+            Some((_, end)) if *end == seq => *end += 1,
+            _ => out.push((seq, seq + 1)),
+        }
+    }
+    (out, count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_ranges_cover_held_messages_without_bodies() {
+        let tracked = BTreeSet::from([2, 3, 40, 1 << 63]);
+        let present = BTreeSet::from([3, 12, 13, 99]);
+        let (ranges, n) = missing_ranges(10..15, &tracked, &present);
+        assert_eq!(ranges, vec![(2, 3), (10, 12), (14, 15), (40, 41), (1 << 63, (1 << 63) + 1)]);
+        assert_eq!(n, 6);
+        let (ranges, n) = missing_ranges(5..5, &BTreeSet::new(), &BTreeSet::new());
+        assert!(ranges.is_empty() && n == 0, "an empty queue lacks nothing");
+    }
+
+    #[test]
+    fn plan_knows_what_it_lacks_and_advances() {
+        let mut p = Plan { missing: vec![(2, 3), (10, 15), (40, 41)], ..Plan::default() };
+        assert!(p.lacks(2) && p.lacks(10) && p.lacks(14) && p.lacks(40));
+        assert!(!p.lacks(3) && !p.lacks(9) && !p.lacks(15) && !p.lacks(41));
+        p.advance(12);
+        assert_eq!(p.missing, vec![(12, 15), (40, 41)]);
+        assert!(!p.lacks(11));
+        p.advance(41);
+        assert!(p.is_done());
+    }
+}

@@ -1,0 +1,239 @@
+//! Synchronising new mirrors (`ha-sync-mode`), on live in-process clusters:
+//! a manual mirror holds only what was published after it joined and is
+//! not synchronised until `sync`; the sync runs while the queue is in use;
+//! `cancel_sync` pauses it; an unsynchronised mirror never becomes master.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{fast_timing, init_tracing, msg, policy, wait_until, Cluster};
+use mirrorq::{Node, QueueInfo};
+
+const KIB: usize = 1024;
+
+/// A cluster whose mirrors fetch `batch` bytes per request (small, so a
+/// sync takes many round trips and can be watched while it runs).
+async fn cluster(n: u64, batch: usize) -> Cluster {
+    Cluster::start_configured(n, fast_timing(Duration::from_secs(3)), |cfg| cfg.sync_batch_bytes = batch).await
+}
+
+/// Publish `n` messages `{prefix}{i}` of about 1 KiB, in batches.
+async fn publish_many(node: &Node, queue: &str, prefix: &str, n: usize) {
+    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
+        let msgs = chunk
+            .iter()
+            .map(|i| {
+                let mut b = format!("{prefix}{i}:").into_bytes();
+                b.resize(KIB, b'x');
+                msg(b)
+            })
+            .collect();
+        node.publish(queue, msgs).await.expect("publish confirmed");
+    }
+}
+
+fn body_names(msgs: &[mirrorq::Message]) -> BTreeSet<String> {
+    msgs.iter().map(|m| String::from_utf8_lossy(&m.body).split(':').next().unwrap().to_string()).collect()
+}
+
+/// Declare a one-replica queue under a manual policy, fill it, then grow
+/// it to two: the newcomer is the new mirror. Returns (master, mirror).
+async fn queue_with_new_manual_mirror(c: &Cluster, queue: &str, old: usize) -> (u64, u64) {
+    c.node(1)
+        .set_policy(policy("^man", r#"{"ha-mode":"exactly","ha-params":1,"ha-sync-mode":"manual"}"#))
+        .await
+        .unwrap();
+    let q = c.node(1).declare_queue(queue, vec![]).await.unwrap();
+    let master = q.replicas[0];
+    publish_many(c.node(1), queue, "old", old).await;
+    c.node(1)
+        .set_policy(policy("^man", r#"{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"manual"}"#))
+        .await
+        .unwrap();
+    let mut mirror = 0;
+    wait_until(Duration::from_secs(30), "the new mirror joins", || {
+        let replicas = c.node(1).metadata().queues[queue].replicas.clone();
+        mirror = replicas.iter().copied().find(|r| *r != master).unwrap_or(0);
+        mirror != 0 && c.node(master).queue_members(queue).is_some_and(|m| m.contains(&mirror))
+    })
+    .await;
+    (master, mirror)
+}
+
+async fn view(node: &Node, queue: &str) -> QueueInfo {
+    node.master_view(queue).await.expect("master answers")
+}
+
+async fn wait_view(node: &Node, queue: &str, what: &str, cond: impl Fn(&QueueInfo) -> bool) -> QueueInfo {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let v = view(node, queue).await;
+        if cond(&v) {
+            return v;
+        }
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for: {what}; last view {v:?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn manual_mirror_gets_only_new_messages_until_sync_which_runs_while_the_queue_is_used() {
+    init_tracing();
+    let c = cluster(3, 8 * KIB).await;
+    let (master, mirror) = queue_with_new_manual_mirror(&c, "man-q", 2000).await;
+    publish_many(c.node(1), "man-q", "new", 10).await;
+
+    // The mirror received the new messages and nothing published before it
+    // joined: neither in its state nor in its log.
+    let m = c.node(mirror).clone();
+    let mut held = BTreeSet::new();
+    for _ in 0..200 {
+        held = body_names(&m.local_messages("man-q").await.unwrap());
+        if held.len() == 10 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(held, (0..10).map(|i| format!("new{i}")).collect::<BTreeSet<_>>());
+
+    // Reported as behind and not synchronised, and it stays so without `sync`.
+    let v = wait_view(c.node(1), "man-q", "the mirror reports", |v| !v.catching_up.is_empty()).await;
+    assert_eq!(v.catching_up[0].0, mirror);
+    let p = v.catching_up[0].1;
+    assert_eq!((p.msgs_total, p.msgs_done, p.running), (2000, 0, false), "{p:?}");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let v = view(c.node(1), "man-q").await;
+    assert!(!v.synchronised.contains(&mirror), "manual mirror synchronised without sync: {v:?}");
+    assert_eq!(m.local_stored_count("man-q").unwrap(), 10);
+
+    // Sync, while a publisher and a consumer keep going.
+    let busy = Arc::new(AtomicBool::new(true));
+    let during = Arc::new(AtomicU64::new(0));
+    let load = {
+        let (node, busy, during) = (c.node(2).clone(), busy.clone(), during.clone());
+        tokio::spawn(async move {
+            let mut i = 0;
+            while busy.load(Ordering::Acquire) {
+                let before = view(&node, "man-q").await.catching_up.first().map(|(_, p)| *p);
+                node.publish("man-q", vec![msg(format!("during{i}:"))]).await.expect("publish during sync");
+                let got = node.get("man-q", 7, 1, true).await.expect("get during sync");
+                assert_eq!(got.len(), 1);
+                let after = view(&node, "man-q").await.catching_up.first().map(|(_, p)| *p);
+                // Both ends of the publish and the get inside a running sync.
+                if let (Some(b), Some(a)) = (before, after) {
+                    if b.running && a.running && b.msgs_done > 0 && a.msgs_done < a.msgs_total {
+                        during.fetch_add(1, Ordering::AcqRel);
+                    }
+                }
+                i += 1;
+            }
+            i
+        })
+    };
+    c.node(3).sync_queue("man-q", true).await.unwrap();
+    let v = wait_view(c.node(1), "man-q", "the mirror is synchronised", |v| {
+        v.synchronised.contains(&mirror) && v.catching_up.is_empty()
+    })
+    .await;
+    busy.store(false, Ordering::Release);
+    let rounds = load.await.unwrap();
+    assert!(
+        during.load(Ordering::Acquire) > 0,
+        "no publish and get completed while the sync ran ({rounds} rounds): {v:?}"
+    );
+
+    // The mirror now holds what the master holds, and can take over with it.
+    let (ready, _) = c.node(1).status("man-q").await.unwrap();
+    assert_eq!(m.local_stored_count("man-q").unwrap() as u64, ready);
+    let mut c = c;
+    c.crash(master).await;
+    let left = c.node(mirror).clone();
+    let mut got = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while got.len() < ready as usize {
+        match left.get("man-q", 9, 500, true).await {
+            Ok(d) => got.extend(d.into_iter().map(|d| d.message)),
+            Err(e) => {
+                assert!(std::time::Instant::now() < deadline, "synced mirror never served: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // The load took `rounds` messages from the head and added as many.
+    let names = body_names(&got);
+    let expected: BTreeSet<String> = (rounds..2000)
+        .map(|i| format!("old{i}"))
+        .chain((0..10).map(|i| format!("new{i}")))
+        .chain((0..rounds).map(|i| format!("during{i}")))
+        .collect();
+    assert_eq!(got.len(), expected.len());
+    assert_eq!(names, expected, "the synchronised mirror lacks messages after the failover");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancel_sync_pauses_and_an_unsynchronised_mirror_never_becomes_master() {
+    init_tracing();
+    let mut c = cluster(3, KIB).await;
+    let (master, mirror) = queue_with_new_manual_mirror(&c, "man-c", 1500).await;
+
+    c.node(1).sync_queue("man-c", true).await.unwrap();
+    wait_view(c.node(1), "man-c", "the sync makes progress", |v| {
+        v.catching_up.first().is_some_and(|(_, p)| p.running && p.msgs_done > 0)
+    })
+    .await;
+    c.node(1).sync_queue("man-c", false).await.unwrap();
+    let v = wait_view(c.node(1), "man-c", "the sync stops", |v| v.catching_up.first().is_some_and(|(_, p)| !p.running))
+        .await;
+    let paused = v.catching_up[0].1;
+    assert!(paused.msgs_done < paused.msgs_total, "finished before the cancel could count: {paused:?}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let v = view(c.node(1), "man-c").await;
+    assert_eq!(v.catching_up.first().map(|(_, p)| p.msgs_done), Some(paused.msgs_done), "kept fetching after cancel");
+    assert!(!v.synchronised.contains(&mirror));
+
+    // The master goes: the mirror lacks messages, so it must not take over,
+    // not by election and not by re-forming the group on its own.
+    c.crash(master).await;
+    let m = c.node(mirror).clone();
+    let waited = std::time::Instant::now();
+    while waited.elapsed() < Duration::from_secs(7) {
+        assert!(!m.is_master("man-c"), "an unsynchronised mirror became master");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(m.publish("man-c", vec![msg("x")]).await.is_err(), "served without a synchronised replica");
+
+    // Back: the old master leads again; the mirror finishes its sync.
+    c.restart(master).await;
+    c.master_of("man-c").await;
+    c.node(mirror).sync_queue("man-c", true).await.unwrap();
+    wait_view(c.node(1), "man-c", "synchronised after the master returned", |v| {
+        v.synchronised.contains(&mirror) && v.catching_up.is_empty()
+    })
+    .await;
+    assert_eq!(c.node(mirror).local_stored_count("man-c").unwrap(), 1500);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn switching_to_automatic_starts_a_waiting_mirror_by_itself() {
+    init_tracing();
+    let c = cluster(2, 64 * KIB).await;
+    let (_, mirror) = queue_with_new_manual_mirror(&c, "man-a", 500).await;
+    let v = wait_view(c.node(1), "man-a", "the mirror reports", |v| !v.catching_up.is_empty()).await;
+    assert!(!v.catching_up[0].1.running);
+    c.node(2)
+        .set_policy(policy("^man", r#"{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"automatic"}"#))
+        .await
+        .unwrap();
+    wait_view(c.node(1), "man-a", "synchronised without a sync action", |v| {
+        v.synchronised.contains(&mirror) && v.catching_up.is_empty()
+    })
+    .await;
+    assert_eq!(c.node(mirror).local_stored_count("man-a").unwrap(), 500);
+    c.shutdown().await;
+}
