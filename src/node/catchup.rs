@@ -125,10 +125,10 @@ impl Node {
             }
             let running = *run_rx.borrow_and_update() || !self.waits_for_sync(&g);
             if !running {
-                if last_report.is_none_or(|t| t.elapsed() >= REPORT_EVERY) {
-                    if self.report(&g, Some(plan.progress(false))).await.is_ok() {
-                        last_report = Some(Instant::now());
-                    }
+                if last_report.is_none_or(|t| t.elapsed() >= REPORT_EVERY)
+                    && self.report(&g, Some(plan.progress(false))).await.is_ok()
+                {
+                    last_report = Some(Instant::now());
                 }
                 tokio::select! {
                     _ = plan_rx.changed() => {}

@@ -55,6 +55,9 @@ fn body_key(seq: u64) -> [u8; 9] {
     k
 }
 
+/// Message bodies by seq, encoded as stored.
+pub type EncodedBodies = Vec<(u64, Vec<u8>)>;
+
 /// Counts published after every apply, for the API and metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QueueStats {
@@ -126,7 +129,7 @@ impl QueueMachine {
         space: &SmSpace,
         ranges: &[(u64, u64)],
         max_bytes: usize,
-    ) -> Result<(Vec<(u64, Vec<u8>)>, Option<u64>), StorageError> {
+    ) -> Result<(EncodedBodies, Option<u64>), StorageError> {
         let mut out = Vec::new();
         let mut bytes = 0;
         for (start, end) in ranges {
