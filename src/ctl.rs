@@ -42,9 +42,6 @@ impl Client {
                 let v: Value = r.into_json().unwrap_or(Value::Null);
                 let reason = v["reason"].as_str().unwrap_or("").to_string();
                 Err(CtlError::Api(match code {
-                    404 if path.contains("rebalance") => {
-                        format!("{path}: not supported by this server yet (404)")
-                    }
                     _ => format!("{method} {path}: {code} {} {reason}", v["error"].as_str().unwrap_or("")),
                 }))
             }
@@ -168,8 +165,19 @@ pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
             return Ok(format!("sync of {name} cancelled"));
         }
         CtlCommand::Rebalance => {
-            c.call("POST", "/api/rebalance/queues", Some(&json!({})))?;
-            return Ok("rebalance started".into());
+            let v = c.call("POST", "/api/rebalance/queues", Some(&json!({})))?;
+            let moves = v["moves"].as_array().cloned().unwrap_or_default();
+            let failed: Vec<String> = moves
+                .iter()
+                .filter(|m| !m["error"].is_null())
+                .map(|m| format!("{}: {}", m["queue"].as_str().unwrap_or("?"), m["error"].as_str().unwrap_or("?")))
+                .collect();
+            let mut out =
+                format!("rebalanced: {} of {} planned master moves done", moves.len() - failed.len(), moves.len());
+            for f in failed {
+                out.push_str(&format!("\nnot moved: {f}"));
+            }
+            return Ok(out);
         }
         CtlCommand::ExportDefinitions { file } => {
             let v = c.call("GET", "/api/definitions", None)?;

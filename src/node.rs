@@ -39,6 +39,7 @@ use crate::raft::types::{GroupId, LogStore, NodeId, Raft, Request, Response, MET
 
 mod catchup;
 mod failover;
+mod rebalance;
 
 /// Everything a node needs to start.
 #[derive(Debug, Clone)]
@@ -195,6 +196,9 @@ struct Inner {
     /// Set once a graceful stop starts handing masterships over: no replica
     /// here stands for election any more.
     leaving: AtomicBool,
+    /// Groups whose replica here must not stand for election until then
+    /// (it just handed mastership over in a rebalance).
+    quiet: Mutex<HashMap<GroupId, Instant>>,
     stop: CancellationToken,
 }
 
@@ -308,6 +312,7 @@ impl Node {
             reach: Mutex::default(),
             down: sync::Down::default(),
             leaving: AtomicBool::new(false),
+            quiet: Mutex::default(),
             stop: CancellationToken::new(),
         });
 
@@ -1220,7 +1225,7 @@ impl Node {
         if pristine && epoch == Epoch::default() && !q.initial.contains(&self.id()) {
             db.put_node_value(&catchup::new_mirror_key(q.group), &[])?;
         }
-        if group.plan.borrow().is_some() {
+        if group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
             raft.runtime_config().elect(false);
         }
         self.spawn_catch_up(group);
@@ -1395,8 +1400,14 @@ impl Inner {
                 self.sync_control(group, run);
                 RpcResponse::Done
             }
-            RpcRequest::Elect { group, leaving } => {
-                self.down.write().expect("poisoned").insert(leaving);
+            RpcRequest::MoveMaster { group, to } => {
+                let node = Node { inner: self };
+                RpcResponse::Moved(node.move_master(group, to).await)
+            }
+            RpcRequest::Elect { group, from, leaving } => {
+                if leaving {
+                    self.down.write().expect("poisoned").insert(from);
+                }
                 if let Some(r) = self.raft_of(group) {
                     // The other mirrors refuse votes until the lease of the
                     // old master's last heartbeat runs out: keep standing
@@ -1406,7 +1417,7 @@ impl Inner {
                     tokio::spawn(async move {
                         while Instant::now() < until {
                             let m = r.metrics().borrow().clone();
-                            if m.current_leader.is_some_and(|l| l != leaving) || m.state == ServerState::Leader {
+                            if m.current_leader.is_some_and(|l| l != from) || m.state == ServerState::Leader {
                                 return;
                             }
                             if m.state != ServerState::Candidate {

@@ -51,6 +51,7 @@ pub fn router(node: Node) -> Router {
         .route("/api/queues/{vhost}/{name}/contents", delete(purge_queue))
         .route("/api/queues/{vhost}/{name}/get", post(get_messages))
         .route("/api/queues/{vhost}/{name}/actions", post(queue_action))
+        .route("/api/rebalance/queues", post(rebalance))
         .route("/api/exchanges", get(list_exchanges))
         .route("/api/exchanges/{vhost}/{name}/publish", post(publish))
         .route("/api/bindings", get(list_bindings))
@@ -328,6 +329,20 @@ async fn delete_queue(
     vhost_ok(&vhost)?;
     node.delete_queue(&name).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Move masters of mirrored queues so every node has within one of the
+/// others (RabbitMQ answers at once and works in the background; we answer
+/// when done, with what moved).
+async fn rebalance(State(node): State<Node>) -> Result<Json<Value>, ApiError> {
+    let moves = node.rebalance().await?;
+    let meta = node.metadata();
+    let name_of = |id: u64| meta.nodes.get(&id).map(|n| n.name.clone()).unwrap_or_else(|| format!("mirrorq@{id}"));
+    let moves: Vec<Value> = moves
+        .into_iter()
+        .map(|m| json!({"queue": m.queue, "from": name_of(m.from), "to": name_of(m.to), "error": m.error}))
+        .collect();
+    Ok(Json(json!({ "moves": moves })))
 }
 
 /// `{"action":"sync"}` or `{"action":"cancel_sync"}`: start or stop the

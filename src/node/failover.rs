@@ -98,13 +98,13 @@ fn publishes(e: &Entry<TypeConfig>) -> (Origin, Vec<(&Message, bool)>) {
 }
 
 /// Marks a group busy (re-forming or healing) until dropped.
-struct Busy<'a> {
+pub(super) struct Busy<'a> {
     inner: &'a Inner,
     group: GroupId,
 }
 
 impl<'a> Busy<'a> {
-    fn take(inner: &'a Inner, group: GroupId) -> Option<Self> {
+    pub(super) fn take(inner: &'a Inner, group: GroupId) -> Option<Self> {
         inner.busy.lock().expect("poisoned").insert(group).then_some(Busy { inner, group })
     }
 }
@@ -225,7 +225,8 @@ impl Node {
                 // A replica still fetching bodies never stands: it cannot
                 // serve what it does not have.
                 let complete = g.plan.borrow().is_none();
-                g.raft.runtime_config().elect(complete && (senior_voter == Some(self.id()) || leaderless_long));
+                let may = complete && !self.inner.is_quiet(q.group);
+                g.raft.runtime_config().elect(may && (senior_voter == Some(self.id()) || leaderless_long));
             }
 
             // Re-form: no majority reachable for the failure timeout, the
@@ -540,7 +541,7 @@ impl Node {
     /// about one election timeout instead of after failure detection.
     pub(super) async fn hand_over(&self, successors: Vec<(GroupId, NodeId)>) {
         let calls = successors.into_iter().map(|(group, next)| async move {
-            let req = RpcRequest::Elect { group, leaving: self.id() };
+            let req = RpcRequest::Elect { group, from: self.id(), leaving: true };
             let asked = self.inner.call(next, &req, Instant::now() + Duration::from_secs(1)).await;
             match asked {
                 Ok(RpcResponse::Done) => tracing::info!(group, successor = next, "mastership handed over"),

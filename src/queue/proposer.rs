@@ -42,6 +42,8 @@ pub struct Proposer {
     tx: mpsc::Sender<Pending>,
     /// `ha-min-synchronised` (0: none), set from the effective policy.
     min_sync: Arc<AtomicUsize>,
+    /// In-flight entry slots; holding all of them stops new entries.
+    slots: Arc<Semaphore>,
 }
 
 fn approx_size(cmds: &[QueueCmd]) -> usize {
@@ -65,15 +67,17 @@ impl Proposer {
         let (tx, mut rx) = mpsc::channel::<Pending>(65536);
         let min_sync = Arc::new(AtomicUsize::new(0));
         let min = min_sync.clone();
+        let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+        let task_slots = slots.clone();
         tokio::spawn(async move {
-            let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+            let slots = task_slots;
             loop {
                 let permit = tokio::select! {
-                    _ = stop.cancelled() => return,
+                    _ = stop.cancelled() => return refuse_waiting(&mut rx),
                     p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
                 };
                 let first = tokio::select! {
-                    _ = stop.cancelled() => return,
+                    _ = stop.cancelled() => return refuse_waiting(&mut rx),
                     p = rx.recv() => match p { Some(p) => p, None => return },
                 };
                 let (mut n, mut bytes) = (first.cmds.len(), approx_size(&first.cmds));
@@ -101,7 +105,15 @@ impl Proposer {
                 }
             }
         });
-        Self { tx, min_sync }
+        Self { tx, min_sync, slots }
+    }
+
+    /// Stop proposing: resolves once every entry in flight has been
+    /// answered (committed, and confirmed for publishes); operations
+    /// submitted meanwhile wait until the returned permit is dropped, or are
+    /// refused with `NotLeader` if the group stops first.
+    pub async fn hold(&self) -> tokio::sync::OwnedSemaphorePermit {
+        self.slots.clone().acquire_many_owned(MAX_IN_FLIGHT as u32).await.expect("semaphore never closed")
     }
 
     pub fn set_min_synchronised(&self, n: usize) {
@@ -120,6 +132,15 @@ impl Proposer {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Pending { cmds, reply }).await.map_err(|_| NodeError::Stopped)?;
         Ok(rx)
+    }
+}
+
+/// The group stopped here: operations never proposed are refused with
+/// `NotLeader`, so their callers retry at the queue's new master.
+fn refuse_waiting(rx: &mut mpsc::Receiver<Pending>) {
+    rx.close();
+    while let Ok(p) = rx.try_recv() {
+        let _ = p.reply.send(Err(NodeError::NotLeader { leader: None }));
     }
 }
 

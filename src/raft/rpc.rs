@@ -97,11 +97,20 @@ pub enum RpcRequest {
         group: GroupId,
         run: bool,
     },
-    /// A stopping master asks its successor to stand for election now.
+    /// A master handing over (stopping, or a rebalance) asks its successor
+    /// to stand for election now.
     Elect {
         group: GroupId,
-        /// The stopping master: confirms need not wait for it.
-        leaving: NodeId,
+        /// The master handing over.
+        from: NodeId,
+        /// It is stopping: confirms need not wait for it.
+        leaving: bool,
+    },
+    /// Hand mastership of `group` over to `to` (a rebalance), answered once
+    /// `to` leads or the move failed.
+    MoveMaster {
+        group: GroupId,
+        to: NodeId,
     },
 }
 
@@ -124,6 +133,7 @@ pub enum RpcResponse {
     NewerEpoch(Epoch),
     Fork(Option<ForkRecord>),
     Bodies(Result<BodyChunk, NodeError>),
+    Moved(Result<(), NodeError>),
     Done,
 }
 

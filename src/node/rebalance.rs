@@ -1,0 +1,235 @@
+//! Rebalancing masters over the nodes (`mirrorq ctl rebalance`), and moving
+//! one queue's mastership to a chosen mirror.
+//!
+//! openraft 0.9 has no leadership transfer, and its leader lease makes every
+//! member refuse votes while the master's heartbeats are recent. A move
+//! therefore goes: the master stops proposing and waits until the successor
+//! has its whole log (and every confirm in flight is answered); it stops its
+//! replica, records on disk its vote for the successor in the next term,
+//! and starts the replica again: a follower that has already granted that
+//! vote, which no lease prevents. Asked to stand, the successor wins with
+//! that vote (plus its own: a majority of up to three voters) at once.
+//! Operations arriving meanwhile wait, then go to the new master.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use openraft::storage::RaftLogStorage;
+use openraft::Vote;
+use serde::Serialize;
+
+use super::failover::Busy;
+use super::Node;
+use crate::error::NodeError;
+use crate::raft::rpc::{RpcRequest, RpcResponse};
+use crate::raft::types::{GroupId, LogStore, NodeId};
+
+/// One mastership move of a rebalance, and how it went.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Move {
+    pub queue: String,
+    pub from: NodeId,
+    pub to: NodeId,
+    /// `None`: moved; otherwise why not.
+    pub error: Option<String>,
+}
+
+/// Moves `(queue, from, to)` after which every node masters within one
+/// queue of every other node, as far as where the replicas are allows.
+/// `queues`: each mirrored queue's master and replicas. Deterministic.
+pub fn plan_moves(
+    queues: &BTreeMap<String, (NodeId, Vec<NodeId>)>,
+    nodes: &BTreeSet<NodeId>,
+) -> Vec<(String, NodeId, NodeId)> {
+    let mut master: BTreeMap<&str, NodeId> = queues.iter().map(|(q, (m, _))| (q.as_str(), *m)).collect();
+    let mut count: BTreeMap<NodeId, usize> = nodes.iter().map(|n| (*n, 0)).collect();
+    for m in master.values() {
+        *count.entry(*m).or_default() += 1;
+    }
+    let mut moves = Vec::new();
+    // Each move lowers the spread; a queue moves at most once.
+    let mut moved: BTreeSet<&str> = BTreeSet::new();
+    loop {
+        let mut by_load: Vec<(NodeId, usize)> = count.iter().map(|(n, c)| (*n, *c)).collect();
+        by_load.sort_by_key(|(n, c)| (std::cmp::Reverse(*c), *n));
+        let mut step = None;
+        'busiest: for (from, c) in &by_load {
+            for (q, (_, replicas)) in queues {
+                if master[q.as_str()] != *from || moved.contains(q.as_str()) {
+                    continue;
+                }
+                let to = replicas
+                    .iter()
+                    .filter(|r| *r != from && count.get(r).is_some_and(|rc| rc + 1 < *c))
+                    .min_by_key(|r| (count[r], **r));
+                if let Some(to) = to {
+                    step = Some((q.as_str(), *from, *to));
+                    break 'busiest;
+                }
+            }
+        }
+        let Some((q, from, to)) = step else { return moves };
+        *count.get_mut(&from).expect("counted") -= 1;
+        *count.get_mut(&to).expect("counted") += 1;
+        master.insert(q, to);
+        moved.insert(q);
+        moves.push((q.to_string(), from, to));
+    }
+}
+
+impl Node {
+    /// Move masters so that every node masters within one mirrored queue of
+    /// every other (as far as replica placement allows). Safe while clients
+    /// publish: each move pauses its queue for a moment, loses nothing.
+    pub async fn rebalance(&self) -> Result<Vec<Move>, NodeError> {
+        let meta = self.metadata();
+        let mut queues = BTreeMap::new();
+        for q in meta.queues.values().filter(|q| q.replicas.len() > 1) {
+            if let Some(master) = self.master_view(&q.name).await.ok().and_then(|v| v.leader) {
+                queues.insert(q.name.clone(), (master, q.replicas.clone()));
+            }
+        }
+        let nodes: BTreeSet<NodeId> = meta.nodes.keys().copied().collect();
+        let planned = plan_moves(&queues, &nodes);
+        tracing::info!(moves = planned.len(), "rebalancing masters");
+        let moves = planned.into_iter().map(|(queue, from, to)| {
+            let group = meta.queues.get(&queue).map(|q| q.group);
+            async move {
+                let result = match group {
+                    None => Err(NodeError::NoSuchQueue(queue.clone())),
+                    Some(group) if from == self.id() => self.move_master(group, to).await,
+                    Some(group) => {
+                        let deadline = Instant::now() + Duration::from_secs(20);
+                        match self.inner.call(from, &RpcRequest::MoveMaster { group, to }, deadline).await {
+                            Ok(RpcResponse::Moved(r)) => r,
+                            Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+                            Err(e) => Err(NodeError::Unavailable(e.to_string())),
+                        }
+                    }
+                };
+                if let Err(e) = &result {
+                    tracing::warn!(queue, from, to, error = %e, "master not moved");
+                }
+                Move { queue, from, to, error: result.err().map(|e| e.to_string()) }
+            }
+        });
+        // A few at a time: each move's pause is short, the disk is shared.
+        use futures::StreamExt;
+        Ok(futures::stream::iter(moves).buffer_unordered(4).collect().await)
+    }
+
+    /// Hand this node's mastership of `group` to the voter `to`.
+    pub(super) async fn move_master(&self, group: GroupId, to: NodeId) -> Result<(), NodeError> {
+        let me = self.id();
+        let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
+        let Some(g) = g.filter(|g| g.is_leader(me)) else {
+            return Err(NodeError::NotLeader { leader: None });
+        };
+        if !g.sync.borrow().synchronised.contains(&to) || to == me {
+            return Err(NodeError::Invalid(format!("node {to} is not a synchronised mirror of '{}'", g.meta.name)));
+        }
+        let Some(busy) = Busy::take(&self.inner, group) else {
+            return Err(NodeError::Unavailable("the queue is being re-formed or healed".into()));
+        };
+        let limit = Duration::from_secs(3);
+        let hold = tokio::time::timeout(limit, g.proposer.hold())
+            .await
+            .map_err(|_| NodeError::Unavailable("operations in flight did not finish".into()))?;
+        let caught_up = g
+            .raft
+            .wait(Some(limit))
+            .metrics(
+                |m| {
+                    let last = m.last_log_index;
+                    let theirs = m.replication.as_ref().and_then(|r| r.get(&to).cloned().flatten()).map(|l| l.index);
+                    m.last_applied.map(|l| l.index) == last && theirs == last
+                },
+                "successor has the whole log",
+            )
+            .await
+            .map_err(|_| NodeError::Unavailable(format!("node {to} did not catch up in time")))?;
+        let term = caught_up.current_term;
+
+        // From here on the move goes through even if the successor fails
+        // to win: someone else then leads, and nothing was lost.
+        self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
+        self.inner.groups.write().expect("poisoned").remove(&group);
+        g.stop.cancel();
+        let _ = g.raft.shutdown().await;
+        drop(hold);
+        let mut log = LogStore::new(self.inner.db.clone(), group);
+        log.save_vote(&Vote::new(term + 1, to)).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        let state = self.metadata();
+        let q = state.queue_by_group(group).cloned().ok_or_else(|| NodeError::NoSuchQueue(g.meta.name.clone()))?;
+        self.start_group(q, &state).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        drop(busy);
+
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let _ = self.inner.call(to, &RpcRequest::Elect { group, from: me, leaving: false }, deadline).await;
+        let raft = self.inner.raft_of(group).ok_or(NodeError::Stopped)?;
+        let moved = raft
+            .wait(Some(self.inner.timing.election_max * 3))
+            .metrics(|m| m.current_leader.is_some_and(|l| l != me), "a new master")
+            .await
+            .map_err(|_| NodeError::Unavailable("no new master in time".into()))?;
+        self.inner.quiet.lock().expect("poisoned").remove(&group);
+        match moved.current_leader {
+            Some(l) if l == to => {
+                tracing::info!(queue = %g.meta.name, from = me, to, "master moved");
+                Ok(())
+            }
+            other => Err(NodeError::Unavailable(format!("mastership went to {other:?} instead"))),
+        }
+    }
+}
+
+impl super::Inner {
+    pub(super) fn is_quiet(&self, group: GroupId) -> bool {
+        self.quiet.lock().expect("poisoned").get(&group).is_some_and(|t| Instant::now() < *t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queues(spec: &[(&str, NodeId, &[NodeId])]) -> BTreeMap<String, (NodeId, Vec<NodeId>)> {
+        spec.iter().map(|(q, m, r)| (q.to_string(), (*m, r.to_vec()))).collect()
+    }
+
+    fn spread(
+        q: &BTreeMap<String, (NodeId, Vec<NodeId>)>,
+        moves: &[(String, NodeId, NodeId)],
+        nodes: &[NodeId],
+    ) -> usize {
+        let mut count: BTreeMap<NodeId, usize> = nodes.iter().map(|n| (*n, 0)).collect();
+        for (name, (m, _)) in q {
+            let m = moves.iter().find(|(q, _, _)| q == name).map_or(*m, |(_, _, to)| *to);
+            *count.get_mut(&m).unwrap() += 1;
+        }
+        count.values().max().unwrap() - count.values().min().unwrap()
+    }
+
+    #[test]
+    fn all_on_one_node_spreads_to_within_one() {
+        let all: &[NodeId] = &[1, 2, 3];
+        let names: Vec<String> = (0..30).map(|i| format!("q{i:02}")).collect();
+        let q = queues(&names.iter().map(|n| (n.as_str(), 1, all)).collect::<Vec<_>>());
+        let nodes = BTreeSet::from([1, 2, 3]);
+        let moves = plan_moves(&q, &nodes);
+        assert_eq!(moves.len(), 20);
+        assert_eq!(spread(&q, &moves, all), 0);
+        assert_eq!(plan_moves(&q, &nodes), moves, "deterministic");
+    }
+
+    #[test]
+    fn balanced_or_pinned_queues_do_not_move() {
+        let q = queues(&[("a", 1, &[1, 2]), ("b", 2, &[2, 3]), ("c", 3, &[3, 1]), ("d", 1, &[1, 2])]);
+        assert!(plan_moves(&q, &BTreeSet::from([1, 2, 3])).is_empty(), "spread 1 already");
+        // Replicas only on nodes 1 and 2: node 3 cannot take any.
+        let q = queues(&[("a", 1, &[1, 2]), ("b", 1, &[1, 2]), ("c", 1, &[1, 2]), ("d", 1, &[1, 2])]);
+        let moves = plan_moves(&q, &BTreeSet::from([1, 2, 3]));
+        assert_eq!(moves.len(), 2);
+        assert!(moves.iter().all(|(_, from, to)| *from == 1 && *to == 2));
+    }
+}
