@@ -64,6 +64,11 @@ pub enum CtlCommand {
         name: String,
     },
     Rebalance,
+    /// Remove a stopped node from the cluster for good (its replicas move
+    /// elsewhere as policies say): NAME as shown by cluster-status.
+    ForgetNode {
+        name: String,
+    },
     ExportDefinitions {
         file: PathBuf,
     },
@@ -140,6 +145,10 @@ pub struct ServeArgs {
     /// same on every node. Ignored once the data dir holds a cluster.
     #[arg(long, env = "MIRRORQ_CLUSTER")]
     pub cluster: Option<String>,
+    /// Join a running cluster through this member's raft address (a node
+    /// with an empty data dir; ignored once the data dir holds a cluster).
+    #[arg(long, env = "MIRRORQ_JOIN", conflicts_with = "cluster")]
+    pub join: Option<String>,
     /// Seconds a lagging mirror may fall behind before confirms stop waiting
     /// for it [default: 5]
     #[arg(long, env = "MIRRORQ_SYNC_TIMEOUT")]

@@ -29,6 +29,7 @@ pub struct FileConfig {
     #[serde(alias = "raft_listen")]
     pub raft_listen: Option<String>,
     pub cluster: Option<String>,
+    pub join: Option<String>,
     #[serde(alias = "sync_timeout")]
     pub sync_timeout: Option<f64>,
     #[serde(alias = "failure_timeout")]
@@ -86,6 +87,10 @@ impl ServeConfig {
         }
         if let Some(c) = args.cluster.clone().or(file.cluster) {
             node.cluster = parse_cluster(&c).map_err(|e| ServerError::Config(format!("--cluster: {e}")))?;
+        }
+        node.join = args.join.clone().or(file.join);
+        if node.join.is_some() && !node.cluster.is_empty() {
+            return Err(ServerError::Config("--join and --cluster exclude each other".into()));
         }
         if let Some(s) = args.sync_timeout.or(file.sync_timeout) {
             if !(s.is_finite() && s > 0.0) {

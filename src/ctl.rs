@@ -164,6 +164,10 @@ pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
             c.call("POST", &format!("/api/queues/%2F/{}/actions", enc(name)), Some(&json!({"action": "cancel_sync"})))?;
             return Ok(format!("sync of {name} cancelled"));
         }
+        CtlCommand::ForgetNode { name } => {
+            c.call("DELETE", &format!("/api/nodes/{}", enc(name)), None)?;
+            return Ok(format!("node {name} forgotten"));
+        }
         CtlCommand::Rebalance => {
             let v = c.call("POST", "/api/rebalance/queues", Some(&json!({})))?;
             let moves = v["moves"].as_array().cloned().unwrap_or_default();

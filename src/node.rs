@@ -39,6 +39,7 @@ use crate::raft::types::{GroupId, LogStore, NodeId, Raft, Request, Response, MET
 
 mod catchup;
 mod failover;
+mod members;
 mod rebalance;
 
 /// Everything a node needs to start.
@@ -54,6 +55,9 @@ pub struct NodeConfig {
     /// Initial members of a new cluster (id -> raft address). Empty: this node
     /// alone. Ignored once the data dir holds a cluster.
     pub cluster: BTreeMap<NodeId, String>,
+    /// Join a running cluster through this member (raft address) instead of
+    /// founding one. Ignored once the data dir holds a cluster.
+    pub join: Option<String>,
     pub timing: Timing,
     /// sled page cache in bytes.
     pub cache_bytes: u64,
@@ -99,6 +103,7 @@ impl NodeConfig {
             data_dir: data_dir.into(),
             raft_listen: raft_listen.into(),
             cluster: BTreeMap::new(),
+            join: None,
             timing: Timing::default(),
             cache_bytes: DbOptions::default().cache_bytes,
             sync_batch_bytes: 1 << 20,
@@ -318,7 +323,9 @@ impl Node {
 
         tokio::spawn(server::serve(listener, inner.clone(), inner.stop.clone()));
 
-        if !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))? {
+        let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
+        let joining = pristine && cfg.join.is_some();
+        if pristine && !joining {
             let mut members: BTreeMap<NodeId, BasicNode> =
                 cfg.cluster.iter().map(|(id, a)| (*id, BasicNode { addr: a.clone() })).collect();
             if members.is_empty() {
@@ -335,6 +342,9 @@ impl Node {
         }
 
         let node = Node { inner };
+        if let (true, Some(via)) = (joining, cfg.join.clone()) {
+            node.spawn_join(via);
+        }
         node.spawn_reconciler();
         node.spawn_epoch_watch(news_rx);
         node.spawn_registration();
@@ -1399,6 +1409,14 @@ impl Inner {
             RpcRequest::SyncControl { group, run } => {
                 self.sync_control(group, run);
                 RpcResponse::Done
+            }
+            RpcRequest::Join { info } => {
+                let node = Node { inner: self };
+                RpcResponse::Member(node.admit(info).await)
+            }
+            RpcRequest::Forget { id } => {
+                let node = Node { inner: self };
+                RpcResponse::Member(node.forget_locally(id).await)
             }
             RpcRequest::MoveMaster { group, to } => {
                 let node = Node { inner: self };

@@ -175,6 +175,12 @@ async fn mirrored_queue_publish_and_get() {
     assert_eq!(q["slave_nodes"].as_array().unwrap().len(), 2, "{q}");
     assert_eq!(q["synchronised_slave_nodes"].as_array().unwrap().len(), 2, "{q}");
     assert_eq!(q["sync_progress"], json!([]), "nobody is catching up: {q}");
+    let (s, r) = api.call(2, "POST", "/api/rebalance/queues", Some("{}")).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(r["moves"].as_array().unwrap().iter().all(|m| m["error"].is_null()), "{r}");
+    assert_error(&api.call(1, "DELETE", "/api/nodes/mirrorq@9", None).await, 404, "");
+    assert_error(&api.call(1, "DELETE", "/api/nodes/mirrorq@1", None).await, 400, "itself");
+    assert_error(&api.call(1, "DELETE", "/api/nodes/mirrorq@2", None).await, 400, "running");
 
     let actions = "/api/queues/%2F/ha-queue-demo/actions";
     assert_eq!(api.call(2, "POST", actions, Some(r#"{"action":"sync"}"#)).await.0, 204);

@@ -67,6 +67,9 @@ async fn ctl_commands() {
         assert!(ok(&ctl(port, &["sync-queue", "ha.one"])).contains("sync of ha.one started"));
         assert!(ok(&ctl(port, &["cancel-sync-queue", "ha.one"])).contains("sync of ha.one cancelled"));
         fails(&ctl(port, &["sync-queue", "no.such.queue"]), "404");
+        assert!(ok(&ctl(port, &["rebalance"])).contains("rebalanced: 0 of 0"));
+        fails(&ctl(port, &["forget-node", "mirrorq@9"]), "404");
+        fails(&ctl(port, &["forget-node", "mirrorq@1"]), "itself");
         let file = std::env::temp_dir().join(format!("mirrorq-defs-{}.json", std::process::id()));
         let f = file.to_str().unwrap();
         assert!(ok(&ctl(port, &["export-definitions", f])).contains("written"));

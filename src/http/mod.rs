@@ -42,6 +42,7 @@ pub fn router(node: Node) -> Router {
         .route("/api/overview", get(overview))
         .route("/api/health/checks/alarms", get(health))
         .route("/api/nodes", get(nodes))
+        .route("/api/nodes/{name}", delete(forget_node))
         .route("/api/policies", get(list_policies))
         .route("/api/policies/{vhost}", get(list_policies_in))
         .route("/api/policies/{vhost}/{name}", get(get_policy).put(put_policy).delete(delete_policy))
@@ -328,6 +329,12 @@ async fn delete_queue(
 ) -> Result<StatusCode, ApiError> {
     vhost_ok(&vhost)?;
     node.delete_queue(&name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Remove a stopped node from the cluster (`rabbitmqctl forget_cluster_node`).
+async fn forget_node(State(node): State<Node>, Path(name): Path<String>) -> Result<StatusCode, ApiError> {
+    node.forget_node(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

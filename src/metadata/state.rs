@@ -56,6 +56,12 @@ pub struct MetaState {
 pub enum MetaCmd {
     /// A node announces its name and address (idempotent).
     RegisterNode(NodeInfo),
+    /// A node leaves the cluster for good: its replicas are dropped (and
+    /// replaced where a policy says so). Refused if it holds a queue's only
+    /// replica.
+    ForgetNode {
+        id: NodeId,
+    },
     /// Create a queue unless one of that name exists (then answer it as is).
     /// Empty `replicas`: placed by the effective policy, the master chosen by
     /// the locator (`declared_on` for client-local).
@@ -118,6 +124,25 @@ impl MetaState {
                 if new {
                     self.replace_all();
                 }
+                MetaReply::Ok
+            }
+            MetaCmd::ForgetNode { id } => {
+                if !self.nodes.contains_key(id) {
+                    return MetaReply::NotFound;
+                }
+                let only: Vec<&str> =
+                    self.queues.values().filter(|q| q.replicas == [*id]).map(|q| q.name.as_str()).collect();
+                if !only.is_empty() {
+                    return MetaReply::Conflict(format!(
+                        "node {id} holds the only replica of queue(s) {}; delete or mirror them first",
+                        only.join(", ")
+                    ));
+                }
+                self.nodes.remove(id);
+                for q in self.queues.values_mut() {
+                    q.replicas.retain(|r| r != id);
+                }
+                self.replace_all();
                 MetaReply::Ok
             }
             MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator, exclusive_owner, auto_delete } => {

@@ -4,7 +4,7 @@
 //! handing over mastership on a graceful stop. The reasoning is in
 //! `docs/reliability.md`; the epoch rules in `queue::epoch`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -97,21 +97,26 @@ fn publishes(e: &Entry<TypeConfig>) -> (Origin, Vec<(&Message, bool)>) {
     (origin, msgs)
 }
 
-/// Marks a group busy (re-forming or healing) until dropped.
+/// Marks a group busy (re-forming, healing, moving its master) until dropped.
 pub(super) struct Busy<'a> {
-    inner: &'a Inner,
+    set: &'a std::sync::Mutex<HashSet<GroupId>>,
     group: GroupId,
 }
 
 impl<'a> Busy<'a> {
-    pub(super) fn take(inner: &'a Inner, group: GroupId) -> Option<Self> {
-        inner.busy.lock().expect("poisoned").insert(group).then_some(Busy { inner, group })
+    /// `None` if someone else has the group.
+    pub(super) fn take(set: &'a std::sync::Mutex<HashSet<GroupId>>, group: GroupId) -> Option<Self> {
+        // Not `then_some`: it would build (and drop) a `Busy` even when the
+        // group is taken, and that drop would lock `set` again while this
+        // lock is held (a deadlock) and free the other holder's claim.
+        let fresh = set.lock().expect("poisoned").insert(group);
+        fresh.then(|| Busy { set, group })
     }
 }
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
-        self.inner.busy.lock().expect("poisoned").remove(&self.group);
+        self.set.lock().expect("poisoned").remove(&self.group);
     }
 }
 
@@ -248,7 +253,7 @@ impl Node {
     /// its whole log (committed or not: anything may have been confirmed).
     async fn reform(&self, g: Arc<QueueGroup>, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
         let group = q.group;
-        let Some(_busy) = Busy::take(&self.inner, group) else { return Ok(()) };
+        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return Ok(()) };
         self.inner.groups.write().expect("poisoned").remove(&group);
         g.stop.cancel();
         let _ = g.raft.shutdown().await;
@@ -317,7 +322,7 @@ impl Node {
     /// epoch lacks, wipe our replica and rejoin the epoch as a new mirror.
     async fn heal(&self, news: EpochNews) {
         let group = news.group;
-        let Some(_busy) = Busy::take(&self.inner, group) else { return };
+        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
         let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
         if g.epoch >= news.epoch {
             return;
@@ -549,5 +554,22 @@ impl Node {
             }
         });
         futures::future::join_all(calls).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_claim_leaves_the_holder_alone() {
+        let set = std::sync::Mutex::new(HashSet::new());
+        let first = Busy::take(&set, 7).expect("free");
+        // Before the fix this call deadlocked on `set`.
+        assert!(Busy::take(&set, 7).is_none());
+        assert!(set.lock().unwrap().contains(&7), "the refused claim freed the holder's");
+        assert!(Busy::take(&set, 8).is_some(), "other groups are free");
+        drop(first);
+        assert!(set.lock().unwrap().is_empty());
     }
 }

@@ -128,7 +128,7 @@ impl Node {
         if !g.sync.borrow().synchronised.contains(&to) || to == me {
             return Err(NodeError::Invalid(format!("node {to} is not a synchronised mirror of '{}'", g.meta.name)));
         }
-        let Some(busy) = Busy::take(&self.inner, group) else {
+        let Some(busy) = Busy::take(&self.inner.busy, group) else {
             return Err(NodeError::Unavailable("the queue is being re-formed or healed".into()));
         };
         let limit = Duration::from_secs(3);

@@ -106,6 +106,16 @@ pub enum RpcRequest {
         /// It is stopping: confirms need not wait for it.
         leaving: bool,
     },
+    /// A node asks to join the cluster (sent to any member; answered by the
+    /// metadata leader once the node is a voter of the metadata group and
+    /// registered).
+    Join {
+        info: crate::metadata::NodeInfo,
+    },
+    /// Remove a stopped node from the cluster (for the metadata leader).
+    Forget {
+        id: NodeId,
+    },
     /// Hand mastership of `group` over to `to` (a rebalance), answered once
     /// `to` leads or the move failed.
     MoveMaster {
@@ -134,6 +144,7 @@ pub enum RpcResponse {
     Fork(Option<ForkRecord>),
     Bodies(Result<BodyChunk, NodeError>),
     Moved(Result<(), NodeError>),
+    Member(Result<(), NodeError>),
     Done,
 }
 

@@ -114,6 +114,22 @@ impl Cluster {
         }
     }
 
+    /// Start one more node that joins the running cluster through `via`;
+    /// returns its id.
+    pub async fn add_node(&mut self, via: u64) -> u64 {
+        let id = self.configs.len() as u64 + 1;
+        let dir = tempfile::tempdir().unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut cfg = NodeConfig::new(id, dir.path(), listener.local_addr().unwrap().to_string());
+        cfg.timing = self.configs[0].timing.clone();
+        cfg.join = Some(self.configs[(via - 1) as usize].raft_listen.clone());
+        let node = Node::start_with_listener(cfg.clone(), listener).await.expect("joining node starts");
+        self.dirs.push(dir);
+        self.configs.push(cfg);
+        self.nodes.push(Some(node));
+        id
+    }
+
     /// The node currently master of `queue`, as the replicas see it.
     pub async fn master_of(&self, queue: &str) -> u64 {
         let mut found = None;

@@ -1,0 +1,148 @@
+//! Nodes joining a running cluster (`serve --join`) and being forgotten
+//! (`DELETE /api/nodes/{name}`, `mirrorq ctl forget-node`).
+//!
+//! Both are changes of the metadata group's membership plus a metadata
+//! entry, made by the metadata leader: a joining node becomes a learner,
+//! catches up with the (small) metadata log, becomes a voter and is
+//! registered; registering re-places every policy-placed queue, so
+//! `ha-mode: all` queues grow a mirror on it. Forgetting drops the node from
+//! every queue's replicas (policies pick replacements) and then from the
+//! metadata group.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use openraft::{BasicNode, ChangeMembers};
+
+use super::Node;
+use crate::error::NodeError;
+use crate::metadata::{MetaCmd, MetaReply, NodeInfo};
+use crate::raft::rpc::{RpcRequest, RpcResponse};
+use crate::raft::types::NodeId;
+
+impl Node {
+    /// Ask the member at `via` to let this node in, until it is in.
+    pub(super) fn spawn_join(&self, via: String) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let me = node.id();
+            let info = NodeInfo { id: me, name: node.inner.name.clone(), raft_addr: node.inner.addr.clone() };
+            loop {
+                if node.metadata().nodes.get(&me) == Some(&info) {
+                    tracing::info!(via, "joined the cluster");
+                    return;
+                }
+                let req = RpcRequest::Join { info: info.clone() };
+                let answer = tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    a = node.inner.transport.call(&via, &req, Duration::from_secs(30)) => a,
+                };
+                match answer {
+                    Ok(RpcResponse::Member(Ok(()))) => {}
+                    Ok(RpcResponse::Member(Err(e))) => tracing::warn!(via, error = %e, "join refused; retrying"),
+                    Ok(other) => tracing::warn!(via, ?other, "unexpected answer to join"),
+                    Err(e) => tracing::info!(via, error = %e, "cluster not reachable yet; retrying"),
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        });
+    }
+
+    /// Bring a joining node into the metadata group and the metadata
+    /// (through the metadata leader).
+    pub(super) async fn admit(&self, info: NodeInfo) -> Result<(), NodeError> {
+        if let Some(other) = self.metadata().nodes.values().find(|n| n.name == info.name && n.id != info.id) {
+            return Err(NodeError::Conflict(format!("node name {} is taken by node {}", info.name, other.id)));
+        }
+        self.at_meta_leader(RpcRequest::Join { info: info.clone() }, || self.admit_locally(info.clone())).await
+    }
+
+    async fn admit_locally(&self, info: NodeInfo) -> Result<(), NodeError> {
+        let raft = &self.inner.meta_raft;
+        let voters: BTreeSet<NodeId> = raft.metrics().borrow().membership_config.membership().voter_ids().collect();
+        if !voters.contains(&info.id) {
+            let unavailable = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
+            raft.add_learner(info.id, BasicNode { addr: info.raft_addr.clone() }, true)
+                .await
+                .map_err(|e| unavailable(&e))?;
+            raft.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([info.id])), false)
+                .await
+                .map_err(|e| unavailable(&e))?;
+            tracing::info!(node = info.id, name = %info.name, addr = %info.raft_addr, "node joined the metadata group");
+        }
+        self.meta_write(MetaCmd::RegisterNode(info)).await.map(|_| ())
+    }
+
+    /// Remove a stopped node from the cluster for good. Its replicas are
+    /// dropped and, where a policy says so, placed on other nodes.
+    pub async fn forget_node(&self, name: &str) -> Result<(), NodeError> {
+        let id = self
+            .metadata()
+            .nodes
+            .values()
+            .find(|n| n.name == name)
+            .map(|n| n.id)
+            .ok_or_else(|| NodeError::NotFound(format!("no node named {name}")))?;
+        if id == self.id() {
+            return Err(NodeError::Invalid("a node cannot forget itself; ask another node".into()));
+        }
+        if self.ping(id, Duration::from_secs(1)).await {
+            return Err(NodeError::Invalid(format!("node {name} is running; stop it before forgetting it")));
+        }
+        self.at_meta_leader(RpcRequest::Forget { id }, || self.forget_locally(id)).await
+    }
+
+    pub(super) async fn forget_locally(&self, id: NodeId) -> Result<(), NodeError> {
+        match self.meta_write(MetaCmd::ForgetNode { id }).await? {
+            MetaReply::Ok | MetaReply::NotFound => {}
+            MetaReply::Conflict(why) => return Err(NodeError::Conflict(why)),
+            other => return Err(NodeError::Invalid(format!("unexpected metadata reply {other:?}"))),
+        }
+        let raft = &self.inner.meta_raft;
+        let m = raft.metrics().borrow().clone();
+        if m.membership_config.membership().get_node(&id).is_some() {
+            let gone = BTreeSet::from([id]);
+            let change = if m.membership_config.membership().voter_ids().any(|v| v == id) {
+                ChangeMembers::RemoveVoters(gone)
+            } else {
+                ChangeMembers::RemoveNodes(gone)
+            };
+            raft.change_membership(change, false).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        }
+        tracing::info!(node = id, "node forgotten");
+        Ok(())
+    }
+
+    /// Run `local` if this node leads the metadata group, else send `req`
+    /// to the leader; retry while the leader is unknown or moves.
+    async fn at_meta_leader<F, Fut>(&self, req: RpcRequest, local: F) -> Result<(), NodeError>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<(), NodeError>>,
+    {
+        let deadline = Instant::now() + self.inner.timing.op_timeout;
+        let mut attempt = 0u64;
+        loop {
+            let leader = self.inner.meta_raft.metrics().borrow().current_leader;
+            let result = match leader {
+                Some(l) if l == self.id() => local().await,
+                Some(l) => match self.inner.call(l, &req, deadline).await {
+                    Ok(RpcResponse::Member(r)) => r,
+                    Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+                    Err(_) => Err(NodeError::NotLeader { leader: None }),
+                },
+                None => Err(NodeError::NotLeader { leader: None }),
+            };
+            match result {
+                Err(NodeError::NotLeader { .. }) if Instant::now() < deadline => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(50 * attempt.min(10))).await;
+                }
+                Err(NodeError::NotLeader { .. }) => {
+                    return Err(NodeError::Unavailable("no metadata majority reachable".into()))
+                }
+                other => return other,
+            }
+        }
+    }
+}
