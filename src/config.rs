@@ -172,6 +172,18 @@ mod tests {
     }
 
     #[test]
+    fn join_comes_from_flag_or_file_and_excludes_cluster() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.toml");
+        std::fs::write(&path, "join = \"127.0.0.1:25671\"\n").unwrap();
+        let args = ServeArgs { config: Some(path.clone()), ..Default::default() };
+        assert_eq!(ServeConfig::resolve(&args).unwrap().node.join.as_deref(), Some("127.0.0.1:25671"));
+        let args = ServeArgs { config: Some(path), cluster: Some("1=127.0.0.1:1".into()), ..Default::default() };
+        let err = ServeConfig::resolve(&args).unwrap_err();
+        assert!(err.to_string().contains("--join and --cluster"), "{err}");
+    }
+
+    #[test]
     fn unknown_file_keys_are_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.toml");

@@ -897,6 +897,10 @@ impl Node {
     /// new work, every group shut down, storage synced.
     pub async fn shutdown(&self) {
         let successors = self.prepare_hand_over();
+        // Move each mastership while this node can still vote for its
+        // successor (which then wins at once); what does not move in time
+        // is handed over the slow way below, after the groups stop.
+        let successors = self.move_masters_away(successors).await;
         self.inner.stop.cancel();
         let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
         for g in groups {

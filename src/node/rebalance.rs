@@ -118,6 +118,31 @@ impl Node {
         Ok(futures::stream::iter(moves).buffer_unordered(4).collect().await)
     }
 
+    /// Graceful stop: move every mastership in `successors` to its
+    /// successor (all at once, for at most a few seconds). Returns those
+    /// that did not move.
+    pub(super) async fn move_masters_away(&self, successors: Vec<(GroupId, NodeId)>) -> Vec<(GroupId, NodeId)> {
+        if successors.is_empty() {
+            return successors;
+        }
+        let started = Instant::now();
+        let moves = successors.iter().map(|(group, to)| async move { self.move_master(*group, *to).await.is_ok() });
+        let limit = self.inner.timing.election_max * 2 + Duration::from_secs(1);
+        let moved = match tokio::time::timeout(limit, futures::future::join_all(moves)).await {
+            Ok(moved) => moved,
+            Err(_) => vec![false; successors.len()],
+        };
+        let left: Vec<(GroupId, NodeId)> =
+            successors.into_iter().zip(&moved).filter(|(_, ok)| !**ok).map(|(s, _)| s).collect();
+        tracing::info!(
+            moved = moved.len() - left.len(),
+            left = left.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "masterships moved before stopping"
+        );
+        left
+    }
+
     /// Hand this node's mastership of `group` to the voter `to`.
     pub(super) async fn move_master(&self, group: GroupId, to: NodeId) -> Result<(), NodeError> {
         let me = self.id();
