@@ -1424,7 +1424,7 @@ impl Inner {
             }
             RpcRequest::MoveMaster { group, to } => {
                 let node = Node { inner: self };
-                RpcResponse::Moved(node.move_master(group, to).await)
+                RpcResponse::Moved(node.move_master(group, to, false).await)
             }
             RpcRequest::Elect { group, from, leaving } => {
                 if leaving {

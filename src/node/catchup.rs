@@ -91,7 +91,10 @@ impl Node {
                 // Complete: say so to each new master, which counts this
                 // replica as synchronised only after hearing it.
                 let master = metrics.borrow_and_update().current_leader.filter(|m| *m != self.id());
-                if master.is_some() && master != told {
+                // A node that is stopping stays silent: a master that counted
+                // it as synchronised would wait for it after it is gone.
+                let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
+                if master.is_some() && master != told && !leaving {
                     match self.report(&g, None).await {
                         Ok(_) => told = master,
                         Err(_) => {

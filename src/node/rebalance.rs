@@ -97,7 +97,7 @@ impl Node {
             async move {
                 let result = match group {
                     None => Err(NodeError::NoSuchQueue(queue.clone())),
-                    Some(group) if from == self.id() => self.move_master(group, to).await,
+                    Some(group) if from == self.id() => self.move_master(group, to, false).await,
                     Some(group) => {
                         let deadline = Instant::now() + Duration::from_secs(20);
                         match self.inner.call(from, &RpcRequest::MoveMaster { group, to }, deadline).await {
@@ -126,7 +126,8 @@ impl Node {
             return successors;
         }
         let started = Instant::now();
-        let moves = successors.iter().map(|(group, to)| async move { self.move_master(*group, *to).await.is_ok() });
+        let moves =
+            successors.iter().map(|(group, to)| async move { self.move_master(*group, *to, true).await.is_ok() });
         let limit = self.inner.timing.election_max * 2 + Duration::from_secs(1);
         let moved = match tokio::time::timeout(limit, futures::future::join_all(moves)).await {
             Ok(moved) => moved,
@@ -143,8 +144,9 @@ impl Node {
         left
     }
 
-    /// Hand this node's mastership of `group` to the voter `to`.
-    pub(super) async fn move_master(&self, group: GroupId, to: NodeId) -> Result<(), NodeError> {
+    /// Hand this node's mastership of `group` to the voter `to`. `leaving`:
+    /// this node is stopping, so the new master need not wait for it.
+    pub(super) async fn move_master(&self, group: GroupId, to: NodeId, leaving: bool) -> Result<(), NodeError> {
         let me = self.id();
         let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
         let Some(g) = g.filter(|g| g.is_leader(me)) else {
@@ -190,7 +192,7 @@ impl Node {
         drop(busy);
 
         let deadline = Instant::now() + Duration::from_secs(2);
-        let _ = self.inner.call(to, &RpcRequest::Elect { group, from: me, leaving: false }, deadline).await;
+        let _ = self.inner.call(to, &RpcRequest::Elect { group, from: me, leaving }, deadline).await;
         let raft = self.inner.raft_of(group).ok_or(NodeError::Stopped)?;
         let moved = raft
             .wait(Some(self.inner.timing.election_max * 3))
