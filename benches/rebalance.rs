@@ -67,8 +67,10 @@ async fn main() {
     }
     println!("placed: {:?}", masters(&nodes, &queues).await);
 
-    nodes[2].crash().await;
-    let mut up = nodes[..2].to_vec();
+    let third = nodes.pop().unwrap();
+    third.crash().await;
+    drop(third);
+    let mut up = nodes;
     let _ = masters(&up, &queues).await;
     let third = loop {
         match Node::start(config(root.path(), 3, &members)).await {
@@ -77,7 +79,7 @@ async fn main() {
         }
     };
     up.push(third);
-    nodes = up;
+    let nodes = up;
     // Wait until node 3 is a synchronised mirror everywhere.
     for q in &queues {
         while !nodes[0].master_view(q).await.is_ok_and(|v| v.synchronised.contains(&3)) {

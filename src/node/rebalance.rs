@@ -152,7 +152,8 @@ impl Node {
         let Some(g) = g.filter(|g| g.is_leader(me)) else {
             return Err(NodeError::NotLeader { leader: None });
         };
-        if !g.sync.borrow().synchronised.contains(&to) || to == me {
+        let voter = g.raft.metrics().borrow().membership_config.membership().voter_ids().any(|v| v == to);
+        if !voter || !g.sync.borrow().synchronised.contains(&to) || to == me {
             return Err(NodeError::Invalid(format!("node {to} is not a synchronised mirror of '{}'", g.meta.name)));
         }
         let Some(busy) = Busy::take(&self.inner.busy, group) else {
