@@ -490,3 +490,98 @@ async fn auto_delete_queue_goes_with_its_last_consumer() {
     drop((c1, c2));
     c.cluster.shutdown().await;
 }
+
+/// A consumer on a node that is not the master keeps receiving while the
+/// master moves away (graceful stop of the master's node: the mastership
+/// moves to a mirror) and, separately, while the new master crashes (a
+/// failover): acks of messages delivered before each move still settle them,
+/// and every message is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_keeps_receiving_when_the_master_moves() {
+    init_tracing();
+    let mut c = AmqpCluster::start().await;
+    c.cluster
+        .node(1)
+        .set_policy(common::policy("^mv", r#"{"ha-mode":"all","ha-sync-mode":"automatic"}"#))
+        .await
+        .unwrap();
+    c.cluster.node(1).declare_queue("mv-q", vec![]).await.unwrap();
+    let master = c.cluster.master_of("mv-q").await;
+    let at = (1..=3).find(|n| *n != master).unwrap();
+    let publisher = c.cluster.node(at).clone();
+    let conn = c.connect(at).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(5, BasicQosOptions::default()).await.unwrap();
+    let mut consumer =
+        ch.basic_consume(s("mv-q"), s("mover"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut got = std::collections::BTreeSet::new();
+
+    // Deliveries are taken until `want` distinct bodies arrived; the last
+    // one taken stays unacked across the move that follows.
+    async fn take(
+        consumer: &mut lapin::Consumer,
+        got: &mut std::collections::BTreeSet<String>,
+        want: usize,
+    ) -> lapin::message::Delivery {
+        loop {
+            let d = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+                .await
+                .expect("the consumer stalled")
+                .unwrap()
+                .unwrap();
+            got.insert(String::from_utf8(d.data.clone()).unwrap());
+            if got.len() >= want {
+                return d;
+            }
+            d.ack(BasicAckOptions::default()).await.unwrap();
+        }
+    }
+
+    for i in 0..20 {
+        publisher.publish("mv-q", vec![common::msg(format!("a{i}"))]).await.unwrap();
+    }
+    let held = take(&mut consumer, &mut got, 20).await;
+
+    tracing::info!(master, "--- the master's node stops gracefully");
+    let stopping = c.cluster.nodes[(master - 1) as usize].take().unwrap();
+    stopping.shutdown().await;
+    // Moved before the node stopped (not handed over after it, which would
+    // leave the queue without a master for the lease of its last heartbeat).
+    assert!(
+        c.cluster.nodes.iter().flatten().any(|n| n.is_master("mv-q")),
+        "no master right after the graceful stop: the idle queue's mastership did not move"
+    );
+    held.ack(BasicAckOptions::default()).await.unwrap();
+    for i in 0..20 {
+        common::publish_retrying(&publisher, "mv-q", format!("b{i}").into_bytes()).await;
+    }
+    let held = take(&mut consumer, &mut got, 40).await;
+
+    let second = c.cluster.master_of("mv-q").await;
+    assert_ne!(second, master);
+    if second != at {
+        tracing::info!(second, "--- the new master crashes");
+        c.cluster.crash(second).await;
+        // Two of three replicas gone: the consumer's node re-forms the queue.
+    }
+    held.ack(BasicAckOptions::default()).await.unwrap();
+    for i in 0..20 {
+        common::publish_retrying(&publisher, "mv-q", format!("c{i}").into_bytes()).await;
+    }
+    let last = take(&mut consumer, &mut got, 60).await;
+    last.ack(BasicAckOptions::default()).await.unwrap();
+
+    let want: std::collections::BTreeSet<String> =
+        ["a", "b", "c"].iter().flat_map(|p| (0..20).map(move |i| format!("{p}{i}"))).collect();
+    assert_eq!(got, want, "every message delivered");
+    let mut settled = false;
+    for _ in 0..100 {
+        if publisher.status("mv-q").await.is_ok_and(|s| s == (0, 0)) {
+            settled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(settled, "acks across the moves did not settle every message: {:?}", publisher.status("mv-q").await);
+    c.cluster.shutdown().await;
+}

@@ -126,8 +126,13 @@ impl Node {
             return successors;
         }
         let started = Instant::now();
-        let moves =
-            successors.iter().map(|(group, to)| async move { self.move_master(*group, *to, true).await.is_ok() });
+        let moves = successors.iter().map(|(group, to)| async move {
+            let r = self.move_master(*group, *to, true).await;
+            if let Err(e) = &r {
+                tracing::warn!(group, to, error = %e, "mastership not moved; handing over after stopping");
+            }
+            r.is_ok()
+        });
         let limit = self.inner.timing.election_max * 2 + Duration::from_secs(1);
         let moved = match tokio::time::timeout(limit, futures::future::join_all(moves)).await {
             Ok(moved) => moved,

@@ -72,13 +72,18 @@ impl Proposer {
         tokio::spawn(async move {
             let slots = task_slots;
             loop {
-                let permit = tokio::select! {
-                    _ = stop.cancelled() => return refuse_waiting(&mut rx),
-                    p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
-                };
+                // Work first, then a slot: an idle proposer holds no slot,
+                // so `hold` takes them all at once.
                 let first = tokio::select! {
                     _ = stop.cancelled() => return refuse_waiting(&mut rx),
                     p = rx.recv() => match p { Some(p) => p, None => return },
+                };
+                let permit = tokio::select! {
+                    _ = stop.cancelled() => {
+                        let _ = first.reply.send(Err(NodeError::NotLeader { leader: None }));
+                        return refuse_waiting(&mut rx);
+                    }
+                    p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
                 };
                 let (mut n, mut bytes) = (first.cmds.len(), approx_size(&first.cmds));
                 let mut batch = vec![first];
