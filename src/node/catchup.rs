@@ -27,6 +27,11 @@ const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// How often progress is logged.
 const LOG_EVERY: Duration = Duration::from_secs(5);
 
+/// The ranges of `plan` one request names.
+fn head(plan: &Plan) -> &[(u64, u64)] {
+    &plan.missing[..plan.missing.len().min(RANGES_PER_REQUEST)]
+}
+
 /// Marks a replica that joined an existing queue as a new mirror: with
 /// `ha-sync-mode: manual` its catch-up waits for a `sync` action. Replicas
 /// that were members before (restarted, healed) always catch up at once:
@@ -146,9 +151,7 @@ impl Node {
                 Ok(c) => {
                     last_report = Some(Instant::now());
                     must_apply = must_apply.max(c.applied);
-                    let upto = c.next.unwrap_or_else(|| {
-                        plan.missing[..plan.missing.len().min(RANGES_PER_REQUEST)].last().map_or(0, |r| r.1)
-                    });
+                    let upto = c.next.unwrap_or_else(|| head(&plan).last().map_or(0, |r| r.1));
                     let bodies: Vec<(u64, Vec<u8>)> = c.bodies.into_iter().map(|b| (b.seq, b.data)).collect();
                     let r = g.sm.with_mut(|m, space| m.fill(space, &bodies, upto, c.bytes_total)).await;
                     if let Err(e) = r {
@@ -198,17 +201,10 @@ impl Node {
 
     /// Tell the master how this replica stands, fetching nothing.
     async fn report(&self, g: &QueueGroup, report: Option<SyncProgress>) -> Result<BodyChunk, NodeError> {
-        let req = RpcRequest::Bodies {
-            group: g.meta.group,
-            from: self.id(),
-            ranges: Vec::new(),
-            max_bytes: 0,
-            totals: false,
-            report,
-        };
-        self.call_master(g, req).await
+        self.call_master(g, Vec::new(), 0, false, report).await
     }
 
+    /// Ask the master for the next chunk of `plan`'s bodies.
     async fn ask_bodies(
         &self,
         g: &QueueGroup,
@@ -216,19 +212,18 @@ impl Node {
         max_bytes: u32,
         totals: bool,
     ) -> Result<BodyChunk, NodeError> {
-        let ranges = plan.missing[..plan.missing.len().min(RANGES_PER_REQUEST)].to_vec();
-        let req = RpcRequest::Bodies {
-            group: g.meta.group,
-            from: self.id(),
-            ranges,
-            max_bytes,
-            totals,
-            report: Some(plan.progress(true)),
-        };
-        self.call_master(g, req).await
+        self.call_master(g, head(plan).to_vec(), max_bytes, totals, Some(plan.progress(true))).await
     }
 
-    async fn call_master(&self, g: &QueueGroup, req: RpcRequest) -> Result<BodyChunk, NodeError> {
+    async fn call_master(
+        &self,
+        g: &QueueGroup,
+        ranges: Vec<(u64, u64)>,
+        max_bytes: u32,
+        totals: bool,
+        report: Option<SyncProgress>,
+    ) -> Result<BodyChunk, NodeError> {
+        let req = RpcRequest::Bodies { group: g.meta.group, from: self.id(), ranges, max_bytes, totals, report };
         let master = g.raft.metrics().borrow().current_leader;
         let Some(master) = master.filter(|m| *m != self.id()) else {
             return Err(NodeError::NotLeader { leader: None });
