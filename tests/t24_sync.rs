@@ -64,6 +64,24 @@ async fn queue_with_new_manual_mirror(c: &Cluster, queue: &str, old: usize) -> (
     (master, mirror)
 }
 
+/// Serve node's HTTP API on a loopback port; returns the port.
+async fn http(node: &Node) -> u16 {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(mirrorq::http::serve(l, node.clone(), node.stopped()));
+    port
+}
+
+/// `GET /api/queues/%2F/{queue}` as a management client sees it.
+async fn http_queue(port: u16, queue: &str) -> serde_json::Value {
+    let url = format!("http://127.0.0.1:{port}/api/queues/%2F/{queue}");
+    tokio::task::spawn_blocking(move || {
+        ureq::get(&url).set("authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=").call().unwrap().into_json().unwrap()
+    })
+    .await
+    .unwrap()
+}
+
 async fn view(node: &Node, queue: &str) -> QueueInfo {
     node.master_view(queue).await.expect("master answers")
 }
@@ -181,15 +199,26 @@ async fn cancel_sync_pauses_and_an_unsynchronised_mirror_never_becomes_master() 
     let mut c = cluster(3, KIB).await;
     let (master, mirror) = queue_with_new_manual_mirror(&c, "man-c", 1500).await;
 
+    let port = http(c.node(1)).await;
     c.node(1).sync_queue("man-c", true).await.unwrap();
     wait_view(c.node(1), "man-c", "the sync makes progress", |v| {
         v.catching_up.first().is_some_and(|(_, p)| p.running && p.msgs_done > 0)
     })
     .await;
+    let q = http_queue(port, "man-c").await;
+    assert_eq!(q["state"], "syncing", "{q}");
+    assert_eq!(q["sync_progress"][0]["node"], format!("mirrorq@{mirror}"), "{q}");
+    assert_eq!(q["sync_progress"][0]["running"], true, "{q}");
+    assert_eq!(q["sync_progress"][0]["messages_total"], 1500, "{q}");
+    assert!(q["sync_progress"][0]["bytes_total"].as_u64().is_some_and(|b| b >= 1500 * 1024), "{q}");
     c.node(1).sync_queue("man-c", false).await.unwrap();
     let v = wait_view(c.node(1), "man-c", "the sync stops", |v| v.catching_up.first().is_some_and(|(_, p)| !p.running))
         .await;
     let paused = v.catching_up[0].1;
+    let q = http_queue(port, "man-c").await;
+    assert_eq!(q["state"], "running", "a paused sync is not syncing: {q}");
+    assert_eq!(q["sync_progress"][0]["running"], false, "{q}");
+    assert!(!q["synchronised_slave_nodes"].as_array().unwrap().contains(&format!("mirrorq@{mirror}").into()), "{q}");
     assert!(paused.msgs_done < paused.msgs_total, "finished before the cancel could count: {paused:?}");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let v = view(c.node(1), "man-c").await;
