@@ -38,6 +38,7 @@ use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{GroupId, LogStore, NodeId, Raft, Request, Response, METADATA_GROUP};
 
 mod catchup;
+mod deadletter;
 mod failover;
 mod members;
 mod rebalance;
@@ -120,6 +121,8 @@ pub struct DeclareOpts {
     pub exclusive_owner: Option<u64>,
     /// Delete the queue when its last consumer goes away.
     pub auto_delete: bool,
+    /// Validated declare arguments (TTL, max length, dead-lettering).
+    pub args: crate::metadata::QueueArgs,
 }
 
 /// The wait for the replies of operations started with [`Node::submit`].
@@ -440,6 +443,7 @@ impl Node {
             locator: opts.min_masters,
             exclusive_owner: opts.exclusive_owner,
             auto_delete: opts.auto_delete,
+            args: opts.args,
         };
         let reply = self.meta_write(cmd).await?;
         let q = match reply {
@@ -587,7 +591,8 @@ impl Node {
     /// Publish messages to a queue; resolves once every synchronised replica
     /// has them on disk.
     pub async fn publish(&self, queue: &str, msgs: Vec<Message>) -> Result<(), NodeError> {
-        self.queue_op(queue, vec![QueueCmd::Enqueue { msgs }]).await.map(|_| ())
+        let replies = self.queue_op(queue, vec![QueueCmd::Enqueue { msgs }]).await?;
+        stored_all(queue, &replies)
     }
 
     /// Take up to `max` messages. With `auto_ack` they are gone at once;
@@ -1213,7 +1218,14 @@ impl Node {
             catching.clone(),
             stop.clone(),
         );
-        let proposer = Proposer::spawn(raft.clone(), sync.clone(), self.inner.timing.sync_timeout, stop.clone());
+        let proposer = Proposer::spawn(
+            raft.clone(),
+            sync.clone(),
+            self.inner.timing.sync_timeout,
+            deadletter::sink(Arc::downgrade(&self.inner), q.name.clone()),
+            stop.clone(),
+        );
+        proposer.set_limits(deadletter::limits_of(state, &q));
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
             epoch,
@@ -1242,7 +1254,8 @@ impl Node {
         if group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
             raft.runtime_config().elect(false);
         }
-        self.spawn_catch_up(group);
+        self.spawn_catch_up(group.clone());
+        self.spawn_expiry(group);
         if pristine && epoch == Epoch::default() && q.initial.first() == Some(&self.id()) {
             let members: BTreeMap<NodeId, BasicNode> = q
                 .initial
@@ -1259,6 +1272,15 @@ impl Node {
         tracing::info!(queue = %q.name, group = q.group, %epoch, pristine, elapsed_ms = started.elapsed().as_millis() as u64, "queue replica started");
         Ok(())
     }
+}
+
+/// A publish's replies: `Err` if the queue refused any of its messages
+/// (`x-overflow: reject-publish` at `x-max-length`).
+pub fn stored_all(queue: &str, replies: &[QueueReply]) -> Result<(), NodeError> {
+    if replies.iter().any(|r| matches!(r, QueueReply::Enqueued { count: 0 })) {
+        return Err(NodeError::Refused(format!("queue '{queue}' is full (x-overflow: reject-publish)")));
+    }
+    Ok(())
 }
 
 fn meta_result(reply: MetaReply, not_found: impl FnOnce() -> String) -> Result<(), NodeError> {

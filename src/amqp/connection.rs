@@ -21,8 +21,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::codec::{self, decode_properties, encode_properties, Parsed};
 use crate::error::NodeError;
-use crate::metadata::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta};
-use crate::node::{DeclareOpts, Node};
+use crate::metadata::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta, QueueArgs};
+use crate::node::{stored_all, DeclareOpts, Node};
 use crate::queue::{Delivery, Message, QueueCmd};
 
 const PROTOCOL_HEADER: &[u8; 8] = b"AMQP\x00\x00\x09\x01";
@@ -750,8 +750,30 @@ impl Channel {
                 if d.passive && existing.is_none() {
                     return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no queue '{name}' in vhost '/'"), 50, 10)));
                 }
+                let args = if d.passive {
+                    None
+                } else {
+                    let parsed = QueueArgs::parse(&to_args(&d.arguments))
+                        .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 50, 10)))?;
+                    Some(parsed)
+                };
                 let q = match existing {
-                    Some(q) => q,
+                    Some(q) => {
+                        if let Some(arg) = args.as_ref().and_then(|a| a.inequivalent(&q.args)) {
+                            return Err(Ok(soft(
+                                PRECONDITION_FAILED,
+                                format!(
+                                    "PRECONDITION_FAILED - inequivalent arg '{arg}' for queue '{name}' in vhost '/': \
+                                     received {} but current is {}",
+                                    args.as_ref().map(|a| a.to_json()).unwrap_or_default(),
+                                    q.args.to_json()
+                                ),
+                                50,
+                                10,
+                            )));
+                        }
+                        q
+                    }
                     None => {
                         let min_masters = match d.arguments.inner().get(&ss("x-queue-master-locator")) {
                             None => None,
@@ -770,6 +792,7 @@ impl Channel {
                             min_masters,
                             exclusive_owner: d.exclusive.then_some(self.conn_id),
                             auto_delete: d.auto_delete,
+                            args: args.clone().unwrap_or_default(),
                         };
                         // Placed by the effective policy (none: one replica, here).
                         let (q, created) = self
@@ -1192,9 +1215,9 @@ impl Channel {
         let (out, id) = (self.out.clone(), self.id);
         tokio::spawn(async move {
             // Confirmed only when every queue it reached has confirmed it.
-            let results = futures::future::join_all(waits.into_iter().map(|w| async move {
+            let results = futures::future::join_all(waits.into_iter().zip(&queues).map(|(w, q)| async move {
                 match w {
-                    Ok(wait) => wait.await.map(|_| ()),
+                    Ok(wait) => wait.await.and_then(|replies| stored_all(q, &replies)),
                     Err(e) => Err(e),
                 }
             }))
@@ -1204,7 +1227,10 @@ impl Channel {
             match (failed, seq) {
                 (None, Some(seq)) => out.one(method(id, ack_frame(seq))).await,
                 (Some((q, e)), Some(seq)) => {
-                    tracing::warn!(queue = %q, error = %e, "publish not confirmed; nacking");
+                    match e {
+                        NodeError::Refused(_) => tracing::debug!(queue = %q, error = %e, "publish refused; nacking"),
+                        _ => tracing::warn!(queue = %q, error = %e, "publish not confirmed; nacking"),
+                    }
                     out.one(method(
                         id,
                         AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {

@@ -30,7 +30,8 @@ pub async fn export(State(node): State<Node>) -> Json<Value> {
             "definition": serde_json::from_str::<Value>(&p.definition).unwrap_or(json!({})),
         })).collect::<Vec<_>>(),
         "queues": meta.queues.values().map(|q| json!({
-            "name": q.name, "vhost": "/", "durable": q.durable, "auto_delete": false, "arguments": {},
+            "name": q.name, "vhost": "/", "durable": q.durable, "auto_delete": q.auto_delete,
+            "arguments": q.args.to_json(),
         })).collect::<Vec<_>>(),
         "exchanges": meta.exchanges.values().map(|e| json!({
             "name": e.name, "vhost": "/", "type": e.kind.as_str(), "durable": e.durable,
@@ -122,7 +123,8 @@ pub async fn import(State(node): State<Node>, body: Bytes) -> Result<StatusCode,
         if name.is_empty() || name.len() > 255 {
             return Err(ApiError::bad_request("queue: name must be 1 to 255 bytes"));
         }
-        queues.push(name.to_string());
+        let args = super::queue_args(q.get("arguments")).map_err(|why| ApiError::bad_request(format!("queue {name}: {why}")))?;
+        queues.push((name.to_string(), args));
     }
     let mut bindings = Vec::new();
     for b in list(&defs, "bindings")? {
@@ -143,8 +145,8 @@ pub async fn import(State(node): State<Node>, body: Bytes) -> Result<StatusCode,
     for e in exchanges {
         node.declare_exchange(e).await?;
     }
-    for q in queues {
-        node.declare_queue(&q, Vec::new()).await?;
+    for (q, args) in queues {
+        node.declare_queue_with(&q, Vec::new(), crate::node::DeclareOpts { args, ..Default::default() }).await?;
     }
     for b in bindings {
         node.bind(b).await?;

@@ -22,8 +22,8 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::metadata::{policy, ApplyTo, Policy, QueueMeta};
-use crate::node::Node;
+use crate::metadata::{policy, ApplyTo, ArgValue, Policy, QueueArgs, QueueMeta};
+use crate::node::{DeclareOpts, Node};
 use crate::queue::{Message, QueueCmd};
 pub use error::ApiError;
 
@@ -257,8 +257,8 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         "vhost": "/",
         "durable": q.durable,
         "auto_delete": false,
-        "exclusive": false,
-        "arguments": {},
+        "exclusive": q.exclusive_owner.is_some(),
+        "arguments": q.args.to_json(),
         "node": master.map(|m| name_of(&m)).unwrap_or_else(|| name_of(&q.replicas[0])),
         "slave_nodes": slaves,
         "synchronised_slave_nodes": synced,
@@ -318,9 +318,38 @@ async fn put_queue(
     if name.is_empty() || name.len() > 255 {
         return Err(ApiError::bad_request("queue name must be 1 to 255 bytes"));
     }
+    let args = queue_args(b.get("arguments")).map_err(ApiError::bad_request)?;
+    if let Some(q) = node.metadata().queues.get(&name) {
+        if let Some(arg) = args.inequivalent(&q.args) {
+            return Err(ApiError::bad_request(format!(
+                "inequivalent arg '{arg}' for queue '{name}' in vhost '/': received {} but current is {}",
+                args.to_json(),
+                q.args.to_json()
+            )));
+        }
+    }
     // Decided by the metadata apply, not a local look-up that may lag.
-    let (_, created) = node.declare_queue_reporting(&name, Vec::new()).await?;
+    let opts = DeclareOpts { args, ..DeclareOpts::default() };
+    let (_, created) = node.declare_queue_with(&name, Vec::new(), opts).await?;
     Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
+}
+
+/// A queue's `arguments` object as RabbitMQ's API takes it.
+pub(crate) fn queue_args(v: Option<&Value>) -> Result<QueueArgs, String> {
+    let Some(Value::Object(m)) = v else { return Ok(QueueArgs::default()) };
+    let raw = m
+        .iter()
+        .map(|(k, v)| {
+            let v = match v {
+                Value::String(s) => ArgValue::Str(s.clone()),
+                Value::Bool(b) => ArgValue::Bool(*b),
+                Value::Number(n) if n.is_i64() => ArgValue::Int(n.as_i64().unwrap_or_default()),
+                other => ArgValue::Other(other.to_string()),
+            };
+            (k.clone(), v)
+        })
+        .collect();
+    QueueArgs::parse(&raw)
 }
 
 async fn delete_queue(

@@ -4,10 +4,12 @@
 
 mod machine;
 pub mod policy;
+pub mod queue_args;
 pub mod routing;
 mod state;
 
 pub use machine::MetaMachine;
 pub use policy::{ApplyTo, Policy};
+pub use queue_args::QueueArgs;
 pub use routing::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta};
 pub use state::{MetaCmd, MetaReply, MetaState, NodeInfo, QueueMeta};

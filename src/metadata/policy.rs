@@ -179,6 +179,14 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
             }
         }
     }
+    match str_of("overflow")? {
+        None | Some("drop-head") | Some("reject-publish") => {}
+        Some(other) => return Err(format!("overflow '{other}' is not one of drop-head, reject-publish")),
+    }
+    str_of("dead-letter-exchange")?;
+    if str_of("dead-letter-routing-key")?.is_some() && obj.get("dead-letter-exchange").is_none() {
+        return Err("dead-letter-routing-key given without dead-letter-exchange".into());
+    }
     let min_masters = match str_of("queue-master-locator")? {
         None => None,
         Some("min-masters") => Some(true),

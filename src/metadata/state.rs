@@ -3,6 +3,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use super::policy::{self, Policy};
+use super::queue_args::QueueArgs;
 use super::routing::{builtin, Binding, ExchangeMeta};
 use crate::raft::types::{GroupId, NodeId, METADATA_GROUP};
 
@@ -34,6 +35,9 @@ pub struct QueueMeta {
     /// Deleted when its last consumer goes away (AMQP `auto_delete`).
     #[serde(default)]
     pub auto_delete: bool,
+    /// Declare arguments mirrorq acts on (TTL, max length, dead-lettering).
+    #[serde(default)]
+    pub args: QueueArgs,
 }
 
 /// The metadata as every node sees it once applied.
@@ -78,6 +82,8 @@ pub enum MetaCmd {
         exclusive_owner: Option<u64>,
         #[serde(default)]
         auto_delete: bool,
+        #[serde(default)]
+        args: QueueArgs,
     },
     /// Add or replace a policy (validated first; nothing invalid is stored).
     SetPolicy(Policy),
@@ -145,7 +151,7 @@ impl MetaState {
                 self.replace_all();
                 MetaReply::Ok
             }
-            MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator, exclusive_owner, auto_delete } => {
+            MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator, exclusive_owner, auto_delete, args } => {
                 if let Some(q) = self.queues.get(name) {
                     return MetaReply::Queue(q.clone());
                 }
@@ -187,6 +193,7 @@ impl MetaState {
                     policy,
                     exclusive_owner: *exclusive_owner,
                     auto_delete: *auto_delete,
+                    args: args.clone(),
                 };
                 self.queues.insert(name.clone(), q.clone());
                 MetaReply::NewQueue(q)
@@ -334,6 +341,7 @@ mod tests {
             locator: None,
             exclusive_owner: None,
             auto_delete: false,
+            args: QueueArgs::default(),
         }
     }
 
@@ -447,6 +455,7 @@ mod policy_tests {
             locator: None,
             exclusive_owner: None,
             auto_delete: false,
+            args: QueueArgs::default(),
         }) {
             MetaReply::NewQueue(q) => q,
             other => panic!("{other:?}"),

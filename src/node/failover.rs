@@ -193,6 +193,7 @@ impl Node {
                 .filter(|id| voters.contains(id) || q.replicas.contains(id))
                 .collect();
             g.proposer.set_min_synchronised(ha.min_synchronised.unwrap_or(0));
+            g.proposer.set_limits(super::deadletter::limits_of(state, q));
             if !members.contains(&self.id()) {
                 continue;
             }
@@ -292,7 +293,7 @@ impl Node {
         for mut e in reader.try_get_log_entries(applied..).await.map_err(raft_err)? {
             if let EntryPayload::Normal(Request::Queue(cmds)) = &mut e.payload {
                 let before = cmds.len();
-                cmds.retain(|c| matches!(c, QueueCmd::Enqueue { .. } | QueueCmd::Handback { .. } | QueueCmd::Fork(_)));
+                cmds.retain(|c| c.publishes() || matches!(c, QueueCmd::Fork(_)));
                 if cmds.len() != before {
                     entries.push(e);
                 }

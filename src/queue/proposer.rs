@@ -8,7 +8,7 @@
 //! together: the busier the queue, the bigger the entries.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use openraft::error::ClientWriteError;
 use std::time::Duration;
@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::sync::SyncState;
-use super::types::{QueueCmd, QueueReply};
+use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
 use crate::error::NodeError;
 use crate::raft::types::{NodeId, Raft, Request, Response, TypeConfig};
 
@@ -36,12 +36,18 @@ struct Pending {
     reply: Reply,
 }
 
+/// Where the master hands the messages its entries dead-lettered, to be
+/// published to the queue's dead-letter exchange.
+pub type DeadLetterSink = Arc<dyn Fn(Vec<(Message, DeathReason)>) + Send + Sync>;
+
 /// Handle for submitting operations to one group on this node.
 #[derive(Clone)]
 pub struct Proposer {
     tx: mpsc::Sender<Pending>,
     /// `ha-min-synchronised` (0: none), set from the effective policy.
     min_sync: Arc<AtomicUsize>,
+    /// TTL, max length, dead-lettering: stamped on every entry when set.
+    limits: Arc<Mutex<Limits>>,
     /// In-flight entry slots; holding all of them stops new entries.
     slots: Arc<Semaphore>,
 }
@@ -62,11 +68,14 @@ impl Proposer {
         raft: Raft,
         sync: watch::Receiver<SyncState>,
         min_sync_wait: Duration,
+        dead_letters: DeadLetterSink,
         stop: CancellationToken,
     ) -> Self {
         let (tx, mut rx) = mpsc::channel::<Pending>(65536);
         let min_sync = Arc::new(AtomicUsize::new(0));
         let min = min_sync.clone();
+        let limits = Arc::new(Mutex::new(Limits::default()));
+        let task_limits = limits.clone();
         let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
         let task_slots = slots.clone();
         tokio::spawn(async move {
@@ -99,18 +108,33 @@ impl Proposer {
                 }
                 // Hand the entry to Raft here, in arrival order (that fixes
                 // its place in the log); wait for commit and confirm elsewhere.
-                let (cmds, waiters, needs_confirm) = flatten(batch);
+                let (mut cmds, waiters, needs_confirm) = flatten(batch);
+                let limits = *task_limits.lock().expect("poisoned");
+                let stamped = limits.any();
+                if stamped {
+                    cmds.insert(0, QueueCmd::Stamp { now_ms: now_ms(), limits });
+                }
                 match raft.client_write_ff(Request::Queue(cmds)).await {
                     Ok(rx) => {
                         let sync = sync.clone();
                         let min = (needs_confirm, min.load(Ordering::Relaxed), min_sync_wait);
-                        tokio::spawn(finish(rx, sync, waiters, min, permit));
+                        let dead = stamped.then(|| dead_letters.clone());
+                        tokio::spawn(finish(rx, sync, waiters, min, dead, permit));
                     }
                     Err(fatal) => fail(waiters, NodeError::Unavailable(fatal.to_string())),
                 }
             }
         });
-        Self { tx, min_sync, slots }
+        Self { tx, min_sync, limits, slots }
+    }
+
+    /// The limits the queue's arguments and policy give it now.
+    pub fn set_limits(&self, limits: Limits) {
+        *self.limits.lock().expect("poisoned") = limits;
+    }
+
+    pub fn limits(&self) -> Limits {
+        *self.limits.lock().expect("poisoned")
     }
 
     /// Stop proposing: resolves once every entry in flight has been
@@ -138,6 +162,11 @@ impl Proposer {
         self.tx.send(Pending { cmds, reply }).await.map_err(|_| NodeError::Stopped)?;
         Ok(rx)
     }
+}
+
+/// The master's clock for stamps, in ms since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The group stopped here: operations never proposed are refused with
@@ -183,6 +212,7 @@ async fn finish(
     mut sync: watch::Receiver<SyncState>,
     waiters: Waiters,
     (needs_confirm, min_sync, wait): (bool, usize, Duration),
+    dead_letters: Option<DeadLetterSink>,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let result = match rx.await {
@@ -235,6 +265,14 @@ async fn finish(
         // could not be confirmed.
         Ok((replies, confirmed)) => {
             let mut it = replies.into_iter();
+            if let Some(sink) = dead_letters {
+                // The entry's stamp: its reply is the master's, not a caller's.
+                if let Some(QueueReply::DeadLetters { msgs }) = it.next() {
+                    if !msgs.is_empty() {
+                        sink(msgs);
+                    }
+                }
+            }
             for (n, publishes, reply) in waiters {
                 let mine: Vec<QueueReply> = it.by_ref().take(n).collect();
                 let _ = reply.send(match (&confirmed, publishes) {

@@ -11,6 +11,8 @@
 //! - `e`            the [`ForkRecord`] of the group's current epoch, if re-formed
 //! - `y`            the catch-up [`Plan`]: bodies this replica still lacks
 //!   after installing a snapshot (absent once it has them all)
+//! - `t` + seq(8)   publish time (ms, master's clock) of the run of messages
+//!   starting at seq; only for queues with a TTL
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -22,7 +24,7 @@ use mirrorq_storage::{keys, SmSpace, StorageError};
 use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
 use super::state::{Change, Counters, QueueState};
-use super::types::{Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
+use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
 use crate::raft::state_machine::Machine;
 use crate::raft::types::{Request, Response};
 
@@ -49,6 +51,26 @@ fn handed_origin(k: &[u8]) -> Origin {
     (n(1..9), n(9..17), n(17..25))
 }
 
+fn time_key(seq: u64) -> [u8; 9] {
+    let mut k = [b't'; 9];
+    k[1..].copy_from_slice(&seq.to_be_bytes());
+    k
+}
+
+fn stored_times(space: &SmSpace) -> Result<Vec<(u64, u64)>, StorageError> {
+    let mut out = Vec::new();
+    for kv in space.scan(b"t") {
+        let (k, v) = kv?;
+        let seq = u64::from_be_bytes(k[1..9].try_into().expect("time key is 9 bytes"));
+        let at = u64::from_be_bytes(v.as_ref().try_into().map_err(|_| StorageError::Decode {
+            what: "publish time",
+            source: bincode::error::DecodeError::Other("publish time is not 8 bytes"),
+        })?);
+        out.push((seq, at));
+    }
+    Ok(out)
+}
+
 fn body_key(seq: u64) -> [u8; 9] {
     let mut k = [b'b'; 9];
     k[1..].copy_from_slice(&seq.to_be_bytes());
@@ -63,6 +85,19 @@ pub type EncodedBodies = Vec<(u64, Vec<u8>)>;
 pub struct QueueStats {
     pub ready: u64,
     pub unacked: u64,
+    /// Publish time (ms) of the message at the head, if the queue keeps
+    /// times: the master's expiry timer waits for it plus the TTL.
+    pub head_published_at: Option<u64>,
+}
+
+impl QueueStats {
+    fn of(state: &QueueState) -> Self {
+        Self {
+            ready: state.ready_count(),
+            unacked: state.unacked_count(),
+            head_published_at: state.head_published_at(),
+        }
+    }
 }
 
 pub struct QueueMachine {
@@ -220,6 +255,7 @@ struct Dump {
     states: Vec<(u64, MsgState)>,
     fork: Option<ForkRecord>,
     handed: Vec<Origin>,
+    times: Vec<(u64, u64)>,
 }
 
 impl Machine for QueueMachine {
@@ -235,8 +271,8 @@ impl Machine for QueueMachine {
         for kv in space.scan(b"h") {
             handed.push(handed_origin(&kv?.0));
         }
-        let state = QueueState::restore(counters, stored).with_handed(handed);
-        let (stats, _) = watch::channel(QueueStats { ready: state.ready_count(), unacked: state.unacked_count() });
+        let state = QueueState::restore(counters, stored).with_handed(handed).with_times(stored_times(space)?);
+        let (stats, _) = watch::channel(QueueStats::of(&state));
         let plan = space.get(PLAN)?.map(|b| keys::decode::<Plan>(&b, "catch-up plan")).transpose()?;
         let (plan, _) = watch::channel(plan);
         Ok(Self { state, stats, plan })
@@ -251,6 +287,8 @@ impl Machine for QueueMachine {
         // Bodies inserted by this apply call are not in sled until the batch
         // is applied; a get in the same entry reads them from here.
         let mut fresh: HashMap<u64, &Message> = HashMap::new();
+        let mut dead: Vec<(Message, DeathReason)> = Vec::new();
+        self.state.begin_entry();
         for cmd in cmds {
             if let QueueCmd::Fork(record) = cmd {
                 batch.insert(space.key(FORK), keys::encode(record, "fork record")?);
@@ -269,6 +307,19 @@ impl Machine for QueueMachine {
                     }
                     Change::Handed { origin } => {
                         batch.insert(space.key(&handed_key(origin)), &[][..]);
+                    }
+                    Change::Stamped { seq, at_ms } => {
+                        batch.insert(space.key(&time_key(seq)), &at_ms.to_be_bytes()[..]);
+                    }
+                    Change::Unstamped { seq } => {
+                        batch.remove(space.key(&time_key(seq)));
+                    }
+                    Change::DeadLetter { seq, reason } => {
+                        let message = match fresh.get(&seq) {
+                            Some(m) => Some((*m).clone()),
+                            None => self.read_body(space, seq)?,
+                        };
+                        dead.extend(message.map(|m| (m, reason)));
                     }
                     Change::SetState { seq, state } => {
                         batch.insert(space.key(&state_key(seq)), keys::encode(&state, "message state")?);
@@ -292,12 +343,17 @@ impl Machine for QueueMachine {
             }
             replies.push(reply);
         }
+        // The entry's dead letters go to its stamp's reply, which only the
+        // master's proposer reads.
+        if let Some(QueueReply::DeadLetters { msgs }) = replies.first_mut() {
+            *msgs = dead;
+        }
         Ok(Response::Queue(replies))
     }
 
     fn commit(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError> {
         batch.insert(space.key(COUNTERS), keys::encode(self.state.counters(), "queue counters")?);
-        self.stats.send_replace(QueueStats { ready: self.state.ready_count(), unacked: self.state.unacked_count() });
+        self.stats.send_replace(QueueStats::of(&self.state));
         Ok(())
     }
 
@@ -312,16 +368,26 @@ impl Machine for QueueMachine {
         }
         let fork = Self::fork_record(space)?;
         let handed = self.state.handed().iter().copied().collect();
-        keys::encode(&Dump { counters: self.state.counters().clone(), states, fork, handed }, "queue dump")
+        let times = self.state.times().iter().map(|(k, v)| (*k, *v)).collect();
+        keys::encode(&Dump { counters: self.state.counters().clone(), states, fork, handed, times }, "queue dump")
     }
 
     /// Bodies this replica already had (kept by the install) stay if the new
     /// state still holds their message; the others it holds go in the plan.
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
         let d: Dump = keys::decode(dump, "queue dump")?;
-        let state = QueueState::restore(d.counters.clone(), d.states.iter().copied()).with_handed(d.handed.clone());
+        let mut batch_times = Vec::new();
+        let state = QueueState::restore(d.counters.clone(), d.states.iter().copied())
+            .with_handed(d.handed.clone())
+            .with_times(d.times.iter().copied());
+        for (seq, at) in &d.times {
+            batch_times.push((*seq, *at));
+        }
         let tracked = state.tracked_seqs();
         let mut batch = sled::Batch::default();
+        for (seq, at) in batch_times {
+            batch.insert(space.key(&time_key(seq)), &at.to_be_bytes()[..]);
+        }
         batch.insert(space.key(COUNTERS), keys::encode(&d.counters, "queue counters")?);
         for o in &d.handed {
             batch.insert(space.key(&handed_key(*o)), &[][..]);

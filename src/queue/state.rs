@@ -18,10 +18,14 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use super::types::{MsgState, Origin, QueueCmd, QueueReply};
+use super::types::{DeathReason, Limits, MsgState, Origin, Overflow, QueueCmd, QueueReply};
 
 /// Seqs of handed-back messages have this bit set.
 pub const HANDBACK_SEQ: u64 = 1 << 63;
+
+/// Publish time of messages enqueued while the queue had no TTL: they
+/// never expire.
+pub const UNTIMED: u64 = u64::MAX;
 
 /// One step of a command's effect on stored messages, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +42,13 @@ pub enum Change {
     Deliver { seq: u64, tag: u64, redelivered: bool },
     /// Remember that the messages of this old-epoch entry were handed back.
     Handed { origin: Origin },
+    /// Messages from `seq` on were published at `at_ms` (master's clock).
+    Stamped { seq: u64, at_ms: u64 },
+    /// The publish time recorded at `seq` is no longer needed.
+    Unstamped { seq: u64 },
+    /// The message goes to the dead-letter exchange: read its body before
+    /// the `Remove` that follows.
+    DeadLetter { seq: u64, reason: DeathReason },
 }
 
 /// Counters that must survive restarts alongside the per-message states.
@@ -67,6 +78,14 @@ pub struct QueueState {
     unacked: HashMap<u64, Unacked>,
     /// Old-epoch entries whose messages were handed back already.
     handed: BTreeSet<Origin>,
+    /// Publish times, for TTL: first seq of a run of messages -> when they
+    /// were published ([`UNTIMED`]: before the queue had a TTL). One entry
+    /// per Raft entry, kept only while a message of the run is held.
+    times: BTreeMap<u64, u64>,
+    /// The current entry's stamp: the master's clock and the limits in
+    /// force (none unless the entry starts with [`QueueCmd::Stamp`]).
+    now_ms: u64,
+    limits: Limits,
 }
 
 impl QueueState {
@@ -94,6 +113,40 @@ impl QueueState {
 
     pub fn handed(&self) -> &BTreeSet<Origin> {
         &self.handed
+    }
+
+    /// Add the stored publish times (after [`QueueState::restore`]).
+    pub fn with_times(mut self, times: impl IntoIterator<Item = (u64, u64)>) -> Self {
+        self.times.extend(times);
+        self
+    }
+
+    pub fn times(&self) -> &BTreeMap<u64, u64> {
+        &self.times
+    }
+
+    /// A new entry starts: no stamp until it brings one.
+    pub fn begin_entry(&mut self) {
+        self.now_ms = 0;
+        self.limits = Limits::default();
+    }
+
+    /// When the message at the head of the queue was published, if the
+    /// queue records times and the head is timed (for the expiry timer).
+    pub fn head_published_at(&self) -> Option<u64> {
+        let seq = match self.requeued.first_key_value() {
+            Some((_, seq)) => *seq,
+            None if self.fresh_count() > 0 => self.counters.ready_head,
+            None => return None,
+        };
+        self.time_of(seq).filter(|t| *t != UNTIMED)
+    }
+
+    fn time_of(&self, seq: u64) -> Option<u64> {
+        if seq & HANDBACK_SEQ != 0 {
+            return None;
+        }
+        self.times.range(..=seq).next_back().map(|(_, t)| *t)
     }
 
     pub fn counters(&self) -> &Counters {
@@ -125,12 +178,28 @@ impl QueueState {
     pub fn apply(&mut self, cmd: &QueueCmd, changes: &mut Vec<Change>) -> QueueReply {
         match cmd {
             QueueCmd::Enqueue { msgs } => {
+                self.stamp_run(changes);
+                let mut accepted = 0;
                 for i in 0..msgs.len() {
+                    if self.limits.overflow == Overflow::RejectPublish
+                        && self.limits.max_len.is_some_and(|max| self.ready_count() >= max)
+                    {
+                        // Full: the rest of this publish is refused (nacked).
+                        break;
+                    }
                     let seq = self.counters.next_seq;
                     self.counters.next_seq += 1;
                     changes.push(Change::Insert { seq, batch_index: i });
+                    accepted += 1;
                 }
-                QueueReply::Enqueued { count: msgs.len() as u32 }
+                if let (Some(max), Overflow::DropHead) = (self.limits.max_len, self.limits.overflow) {
+                    while self.ready_count() > max {
+                        if !self.drop_head(DeathReason::Maxlen, changes) {
+                            break;
+                        }
+                    }
+                }
+                QueueReply::Enqueued { count: accepted }
             }
             QueueCmd::Get { owner, max, auto_ack } => {
                 let mut delivered = 0u32;
@@ -224,6 +293,83 @@ impl QueueState {
                 QueueReply::Enqueued { count: msgs.len() as u32 }
             }
             QueueCmd::Fork(_) => QueueReply::Enqueued { count: 0 },
+            QueueCmd::Stamp { now_ms, limits } => {
+                self.now_ms = *now_ms;
+                self.limits = *limits;
+                self.expire_due(changes);
+                self.forget_times(changes);
+                QueueReply::DeadLetters { msgs: Vec::new() }
+            }
+            QueueCmd::Expire => QueueReply::Enqueued { count: 0 },
+        }
+    }
+
+    /// Record the publish time of the messages an enqueue is about to add:
+    /// the stamp's clock with a TTL, [`UNTIMED`] without one (only needed
+    /// once times are being kept at all).
+    fn stamp_run(&mut self, changes: &mut Vec<Change>) {
+        let at_ms = if self.limits.ttl_ms.is_some() { self.now_ms } else { UNTIMED };
+        if at_ms == UNTIMED && self.times.last_key_value().is_none_or(|(_, t)| *t == UNTIMED) {
+            return;
+        }
+        let seq = self.counters.next_seq;
+        if self.times.last_key_value().is_some_and(|(_, t)| *t == at_ms) {
+            return;
+        }
+        self.times.insert(seq, at_ms);
+        changes.push(Change::Stamped { seq, at_ms });
+    }
+
+    /// Remove messages at the head whose TTL has run out, as RabbitMQ
+    /// expires them: from the head only, oldest first.
+    fn expire_due(&mut self, changes: &mut Vec<Change>) {
+        let Some(ttl) = self.limits.ttl_ms else { return };
+        while let Some(at) = self.head_published_at() {
+            if at.saturating_add(ttl) > self.now_ms || !self.drop_head(DeathReason::Expired, changes) {
+                break;
+            }
+        }
+    }
+
+    /// Remove the message at the head (requeued ones first, as they are
+    /// served first). `false` if the queue has no ready message.
+    fn drop_head(&mut self, reason: DeathReason, changes: &mut Vec<Change>) -> bool {
+        let (seq, tracked) = if let Some((_, seq)) = self.requeued.pop_first() {
+            (seq, true)
+        } else if self.fresh_count() > 0 {
+            self.counters.ready_head += 1;
+            (self.counters.ready_head - 1, false)
+        } else {
+            return false;
+        };
+        if self.limits.dead_letter {
+            changes.push(Change::DeadLetter { seq, reason });
+        }
+        changes.push(Change::Remove { seq, tracked });
+        true
+    }
+
+    /// Drop publish times no held message needs any more: every run
+    /// before the one holding the oldest message still held.
+    fn forget_times(&mut self, changes: &mut Vec<Change>) {
+        if self.times.len() < 2 && self.fresh_count() + self.requeued.len() as u64 + self.unacked_count() > 0 {
+            return;
+        }
+        let plain = |seq: &u64| *seq & HANDBACK_SEQ == 0;
+        let oldest = [self.fresh_count().gt(&0).then_some(self.counters.ready_head)]
+            .into_iter()
+            .flatten()
+            .chain(self.requeued.values().copied().filter(plain))
+            .chain(self.unacked.values().map(|u| u.seq).filter(plain))
+            .min();
+        let keep_from = match oldest {
+            Some(seq) => self.times.range(..=seq).next_back().map_or(0, |(k, _)| *k),
+            None => u64::MAX,
+        };
+        let old: Vec<u64> = self.times.range(..keep_from).map(|(k, _)| *k).collect();
+        for seq in old {
+            self.times.remove(&seq);
+            changes.push(Change::Unstamped { seq });
         }
     }
 
@@ -244,6 +390,9 @@ impl QueueState {
             self.requeued.insert(order, seq);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         } else {
+            if self.limits.dead_letter {
+                changes.push(Change::DeadLetter { seq, reason: DeathReason::Rejected });
+            }
             changes.push(Change::Remove { seq, tracked: true });
         }
     }
@@ -452,5 +601,126 @@ mod tests {
         disk.insert(0, MsgState::Requeued { order: 1 });
         let restored = QueueState::restore(s.counters().clone(), disk);
         assert_eq!(restored, s);
+    }
+
+    fn stamp(s: &mut QueueState, now_ms: u64, limits: Limits) -> Vec<Change> {
+        let mut c = Vec::new();
+        s.begin_entry();
+        s.apply(&QueueCmd::Stamp { now_ms, limits }, &mut c);
+        c
+    }
+
+    fn dead(c: &[Change]) -> Vec<(u64, DeathReason)> {
+        c.iter()
+            .filter_map(|ch| match ch {
+                Change::DeadLetter { seq, reason } => Some((*seq, *reason)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ttl_expires_from_the_head_at_the_stamped_time() {
+        let ttl = Limits { ttl_ms: Some(100), dead_letter: true, ..Limits::default() };
+        let mut s = QueueState::default();
+        stamp(&mut s, 1_000, ttl);
+        enqueue(&mut s, 2); // published at 1000
+        stamp(&mut s, 1_050, ttl);
+        enqueue(&mut s, 1); // published at 1050
+        assert_eq!(s.head_published_at(), Some(1_000));
+        assert!(dead(&stamp(&mut s, 1_099, ttl)).is_empty(), "not due yet");
+        let c = stamp(&mut s, 1_100, ttl);
+        assert_eq!(dead(&c), vec![(0, DeathReason::Expired), (1, DeathReason::Expired)]);
+        assert!(c.contains(&Change::Remove { seq: 1, tracked: false }));
+        assert_eq!(s.ready_count(), 1);
+        assert_eq!(s.head_published_at(), Some(1_050));
+        // The run of the expired messages is forgotten, the live one kept.
+        assert_eq!(s.times().keys().copied().collect::<Vec<_>>(), vec![2]);
+        let c = stamp(&mut s, 1_150, ttl);
+        assert_eq!(dead(&c), vec![(2, DeathReason::Expired)]);
+        assert!(c.contains(&Change::Unstamped { seq: 2 }), "{c:?}");
+        assert!(s.times().is_empty());
+    }
+
+    #[test]
+    fn unacked_messages_never_expire_and_requeued_ones_keep_their_time() {
+        let ttl = Limits { ttl_ms: Some(100), ..Limits::default() };
+        let mut s = QueueState::default();
+        stamp(&mut s, 1_000, ttl);
+        enqueue(&mut s, 1);
+        stamp(&mut s, 1_090, ttl);
+        enqueue(&mut s, 1);
+        get(&mut s, 7, 1, false); // seq 0 unacked
+        assert!(dead(&stamp(&mut s, 5_000, Limits { dead_letter: true, ..ttl })).contains(&(1, DeathReason::Expired)));
+        assert_eq!(s.unacked_count(), 1, "delivered messages do not expire");
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![0], requeue: true }, &mut c);
+        // Requeued, it is at the head with its original publish time.
+        assert_eq!(s.head_published_at(), Some(1_000));
+        let c = stamp(&mut s, 5_001, ttl);
+        assert!(c.contains(&Change::Remove { seq: 0, tracked: true }));
+        assert!(dead(&c).is_empty(), "no dead-lettering without a dead-letter exchange");
+        assert_eq!(s.ready_count(), 0);
+    }
+
+    #[test]
+    fn messages_published_before_a_ttl_never_expire() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 1);
+        let ttl = Limits { ttl_ms: Some(10), ..Limits::default() };
+        stamp(&mut s, 1_000, ttl);
+        enqueue(&mut s, 1);
+        stamp(&mut s, 9_000, Limits::default());
+        enqueue(&mut s, 1);
+        assert_eq!(s.times().values().copied().collect::<Vec<_>>(), vec![1_000, UNTIMED]);
+        assert_eq!(s.head_published_at(), None, "the head has no time");
+        stamp(&mut s, 9_000, ttl);
+        assert_eq!(s.ready_count(), 3, "expiry stops at an untimed head");
+    }
+
+    #[test]
+    fn max_length_drops_the_head_or_refuses_publishes() {
+        let drop = Limits { max_len: Some(2), dead_letter: true, ..Limits::default() };
+        let mut s = QueueState::default();
+        stamp(&mut s, 0, drop);
+        let mut c = Vec::new();
+        let r = s.apply(&QueueCmd::Enqueue { msgs: (0..3).map(|i| msg(&i.to_string())).collect() }, &mut c);
+        assert_eq!(r, QueueReply::Enqueued { count: 3 });
+        assert_eq!(dead(&c), vec![(0, DeathReason::Maxlen)]);
+        assert_eq!((s.ready_count(), s.counters().ready_head), (2, 1));
+
+        let reject = Limits { max_len: Some(2), overflow: Overflow::RejectPublish, ..Limits::default() };
+        let mut s = QueueState::default();
+        stamp(&mut s, 0, reject);
+        let mut c = Vec::new();
+        let r = s.apply(&QueueCmd::Enqueue { msgs: (0..3).map(|i| msg(&i.to_string())).collect() }, &mut c);
+        assert_eq!(r, QueueReply::Enqueued { count: 2 });
+        let r = s.apply(&QueueCmd::Enqueue { msgs: vec![msg("x")] }, &mut c);
+        assert_eq!(r, QueueReply::Enqueued { count: 0 });
+        assert_eq!(s.ready_count(), 2);
+        // Unacked messages do not count against the limit.
+        get(&mut s, 1, 1, false);
+        let r = s.apply(&QueueCmd::Enqueue { msgs: vec![msg("y")] }, &mut c);
+        assert_eq!(r, QueueReply::Enqueued { count: 1 });
+        // A later entry without a stamp has no limit.
+        s.begin_entry();
+        let r = s.apply(&QueueCmd::Enqueue { msgs: vec![msg("z")] }, &mut c);
+        assert_eq!(r, QueueReply::Enqueued { count: 1 });
+    }
+
+    #[test]
+    fn rejected_messages_are_dead_lettered_only_with_an_exchange() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 2);
+        get(&mut s, 1, 2, false);
+        let c = stamp(&mut s, 0, Limits { dead_letter: true, ..Limits::default() });
+        assert!(dead(&c).is_empty());
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![0], requeue: false }, &mut c);
+        assert_eq!(c, vec![Change::DeadLetter { seq: 0, reason: DeathReason::Rejected }, Change::Remove { seq: 0, tracked: true }]);
+        s.begin_entry();
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![1], requeue: false }, &mut c);
+        assert_eq!(c, vec![Change::Remove { seq: 1, tracked: true }]);
     }
 }

@@ -66,6 +66,67 @@ pub enum QueueCmd {
     },
     /// The first command of a re-formed epoch: where its history forked.
     Fork(super::epoch::ForkRecord),
+    /// Put first in an entry by the master of a queue with limits (TTL,
+    /// max length, dead-lettering): the master's clock and the limits in
+    /// force for the rest of the entry. Every replica applies the same time
+    /// and limits, so expiry and overflow stay deterministic. Expires what
+    /// is due at `now_ms`.
+    Stamp {
+        now_ms: u64,
+        limits: Limits,
+    },
+    /// Nothing by itself: an entry for its stamp to expire messages in when
+    /// nothing else is happening on the queue.
+    Expire,
+}
+
+/// What `x-overflow` does when a queue is at `x-max-length`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Overflow {
+    /// Drop (and dead-letter) the oldest messages.
+    #[default]
+    DropHead,
+    /// Refuse new publishes (the publisher gets a `basic.nack`).
+    RejectPublish,
+}
+
+/// A queue's limits as its master applies them: from the queue's
+/// arguments and its effective policy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// `x-message-ttl` in milliseconds.
+    pub ttl_ms: Option<u64>,
+    /// `x-max-length` in messages (ready ones, as RabbitMQ counts).
+    pub max_len: Option<u64>,
+    pub overflow: Overflow,
+    /// Removed messages (expired, dropped, rejected) are handed to the
+    /// dead-letter exchange.
+    pub dead_letter: bool,
+}
+
+impl Limits {
+    /// Does the queue need stamped entries at all?
+    pub fn any(&self) -> bool {
+        self.ttl_ms.is_some() || self.max_len.is_some() || self.dead_letter
+    }
+}
+
+/// Why a message was dead-lettered (`x-death` `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeathReason {
+    Expired,
+    Maxlen,
+    Rejected,
+}
+
+impl DeathReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeathReason::Expired => "expired",
+            DeathReason::Maxlen => "maxlen",
+            DeathReason::Rejected => "rejected",
+        }
+    }
 }
 
 impl QueueCmd {
@@ -73,6 +134,11 @@ impl QueueCmd {
     /// Only publishes carry that promise.
     pub fn needs_confirm(&self) -> bool {
         matches!(self, QueueCmd::Enqueue { .. } | QueueCmd::Handback { .. })
+    }
+
+    /// Is this a command whose effect a re-formed epoch must keep?
+    pub fn publishes(&self) -> bool {
+        matches!(self, QueueCmd::Enqueue { .. } | QueueCmd::Handback { .. } | QueueCmd::Stamp { .. })
     }
 }
 
@@ -105,5 +171,11 @@ pub enum QueueReply {
     Status {
         ready: u64,
         unacked: u64,
+    },
+    /// The reply to an entry's [`QueueCmd::Stamp`]: every message the
+    /// entry removed for the dead-letter exchange (filled from disk by the
+    /// state-machine adapter), for the master to republish.
+    DeadLetters {
+        msgs: Vec<(Message, DeathReason)>,
     },
 }

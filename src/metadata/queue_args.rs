@@ -1,0 +1,204 @@
+//! The queue arguments mirrorq acts on (`x-message-ttl`, `x-max-length`,
+//! `x-overflow`, `x-dead-letter-exchange`, `x-dead-letter-routing-key`),
+//! validated once at declare time and stored with the queue, and how they
+//! combine with the same keys in the queue's effective policy.
+//!
+//! As in RabbitMQ: when both set a TTL or a maximum length the lower one
+//! wins; for the other keys the argument wins over the policy.
+
+use serde::{Deserialize, Serialize};
+
+use super::routing::{ArgValue, Args};
+
+/// `x-overflow` values we implement.
+pub const OVERFLOW_DROP_HEAD: &str = "drop-head";
+pub const OVERFLOW_REJECT_PUBLISH: &str = "reject-publish";
+
+/// Arguments we know but do not implement: refused at declare rather than
+/// silently ignored, so nobody relies on a limit that is not enforced.
+const UNSUPPORTED: &[&str] = &["x-max-length-bytes", "x-max-priority", "x-single-active-consumer"];
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueArgs {
+    pub message_ttl: Option<u64>,
+    pub max_length: Option<u64>,
+    /// `drop-head` or `reject-publish`.
+    pub overflow: Option<String>,
+    pub dead_letter_exchange: Option<String>,
+    pub dead_letter_routing_key: Option<String>,
+}
+
+impl QueueArgs {
+    /// Read and validate declare arguments. Unknown `x-` arguments are
+    /// ignored, as RabbitMQ ignores them; `Err` names the bad one.
+    pub fn parse(args: &Args) -> Result<Self, String> {
+        let mut out = QueueArgs::default();
+        for (k, v) in args {
+            let non_negative = || match v {
+                ArgValue::Int(n) if *n >= 0 => Ok(*n as u64),
+                other => Err(format!("invalid arg '{k}': {} is not a non-negative integer", show(other))),
+            };
+            let string = || match v {
+                ArgValue::Str(s) => Ok(s.clone()),
+                other => Err(format!("invalid arg '{k}': {} is not a string", show(other))),
+            };
+            match k.as_str() {
+                "x-message-ttl" => out.message_ttl = Some(non_negative()?),
+                "x-max-length" => out.max_length = Some(non_negative()?),
+                "x-overflow" => {
+                    let s = string()?;
+                    if s != OVERFLOW_DROP_HEAD && s != OVERFLOW_REJECT_PUBLISH {
+                        return Err(format!(
+                            "invalid arg '{k}': '{s}' is not one of {OVERFLOW_DROP_HEAD}, {OVERFLOW_REJECT_PUBLISH}"
+                        ));
+                    }
+                    out.overflow = Some(s);
+                }
+                "x-dead-letter-exchange" => out.dead_letter_exchange = Some(string()?),
+                "x-dead-letter-routing-key" => out.dead_letter_routing_key = Some(string()?),
+                k if UNSUPPORTED.contains(&k) => return Err(format!("argument '{k}' is not supported by mirrorq")),
+                _ => {}
+            }
+        }
+        if out.dead_letter_routing_key.is_some() && out.dead_letter_exchange.is_none() {
+            return Err("x-dead-letter-routing-key given without x-dead-letter-exchange".into());
+        }
+        Ok(out)
+    }
+
+    /// The arguments as RabbitMQ's API shows them.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        if let Some(v) = self.message_ttl {
+            m.insert("x-message-ttl".into(), v.into());
+        }
+        if let Some(v) = self.max_length {
+            m.insert("x-max-length".into(), v.into());
+        }
+        if let Some(v) = &self.overflow {
+            m.insert("x-overflow".into(), v.clone().into());
+        }
+        if let Some(v) = &self.dead_letter_exchange {
+            m.insert("x-dead-letter-exchange".into(), v.clone().into());
+        }
+        if let Some(v) = &self.dead_letter_routing_key {
+            m.insert("x-dead-letter-routing-key".into(), v.clone().into());
+        }
+        serde_json::Value::Object(m)
+    }
+
+    /// The first argument that differs from `other`, RabbitMQ's
+    /// "inequivalent arg" check on re-declare.
+    pub fn inequivalent(&self, other: &QueueArgs) -> Option<&'static str> {
+        if self.message_ttl != other.message_ttl {
+            Some("x-message-ttl")
+        } else if self.max_length != other.max_length {
+            Some("x-max-length")
+        } else if self.overflow != other.overflow {
+            Some("x-overflow")
+        } else if self.dead_letter_exchange != other.dead_letter_exchange {
+            Some("x-dead-letter-exchange")
+        } else if self.dead_letter_routing_key != other.dead_letter_routing_key {
+            Some("x-dead-letter-routing-key")
+        } else {
+            None
+        }
+    }
+
+    /// Combined with a policy definition (already validated JSON).
+    pub fn with_policy(&self, definition: Option<&str>) -> QueueArgs {
+        let def: serde_json::Value =
+            definition.and_then(|d| serde_json::from_str(d).ok()).unwrap_or(serde_json::Value::Null);
+        let num = |k: &str| def.get(k).and_then(|v| v.as_u64());
+        let text = |k: &str| def.get(k).and_then(|v| v.as_str()).map(str::to_string);
+        let lower = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let dead_letter_exchange = self.dead_letter_exchange.clone().or_else(|| text("dead-letter-exchange"));
+        QueueArgs {
+            message_ttl: lower(self.message_ttl, num("message-ttl")),
+            max_length: lower(self.max_length, num("max-length")),
+            overflow: self.overflow.clone().or_else(|| text("overflow")),
+            dead_letter_routing_key: match &self.dead_letter_exchange {
+                Some(_) => self.dead_letter_routing_key.clone(),
+                None => text("dead-letter-routing-key"),
+            },
+            dead_letter_exchange,
+        }
+    }
+}
+
+fn show(v: &ArgValue) -> String {
+    match v {
+        ArgValue::Str(s) => format!("'{s}'"),
+        ArgValue::Int(n) => n.to_string(),
+        ArgValue::Bool(b) => b.to_string(),
+        ArgValue::Other(o) => o.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(kv: &[(&str, ArgValue)]) -> Args {
+        kv.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+    }
+
+    #[test]
+    fn parses_known_arguments_and_ignores_unknown_ones() {
+        let a = QueueArgs::parse(&args(&[
+            ("x-message-ttl", ArgValue::Int(500)),
+            ("x-max-length", ArgValue::Int(3)),
+            ("x-overflow", ArgValue::Str("reject-publish".into())),
+            ("x-dead-letter-exchange", ArgValue::Str("dlx".into())),
+            ("x-dead-letter-routing-key", ArgValue::Str("dead".into())),
+            ("x-expires", ArgValue::Int(10_000)),
+        ]))
+        .unwrap();
+        assert_eq!(a.message_ttl, Some(500));
+        assert_eq!(a.max_length, Some(3));
+        assert_eq!(a.overflow.as_deref(), Some("reject-publish"));
+        assert_eq!(a.dead_letter_exchange.as_deref(), Some("dlx"));
+        assert_eq!(a.dead_letter_routing_key.as_deref(), Some("dead"));
+    }
+
+    #[test]
+    fn refuses_bad_values() {
+        let bad = [
+            ("x-message-ttl", ArgValue::Int(-1)),
+            ("x-message-ttl", ArgValue::Str("10".into())),
+            ("x-max-length", ArgValue::Bool(true)),
+            ("x-overflow", ArgValue::Str("reject-publish-dlx".into())),
+            ("x-dead-letter-exchange", ArgValue::Int(1)),
+            ("x-max-length-bytes", ArgValue::Int(1000)),
+        ];
+        for (k, v) in bad {
+            let err = QueueArgs::parse(&args(&[(k, v.clone())])).unwrap_err();
+            assert!(err.contains(k), "{k}={v:?}: {err}");
+        }
+        assert!(QueueArgs::parse(&args(&[("x-dead-letter-routing-key", ArgValue::Str("k".into()))])).is_err());
+    }
+
+    #[test]
+    fn policy_combines_lower_limit_and_argument_first() {
+        let a = QueueArgs {
+            message_ttl: Some(1000),
+            max_length: None,
+            dead_letter_exchange: Some("mine".into()),
+            ..QueueArgs::default()
+        };
+        let def = r#"{"message-ttl":500,"max-length":7,"dead-letter-exchange":"theirs","dead-letter-routing-key":"k","overflow":"reject-publish"}"#;
+        let e = a.with_policy(Some(def));
+        assert_eq!(e.message_ttl, Some(500), "lower TTL wins");
+        assert_eq!(e.max_length, Some(7));
+        assert_eq!(e.dead_letter_exchange.as_deref(), Some("mine"), "the argument wins");
+        assert_eq!(e.dead_letter_routing_key, None, "the policy's key goes with the policy's exchange");
+        assert_eq!(e.overflow.as_deref(), Some("reject-publish"));
+        let none = QueueArgs::default().with_policy(None);
+        assert_eq!(none, QueueArgs::default());
+        assert_eq!(a.inequivalent(&QueueArgs::default()), Some("x-message-ttl"));
+        assert_eq!(a.inequivalent(&a.clone()), None);
+    }
+}

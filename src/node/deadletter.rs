@@ -1,0 +1,242 @@
+//! Queue limits on the master: the TTL, max length and dead-lettering a
+//! queue's arguments and policy give it, the timer that expires messages
+//! when nothing else happens on the queue, and the republishing of
+//! dead-lettered messages to the dead-letter exchange.
+//!
+//! The queue's state machine decides which messages expire, overflow or are
+//! rejected (deterministically, from the master's stamp in each entry); the
+//! master's proposer hands their bodies here. Dead-lettering is at most
+//! once, as for RabbitMQ's classic mirrored queues: a master that fails
+//! between removing a message and republishing it loses that dead letter.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+
+use super::{Inner, Node, QueueGroup};
+use crate::metadata::{policy, MetaState, QueueArgs, QueueMeta};
+use crate::queue::proposer::{now_ms, DeadLetterSink};
+use crate::queue::types::{DeathReason, Limits, Overflow};
+use crate::queue::{Message, QueueCmd};
+
+/// The queue's arguments combined with its effective policy.
+pub(crate) fn effective_args(state: &MetaState, q: &QueueMeta) -> QueueArgs {
+    let def = policy::effective(&state.policies, &q.name).map(|p| p.definition.as_str());
+    q.args.with_policy(def)
+}
+
+/// What the master stamps on the queue's entries.
+pub(super) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
+    let a = effective_args(state, q);
+    Limits {
+        ttl_ms: a.message_ttl,
+        max_len: a.max_length,
+        overflow: match a.overflow.as_deref() {
+            Some(crate::metadata::queue_args::OVERFLOW_REJECT_PUBLISH) => Overflow::RejectPublish,
+            _ => Overflow::DropHead,
+        },
+        dead_letter: a.dead_letter_exchange.is_some(),
+    }
+}
+
+/// The proposer's sink for a queue's dead letters. Holds the node weakly:
+/// the node owns the group that owns the proposer.
+pub(super) fn sink(inner: Weak<Inner>, queue: String) -> DeadLetterSink {
+    Arc::new(move |msgs| {
+        let Some(inner) = inner.upgrade() else { return };
+        let node = Node { inner };
+        let queue = queue.clone();
+        tokio::spawn(async move { node.dead_letter(&queue, msgs).await });
+    })
+}
+
+impl Node {
+    /// Publish dead-lettered messages of `queue` to its dead-letter
+    /// exchange, with RabbitMQ's `x-death` history.
+    async fn dead_letter(&self, queue: &str, msgs: Vec<(Message, DeathReason)>) {
+        let state = self.metadata();
+        let Some(q) = state.queues.get(queue) else { return };
+        let args = effective_args(&state, q);
+        let Some(dlx) = args.dead_letter_exchange else { return };
+        for (msg, reason) in msgs {
+            let key = args.dead_letter_routing_key.clone().unwrap_or_else(|| msg.routing_key.clone());
+            let (dead, rejected_on_the_way, queues_seen) = with_death(msg, queue, reason, &dlx, &key);
+            let headers = crate::amqp::decode_properties(&dead.properties)
+                .headers()
+                .as_ref()
+                .map(crate::amqp::to_args)
+                .unwrap_or_default();
+            let Some(targets) = self.route_fresh(&dlx, &key, &headers).await else {
+                tracing::warn!(queue, exchange = %dlx, "dead-letter exchange does not exist; message dropped");
+                continue;
+            };
+            for target in targets {
+                // A message dead-lettered round a cycle with no rejection on
+                // it would circle for ever: dropped, as RabbitMQ does.
+                if queues_seen.contains(&target) && !rejected_on_the_way {
+                    tracing::debug!(queue, target, "dead-letter cycle without a rejection; dropped");
+                    continue;
+                }
+                let node = self.clone();
+                let m = dead.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = node.publish(&target, vec![m]).await {
+                        tracing::warn!(queue = %target, error = %e, "dead letter not stored");
+                    }
+                });
+            }
+        }
+    }
+
+    /// While this node masters a queue with a TTL, wake when the message at
+    /// the head is due and propose an entry whose stamp expires it.
+    pub(super) fn spawn_expiry(&self, g: Arc<QueueGroup>) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut stats = g.stats.clone();
+            let mut metrics = g.raft.metrics();
+            loop {
+                let ttl = g.proposer.limits().ttl_ms;
+                let head = stats.borrow_and_update().head_published_at;
+                let due = match (ttl, head, g.is_leader(node.id())) {
+                    (Some(ttl), Some(at), true) => Some(at.saturating_add(ttl)),
+                    _ => None,
+                };
+                // Limits change with policies (no signal): look again now and then.
+                let wait = match due {
+                    Some(due) => Duration::from_millis(due.saturating_sub(now_ms())).min(Duration::from_secs(1)),
+                    None => Duration::from_secs(1),
+                };
+                if due.is_some_and(|d| d <= now_ms()) {
+                    if let Err(e) = g.proposer.submit(vec![QueueCmd::Expire]).await {
+                        tracing::debug!(queue = %g.meta.name, error = %e, "expiry entry not written");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    continue;
+                }
+                tokio::select! {
+                    _ = g.stop.cancelled() => return,
+                    _ = stats.changed() => {}
+                    _ = metrics.changed() => {}
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        });
+    }
+}
+
+/// The message as the dead-letter exchange gets it: routed with `key`,
+/// its `x-death` history updated (the entry for this queue and reason
+/// counted up and moved first), `x-first-death-*` set once. Also answers
+/// whether the history holds a rejection and which queues it names.
+fn with_death(
+    mut msg: Message,
+    queue: &str,
+    reason: DeathReason,
+    dlx: &str,
+    key: &str,
+) -> (Message, bool, Vec<String>) {
+    let props = crate::amqp::decode_properties(&msg.properties);
+    let mut headers = props.headers().clone().unwrap_or_default();
+    let s = |v: &str| AMQPValue::LongString(LongString::from(v));
+    let text = |t: &FieldTable, k: &str| match t.inner().get(k) {
+        Some(AMQPValue::LongString(v)) => Some(String::from_utf8_lossy(v.as_bytes()).into_owned()),
+        Some(AMQPValue::ShortString(v)) => Some(v.as_str().to_string()),
+        _ => None,
+    };
+    let mut deaths: Vec<FieldTable> = match headers.inner().get("x-death") {
+        Some(AMQPValue::FieldArray(a)) => a
+            .as_slice()
+            .iter()
+            .filter_map(|v| match v {
+                AMQPValue::FieldTable(t) => Some(t.clone()),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let same = deaths.iter().position(|t| {
+        text(t, "queue").as_deref() == Some(queue) && text(t, "reason").as_deref() == Some(reason.as_str())
+    });
+    let mut entry = match same {
+        Some(i) => deaths.remove(i),
+        None => FieldTable::default(),
+    };
+    let count = match entry.inner().get("count") {
+        Some(AMQPValue::LongLongInt(n)) => *n + 1,
+        Some(AMQPValue::LongInt(n)) => *n as i64 + 1,
+        _ => 1,
+    };
+    entry.insert(ShortString::from("count"), AMQPValue::LongLongInt(count));
+    entry.insert(ShortString::from("reason"), s(reason.as_str()));
+    entry.insert(ShortString::from("queue"), s(queue));
+    entry.insert(ShortString::from("time"), AMQPValue::Timestamp(now_ms() / 1000));
+    entry.insert(ShortString::from("exchange"), s(&msg.exchange));
+    entry.insert(
+        ShortString::from("routing-keys"),
+        AMQPValue::FieldArray(FieldArray::from(vec![s(&msg.routing_key)])),
+    );
+    deaths.insert(0, entry);
+    let rejected = deaths.iter().any(|t| text(t, "reason").as_deref() == Some("rejected"));
+    let seen = deaths.iter().filter_map(|t| text(t, "queue")).collect();
+    if !headers.contains_key("x-first-death-reason") {
+        headers.insert(ShortString::from("x-first-death-reason"), s(reason.as_str()));
+        headers.insert(ShortString::from("x-first-death-queue"), s(queue));
+        headers.insert(ShortString::from("x-first-death-exchange"), s(&msg.exchange));
+    }
+    headers.insert(
+        ShortString::from("x-death"),
+        AMQPValue::FieldArray(FieldArray::from(deaths.into_iter().map(AMQPValue::FieldTable).collect::<Vec<_>>())),
+    );
+    msg.properties = crate::amqp::encode_properties(&props.with_headers(headers));
+    msg.exchange = dlx.to_string();
+    msg.routing_key = key.to_string();
+    (msg, rejected, seen)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deaths(m: &Message) -> Vec<FieldTable> {
+        let props = crate::amqp::decode_properties(&m.properties);
+        match props.headers().as_ref().and_then(|h| h.inner().get("x-death").cloned()) {
+            Some(AMQPValue::FieldArray(a)) => a
+                .as_slice()
+                .iter()
+                .map(|v| match v {
+                    AMQPValue::FieldTable(t) => t.clone(),
+                    other => panic!("{other:?}"),
+                })
+                .collect(),
+            other => panic!("no x-death: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn x_death_counts_per_queue_and_reason_and_detects_cycles() {
+        let m = Message { exchange: "ex".into(), routing_key: "k".into(), properties: vec![], body: b"b".to_vec() };
+        let (m, rejected, seen) = with_death(m, "work", DeathReason::Rejected, "dlx", "retry");
+        assert_eq!((m.exchange.as_str(), m.routing_key.as_str()), ("dlx", "retry"));
+        assert!(rejected);
+        assert_eq!(seen, vec!["work".to_string()]);
+        let (m, _, _) = with_death(m, "retry", DeathReason::Expired, "ex", "k");
+        let (m, rejected, seen) = with_death(m, "work", DeathReason::Rejected, "dlx", "retry");
+        assert!(rejected);
+        assert_eq!(seen, vec!["work".to_string(), "retry".to_string()]);
+        let d = deaths(&m);
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[0].inner().get("count"), Some(&AMQPValue::LongLongInt(2)));
+        assert_eq!(d[0].inner().get("queue"), Some(&AMQPValue::LongString("work".into())));
+        assert_eq!(d[1].inner().get("reason"), Some(&AMQPValue::LongString("expired".into())));
+        let props = crate::amqp::decode_properties(&m.properties);
+        let h = props.headers().clone().unwrap();
+        assert_eq!(h.inner().get("x-first-death-reason"), Some(&AMQPValue::LongString("rejected".into())));
+        assert_eq!(h.inner().get("x-first-death-exchange"), Some(&AMQPValue::LongString("ex".into())));
+
+        let plain = Message { exchange: "".into(), routing_key: "q".into(), properties: vec![], body: vec![] };
+        let (_, rejected, _) = with_death(plain, "q", DeathReason::Expired, "", "q");
+        assert!(!rejected, "an expiry-only history is a cycle to break");
+    }
+}
