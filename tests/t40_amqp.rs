@@ -585,3 +585,219 @@ async fn consumer_keeps_receiving_when_the_master_moves() {
     assert!(settled, "acks across the moves did not settle every message: {:?}", publisher.status("mv-q").await);
     c.cluster.shutdown().await;
 }
+
+/// Waits until `queue` holds `n` ready messages (read through the master).
+async fn wait_ready(c: &AmqpCluster, queue: &str, n: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (ready, _) = c.cluster.node(1).status(queue).await.unwrap();
+        if ready == n {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{queue}: {ready} ready, expected {n}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn x_death(props: &BasicProperties) -> Vec<FieldTable> {
+    match props.headers().as_ref().and_then(|h| h.inner().get("x-death").cloned()) {
+        Some(AMQPValue::FieldArray(a)) => a
+            .as_slice()
+            .iter()
+            .map(|v| match v {
+                AMQPValue::FieldTable(t) => t.clone(),
+                other => panic!("x-death entry {other:?}"),
+            })
+            .collect(),
+        other => panic!("no x-death header: {other:?}"),
+    }
+}
+
+fn text(t: &FieldTable, k: &str) -> String {
+    match t.inner().get(k) {
+        Some(AMQPValue::LongString(v)) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
+        other => panic!("{k}: {other:?}"),
+    }
+}
+
+/// Mirrored queues (`ha-mode: all`) with `x-message-ttl`, `x-max-length`
+/// and dead-letter arguments, used through nodes that are not their
+/// masters: messages expire with no consumer and reach the dead-letter
+/// queue with RabbitMQ's `x-death`; rejected ones follow; a full queue
+/// drops its head or refuses publishes with a nack; bad or inequivalent
+/// arguments are 406.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ttl_max_length_and_dead_lettering() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    c.cluster.node(1).set_policy(common::policy("^lim", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    let conn1 = c.connect(1).await;
+    let ch1 = conn1.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch1.exchange_declare(
+        s("lim.dlx"),
+        lapin::ExchangeKind::Direct,
+        lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch1.queue_declare(s("lim.dead"), durable, FieldTable::default()).await.unwrap();
+    ch1.queue_bind(s("lim.dead"), s("lim.dlx"), s("dead"), Default::default(), FieldTable::default()).await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(s("x-message-ttl"), AMQPValue::LongInt(300));
+    args.insert(s("x-dead-letter-exchange"), AMQPValue::LongString("lim.dlx".into()));
+    args.insert(s("x-dead-letter-routing-key"), AMQPValue::LongString("dead".into()));
+    ch1.queue_declare(s("lim.ttl"), durable, args.clone()).await.unwrap();
+    assert!(c.cluster.node(1).queue_members("lim.ttl").is_some_and(|m| m.len() == 3), "mirrored on three nodes");
+
+    // Publish through a node that is not the master; nobody consumes.
+    let master = c.cluster.node(1).queue_info("lim.ttl").unwrap().leader.unwrap();
+    let other = (1..=3).find(|n| *n != master).unwrap();
+    let conn = c.connect(other).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let props = BasicProperties::default().with_message_id(s("m-1"));
+    for i in 0..3 {
+        let conf = ch
+            .basic_publish(s(""), s("lim.ttl"), BasicPublishOptions::default(), format!("t{i}").as_bytes(), props.clone())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(conf.is_ack());
+    }
+    // Re-declaring with the same arguments is fine; with others it is 406.
+    ch.queue_declare(s("lim.ttl"), durable, args.clone()).await.unwrap();
+    let mut other_ttl = args.clone();
+    other_ttl.insert(s("x-message-ttl"), AMQPValue::LongInt(301));
+    let bad = conn.create_channel().await.unwrap();
+    let err = bad.queue_declare(s("lim.ttl"), durable, other_ttl).await.unwrap_err();
+    assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+    assert!(format!("{err:?}").contains("inequivalent arg 'x-message-ttl'"), "{err:?}");
+
+    // Expired with no consumer and no other traffic: the master's timer.
+    wait_ready(&c, "lim.dead", 3).await;
+    wait_ready(&c, "lim.ttl", 0).await;
+    for i in 0..3 {
+        let got = ch.basic_get(s("lim.dead"), BasicGetOptions { no_ack: true }).await.unwrap().expect("dead letter");
+        assert_eq!(got.delivery.data, format!("t{i}").into_bytes(), "in publish order, bodies intact");
+        assert_eq!(got.delivery.exchange.as_str(), "lim.dlx");
+        assert_eq!(got.delivery.routing_key.as_str(), "dead");
+        assert_eq!(got.delivery.properties.message_id().as_ref().map(|v| v.as_str()), Some("m-1"));
+        let d = x_death(&got.delivery.properties);
+        assert_eq!(d.len(), 1);
+        assert_eq!(text(&d[0], "reason"), "expired");
+        assert_eq!(text(&d[0], "queue"), "lim.ttl");
+        assert_eq!(text(&d[0], "exchange"), "");
+        assert_eq!(d[0].inner().get("count"), Some(&AMQPValue::LongLongInt(1)));
+        let h = got.delivery.properties.headers().clone().unwrap();
+        assert_eq!(h.inner().get("x-first-death-reason"), Some(&AMQPValue::LongString("expired".into())));
+    }
+
+    // Rejected without requeue: dead-lettered with the original routing key
+    // when the queue names no dead-letter routing key.
+    let mut args = FieldTable::default();
+    args.insert(s("x-dead-letter-exchange"), AMQPValue::LongString("".into()));
+    ch1.queue_declare(s("lim.work"), durable, args).await.unwrap();
+    ch.basic_publish(s(""), s("lim.work"), BasicPublishOptions::default(), b"bad", BasicProperties::default())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let got = ch.basic_get(s("lim.work"), BasicGetOptions { no_ack: false }).await.unwrap().expect("message");
+    got.delivery.reject(lapin::options::BasicRejectOptions { requeue: false }).await.unwrap();
+    // Dead-lettered to "" with key "lim.work": back into lim.work itself,
+    // allowed because the cycle has a rejection in it.
+    wait_ready(&c, "lim.work", 1).await;
+    let again = ch.basic_get(s("lim.work"), BasicGetOptions { no_ack: true }).await.unwrap().expect("dead letter");
+    assert_eq!(again.delivery.data, b"bad");
+    let d = x_death(&again.delivery.properties);
+    assert_eq!((text(&d[0], "reason"), text(&d[0], "queue")), ("rejected".to_string(), "lim.work".to_string()));
+    assert!(!again.delivery.redelivered, "a dead letter is a new message");
+
+    // Max length, drop-head: the oldest go, to the dead-letter exchange.
+    let mut args = FieldTable::default();
+    args.insert(s("x-max-length"), AMQPValue::LongInt(2));
+    args.insert(s("x-dead-letter-exchange"), AMQPValue::LongString("lim.dlx".into()));
+    args.insert(s("x-dead-letter-routing-key"), AMQPValue::LongString("dead".into()));
+    ch1.queue_declare(s("lim.short"), durable, args).await.unwrap();
+    for i in 0..5 {
+        let conf = ch
+            .basic_publish(s(""), s("lim.short"), BasicPublishOptions::default(), format!("s{i}").as_bytes(), BasicProperties::default())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(conf.is_ack(), "drop-head never refuses a publish");
+    }
+    wait_ready(&c, "lim.short", 2).await;
+    for want in ["s3", "s4"] {
+        let got = ch.basic_get(s("lim.short"), BasicGetOptions { no_ack: true }).await.unwrap().expect("message");
+        assert_eq!(got.delivery.data, want.as_bytes());
+    }
+    wait_ready(&c, "lim.dead", 3).await;
+    for want in ["s0", "s1", "s2"] {
+        let got = ch.basic_get(s("lim.dead"), BasicGetOptions { no_ack: true }).await.unwrap().expect("dead letter");
+        assert_eq!(got.delivery.data, want.as_bytes());
+        assert_eq!(text(&x_death(&got.delivery.properties)[0], "reason"), "maxlen");
+    }
+
+    // Max length, reject-publish: the publish over the limit is nacked.
+    let mut args = FieldTable::default();
+    args.insert(s("x-max-length"), AMQPValue::LongInt(1));
+    args.insert(s("x-overflow"), AMQPValue::LongString("reject-publish".into()));
+    ch1.queue_declare(s("lim.full"), durable, args).await.unwrap();
+    let mut outcomes = Vec::new();
+    for i in 0..3 {
+        let conf = ch
+            .basic_publish(s(""), s("lim.full"), BasicPublishOptions::default(), format!("f{i}").as_bytes(), BasicProperties::default())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        outcomes.push(conf.is_ack());
+    }
+    assert_eq!(outcomes, vec![true, false, false]);
+    let got = ch.basic_get(s("lim.full"), BasicGetOptions { no_ack: true }).await.unwrap().expect("message");
+    assert_eq!(got.delivery.data, b"f0");
+    let conf = ch
+        .basic_publish(s(""), s("lim.full"), BasicPublishOptions::default(), b"f3", BasicProperties::default())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(conf.is_ack(), "room again once consumed");
+
+    // A TTL set by policy applies to messages published after it.
+    ch1.queue_declare(s("lim.bypolicy"), durable, FieldTable::default()).await.unwrap();
+    let mut p = common::policy("^lim\\.bypolicy$", r#"{"ha-mode":"all","message-ttl":200}"#);
+    p.name = "ttl".into();
+    p.priority = 1;
+    c.cluster.node(2).set_policy(p).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the master applies the policy on its next round
+    ch.basic_publish(s(""), s("lim.bypolicy"), BasicPublishOptions::default(), b"p", BasicProperties::default())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_ready(&c, "lim.bypolicy", 0).await;
+
+    // Invalid arguments: 406, the channel closes, the connection lives.
+    for (k, v) in [
+        ("x-message-ttl", AMQPValue::LongInt(-5)),
+        ("x-max-length", AMQPValue::LongString("ten".into())),
+        ("x-overflow", AMQPValue::LongString("reject-publish-dlx".into())),
+        ("x-max-length-bytes", AMQPValue::LongInt(1000)),
+    ] {
+        let bad = conn.create_channel().await.unwrap();
+        let mut a = FieldTable::default();
+        a.insert(s(k), v);
+        let err = bad.queue_declare(s("lim.bad"), durable, a).await.unwrap_err();
+        assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+        assert!(format!("{err:?}").contains(k), "{err:?}");
+    }
+    assert!(c.cluster.node(1).find_queue("lim.bad").await.is_err(), "nothing declared");
+    assert!(ch.basic_get(s("lim.ttl"), BasicGetOptions { no_ack: true }).await.unwrap().is_none());
+    c.cluster.shutdown().await;
+}

@@ -61,8 +61,14 @@ fn hard(code: u16, text: impl Into<String>) -> Hard {
     Hard { code, text: text.into(), class: 0, method: 0 }
 }
 
+/// A short string (reply texts, names): at most 255 bytes, so a long
+/// error text is cut at a character boundary rather than panicking.
 fn ss(s: &str) -> ShortString {
-    ShortString::from(s)
+    let mut end = s.len().min(255);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    ShortString::from(&s[..end])
 }
 
 fn method(ch: u16, class: AMQPClass) -> AMQPFrame {
@@ -1436,6 +1442,15 @@ impl Consumer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_texts_are_cut_to_a_short_string() {
+        let long = "é".repeat(200);
+        let cut = ss(&long);
+        assert!(cut.as_str().len() <= 255);
+        assert!(long.starts_with(cut.as_str()));
+        assert_eq!(ss("NOT_FOUND").as_str(), "NOT_FOUND");
+    }
 
     #[test]
     fn plain_auth_accepts_guest_only() {
