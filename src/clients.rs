@@ -27,6 +27,9 @@ pub struct ConsumerInfo {
     pub queue: String,
     pub ack_required: bool,
     pub prefetch: u16,
+    /// `basic.consume` with `exclusive`: the queue's only consumer.
+    #[serde(default)]
+    pub exclusive: bool,
 }
 
 /// This node's AMQP clients.

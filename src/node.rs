@@ -519,6 +519,11 @@ impl Node {
         (conns, consumers)
     }
 
+    /// The consumers of `queue` on every node that answers.
+    pub async fn consumers_of(&self, queue: &str) -> Vec<ConsumerInfo> {
+        self.cluster_clients().await.1.into_iter().filter(|k| k.queue == queue).collect()
+    }
+
     /// An auto-delete queue lost a consumer here: delete it if no node has
     /// a consumer on it any more (RabbitMQ: when its last consumer goes).
     pub async fn consumer_gone(&self, queue: &str) {

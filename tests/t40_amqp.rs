@@ -801,3 +801,108 @@ async fn ttl_max_length_and_dead_lettering() {
     assert!(ch.basic_get(s("lim.ttl"), BasicGetOptions { no_ack: true }).await.unwrap().is_none());
     c.cluster.shutdown().await;
 }
+
+/// Counts deliveries per consumer until none arrives for `quiet`.
+async fn drain_counts(consumers: &mut [&mut lapin::Consumer], quiet: Duration) -> Vec<usize> {
+    let mut counts = vec![0; consumers.len()];
+    loop {
+        let mut any = false;
+        for (i, c) in consumers.iter_mut().enumerate() {
+            if let Ok(Some(d)) = tokio::time::timeout(quiet / 4, c.next()).await {
+                d.unwrap();
+                counts[i] += 1;
+                any = true;
+            }
+        }
+        if !any {
+            tokio::time::sleep(quiet).await;
+            let mut late = false;
+            for (i, c) in consumers.iter_mut().enumerate() {
+                if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(10), c.next()).await {
+                    d.unwrap();
+                    counts[i] += 1;
+                    late = true;
+                }
+            }
+            if !late {
+                return counts;
+            }
+        }
+    }
+}
+
+/// `basic.qos` per consumer (`global = false`: each consumer started after
+/// it gets that limit) and per channel (`global = true`: shared);
+/// `queue.declare-ok` counts consumers on every node; an exclusive consumer
+/// is refused on a queue with consumers and keeps others away (403).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn qos_per_consumer_and_per_channel_exclusive_consumers_and_counts() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn1 = c.connect(1).await;
+    let ch1 = conn1.create_channel().await.unwrap();
+    ch1.queue_declare(s("pc"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch1.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    for i in 0..40 {
+        ch1.basic_publish(s(""), s("pc"), BasicPublishOptions::default(), format!("m{i}").as_bytes(), BasicProperties::default())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    // Two consumers on one channel of another node, limits 2 and 3.
+    let conn2 = c.connect(2).await;
+    let ch2 = conn2.create_channel().await.unwrap();
+    ch2.basic_qos(2, BasicQosOptions { global: false }).await.unwrap();
+    let mut a = ch2.basic_consume(s("pc"), s("a"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    ch2.basic_qos(3, BasicQosOptions { global: false }).await.unwrap();
+    let mut b = ch2.basic_consume(s("pc"), s("b"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    assert_eq!(drain_counts(&mut [&mut a, &mut b], Duration::from_millis(700)).await, vec![2, 3]);
+
+    // A channel-wide limit of 4 shared by two consumers without their own.
+    let ch3 = conn2.create_channel().await.unwrap();
+    ch3.basic_qos(4, BasicQosOptions { global: true }).await.unwrap();
+    let mut x = ch3.basic_consume(s("pc"), s("x"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut y = ch3.basic_consume(s("pc"), s("y"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let shared = drain_counts(&mut [&mut x, &mut y], Duration::from_millis(700)).await;
+    assert_eq!(shared.iter().sum::<usize>(), 4, "{shared:?}");
+    // Both limits: a per-consumer 1 under the channel's 4, which is full.
+    ch3.basic_qos(1, BasicQosOptions { global: false }).await.unwrap();
+    let mut z = ch3.basic_consume(s("pc"), s("z"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    assert_eq!(drain_counts(&mut [&mut z], Duration::from_millis(500)).await, vec![0], "the channel is full");
+
+    // declare-ok counts the consumers, asked on a third node.
+    let conn3 = c.connect(3).await;
+    let ch4 = conn3.create_channel().await.unwrap();
+    let q = ch4
+        .queue_declare(s("pc"), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    assert_eq!(q.consumer_count(), 5);
+    assert_eq!(q.message_count(), 40 - 2 - 3 - 4);
+
+    // An exclusive consumer is refused where others consume...
+    let err = ch4
+        .basic_consume(s("pc"), s("ex"), BasicConsumeOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap_err();
+    assert_amqp_error(&err, "403", "ACCESS_REFUSED");
+    assert!(format!("{err:?}").contains("in exclusive use"), "{err:?}");
+    // ...and keeps everyone else away from its queue, on any node.
+    ch1.queue_declare(s("solo"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let only = ch1
+        .basic_consume(s("solo"), s("only"), BasicConsumeOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    let ch5 = conn3.create_channel().await.unwrap();
+    let err = ch5.basic_consume(s("solo"), s("late"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap_err();
+    assert_amqp_error(&err, "403", "ACCESS_REFUSED");
+    ch1.basic_cancel(s("only"), Default::default()).await.unwrap();
+    drop(only);
+    let ch6 = conn3.create_channel().await.unwrap();
+    ch6.basic_consume(s("solo"), s("late"), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .expect("free once the exclusive consumer is gone");
+    c.cluster.shutdown().await;
+}

@@ -16,10 +16,11 @@ use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, queu
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::codec::{self, decode_properties, encode_properties, Parsed};
+use super::deliveries::{ConsumerId, Deliveries};
 use crate::error::NodeError;
 use crate::metadata::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta, QueueArgs};
 use crate::node::{stored_all, DeclareOpts, Node};
@@ -399,6 +400,7 @@ impl Conn {
                 pending: None,
                 deliveries: Arc::new(Deliveries::default()),
                 consumers: HashMap::new(),
+                next_consumer: 0,
                 closed: closed.clone(),
                 in_flight: self.in_flight.clone(),
                 hard: self.hard_tx.clone().expect("hard_tx"),
@@ -444,88 +446,6 @@ fn authenticate(mechanism: &str, response: &[u8]) -> bool {
     }
 }
 
-/// Delivery tags of a channel and the messages they stand for.
-#[derive(Default)]
-struct Deliveries {
-    state: Mutex<DeliveryState>,
-    /// Woken when acks free room under the prefetch limit.
-    room: Notify,
-}
-
-#[derive(Default)]
-struct DeliveryState {
-    next_tag: u64,
-    /// channel tag -> (queue, queue tag)
-    unacked: BTreeMap<u64, (String, u64)>,
-    /// Acked or nacked here but not yet applied at the queue: still counted
-    /// against the prefetch, so a requeued message is back before the next
-    /// get and is the one delivered next.
-    settling: usize,
-    prefetch: u16,
-}
-
-impl Deliveries {
-    fn assign(&self, queue: &str, qtag: u64, track: bool) -> u64 {
-        let mut st = self.state.lock().expect("poisoned");
-        st.next_tag += 1;
-        let tag = st.next_tag;
-        if track {
-            st.unacked.insert(tag, (queue.to_string(), qtag));
-        }
-        tag
-    }
-
-    fn room(&self) -> u32 {
-        let st = self.state.lock().expect("poisoned");
-        if st.prefetch == 0 {
-            1000
-        } else {
-            (st.prefetch as usize).saturating_sub(st.unacked.len() + st.settling) as u32
-        }
-    }
-
-    /// Remove tags (all up to `tag` if `multiple`; all if tag 0 and multiple)
-    /// grouped by queue. `Err` if a single tag is unknown.
-    fn take(&self, tag: u64, multiple: bool) -> Result<BTreeMap<String, Vec<u64>>, u64> {
-        let mut st = self.state.lock().expect("poisoned");
-        let tags: Vec<u64> = if multiple {
-            st.unacked.keys().copied().filter(|t| tag == 0 || *t <= tag).collect()
-        } else if st.unacked.contains_key(&tag) {
-            vec![tag]
-        } else {
-            return Err(tag);
-        };
-        let mut by_queue: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-        for t in tags {
-            if let Some((q, qt)) = st.unacked.remove(&t) {
-                by_queue.entry(q).or_default().push(qt);
-                st.settling += 1;
-            }
-        }
-        Ok(by_queue)
-    }
-
-    /// `n` taken tags have been applied at their queue.
-    fn settled(&self, n: usize) {
-        let mut st = self.state.lock().expect("poisoned");
-        st.settling = st.settling.saturating_sub(n);
-        drop(st);
-        self.room.notify_waiters();
-    }
-
-    fn queues_held(&self) -> BTreeSet<String> {
-        self.state.lock().expect("poisoned").unacked.values().map(|(q, _)| q.clone()).collect()
-    }
-
-    fn forget_all(&self) {
-        let mut st = self.state.lock().expect("poisoned");
-        st.unacked.clear();
-        st.settling = 0;
-        drop(st);
-        self.room.notify_waiters();
-    }
-}
-
 #[derive(Clone, Copy)]
 enum Settle {
     Ack,
@@ -560,6 +480,8 @@ struct Channel {
     pending: Option<PendingPublish>,
     deliveries: Arc<Deliveries>,
     consumers: HashMap<String, CancellationToken>,
+    /// Numbers this channel's consumers, for their prefetch counts.
+    next_consumer: ConsumerId,
     closed: CancellationToken,
     in_flight: Arc<Semaphore>,
     hard: mpsc::Sender<Hard>,
@@ -815,10 +737,11 @@ impl Channel {
                 self.check_exclusive(&q, 50, 10)?;
                 let (ready, _) = self.node.status(&name).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
                 if !d.nowait {
+                    let consumers = self.node.consumers_of(&name).await.len();
                     self.reply(AMQPClass::Queue(Q::DeclareOk(queue::DeclareOk {
                         queue: ss(&name),
                         message_count: ready.min(u32::MAX as u64) as u32,
-                        consumer_count: 0,
+                        consumer_count: consumers as u32,
                     })))
                     .await;
                 }
@@ -956,8 +879,7 @@ impl Channel {
                 Ok(true)
             }
             B::Qos(q) => {
-                self.deliveries.state.lock().expect("poisoned").prefetch = q.prefetch_count;
-                self.deliveries.room.notify_waiters();
+                self.deliveries.set_prefetch(q.prefetch_count, q.global);
                 self.reply(AMQPClass::Basic(B::QosOk(basic::QosOk {}))).await;
                 Ok(true)
             }
@@ -969,7 +891,7 @@ impl Channel {
                 match got.into_iter().next() {
                     None => self.reply(AMQPClass::Basic(B::GetEmpty(basic::GetEmpty {}))).await,
                     Some(d) => {
-                        let tag = self.deliveries.assign(&queue, d.tag, !g.no_ack);
+                        let tag = self.deliveries.assign(&queue, d.tag, !g.no_ack, None);
                         let m = B::GetOk(basic::GetOk {
                             delivery_tag: tag,
                             redelivered: d.redelivered,
@@ -998,6 +920,19 @@ impl Channel {
                 if self.consumers.contains_key(&tag) {
                     return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
                 }
+                // Cluster-wide, as the consumers of a queue may be on any node.
+                let present = self.node.consumers_of(&queue).await;
+                if (c.exclusive && !present.is_empty()) || present.iter().any(|k| k.exclusive) {
+                    return Err(Ok(soft(
+                        ACCESS_REFUSED,
+                        format!("ACCESS_REFUSED - queue '{queue}' in vhost '/' in exclusive use"),
+                        60,
+                        20,
+                    )));
+                }
+                self.next_consumer += 1;
+                let id = self.next_consumer;
+                let prefetch = self.deliveries.consumer_started(id);
                 let stop = self.closed.child_token();
                 self.consumers.insert(tag.clone(), stop.clone());
                 self.node.clients().consuming(crate::clients::ConsumerInfo {
@@ -1006,12 +941,14 @@ impl Channel {
                     tag: tag.clone(),
                     queue: queue.clone(),
                     ack_required: !c.no_ack,
-                    prefetch: self.deliveries.state.lock().expect("poisoned").prefetch,
+                    prefetch,
+                    exclusive: c.exclusive,
                 });
                 if !c.nowait {
                     self.reply(AMQPClass::Basic(B::ConsumeOk(basic::ConsumeOk { consumer_tag: ss(&tag) }))).await;
                 }
                 let consumer = Consumer {
+                    id,
                     channel: self.id,
                     tag,
                     queue,
@@ -1057,11 +994,10 @@ impl Channel {
 
     async fn requeue_all(&mut self, _requeue: bool) {
         // RabbitMQ requeues in both cases; so do we.
-        if let Ok(by_queue) = self.deliveries.take(0, true) {
-            for (q, tags) in by_queue {
-                let n = tags.len();
+        if let Ok(mut taken) = self.deliveries.take(0, true) {
+            for (q, tags) in std::mem::take(&mut taken.by_queue) {
                 let _ = self.node.nack(&q, tags, true).await;
-                self.deliveries.settled(n);
+                self.deliveries.settled(&taken.holders(&q));
             }
         }
     }
@@ -1075,17 +1011,17 @@ impl Channel {
     ) -> Result<bool, Result<Soft, Hard>> {
         let unknown = |t: u64| Ok(unknown_tag(t, 60, method_id));
         if let Some(tx) = self.tx.as_mut() {
-            if !multiple && !self.deliveries.state.lock().expect("poisoned").unacked.contains_key(&tag) {
+            if !multiple && !self.deliveries.is_unacked(tag) {
                 return Err(unknown(tag));
             }
             tx.settles.push((tag, multiple, how));
             return Ok(true);
         }
-        let by_queue = self.deliveries.take(tag, multiple).map_err(unknown)?;
-        for (q, tags) in by_queue {
+        let mut taken = self.deliveries.take(tag, multiple).map_err(unknown)?;
+        for (q, tags) in std::mem::take(&mut taken.by_queue) {
             let (node, deliveries) = (self.node.clone(), self.deliveries.clone());
+            let holders = taken.holders(&q);
             tokio::spawn(async move {
-                let n = tags.len();
                 let r = match how {
                     Settle::Ack => node.ack(&q, tags).await,
                     Settle::Nack { requeue } => node.nack(&q, tags, requeue).await,
@@ -1093,7 +1029,7 @@ impl Channel {
                 if let Err(e) = r {
                     tracing::warn!(queue = %q, error = %e, "settling deliveries failed");
                 }
-                deliveries.settled(n);
+                deliveries.settled(&holders);
             });
         }
         Ok(true)
@@ -1132,11 +1068,11 @@ impl Channel {
                 for (q, msgs) in work.publishes {
                     per_queue.entry(q).or_default().push(QueueCmd::Enqueue { msgs });
                 }
-                let mut settled = 0;
+                let mut settled = Vec::new();
                 for (tag, multiple, how) in work.settles {
-                    let by_queue = self.deliveries.take(tag, multiple).map_err(|t| Ok(unknown_tag(t, 90, 20)))?;
-                    for (q, tags) in by_queue {
-                        settled += tags.len();
+                    let mut taken = self.deliveries.take(tag, multiple).map_err(|t| Ok(unknown_tag(t, 90, 20)))?;
+                    for (q, tags) in std::mem::take(&mut taken.by_queue) {
+                        settled.extend(taken.holders(&q));
                         per_queue.entry(q).or_default().push(match how {
                             Settle::Ack => QueueCmd::Ack { tags },
                             Settle::Nack { requeue } => QueueCmd::Nack { tags, requeue },
@@ -1159,7 +1095,7 @@ impl Channel {
                         failure.get_or_insert((q, e));
                     }
                 }
-                self.deliveries.settled(settled);
+                self.deliveries.settled(&settled);
                 if let Some((q, e)) = failure {
                     return Err(Ok(soft(506, format!("RESOURCE_ERROR - commit on queue '{q}' failed: {e}"), 90, 20)));
                 }
@@ -1339,8 +1275,10 @@ fn content(ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) -> Vec<AMQP
     frames
 }
 
-/// Pushes a queue's messages to one consumer, within the channel's prefetch.
+/// Pushes a queue's messages to one consumer, within its prefetch.
 struct Consumer {
+    /// Its number on the channel, for its prefetch count.
+    id: ConsumerId,
     channel: u16,
     tag: String,
     queue: String,
@@ -1360,8 +1298,11 @@ impl Consumer {
             if self.stop.is_cancelled() {
                 return;
             }
-            let room = if self.no_ack { 1000 } else { self.deliveries.room() };
+            // Held until the messages fetched with it are assigned tags.
+            let claim = (!self.no_ack).then(|| self.deliveries.claim(self.id));
+            let room = claim.as_ref().map_or(1000, |c| c.n);
             if room == 0 {
+                drop(claim);
                 let notified = self.deliveries.room.notified();
                 tokio::select! {
                     _ = self.stop.cancelled() => return,
@@ -1371,6 +1312,7 @@ impl Consumer {
                 continue;
             }
             if !self.node.may_have_messages(&self.queue) {
+                drop(claim);
                 tokio::select! {
                     _ = self.stop.cancelled() => return,
                     _ = self.node.wait_for_messages(&self.queue, Duration::from_millis(200)) => {}
@@ -1379,6 +1321,7 @@ impl Consumer {
             }
             match self.node.get(&self.queue, self.owner, room.min(256), self.no_ack).await {
                 Ok(msgs) if msgs.is_empty() => {
+                    drop(claim);
                     tokio::select! {
                         _ = self.stop.cancelled() => return,
                         _ = self.node.wait_for_messages(&self.queue, idle) => {}
@@ -1396,6 +1339,7 @@ impl Consumer {
                         return;
                     }
                     self.deliver(msgs).await;
+                    drop(claim);
                 }
                 Err(NodeError::NoSuchQueue(_)) => {
                     self.node.clients().stopped_consuming(self.owner >> 16, self.channel, &self.tag);
@@ -1412,6 +1356,7 @@ impl Consumer {
                     return;
                 }
                 Err(e) => {
+                    drop(claim);
                     tracing::debug!(queue = %self.queue, error = %e, "consumer get failed; retrying");
                     tokio::select! {
                         _ = self.stop.cancelled() => return,
@@ -1425,7 +1370,7 @@ impl Consumer {
     async fn deliver(&self, msgs: Vec<Delivery>) {
         let mut frames = Vec::with_capacity(msgs.len() * 3);
         for d in msgs {
-            let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack);
+            let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack, Some(self.id));
             let m = basic::AMQPMethod::Deliver(basic::Deliver {
                 consumer_tag: ss(&self.tag),
                 delivery_tag: tag,
@@ -1461,23 +1406,4 @@ mod tests {
         assert!(!authenticate("EXTERNAL", b""));
     }
 
-    #[test]
-    fn delivery_tags_multiple_and_unknown() {
-        let d = Deliveries::default();
-        let a = d.assign("q1", 10, true);
-        let b = d.assign("q2", 20, true);
-        let c = d.assign("q1", 11, true);
-        assert_eq!((a, b, c), (1, 2, 3));
-        assert_eq!(d.take(9, false), Err(9));
-        let got = d.take(2, true).unwrap();
-        assert_eq!(got.get("q1"), Some(&vec![10]));
-        assert_eq!(got.get("q2"), Some(&vec![20]));
-        assert_eq!(d.take(3, false).unwrap().get("q1"), Some(&vec![11]));
-        assert_eq!(d.take(3, false), Err(3), "a tag settles once");
-        d.state.lock().unwrap().prefetch = 2;
-        let _ = d.assign("q1", 12, true);
-        assert_eq!(d.room(), 0, "three taken but unsettled, one unacked");
-        d.settled(3);
-        assert_eq!(d.room(), 1);
-    }
 }

@@ -14,6 +14,7 @@
 
 mod codec;
 mod connection;
+mod deliveries;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -584,7 +584,7 @@ async fn list_consumers(State(node): State<Node>) -> Json<Value> {
             .iter()
             .map(|k| {
                 json!({"consumer_tag": k.tag, "queue": {"name": k.queue, "vhost": "/"}, "ack_required": k.ack_required,
-                       "prefetch_count": k.prefetch, "exclusive": false,
+                       "prefetch_count": k.prefetch, "exclusive": k.exclusive,
                        "channel_details": {"name": format!("{} ({})", name_of(k.connection), k.channel), "number": k.channel}})
             })
             .collect(),

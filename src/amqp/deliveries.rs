@@ -1,0 +1,316 @@
+//! A channel's delivery tags, the messages they stand for, and the prefetch
+//! limits that decide how many more a consumer may be sent.
+//!
+//! `basic.qos` as RabbitMQ reads it: `global = false` sets the limit of each
+//! consumer started afterwards on the channel, `global = true` a limit
+//! shared by the whole channel; a consumer is sent messages only while both
+//! allow it. Messages acked or nacked here but not yet applied at the queue
+//! still count ("settling"), so a requeued message is back in the queue
+//! before the next get and is the one delivered next.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+/// A consumer's number on its channel; `None` stands for `basic.get`.
+pub type ConsumerId = u32;
+
+/// With no limit, how many messages one get may take.
+const UNLIMITED_BATCH: u32 = 1000;
+
+#[derive(Default)]
+pub struct Deliveries {
+    state: Mutex<State>,
+    /// Woken when acks free room under a prefetch limit.
+    pub room: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    next_tag: u64,
+    /// channel tag -> where the message came from and who got it.
+    unacked: BTreeMap<u64, Held>,
+    /// Taken (acked, nacked) but not yet applied at the queue, per holder.
+    settling: HashMap<Option<ConsumerId>, usize>,
+    /// Unacked per consumer.
+    held_by: HashMap<ConsumerId, usize>,
+    /// Limit for consumers started from now on (`global = false`).
+    consumer_prefetch: u16,
+    /// Limit shared by the channel (`global = true`).
+    channel_prefetch: u16,
+    /// Each consumer's limit, fixed when it started.
+    limits: HashMap<ConsumerId, u16>,
+    /// Room a consumer has claimed for a get still in flight: counted
+    /// against the limits so two consumers of one channel cannot both
+    /// claim the same room.
+    reserved: HashMap<ConsumerId, usize>,
+}
+
+struct Held {
+    queue: String,
+    qtag: u64,
+    by: Option<ConsumerId>,
+}
+
+/// Room a consumer holds while its get is in flight.
+pub struct Claim {
+    pub n: u32,
+    id: ConsumerId,
+    deliveries: Arc<Deliveries>,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.deliveries.release(self.id, self.n);
+    }
+}
+
+/// Tags taken for settling, grouped by queue.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Taken {
+    /// queue -> its own delivery tags.
+    pub by_queue: BTreeMap<String, Vec<u64>>,
+    /// Who held each, to give their room back once settled.
+    holders: BTreeMap<String, Vec<Option<ConsumerId>>>,
+}
+
+impl Taken {
+    /// The holders of the tags taken from `queue`, for [`Deliveries::settled`].
+    pub fn holders(&mut self, queue: &str) -> Vec<Option<ConsumerId>> {
+        self.holders.remove(queue).unwrap_or_default()
+    }
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.by_queue.values().map(Vec::len).sum()
+    }
+}
+
+impl Deliveries {
+    /// `basic.qos`.
+    pub fn set_prefetch(&self, count: u16, global: bool) {
+        let mut st = self.state.lock().expect("poisoned");
+        if global {
+            st.channel_prefetch = count;
+        } else {
+            st.consumer_prefetch = count;
+        }
+        drop(st);
+        self.room.notify_waiters();
+    }
+
+    /// A consumer starts: it takes the channel's per-consumer limit now in
+    /// force, which it reports.
+    pub fn consumer_started(&self, id: ConsumerId) -> u16 {
+        let mut st = self.state.lock().expect("poisoned");
+        let limit = st.consumer_prefetch;
+        st.limits.insert(id, limit);
+        limit
+    }
+
+    /// A new channel tag for queue tag `qtag`, tracked until settled unless
+    /// the message needs no ack.
+    pub fn assign(&self, queue: &str, qtag: u64, track: bool, by: Option<ConsumerId>) -> u64 {
+        let mut st = self.state.lock().expect("poisoned");
+        st.next_tag += 1;
+        let tag = st.next_tag;
+        if track {
+            st.unacked.insert(tag, Held { queue: queue.to_string(), qtag, by });
+            if let Some(c) = by {
+                *st.held_by.entry(c).or_default() += 1;
+            }
+        }
+        tag
+    }
+
+    /// Claim the room consumer `id` has now (how many more messages it may
+    /// be sent); give it back with [`Deliveries::release`] once the
+    /// messages fetched with it are assigned.
+    pub fn reserve(&self, id: ConsumerId) -> u32 {
+        let mut st = self.state.lock().expect("poisoned");
+        let mut room = UNLIMITED_BATCH;
+        if st.channel_prefetch > 0 {
+            let busy = st.unacked.len() + st.settling.values().sum::<usize>() + st.reserved.values().sum::<usize>();
+            room = room.min((st.channel_prefetch as usize).saturating_sub(busy) as u32);
+        }
+        let limit = st.limits.get(&id).copied().unwrap_or(0);
+        if limit > 0 {
+            let busy = st.held_by.get(&id).copied().unwrap_or(0)
+                + st.settling.get(&Some(id)).copied().unwrap_or(0)
+                + st.reserved.get(&id).copied().unwrap_or(0);
+            room = room.min((limit as usize).saturating_sub(busy) as u32);
+        }
+        *st.reserved.entry(id).or_default() += room as usize;
+        room
+    }
+
+    /// Give back room claimed by [`Deliveries::reserve`].
+    pub fn release(&self, id: ConsumerId, n: u32) {
+        if n == 0 {
+            // Nothing freed: waking the others would only spin them.
+            return;
+        }
+        let mut st = self.state.lock().expect("poisoned");
+        if let Some(r) = st.reserved.get_mut(&id) {
+            *r = r.saturating_sub(n as usize);
+        }
+        drop(st);
+        self.room.notify_waiters();
+    }
+
+    /// [`Deliveries::reserve`], given back when the claim is dropped.
+    pub fn claim(self: &Arc<Self>, id: ConsumerId) -> Claim {
+        Claim { n: self.reserve(id), id, deliveries: self.clone() }
+    }
+
+    #[cfg(test)]
+    fn room(&self, id: ConsumerId) -> u32 {
+        let n = self.reserve(id);
+        self.release(id, n);
+        n
+    }
+
+    pub fn is_unacked(&self, tag: u64) -> bool {
+        self.state.lock().expect("poisoned").unacked.contains_key(&tag)
+    }
+
+    /// Remove tags (all up to `tag` if `multiple`; all if tag 0 and
+    /// multiple) grouped by queue. `Err` if a single tag is unknown.
+    pub fn take(&self, tag: u64, multiple: bool) -> Result<Taken, u64> {
+        let mut st = self.state.lock().expect("poisoned");
+        let tags: Vec<u64> = if multiple {
+            st.unacked.keys().copied().filter(|t| tag == 0 || *t <= tag).collect()
+        } else if st.unacked.contains_key(&tag) {
+            vec![tag]
+        } else {
+            return Err(tag);
+        };
+        let mut taken = Taken::default();
+        for t in tags {
+            if let Some(h) = st.unacked.remove(&t) {
+                if let Some(c) = h.by {
+                    if let Some(n) = st.held_by.get_mut(&c) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
+                *st.settling.entry(h.by).or_default() += 1;
+                taken.by_queue.entry(h.queue.clone()).or_default().push(h.qtag);
+                taken.holders.entry(h.queue).or_default().push(h.by);
+            }
+        }
+        Ok(taken)
+    }
+
+    /// Taken tags with these holders have been applied at their queue.
+    pub fn settled(&self, holders: &[Option<ConsumerId>]) {
+        let mut st = self.state.lock().expect("poisoned");
+        for h in holders {
+            if let Some(n) = st.settling.get_mut(h) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        drop(st);
+        self.room.notify_waiters();
+    }
+
+    pub fn queues_held(&self) -> BTreeSet<String> {
+        self.state.lock().expect("poisoned").unacked.values().map(|h| h.queue.clone()).collect()
+    }
+
+    /// The channel closed: its unacked messages go back to their queues
+    /// by the owner's release, so nothing here counts any more.
+    pub fn forget_all(&self) {
+        let mut st = self.state.lock().expect("poisoned");
+        st.unacked.clear();
+        st.settling.clear();
+        st.held_by.clear();
+        st.reserved.clear();
+        drop(st);
+        self.room.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delivery_tags_multiple_and_unknown() {
+        let d = Deliveries::default();
+        let a = d.assign("q1", 10, true, None);
+        let b = d.assign("q2", 20, true, None);
+        let c = d.assign("q1", 11, true, None);
+        assert_eq!((a, b, c), (1, 2, 3));
+        assert_eq!(d.take(9, false), Err(9));
+        let got = d.take(2, true).unwrap();
+        assert_eq!(got.by_queue.get("q1"), Some(&vec![10]));
+        assert_eq!(got.by_queue.get("q2"), Some(&vec![20]));
+        assert_eq!(d.take(3, false).unwrap().by_queue.get("q1"), Some(&vec![11]));
+        assert_eq!(d.take(3, false), Err(3), "a tag settles once");
+    }
+
+    #[test]
+    fn per_consumer_limits_are_fixed_at_consume_and_counted_separately() {
+        let d = Deliveries::default();
+        d.set_prefetch(2, false);
+        assert_eq!(d.consumer_started(1), 2);
+        d.set_prefetch(3, false);
+        assert_eq!(d.consumer_started(2), 3);
+        assert_eq!((d.room(1), d.room(2)), (2, 3));
+        let t1 = d.assign("q", 1, true, Some(1));
+        d.assign("q", 2, true, Some(1));
+        d.assign("q", 3, true, Some(2));
+        assert_eq!((d.room(1), d.room(2)), (0, 2), "each consumer has its own limit");
+        // Acked but not yet applied at the queue: still counts.
+        let mut taken = d.take(t1, false).unwrap();
+        assert_eq!(d.room(1), 0);
+        d.settled(&taken.holders("q"));
+        assert_eq!(d.room(1), 1);
+        // Gets count against no consumer.
+        d.assign("q", 4, true, None);
+        assert_eq!((d.room(1), d.room(2)), (1, 2));
+    }
+
+    #[test]
+    fn a_global_limit_is_shared_by_the_channel() {
+        let d = Deliveries::default();
+        d.set_prefetch(3, true);
+        d.consumer_started(1);
+        d.consumer_started(2);
+        assert_eq!(d.room(1), 3, "no per-consumer limit, the channel's applies");
+        d.assign("q", 1, true, Some(1));
+        d.assign("q", 2, true, Some(2));
+        assert_eq!((d.room(1), d.room(2)), (1, 1));
+        d.set_prefetch(1, false);
+        d.consumer_started(3);
+        d.assign("q", 3, true, Some(3));
+        assert_eq!(d.room(3), 0, "both limits apply");
+        assert_eq!(d.room(1), 0, "channel full");
+        let mut taken = d.take(0, true).unwrap();
+        assert_eq!(taken.len(), 3);
+        d.settled(&taken.holders("q"));
+        assert_eq!((d.room(1), d.room(3)), (3, 1));
+    }
+
+    #[test]
+    fn room_claimed_by_one_consumer_is_not_given_to_another() {
+        let d = Deliveries::default();
+        d.set_prefetch(4, true);
+        d.consumer_started(1);
+        d.consumer_started(2);
+        assert_eq!(d.reserve(1), 4);
+        assert_eq!(d.reserve(2), 0, "consumer 1's get is in flight");
+        d.assign("q", 1, true, Some(1));
+        d.assign("q", 2, true, Some(1));
+        d.release(1, 4);
+        assert_eq!(d.reserve(2), 2);
+    }
+
+    #[test]
+    fn no_limit_means_batches_of_a_thousand() {
+        let d = Deliveries::default();
+        d.consumer_started(1);
+        d.assign("q", 1, true, Some(1));
+        assert_eq!(d.room(1), UNLIMITED_BATCH);
+    }
+}
