@@ -2,9 +2,11 @@
 # Three `mirrorq serve` processes on loopback, a policy `ha-mode: all`, and
 # `mirrorq perf` over AMQP for each case. Prints one JSON line per case.
 # Usage: benches/cluster-perf.sh [SECONDS]   (builds the release binary)
+# CONSUMERS=0 measures publishing alone (default: one consumer running too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
+CONSUMERS=${CONSUMERS:-1}
 cargo build --release --quiet
 BIN=target/release/mirrorq
 DIR=$(mktemp -d)
@@ -27,6 +29,6 @@ for size in 100 4096; do
   for window in 1 1000; do
     q=perf-$size-$window
     printf '{"case":"%s",' "$q"
-    $BIN perf --uri $URI --queue $q --size $size --confirm $window --time "$SECS" --json | sed 's/^{//'
+    $BIN perf --uri $URI --queue $q --size $size --confirm $window --consumers "$CONSUMERS" --time "$SECS" --json | sed 's/^{//'
   done
 done

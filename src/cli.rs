@@ -164,6 +164,14 @@ pub struct ServeArgs {
     /// (`ha-promote-on-failure: always`) [default: 5]
     #[arg(long, env = "MIRRORQ_FAILURE_TIMEOUT")]
     pub failure_timeout: Option<f64>,
+    /// Memory use above which publishers are blocked: a fraction of the
+    /// machine's memory (below 1) or bytes [default: 0.4]
+    #[arg(long, env = "MIRRORQ_MEMORY_HIGH_WATERMARK")]
+    pub memory_high_watermark: Option<String>,
+    /// Free bytes on the data dir's disk below which publishers are
+    /// blocked [default: 50000000]
+    #[arg(long, env = "MIRRORQ_DISK_FREE_LIMIT")]
+    pub disk_free_limit: Option<u64>,
     /// sled page cache in MiB [default: 64]
     #[arg(long, env = "MIRRORQ_CACHE_MB")]
     pub cache_mb: Option<u64>,

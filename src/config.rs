@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::alarms::Watermark;
 use crate::cli::ServeArgs;
 use crate::error::ServerError;
 use crate::node::{NodeConfig, Timing};
@@ -38,6 +39,10 @@ pub struct FileConfig {
     pub election_timeout: Option<f64>,
     #[serde(alias = "cache_mb")]
     pub cache_mb: Option<u64>,
+    #[serde(alias = "memory_high_watermark")]
+    pub memory_high_watermark: Option<toml::Value>,
+    #[serde(alias = "disk_free_limit")]
+    pub disk_free_limit: Option<u64>,
 }
 
 /// Everything `serve` needs, resolved.
@@ -110,6 +115,19 @@ impl ServeConfig {
             }
             let min = Duration::from_secs_f64(s);
             node.timing = Timing { heartbeat: min / 4, election_min: min, election_max: min * 2, ..node.timing };
+        }
+        let watermark = args.memory_high_watermark.clone().or(file.memory_high_watermark.map(|v| match v {
+            toml::Value::String(s) => s,
+            toml::Value::Float(f) => f.to_string(),
+            toml::Value::Integer(n) => n.to_string(),
+            other => format!("{other:?}"),
+        }));
+        if let Some(w) = watermark {
+            node.memory_high_watermark =
+                Watermark::parse(&w).map_err(|e| ServerError::Config(format!("--memory-high-watermark: {e}")))?;
+        }
+        if let Some(d) = args.disk_free_limit.or(file.disk_free_limit) {
+            node.disk_free_limit = d;
         }
         if let Some(mb) = args.cache_mb.or(file.cache_mb) {
             node.cache_bytes = mb << 20;
@@ -190,5 +208,22 @@ mod tests {
         std::fs::write(&path, "node-idd = 3\n").unwrap();
         let err = ServeConfig::resolve(&ServeArgs { config: Some(path), ..Default::default() }).unwrap_err();
         assert!(err.to_string().contains("node-idd"), "{err}");
+    }
+
+    #[test]
+    fn resource_limits_come_from_flag_or_file_and_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.toml");
+        std::fs::write(&path, "memory-high-watermark = 0.25\ndisk_free_limit = 1000\n").unwrap();
+        let args = ServeArgs { config: Some(path.clone()), ..Default::default() };
+        let n = ServeConfig::resolve(&args).unwrap().node;
+        assert_eq!((n.memory_high_watermark, n.disk_free_limit), (Watermark::Fraction(0.25), 1000));
+        let args = ServeArgs { config: Some(path), memory_high_watermark: Some("2000000000".into()), ..Default::default() };
+        assert_eq!(ServeConfig::resolve(&args).unwrap().node.memory_high_watermark, Watermark::Bytes(2_000_000_000));
+        let defaults = ServeConfig::resolve(&ServeArgs::default()).unwrap().node;
+        assert_eq!(defaults.memory_high_watermark, Watermark::Fraction(0.4));
+        assert_eq!(defaults.disk_free_limit, 50_000_000);
+        let args = ServeArgs { memory_high_watermark: Some("1.5".into()), ..Default::default() };
+        assert!(ServeConfig::resolve(&args).unwrap_err().to_string().contains("--memory-high-watermark"));
     }
 }

@@ -17,6 +17,7 @@
 //!   outbound network and inbound server shared by all groups.
 //! - [`amqp`]: the AMQP 0-9-1 front end (amq-protocol frames) over the node API.
 //! - [`http`]: the management HTTP API (axum), RabbitMQ's field names.
+//! - [`alarms`]: memory and disk alarms that block publishers.
 //! - [`client`]: a client of the node link, for tools and tests.
 //! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
 //! - [`perf`]: `mirrorq perf`, an AMQP load generator (lapin).
@@ -26,6 +27,7 @@
 //!
 //! How a publish flows is written up in `docs/architecture.md`.
 
+pub mod alarms;
 pub mod amqp;
 pub mod cli;
 pub mod client;

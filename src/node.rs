@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 
+use crate::alarms::{Alarms, Watermark};
 use crate::clients::{Clients, ConnectionInfo, ConsumerInfo};
 use crate::error::{NodeError, ServerError};
 use crate::metadata::{
@@ -64,6 +65,10 @@ pub struct NodeConfig {
     pub cache_bytes: u64,
     /// Message bytes a catching-up mirror fetches per request.
     pub sync_batch_bytes: usize,
+    /// Memory use above which publishers are blocked.
+    pub memory_high_watermark: Watermark,
+    /// Free disk below which publishers are blocked.
+    pub disk_free_limit: u64,
 }
 
 /// Time limits. Defaults suit a loaded 2-core machine running three nodes.
@@ -108,6 +113,8 @@ impl NodeConfig {
             timing: Timing::default(),
             cache_bytes: DbOptions::default().cache_bytes,
             sync_batch_bytes: 1 << 20,
+            memory_high_watermark: Watermark::default(),
+            disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
         }
     }
 }
@@ -192,6 +199,8 @@ struct Inner {
     hints: Mutex<HashMap<GroupId, NodeId>>,
     /// AMQP clients connected here.
     clients: Arc<Clients>,
+    /// Memory and disk alarms, which block publishers.
+    alarms: Arc<Alarms>,
     /// Peers' reports of newer epochs of our groups.
     news: mpsc::UnboundedSender<EpochNews>,
     /// Groups being re-formed or healed: not (re)started meanwhile.
@@ -315,6 +324,7 @@ impl Node {
             groups: RwLock::new(HashMap::new()),
             hints: Mutex::new(HashMap::new()),
             clients: Arc::default(),
+            alarms: Arc::new(Alarms::new(&cfg.data_dir, cfg.memory_high_watermark, cfg.disk_free_limit)),
             news,
             busy: Mutex::default(),
             reach: Mutex::default(),
@@ -325,6 +335,7 @@ impl Node {
         });
 
         tokio::spawn(server::serve(listener, inner.clone(), inner.stop.clone()));
+        inner.alarms.clone().spawn(inner.stop.clone());
 
         let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
         let joining = pristine && cfg.join.is_some();
@@ -501,6 +512,11 @@ impl Node {
     }
 
     /// This node's AMQP client registry.
+    /// Memory and disk alarms (`connection.blocked`).
+    pub fn alarms(&self) -> &Alarms {
+        &self.inner.alarms
+    }
+
     pub fn clients(&self) -> &Arc<Clients> {
         &self.inner.clients
     }

@@ -345,3 +345,51 @@ async fn connections_channels_and_consumers_cluster_wide() {
     assert_eq!(api.call(1, "GET", "/api/consumers", None).await.1, json!([]));
     api.cluster.shutdown().await;
 }
+
+/// Queue arguments through the API (validated, shown, compared on
+/// re-declare, exported), and the alarms health check and node readings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queue_arguments_and_alarms() {
+    use mirrorq::alarms::{Watermark, DEFAULT_DISK_FREE_LIMIT};
+    init_tracing();
+    let api = Api::start().await;
+    let args = r#"{"durable":true,"arguments":{"x-message-ttl":60000,"x-max-length":10,"x-overflow":"reject-publish","x-dead-letter-exchange":"dlx"}}"#;
+    assert_eq!(api.call(1, "PUT", "/api/queues/%2F/limited", Some(args)).await.0, 201);
+    let (s, q) = api.call(2, "GET", "/api/queues/%2F/limited", None).await;
+    assert_eq!(s, 200);
+    assert_eq!(
+        q["arguments"],
+        json!({"x-message-ttl":60000,"x-max-length":10,"x-overflow":"reject-publish","x-dead-letter-exchange":"dlx"})
+    );
+    assert_eq!(api.call(3, "PUT", "/api/queues/%2F/limited", Some(args)).await.0, 204, "same arguments");
+    let other = r#"{"arguments":{"x-message-ttl":1}}"#;
+    assert_error(&api.call(3, "PUT", "/api/queues/%2F/limited", Some(other)).await, 400, "inequivalent arg 'x-message-ttl'");
+    for (body, says) in [
+        (r#"{"arguments":{"x-message-ttl":-1}}"#, "x-message-ttl"),
+        (r#"{"arguments":{"x-max-length":"ten"}}"#, "x-max-length"),
+        (r#"{"arguments":{"x-overflow":"sideways"}}"#, "x-overflow"),
+        (r#"{"arguments":{"x-max-length-bytes":100}}"#, "not supported"),
+    ] {
+        assert_error(&api.call(1, "PUT", "/api/queues/%2F/bad-args", Some(body)).await, 400, says);
+    }
+    assert_eq!(api.call(1, "GET", "/api/queues/%2F/bad-args", None).await.0, 404);
+    let (_, defs) = api.call(1, "GET", "/api/definitions", None).await;
+    let exported = defs["queues"].as_array().unwrap().iter().find(|q| q["name"] == "limited").unwrap().clone();
+    assert_eq!(exported["arguments"]["x-max-length"], 10);
+
+    // Alarms: the health check fails while one is on, and says why.
+    assert_eq!(api.call(2, "GET", "/api/health/checks/alarms", None).await, (200, json!({"status":"ok"})));
+    api.cluster.node(2).alarms().set_limits(Watermark::Bytes(1), DEFAULT_DISK_FREE_LIMIT);
+    let (s, body) = api.call(2, "GET", "/api/health/checks/alarms", None).await;
+    assert_eq!((s, body["status"].as_str()), (503, Some("failed")));
+    assert!(body["reason"].as_str().unwrap().contains("low on memory"), "{body}");
+    let (_, nodes) = api.call(2, "GET", "/api/nodes", None).await;
+    let me = nodes.as_array().unwrap().iter().find(|n| n["name"] == "mirrorq@2").unwrap().clone();
+    assert_eq!(me["mem_alarm"], true);
+    assert_eq!(me["mem_limit"], 1);
+    assert!(me["mem_used"].as_u64().unwrap() > 1 && me["disk_free"].as_u64().unwrap() > 0, "{me}");
+    assert_eq!(api.call(1, "GET", "/api/health/checks/alarms", None).await.0, 200, "node 1 has no alarm");
+    api.cluster.node(2).alarms().set_limits(Watermark::default(), DEFAULT_DISK_FREE_LIMIT);
+    assert_eq!(api.call(2, "GET", "/api/health/checks/alarms", None).await.0, 200);
+    api.cluster.shutdown().await;
+}

@@ -149,6 +149,9 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         hard_rx: None,
         hard_tx: None,
         exclusive: Arc::default(),
+        blocked_capable: false,
+        told_blocked: false,
+        published: false,
     };
     let (hard_tx, hard_rx) = mpsc::channel::<Hard>(8);
     conn.hard_tx = Some(hard_tx);
@@ -214,6 +217,12 @@ struct Conn {
     hard_tx: Option<mpsc::Sender<Hard>>,
     hard_rx: Option<mpsc::Receiver<Hard>>,
     exclusive: Arc<Mutex<BTreeSet<String>>>,
+    /// The client takes `connection.blocked` notifications.
+    blocked_capable: bool,
+    /// We told it it is blocked.
+    told_blocked: bool,
+    /// It has published: alarms concern it.
+    published: bool,
 }
 
 impl Conn {
@@ -248,6 +257,21 @@ impl Conn {
             .await;
     }
 
+    /// `connection.blocked` / `unblocked` to a publishing client that asked
+    /// for them (as RabbitMQ: connections that only consume are left
+    /// alone), once per change.
+    async fn tell_blocked(&mut self, reason: Option<String>) {
+        if !self.blocked_capable || !self.published || reason.is_some() == self.told_blocked {
+            return;
+        }
+        self.told_blocked = reason.is_some();
+        let m = match reason {
+            Some(r) => connection::AMQPMethod::Blocked(connection::Blocked { reason: ss(&r) }),
+            None => connection::AMQPMethod::Unblocked(connection::Unblocked {}),
+        };
+        self.out.one(method(0, AMQPClass::Connection(m))).await;
+    }
+
     async fn read_loop(&mut self, rd: &mut tokio::net::tcp::OwnedReadHalf) -> Result<(), Hard> {
         let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
         let mut chunk = vec![0u8; 64 * 1024];
@@ -255,6 +279,10 @@ impl Conn {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut last_sent_heartbeat = Instant::now();
         let mut hard_rx = self.hard_rx.take().expect("hard_rx");
+        let mut alarms = self.node.alarms().subscribe();
+        // A publish waits in `buf` while an alarm is on; the socket is not
+        // read meanwhile, so TCP pushes back on the publisher.
+        let mut held = false;
         loop {
             // Parse everything buffered before reading more.
             loop {
@@ -264,6 +292,15 @@ impl Conn {
                     Parsed::Frame(frame, used) => {
                         if self.state == State::Open && used as u64 > self.frame_max as u64 {
                             return Err(hard(FRAME_ERROR, format!("frame of {used} bytes exceeds frame_max")));
+                        }
+                        if is_publish(&frame) {
+                            self.published = true;
+                            let reason = alarms.borrow().reason();
+                            if reason.is_some() {
+                                self.tell_blocked(reason).await;
+                                held = true;
+                                break;
+                            }
                         }
                         buf.drain(..used);
                         if !self.handle(frame).await? {
@@ -276,15 +313,25 @@ impl Conn {
                 return Err(hard(FRAME_ERROR, "frame exceeds frame_max"));
             }
             tokio::select! {
-                n = rd.read(&mut chunk) => match n {
+                n = rd.read(&mut chunk), if !held => match n {
                     Ok(0) | Err(_) => return Ok(()),
                     Ok(n) => {
                         buf.extend_from_slice(&chunk[..n]);
                         last_seen = Instant::now();
                     }
                 },
+                Ok(()) = alarms.changed() => {
+                    let reason = alarms.borrow_and_update().reason();
+                    self.tell_blocked(reason).await;
+                    held = false;
+                }
                 Some(h) = hard_rx.recv() => return Err(h),
                 _ = tick.tick() => {
+                    if held || self.told_blocked {
+                        // Not reading is our doing, and a blocked client
+                        // may stop sending altogether: not a dead client.
+                        last_seen = Instant::now();
+                    }
                     if self.heartbeat > 0 {
                         let hb = Duration::from_secs(self.heartbeat as u64);
                         if last_seen.elapsed() > hb * 2 {
@@ -326,6 +373,11 @@ impl Conn {
         use connection::AMQPMethod as M;
         match (&self.state, m) {
             (State::AwaitStartOk, M::StartOk(ok)) => {
+                self.blocked_capable = matches!(
+                    ok.client_properties.inner().get("capabilities"),
+                    Some(AMQPValue::FieldTable(caps))
+                        if matches!(caps.inner().get("connection.blocked"), Some(AMQPValue::Boolean(true)))
+                );
                 if !authenticate(ok.mechanism.as_str(), ok.response.as_bytes()) {
                     return Err(Hard {
                         code: ACCESS_REFUSED,
@@ -1223,6 +1275,11 @@ pub(crate) fn to_args(t: &FieldTable) -> Args {
             (k.as_str().to_string(), v)
         })
         .collect()
+}
+
+/// Frames an alarm holds back: the start of a publish.
+fn is_publish(frame: &AMQPFrame) -> bool {
+    matches!(frame, AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Publish(_))))
 }
 
 fn ack_frame(seq: u64) -> AMQPClass {

@@ -4,13 +4,15 @@
 //! holds the connection and channel state machines and maps AMQP methods onto
 //! the node's library API, which forwards to each queue's master.
 //!
-//! Today: handshake (SASL PLAIN, guest/guest), channels, heartbeats,
-//! exchanges (default, `amq.*`, declared direct/fanout/topic/headers),
-//! `queue.declare/bind/unbind/delete/purge`, `basic.publish` with `mandatory`,
-//! publisher confirms (a message routed to several queues is confirmed when
-//! all have it), `basic.get`, `basic.consume` with prefetch,
-//! `basic.ack/nack/reject/recover`, `basic.cancel`. Transactions and
-//! exchange-to-exchange bindings answer 540 NOT_IMPLEMENTED (issue #5).
+//! Handshake (SASL PLAIN, guest/guest), channels, heartbeats, exchanges
+//! (default, `amq.*`, declared direct/fanout/topic/headers),
+//! `queue.declare/bind/unbind/delete/purge` with TTL, max-length and
+//! dead-letter arguments, `basic.publish` with `mandatory`, publisher
+//! confirms (a message routed to several queues is confirmed when all have
+//! it), transactions, `basic.get`, `basic.consume` with per-consumer and
+//! per-channel prefetch and exclusive consumers,
+//! `basic.ack/nack/reject/recover`, `basic.cancel`, `connection.blocked`
+//! under memory and disk alarms. Exchange-to-exchange bindings answer 540.
 
 mod codec;
 mod connection;

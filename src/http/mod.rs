@@ -112,8 +112,16 @@ fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> 
     }
 }
 
-async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// RabbitMQ's alarms check: 503 while a memory or disk alarm is on here.
+async fn health(State(node): State<Node>) -> Response {
+    match node.alarms().readings().reason() {
+        None => Json(json!({"status": "ok"})).into_response(),
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "failed", "reason": format!("resource alarm in effect on {}: {why}", node.name())})),
+        )
+            .into_response(),
+    }
 }
 
 async fn overview(State(node): State<Node>) -> Json<Value> {
@@ -146,7 +154,14 @@ async fn nodes(State(node): State<Node>) -> Json<Value> {
     let mut out = Vec::new();
     for n in meta.nodes.values() {
         let running = n.id == node.id() || node.ping(n.id, Duration::from_millis(500)).await;
-        out.push(json!({"name": n.name, "running": running, "type": "disc", "cluster_links": []}));
+        let mut entry = json!({"name": n.name, "running": running, "type": "disc", "cluster_links": []});
+        if n.id == node.id() {
+            // This node's own readings, under RabbitMQ's names.
+            if let (Value::Object(e), Ok(Value::Object(r))) = (&mut entry, serde_json::to_value(node.alarms().readings())) {
+                e.extend(r);
+            }
+        }
+        out.push(entry);
     }
     Json(Value::Array(out))
 }
