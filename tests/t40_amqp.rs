@@ -979,3 +979,36 @@ async fn a_resource_alarm_blocks_publishers_until_it_clears() {
     assert_eq!(bodies, vec![b"elsewhere".to_vec(), b"during".to_vec()]);
     c.cluster.shutdown().await;
 }
+
+/// `queue.delete` with `if-unused` is refused while the queue has a
+/// consumer on any node; deleting it cancels that consumer from the server
+/// side (`consumer_cancel_notify`): its stream ends instead of stalling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deleting_a_consumed_queue_cancels_its_consumers() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn1 = c.connect(1).await;
+    let ch1 = conn1.create_channel().await.unwrap();
+    ch1.queue_declare(s("doomed"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let conn2 = c.connect(2).await;
+    let ch2 = conn2.create_channel().await.unwrap();
+    let mut consumer =
+        ch2.basic_consume(s("doomed"), s("watcher"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+
+    let conn3 = c.connect(3).await;
+    let bad = conn3.create_channel().await.unwrap();
+    let err = bad
+        .queue_delete(s("doomed"), lapin::options::QueueDeleteOptions { if_unused: true, ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+    assert!(format!("{err:?}").contains("in use"), "{err:?}");
+
+    let ch3 = conn3.create_channel().await.unwrap();
+    ch3.queue_delete(s("doomed"), Default::default()).await.unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(10), consumer.next()).await.expect("consumer not cancelled");
+    assert!(end.is_none(), "the stream ends with the server's basic.cancel: {end:?}");
+    // The channel itself is still usable.
+    ch2.queue_declare(s("after"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    c.cluster.shutdown().await;
+}

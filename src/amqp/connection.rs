@@ -152,6 +152,7 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         blocked_capable: false,
         told_blocked: false,
         published: false,
+        peer_loopback: peer.ip().is_loopback(),
     };
     let (hard_tx, hard_rx) = mpsc::channel::<Hard>(8);
     conn.hard_tx = Some(hard_tx);
@@ -223,6 +224,8 @@ struct Conn {
     told_blocked: bool,
     /// It has published: alarms concern it.
     published: bool,
+    /// The client connects from a loopback address (where guest may log in).
+    peer_loopback: bool,
 }
 
 impl Conn {
@@ -378,10 +381,11 @@ impl Conn {
                     Some(AMQPValue::FieldTable(caps))
                         if matches!(caps.inner().get("connection.blocked"), Some(AMQPValue::Boolean(true)))
                 );
-                if !authenticate(ok.mechanism.as_str(), ok.response.as_bytes()) {
+                if !authenticate(ok.mechanism.as_str(), ok.response.as_bytes(), self.peer_loopback) {
                     return Err(Hard {
                         code: ACCESS_REFUSED,
-                        text: "ACCESS_REFUSED - login refused (user guest/guest only, from loopback)".into(),
+                        text: "ACCESS_REFUSED - login refused: user 'guest' (password guest) can only connect via localhost"
+                            .into(),
                         class: 10,
                         method: 11,
                     });
@@ -482,9 +486,12 @@ impl Conn {
     }
 }
 
-/// SASL PLAIN (`\0user\0pass`) or AMQPLAIN; only guest/guest for now. The
-/// listener is loopback by default, where RabbitMQ also allows guest.
-fn authenticate(mechanism: &str, response: &[u8]) -> bool {
+/// SASL PLAIN (`\0user\0pass`) or AMQPLAIN; only guest/guest for now,
+/// and, as RabbitMQ's `loopback_users`, only from a loopback address.
+fn authenticate(mechanism: &str, response: &[u8], from_loopback: bool) -> bool {
+    if !from_loopback {
+        return false;
+    }
     match mechanism {
         "PLAIN" => {
             let parts: Vec<&[u8]> = response.split(|b| *b == 0).collect();
@@ -811,6 +818,14 @@ impl Channel {
                 let name = d.queue.as_str();
                 self.locked_check(name, 50, 40).await?;
                 let (ready, unacked) = self.node.status(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
+                if d.if_unused && !self.node.consumers_of(name).await.is_empty() {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        format!("PRECONDITION_FAILED - queue '{name}' in vhost '/' in use"),
+                        50,
+                        40,
+                    )));
+                }
                 if d.if_empty && ready + unacked > 0 {
                     return Err(Ok(soft(
                         PRECONDITION_FAILED,
@@ -1456,11 +1471,12 @@ mod tests {
 
     #[test]
     fn plain_auth_accepts_guest_only() {
-        assert!(authenticate("PLAIN", b"\0guest\0guest"));
-        assert!(!authenticate("PLAIN", b"\0guest\0wrong"));
-        assert!(!authenticate("PLAIN", b"\0admin\0guest"));
-        assert!(!authenticate("PLAIN", b"garbage"));
-        assert!(!authenticate("EXTERNAL", b""));
+        assert!(authenticate("PLAIN", b"\0guest\0guest", true));
+        assert!(!authenticate("PLAIN", b"\0guest\0guest", false), "guest only from loopback");
+        assert!(!authenticate("PLAIN", b"\0guest\0wrong", true));
+        assert!(!authenticate("PLAIN", b"\0admin\0guest", true));
+        assert!(!authenticate("PLAIN", b"garbage", true));
+        assert!(!authenticate("EXTERNAL", b"", true));
     }
 
 }
