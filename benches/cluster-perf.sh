@@ -7,8 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
 CONSUMERS=${CONSUMERS:-1}
-cargo build --release --quiet
-BIN=target/release/mirrorq
+# MIRRORQ_BIN=path uses an already built binary.
+BIN=${MIRRORQ_BIN:-target/release/mirrorq}
+[ -n "${MIRRORQ_BIN:-}" ] || cargo build --release --quiet
 DIR=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$DIR"' EXIT
 C=1=127.0.0.1:26671,2=127.0.0.1:26672,3=127.0.0.1:26673

@@ -525,9 +525,11 @@ impl Node {
     pub async fn cluster_clients(&self) -> (Vec<ConnectionInfo>, Vec<ConsumerInfo>) {
         let (mut conns, mut consumers) = self.inner.clients.snapshot();
         let peers: Vec<NodeId> = self.metadata().nodes.keys().copied().filter(|id| *id != self.id()).collect();
-        for peer in peers {
-            let deadline = Instant::now() + Duration::from_millis(1000);
-            if let Ok(RpcResponse::Clients(c, k)) = self.inner.call(peer, &RpcRequest::Clients, deadline).await {
+        // All at once: a peer that does not answer costs the deadline once.
+        let deadline = Instant::now() + Duration::from_millis(1000);
+        let asks = peers.iter().map(|peer| self.inner.call(*peer, &RpcRequest::Clients, deadline));
+        for answer in futures::future::join_all(asks).await {
+            if let Ok(RpcResponse::Clients(c, k)) = answer {
                 conns.extend(c);
                 consumers.extend(k);
             }

@@ -96,7 +96,7 @@ impl Node {
         tokio::spawn(async move {
             let mut stats = g.stats.clone();
             let mut metrics = g.raft.metrics();
-            loop {
+            while !g.stop.is_cancelled() {
                 let ttl = g.proposer.limits().ttl_ms;
                 let head = stats.borrow_and_update().head_published_at;
                 let due = match (ttl, head, g.is_leader(node.id())) {
