@@ -129,7 +129,13 @@ impl Alarms {
         let before = self.readings();
         if r.mem_alarm != before.mem_alarm || r.disk_free_alarm != before.disk_free_alarm {
             match r.reason() {
-                Some(why) => tracing::warn!(mem_used, mem_limit, disk_free, disk_limit, "resource alarm: {why}; publishers blocked"),
+                Some(why) => tracing::warn!(
+                    mem_used,
+                    mem_limit,
+                    disk_free,
+                    disk_limit,
+                    "resource alarm: {why}; publishers blocked"
+                ),
                 None => tracing::info!(mem_used, disk_free, "resource alarms cleared; publishers unblocked"),
             }
             self.readings.send_replace(r);

@@ -218,7 +218,8 @@ mod tests {
         let args = ServeArgs { config: Some(path.clone()), ..Default::default() };
         let n = ServeConfig::resolve(&args).unwrap().node;
         assert_eq!((n.memory_high_watermark, n.disk_free_limit), (Watermark::Fraction(0.25), 1000));
-        let args = ServeArgs { config: Some(path), memory_high_watermark: Some("2000000000".into()), ..Default::default() };
+        let args =
+            ServeArgs { config: Some(path), memory_high_watermark: Some("2000000000".into()), ..Default::default() };
         assert_eq!(ServeConfig::resolve(&args).unwrap().node.memory_high_watermark, Watermark::Bytes(2_000_000_000));
         let defaults = ServeConfig::resolve(&ServeArgs::default()).unwrap().node;
         assert_eq!(defaults.memory_high_watermark, Watermark::Fraction(0.4));

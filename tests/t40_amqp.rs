@@ -49,6 +49,17 @@ fn s(v: &str) -> ShortString {
     ShortString::from(v)
 }
 
+/// Publish `body` to `queue` through the default exchange on a channel in
+/// confirm mode; `true` if acked, `false` if nacked.
+async fn publish(ch: &lapin::Channel, queue: &str, body: &[u8]) -> bool {
+    ch.basic_publish(s(""), s(queue), BasicPublishOptions::default(), body, BasicProperties::default())
+        .await
+        .unwrap()
+        .await
+        .unwrap()
+        .is_ack()
+}
+
 /// Declared on node 1, published with confirms on node 2, fetched on node 3:
 /// every publish is acked, properties come back exactly, counts are right.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -660,7 +671,13 @@ async fn ttl_max_length_and_dead_lettering() {
     let props = BasicProperties::default().with_message_id(s("m-1"));
     for i in 0..3 {
         let conf = ch
-            .basic_publish(s(""), s("lim.ttl"), BasicPublishOptions::default(), format!("t{i}").as_bytes(), props.clone())
+            .basic_publish(
+                s(""),
+                s("lim.ttl"),
+                BasicPublishOptions::default(),
+                format!("t{i}").as_bytes(),
+                props.clone(),
+            )
             .await
             .unwrap()
             .await
@@ -700,11 +717,7 @@ async fn ttl_max_length_and_dead_lettering() {
     let mut args = FieldTable::default();
     args.insert(s("x-dead-letter-exchange"), AMQPValue::LongString("".into()));
     ch1.queue_declare(s("lim.work"), durable, args).await.unwrap();
-    ch.basic_publish(s(""), s("lim.work"), BasicPublishOptions::default(), b"bad", BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    assert!(publish(&ch, "lim.work", b"bad").await);
     let got = ch.basic_get(s("lim.work"), BasicGetOptions { no_ack: false }).await.unwrap().expect("message");
     got.delivery.reject(lapin::options::BasicRejectOptions { requeue: false }).await.unwrap();
     // Dead-lettered to "" with key "lim.work": back into lim.work itself,
@@ -723,13 +736,7 @@ async fn ttl_max_length_and_dead_lettering() {
     args.insert(s("x-dead-letter-routing-key"), AMQPValue::LongString("dead".into()));
     ch1.queue_declare(s("lim.short"), durable, args).await.unwrap();
     for i in 0..5 {
-        let conf = ch
-            .basic_publish(s(""), s("lim.short"), BasicPublishOptions::default(), format!("s{i}").as_bytes(), BasicProperties::default())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(conf.is_ack(), "drop-head never refuses a publish");
+        assert!(publish(&ch, "lim.short", format!("s{i}").as_bytes()).await, "drop-head never refuses a publish");
     }
     wait_ready(&c, "lim.short", 2).await;
     for want in ["s3", "s4"] {
@@ -750,24 +757,12 @@ async fn ttl_max_length_and_dead_lettering() {
     ch1.queue_declare(s("lim.full"), durable, args).await.unwrap();
     let mut outcomes = Vec::new();
     for i in 0..3 {
-        let conf = ch
-            .basic_publish(s(""), s("lim.full"), BasicPublishOptions::default(), format!("f{i}").as_bytes(), BasicProperties::default())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        outcomes.push(conf.is_ack());
+        outcomes.push(publish(&ch, "lim.full", format!("f{i}").as_bytes()).await);
     }
     assert_eq!(outcomes, vec![true, false, false]);
     let got = ch.basic_get(s("lim.full"), BasicGetOptions { no_ack: true }).await.unwrap().expect("message");
     assert_eq!(got.delivery.data, b"f0");
-    let conf = ch
-        .basic_publish(s(""), s("lim.full"), BasicPublishOptions::default(), b"f3", BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(conf.is_ack(), "room again once consumed");
+    assert!(publish(&ch, "lim.full", b"f3").await, "room again once consumed");
 
     // A TTL set by policy applies to messages published after it.
     ch1.queue_declare(s("lim.bypolicy"), durable, FieldTable::default()).await.unwrap();
@@ -776,11 +771,7 @@ async fn ttl_max_length_and_dead_lettering() {
     p.priority = 1;
     c.cluster.node(2).set_policy(p).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await; // the master applies the policy on its next round
-    ch.basic_publish(s(""), s("lim.bypolicy"), BasicPublishOptions::default(), b"p", BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    assert!(publish(&ch, "lim.bypolicy", b"p").await);
     wait_ready(&c, "lim.bypolicy", 0).await;
 
     // Invalid arguments: 406, the channel closes, the connection lives.
@@ -844,32 +835,33 @@ async fn qos_per_consumer_and_per_channel_exclusive_consumers_and_counts() {
     ch1.queue_declare(s("pc"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
     ch1.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     for i in 0..40 {
-        ch1.basic_publish(s(""), s("pc"), BasicPublishOptions::default(), format!("m{i}").as_bytes(), BasicProperties::default())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        assert!(publish(&ch1, "pc", format!("m{i}").as_bytes()).await);
     }
 
     // Two consumers on one channel of another node, limits 2 and 3.
     let conn2 = c.connect(2).await;
     let ch2 = conn2.create_channel().await.unwrap();
     ch2.basic_qos(2, BasicQosOptions { global: false }).await.unwrap();
-    let mut a = ch2.basic_consume(s("pc"), s("a"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut a =
+        ch2.basic_consume(s("pc"), s("a"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
     ch2.basic_qos(3, BasicQosOptions { global: false }).await.unwrap();
-    let mut b = ch2.basic_consume(s("pc"), s("b"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut b =
+        ch2.basic_consume(s("pc"), s("b"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
     assert_eq!(drain_counts(&mut [&mut a, &mut b], Duration::from_millis(700)).await, vec![2, 3]);
 
     // A channel-wide limit of 4 shared by two consumers without their own.
     let ch3 = conn2.create_channel().await.unwrap();
     ch3.basic_qos(4, BasicQosOptions { global: true }).await.unwrap();
-    let mut x = ch3.basic_consume(s("pc"), s("x"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
-    let mut y = ch3.basic_consume(s("pc"), s("y"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut x =
+        ch3.basic_consume(s("pc"), s("x"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut y =
+        ch3.basic_consume(s("pc"), s("y"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
     let shared = drain_counts(&mut [&mut x, &mut y], Duration::from_millis(700)).await;
     assert_eq!(shared.iter().sum::<usize>(), 4, "{shared:?}");
     // Both limits: a per-consumer 1 under the channel's 4, which is full.
     ch3.basic_qos(1, BasicQosOptions { global: false }).await.unwrap();
-    let mut z = ch3.basic_consume(s("pc"), s("z"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut z =
+        ch3.basic_consume(s("pc"), s("z"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
     assert_eq!(drain_counts(&mut [&mut z], Duration::from_millis(500)).await, vec![0], "the channel is full");
 
     // declare-ok counts the consumers, asked on a third node.
@@ -884,7 +876,12 @@ async fn qos_per_consumer_and_per_channel_exclusive_consumers_and_counts() {
 
     // An exclusive consumer is refused where others consume...
     let err = ch4
-        .basic_consume(s("pc"), s("ex"), BasicConsumeOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .basic_consume(
+            s("pc"),
+            s("ex"),
+            BasicConsumeOptions { exclusive: true, ..Default::default() },
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_amqp_error(&err, "403", "ACCESS_REFUSED");
@@ -892,11 +889,19 @@ async fn qos_per_consumer_and_per_channel_exclusive_consumers_and_counts() {
     // ...and keeps everyone else away from its queue, on any node.
     ch1.queue_declare(s("solo"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
     let only = ch1
-        .basic_consume(s("solo"), s("only"), BasicConsumeOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .basic_consume(
+            s("solo"),
+            s("only"),
+            BasicConsumeOptions { exclusive: true, ..Default::default() },
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let ch5 = conn3.create_channel().await.unwrap();
-    let err = ch5.basic_consume(s("solo"), s("late"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap_err();
+    let err = ch5
+        .basic_consume(s("solo"), s("late"), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap_err();
     assert_amqp_error(&err, "403", "ACCESS_REFUSED");
     ch1.basic_cancel(s("only"), Default::default()).await.unwrap();
     drop(only);
@@ -920,21 +925,13 @@ async fn a_resource_alarm_blocks_publishers_until_it_clears() {
     let ch1 = conn1.create_channel().await.unwrap();
     ch1.queue_declare(s("alarmed"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
     ch1.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch1.basic_publish(s(""), s("alarmed"), BasicPublishOptions::default(), b"before", BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    assert!(publish(&ch1, "alarmed", b"before").await);
 
     // A publishing connection (alarms concern those) and a consuming one.
     let publisher = c.connect(2).await;
     let pch = publisher.create_channel().await.unwrap();
     pch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    pch.basic_publish(s(""), s("no-such-queue"), BasicPublishOptions::default(), b"", BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    assert!(publish(&pch, "no-such-queue", b"").await);
     let consumer = c.connect(2).await;
     let cch = consumer.create_channel().await.unwrap();
     assert!(!publisher.status().blocked());
@@ -961,11 +958,7 @@ async fn a_resource_alarm_blocks_publishers_until_it_clears() {
     assert_eq!(got.delivery.data, b"before");
     assert_eq!(c.cluster.node(1).status("alarmed").await.unwrap(), (0, 0));
     // Publishers on other nodes are not blocked by this node's alarm.
-    ch1.basic_publish(s(""), s("alarmed"), BasicPublishOptions::default(), b"elsewhere", BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    assert!(publish(&ch1, "alarmed", b"elsewhere").await);
 
     c.cluster.node(2).alarms().set_limits(Watermark::default(), DEFAULT_DISK_FREE_LIMIT);
     let conf = tokio::time::timeout(Duration::from_secs(10), confirm).await.expect("confirmed once cleared").unwrap();
@@ -992,8 +985,10 @@ async fn deleting_a_consumed_queue_cancels_its_consumers() {
     ch1.queue_declare(s("doomed"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
     let conn2 = c.connect(2).await;
     let ch2 = conn2.create_channel().await.unwrap();
-    let mut consumer =
-        ch2.basic_consume(s("doomed"), s("watcher"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut consumer = ch2
+        .basic_consume(s("doomed"), s("watcher"), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
 
     let conn3 = c.connect(3).await;
     let bad = conn3.create_channel().await.unwrap();

@@ -363,7 +363,11 @@ async fn queue_arguments_and_alarms() {
     );
     assert_eq!(api.call(3, "PUT", "/api/queues/%2F/limited", Some(args)).await.0, 204, "same arguments");
     let other = r#"{"arguments":{"x-message-ttl":1}}"#;
-    assert_error(&api.call(3, "PUT", "/api/queues/%2F/limited", Some(other)).await, 400, "inequivalent arg 'x-message-ttl'");
+    assert_error(
+        &api.call(3, "PUT", "/api/queues/%2F/limited", Some(other)).await,
+        400,
+        "inequivalent arg 'x-message-ttl'",
+    );
     for (body, says) in [
         (r#"{"arguments":{"x-message-ttl":-1}}"#, "x-message-ttl"),
         (r#"{"arguments":{"x-max-length":"ten"}}"#, "x-max-length"),

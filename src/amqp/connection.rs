@@ -1478,5 +1478,4 @@ mod tests {
         assert!(!authenticate("PLAIN", b"garbage", true));
         assert!(!authenticate("EXTERNAL", b"", true));
     }
-
 }

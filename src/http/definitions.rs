@@ -123,7 +123,8 @@ pub async fn import(State(node): State<Node>, body: Bytes) -> Result<StatusCode,
         if name.is_empty() || name.len() > 255 {
             return Err(ApiError::bad_request("queue: name must be 1 to 255 bytes"));
         }
-        let args = super::queue_args(q.get("arguments")).map_err(|why| ApiError::bad_request(format!("queue {name}: {why}")))?;
+        let args = super::queue_args(q.get("arguments"))
+            .map_err(|why| ApiError::bad_request(format!("queue {name}: {why}")))?;
         queues.push((name.to_string(), args));
     }
     let mut bindings = Vec::new();

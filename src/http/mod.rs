@@ -157,7 +157,9 @@ async fn nodes(State(node): State<Node>) -> Json<Value> {
         let mut entry = json!({"name": n.name, "running": running, "type": "disc", "cluster_links": []});
         if n.id == node.id() {
             // This node's own readings, under RabbitMQ's names.
-            if let (Value::Object(e), Ok(Value::Object(r))) = (&mut entry, serde_json::to_value(node.alarms().readings())) {
+            if let (Value::Object(e), Ok(Value::Object(r))) =
+                (&mut entry, serde_json::to_value(node.alarms().readings()))
+            {
                 e.extend(r);
             }
         }

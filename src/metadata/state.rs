@@ -151,7 +151,16 @@ impl MetaState {
                 self.replace_all();
                 MetaReply::Ok
             }
-            MetaCmd::DeclareQueue { name, replicas, durable, declared_on, locator, exclusive_owner, auto_delete, args } => {
+            MetaCmd::DeclareQueue {
+                name,
+                replicas,
+                durable,
+                declared_on,
+                locator,
+                exclusive_owner,
+                auto_delete,
+                args,
+            } => {
                 if let Some(q) = self.queues.get(name) {
                     return MetaReply::Queue(q.clone());
                 }

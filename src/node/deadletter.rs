@@ -173,10 +173,7 @@ fn with_death(
     entry.insert(ShortString::from("queue"), s(queue));
     entry.insert(ShortString::from("time"), AMQPValue::Timestamp(now_ms() / 1000));
     entry.insert(ShortString::from("exchange"), s(&msg.exchange));
-    entry.insert(
-        ShortString::from("routing-keys"),
-        AMQPValue::FieldArray(FieldArray::from(vec![s(&msg.routing_key)])),
-    );
+    entry.insert(ShortString::from("routing-keys"), AMQPValue::FieldArray(FieldArray::from(vec![s(&msg.routing_key)])));
     deaths.insert(0, entry);
     let rejected = deaths.iter().any(|t| text(t, "reason").as_deref() == Some("rejected"));
     let seen = deaths.iter().filter_map(|t| text(t, "queue")).collect();

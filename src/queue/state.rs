@@ -717,7 +717,13 @@ mod tests {
         assert!(dead(&c).is_empty());
         let mut c = Vec::new();
         s.apply(&QueueCmd::Nack { tags: vec![0], requeue: false }, &mut c);
-        assert_eq!(c, vec![Change::DeadLetter { seq: 0, reason: DeathReason::Rejected }, Change::Remove { seq: 0, tracked: true }]);
+        assert_eq!(
+            c,
+            vec![
+                Change::DeadLetter { seq: 0, reason: DeathReason::Rejected },
+                Change::Remove { seq: 0, tracked: true }
+            ]
+        );
         s.begin_entry();
         let mut c = Vec::new();
         s.apply(&QueueCmd::Nack { tags: vec![1], requeue: false }, &mut c);
