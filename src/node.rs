@@ -988,7 +988,7 @@ impl Node {
         for e in entries {
             if let openraft::EntryPayload::Normal(Request::Queue(cmds)) = e.payload {
                 for c in cmds {
-                    if let QueueCmd::Enqueue { msgs } = c {
+                    if let QueueCmd::Enqueue { msgs } | QueueCmd::EnqueueExpiring { msgs, .. } = c {
                         out.extend(msgs);
                     }
                 }

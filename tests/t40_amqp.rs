@@ -1007,3 +1007,73 @@ async fn deleting_a_consumed_queue_cancels_its_consumers() {
     ch2.queue_declare(s("after"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
     c.cluster.shutdown().await;
 }
+
+/// Per-message TTL (`expiration`) on a mirrored queue without a queue
+/// TTL: the retry pattern, a "wait" queue dead-lettering into the work
+/// queue. Expired at the head only (RabbitMQ's rule); the dead letter
+/// loses its `expiration` (kept as `original-expiration`) so it stays in
+/// the work queue; a bad `expiration` is 406.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_message_ttl_and_retry_through_a_wait_queue() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    c.cluster.node(1).set_policy(common::policy("^pm", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    let conn1 = c.connect(1).await;
+    let ch1 = conn1.create_channel().await.unwrap();
+    ch1.queue_declare(s("pm.work"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(s("x-dead-letter-exchange"), AMQPValue::LongString("".into()));
+    args.insert(s("x-dead-letter-routing-key"), AMQPValue::LongString("pm.work".into()));
+    ch1.queue_declare(s("pm.wait"), QueueDeclareOptions::default(), args).await.unwrap();
+
+    let master = c.cluster.node(1).queue_info("pm.wait").unwrap().leader.unwrap();
+    let conn = c.connect((1..=3).find(|n| *n != master).unwrap()).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let expiring = |ms: &str| BasicProperties::default().with_expiration(s(ms)).with_message_id(s(ms));
+    let send = |body: &'static [u8], props: BasicProperties| {
+        let ch = ch.clone();
+        async move {
+            ch.basic_publish(s(""), s("pm.wait"), BasicPublishOptions::default(), body, props)
+                .await
+                .unwrap()
+                .await
+                .unwrap()
+                .is_ack()
+        }
+    };
+    // A long-lived message at the head keeps a short-lived one behind it.
+    assert!(send(b"slow", expiring("60000")).await);
+    assert!(send(b"fast", expiring("200")).await);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(c.cluster.node(1).status("pm.wait").await.unwrap(), (2, 0), "expiry only at the head");
+    let slow = ch.basic_get(s("pm.wait"), BasicGetOptions { no_ack: true }).await.unwrap().expect("head");
+    assert_eq!(slow.delivery.data, b"slow");
+    assert_eq!(slow.delivery.properties.expiration().as_ref().map(|e| e.as_str()), Some("60000"), "kept while queued");
+    // Now at the head and overdue: dead-lettered into the work queue.
+    wait_ready(&c, "pm.work", 1).await;
+    wait_ready(&c, "pm.wait", 0).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got = ch.basic_get(s("pm.work"), BasicGetOptions { no_ack: true }).await.unwrap().expect("retried message");
+    assert_eq!(got.delivery.data, b"fast");
+    assert_eq!(*got.delivery.properties.expiration(), None, "does not expire again in the work queue");
+    assert_eq!(got.delivery.properties.message_id().as_ref().map(|v| v.as_str()), Some("200"));
+    let d = x_death(&got.delivery.properties);
+    assert_eq!(text(&d[0], "reason"), "expired");
+    assert_eq!(text(&d[0], "queue"), "pm.wait");
+    assert_eq!(text(&d[0], "original-expiration"), "200");
+
+    // Expiration 0 with nobody waiting: gone at once (to the work queue).
+    assert!(send(b"now", expiring("0")).await);
+    wait_ready(&c, "pm.work", 1).await;
+
+    let bad = conn.create_channel().await.unwrap();
+    bad.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let r = bad.basic_publish(s(""), s("pm.wait"), BasicPublishOptions::default(), b"x", expiring("soon")).await;
+    let err = match r {
+        Ok(confirm) => confirm.await.unwrap_err(),
+        Err(e) => e,
+    };
+    assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+    c.cluster.shutdown().await;
+}

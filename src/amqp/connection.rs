@@ -515,7 +515,8 @@ enum Settle {
 /// settlements go to the master as one batch, so they land in one Raft entry.
 #[derive(Default)]
 struct TxBuffer {
-    publishes: BTreeMap<String, Vec<Message>>,
+    /// Per queue, the messages and their own TTLs.
+    publishes: BTreeMap<String, Vec<(Message, Option<u64>)>>,
     settles: Vec<(u64, bool, Settle)>,
 }
 
@@ -1132,8 +1133,9 @@ impl Channel {
                 };
                 let work = std::mem::take(tx);
                 let mut per_queue: BTreeMap<String, Vec<QueueCmd>> = BTreeMap::new();
-                for (q, msgs) in work.publishes {
-                    per_queue.entry(q).or_default().push(QueueCmd::Enqueue { msgs });
+                for (q, published) in work.publishes {
+                    let (msgs, ttls) = published.into_iter().unzip();
+                    per_queue.entry(q).or_default().push(QueueCmd::enqueue(msgs, ttls));
                 }
                 let mut settled = Vec::new();
                 for (tag, multiple, how) in work.settles {
@@ -1179,6 +1181,8 @@ impl Channel {
         let exchange = p.publish.exchange.as_str().to_string();
         let routing_key = p.publish.routing_key.as_str().to_string();
         let headers = header.properties.headers().as_ref().map(to_args).unwrap_or_default();
+        let ttl = codec::expiration_ms(&header.properties)
+            .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 60, 40)))?;
         let Some(queues) = self.node.route_fresh(&exchange, &routing_key, &headers).await else {
             return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no exchange '{exchange}' in vhost '/'"), 60, 40)));
         };
@@ -1211,7 +1215,7 @@ impl Channel {
         }
         if let Some(tx) = self.tx.as_mut() {
             for q in queues {
-                tx.publishes.entry(q).or_default().push(msg.clone());
+                tx.publishes.entry(q).or_default().push((msg.clone(), ttl));
             }
             return Ok(());
         }
@@ -1219,7 +1223,7 @@ impl Channel {
         // Start each queue's publish here, in channel order; wait elsewhere.
         let mut waits = Vec::with_capacity(queues.len());
         for q in &queues {
-            waits.push(self.node.submit(q, vec![QueueCmd::Enqueue { msgs: vec![msg.clone()] }]).await);
+            waits.push(self.node.submit(q, vec![QueueCmd::enqueue(vec![msg.clone()], vec![ttl])]).await);
         }
         let (out, id) = (self.out.clone(), self.id);
         tokio::spawn(async move {

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
 
-pub use codec::{decode_properties, encode_properties};
+pub use codec::{decode_properties, encode_properties, expiration_ms, without_expiration};
 pub(crate) use connection::to_args;
 
 /// Accept AMQP connections until `stop` is cancelled.

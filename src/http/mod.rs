@@ -535,6 +535,7 @@ async fn publish(
     };
     let properties = props::from_json(b.get("properties").unwrap_or(&Value::Null)).map_err(ApiError::bad_request)?;
     let headers = props::header_args(&properties);
+    let ttl = crate::amqp::expiration_ms(&properties).map_err(ApiError::bad_request)?;
     let Some(queues) = node.route_fresh(&exchange, &routing_key, &headers).await else {
         return Err(ApiError::not_found());
     };
@@ -550,10 +551,10 @@ async fn publish(
     // Answer only after every queue it reached has confirmed it (CONTRACT 6).
     let mut waits = Vec::new();
     for q in &queues {
-        waits.push(node.submit(q, vec![QueueCmd::Enqueue { msgs: vec![msg.clone()] }]).await?);
+        waits.push(node.submit(q, vec![QueueCmd::enqueue(vec![msg.clone()], vec![ttl])]).await?);
     }
-    for w in waits {
-        w.await?;
+    for (w, q) in waits.into_iter().zip(&queues) {
+        crate::node::stored_all(q, &w.await?)?;
     }
     Ok(Json(json!({"routed": true})))
 }

@@ -89,8 +89,9 @@ impl Node {
         }
     }
 
-    /// While this node masters a queue with a TTL, wake when the message at
-    /// the head is due and propose an entry whose stamp expires it.
+    /// While this node masters a queue, wake when the message at the head
+    /// is due (by the queue's TTL or its own) and propose an entry whose
+    /// stamp expires it.
     pub(super) fn spawn_expiry(&self, g: Arc<QueueGroup>) {
         let node = self.clone();
         tokio::spawn(async move {
@@ -98,11 +99,16 @@ impl Node {
             let mut metrics = g.raft.metrics();
             while !g.stop.is_cancelled() {
                 let ttl = g.proposer.limits().ttl_ms;
-                let head = stats.borrow_and_update().head_published_at;
-                let due = match (ttl, head, g.is_leader(node.id())) {
-                    (Some(ttl), Some(at), true) => Some(at.saturating_add(ttl)),
-                    _ => None,
+                let (head, own) = {
+                    let s = stats.borrow_and_update();
+                    (s.head_published_at, s.head_deadline)
                 };
+                let by_queue = ttl.zip(head).map(|(ttl, at)| at.saturating_add(ttl));
+                let due = match (by_queue, own) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                }
+                .filter(|_| g.is_leader(node.id()));
                 // Limits change with policies (no signal): look again now and then.
                 let wait = match due {
                     Some(due) => Duration::from_millis(due.saturating_sub(now_ms())).min(Duration::from_secs(1)),
@@ -127,7 +133,8 @@ impl Node {
 }
 
 /// The message as the dead-letter exchange gets it: routed with `key`,
-/// its `x-death` history updated (the entry for this queue and reason
+/// without its `expiration` (kept as `original-expiration`), its `x-death`
+/// history updated (the entry for this queue and reason
 /// counted up and moved first), `x-first-death-*` set once. Also answers
 /// whether the history holds a rejection and which queues it names.
 fn with_death(
@@ -137,7 +144,7 @@ fn with_death(
     dlx: &str,
     key: &str,
 ) -> (Message, bool, Vec<String>) {
-    let props = crate::amqp::decode_properties(&msg.properties);
+    let (props, expiration) = crate::amqp::without_expiration(crate::amqp::decode_properties(&msg.properties));
     let mut headers = props.headers().clone().unwrap_or_default();
     let s = |v: &str| AMQPValue::LongString(LongString::from(v));
     let text = |t: &FieldTable, k: &str| match t.inner().get(k) {
@@ -174,6 +181,9 @@ fn with_death(
     entry.insert(ShortString::from("time"), AMQPValue::Timestamp(now_ms() / 1000));
     entry.insert(ShortString::from("exchange"), s(&msg.exchange));
     entry.insert(ShortString::from("routing-keys"), AMQPValue::FieldArray(FieldArray::from(vec![s(&msg.routing_key)])));
+    if let Some(e) = expiration {
+        entry.insert(ShortString::from("original-expiration"), s(&e));
+    }
     deaths.insert(0, entry);
     let rejected = deaths.iter().any(|t| text(t, "reason").as_deref() == Some("rejected"));
     let seen = deaths.iter().filter_map(|t| text(t, "queue")).collect();

@@ -88,7 +88,9 @@ fn publishes(e: &Entry<TypeConfig>) -> (Origin, Vec<(&Message, bool)>) {
     if let EntryPayload::Normal(Request::Queue(cmds)) = &e.payload {
         for c in cmds {
             match c {
-                QueueCmd::Enqueue { msgs: m } => msgs.extend(m.iter().map(|m| (m, false))),
+                QueueCmd::Enqueue { msgs: m } | QueueCmd::EnqueueExpiring { msgs: m, .. } => {
+                    msgs.extend(m.iter().map(|m| (m, false)))
+                }
                 QueueCmd::Handback { msgs: m, .. } => msgs.extend(m.iter().map(|m| (m, true))),
                 _ => {}
             }

@@ -55,8 +55,7 @@ pub struct Proposer {
 fn approx_size(cmds: &[QueueCmd]) -> usize {
     cmds.iter()
         .map(|c| match c {
-            QueueCmd::Enqueue { msgs } => msgs.iter().map(|m| m.body.len() + m.properties.len() + 64).sum(),
-            _ => 32,
+            c => c.messages().map_or(32, |msgs| msgs.iter().map(|m| m.body.len() + m.properties.len() + 64).sum()),
         })
         .sum()
 }
@@ -110,7 +109,7 @@ impl Proposer {
                 // its place in the log); wait for commit and confirm elsewhere.
                 let (mut cmds, waiters, needs_confirm) = flatten(batch);
                 let limits = *task_limits.lock().expect("poisoned");
-                let stamped = limits.any();
+                let stamped = limits.any() || cmds.iter().any(QueueCmd::needs_stamp);
                 if stamped {
                     cmds.insert(0, QueueCmd::Stamp { now_ms: now_ms(), limits });
                 }

@@ -11,6 +11,7 @@
 //! - `e`            the [`ForkRecord`] of the group's current epoch, if re-formed
 //! - `y`            the catch-up [`Plan`]: bodies this replica still lacks
 //!   after installing a snapshot (absent once it has them all)
+//! - `x` + seq(8)   deadline (ms) of a message published with a TTL of its own
 //! - `t` + seq(8)   publish time (ms, master's clock) of the run of messages
 //!   starting at seq; only for queues with a TTL
 
@@ -57,9 +58,16 @@ fn time_key(seq: u64) -> [u8; 9] {
     k
 }
 
-fn stored_times(space: &SmSpace) -> Result<Vec<(u64, u64)>, StorageError> {
+fn deadline_key(seq: u64) -> [u8; 9] {
+    let mut k = [b'x'; 9];
+    k[1..].copy_from_slice(&seq.to_be_bytes());
+    k
+}
+
+/// `seq -> ms` pairs stored under `prefix` (publish times, deadlines).
+fn stored_times(space: &SmSpace, prefix: &[u8]) -> Result<Vec<(u64, u64)>, StorageError> {
     let mut out = Vec::new();
-    for kv in space.scan(b"t") {
+    for kv in space.scan(prefix) {
         let (k, v) = kv?;
         let seq = u64::from_be_bytes(k[1..9].try_into().expect("time key is 9 bytes"));
         let at = u64::from_be_bytes(v.as_ref().try_into().map_err(|_| StorageError::Decode {
@@ -88,6 +96,8 @@ pub struct QueueStats {
     /// Publish time (ms) of the message at the head, if the queue keeps
     /// times: the master's expiry timer waits for it plus the TTL.
     pub head_published_at: Option<u64>,
+    /// When the head message expires by its own TTL, if it has one.
+    pub head_deadline: Option<u64>,
 }
 
 impl QueueStats {
@@ -96,6 +106,7 @@ impl QueueStats {
             ready: state.ready_count(),
             unacked: state.unacked_count(),
             head_published_at: state.head_published_at(),
+            head_deadline: state.head_deadline(),
         }
     }
 }
@@ -256,6 +267,7 @@ struct Dump {
     fork: Option<ForkRecord>,
     handed: Vec<Origin>,
     times: Vec<(u64, u64)>,
+    deadlines: Vec<(u64, u64)>,
 }
 
 impl Machine for QueueMachine {
@@ -271,7 +283,10 @@ impl Machine for QueueMachine {
         for kv in space.scan(b"h") {
             handed.push(handed_origin(&kv?.0));
         }
-        let state = QueueState::restore(counters, stored).with_handed(handed).with_times(stored_times(space)?);
+        let state = QueueState::restore(counters, stored)
+            .with_handed(handed)
+            .with_times(stored_times(space, b"t")?)
+            .with_deadlines(stored_times(space, b"x")?);
         let (stats, _) = watch::channel(QueueStats::of(&state));
         let plan = space.get(PLAN)?.map(|b| keys::decode::<Plan>(&b, "catch-up plan")).transpose()?;
         let (plan, _) = watch::channel(plan);
@@ -298,9 +313,7 @@ impl Machine for QueueMachine {
             for ch in &changes {
                 match *ch {
                     Change::Insert { seq, batch_index } => {
-                        let (QueueCmd::Enqueue { msgs } | QueueCmd::Handback { msgs, .. }) = cmd else {
-                            unreachable!("insert without messages")
-                        };
+                        let Some(msgs) = cmd.messages() else { unreachable!("insert without messages") };
                         let m = &msgs[batch_index];
                         batch.insert(space.key(&body_key(seq)), keys::encode(m, "message body")?);
                         fresh.insert(seq, m);
@@ -313,6 +326,12 @@ impl Machine for QueueMachine {
                     }
                     Change::Unstamped { seq } => {
                         batch.remove(space.key(&time_key(seq)));
+                    }
+                    Change::Deadline { seq, at_ms } => {
+                        batch.insert(space.key(&deadline_key(seq)), &at_ms.to_be_bytes()[..]);
+                    }
+                    Change::Undeadline { seq } => {
+                        batch.remove(space.key(&deadline_key(seq)));
                     }
                     Change::DeadLetter { seq, reason } => {
                         let message = match fresh.get(&seq) {
@@ -369,24 +388,26 @@ impl Machine for QueueMachine {
         let fork = Self::fork_record(space)?;
         let handed = self.state.handed().iter().copied().collect();
         let times = self.state.times().iter().map(|(k, v)| (*k, *v)).collect();
-        keys::encode(&Dump { counters: self.state.counters().clone(), states, fork, handed, times }, "queue dump")
+        let deadlines = self.state.deadlines().iter().map(|(k, v)| (*k, *v)).collect();
+        let dump = Dump { counters: self.state.counters().clone(), states, fork, handed, times, deadlines };
+        keys::encode(&dump, "queue dump")
     }
 
     /// Bodies this replica already had (kept by the install) stay if the new
     /// state still holds their message; the others it holds go in the plan.
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
         let d: Dump = keys::decode(dump, "queue dump")?;
-        let mut batch_times = Vec::new();
         let state = QueueState::restore(d.counters.clone(), d.states.iter().copied())
             .with_handed(d.handed.clone())
-            .with_times(d.times.iter().copied());
-        for (seq, at) in &d.times {
-            batch_times.push((*seq, *at));
-        }
+            .with_times(d.times.iter().copied())
+            .with_deadlines(d.deadlines.iter().copied());
         let tracked = state.tracked_seqs();
         let mut batch = sled::Batch::default();
-        for (seq, at) in batch_times {
-            batch.insert(space.key(&time_key(seq)), &at.to_be_bytes()[..]);
+        for (seq, at) in &d.times {
+            batch.insert(space.key(&time_key(*seq)), &at.to_be_bytes()[..]);
+        }
+        for (seq, at) in &d.deadlines {
+            batch.insert(space.key(&deadline_key(*seq)), &at.to_be_bytes()[..]);
         }
         batch.insert(space.key(COUNTERS), keys::encode(&d.counters, "queue counters")?);
         for o in &d.handed {

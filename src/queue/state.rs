@@ -49,6 +49,10 @@ pub enum Change {
     /// The message goes to the dead-letter exchange: read its body before
     /// the `Remove` that follows.
     DeadLetter { seq: u64, reason: DeathReason },
+    /// The message expires at `at_ms` by its own TTL.
+    Deadline { seq: u64, at_ms: u64 },
+    /// The deadline of a removed message is no longer needed.
+    Undeadline { seq: u64 },
 }
 
 /// Counters that must survive restarts alongside the per-message states.
@@ -82,6 +86,8 @@ pub struct QueueState {
     /// were published ([`UNTIMED`]: before the queue had a TTL). One entry
     /// per Raft entry, kept only while a message of the run is held.
     times: BTreeMap<u64, u64>,
+    /// Deadlines of held messages published with a TTL of their own.
+    deadlines: BTreeMap<u64, u64>,
     /// The current entry's stamp: the master's clock and the limits in
     /// force (none unless the entry starts with [`QueueCmd::Stamp`]).
     now_ms: u64,
@@ -125,6 +131,29 @@ impl QueueState {
         &self.times
     }
 
+    /// Add the stored per-message deadlines (after [`QueueState::restore`]).
+    pub fn with_deadlines(mut self, deadlines: impl IntoIterator<Item = (u64, u64)>) -> Self {
+        self.deadlines.extend(deadlines);
+        self
+    }
+
+    pub fn deadlines(&self) -> &BTreeMap<u64, u64> {
+        &self.deadlines
+    }
+
+    /// When the message at the head expires by its own TTL, if it has one.
+    pub fn head_deadline(&self) -> Option<u64> {
+        self.head().and_then(|seq| self.deadlines.get(&seq).copied())
+    }
+
+    fn head(&self) -> Option<u64> {
+        match self.requeued.first_key_value() {
+            Some((_, seq)) => Some(*seq),
+            None if self.fresh_count() > 0 => Some(self.counters.ready_head),
+            None => None,
+        }
+    }
+
     /// A new entry starts: no stamp until it brings one.
     pub fn begin_entry(&mut self) {
         self.now_ms = 0;
@@ -134,12 +163,7 @@ impl QueueState {
     /// When the message at the head of the queue was published, if the
     /// queue records times and the head is timed (for the expiry timer).
     pub fn head_published_at(&self) -> Option<u64> {
-        let seq = match self.requeued.first_key_value() {
-            Some((_, seq)) => *seq,
-            None if self.fresh_count() > 0 => self.counters.ready_head,
-            None => return None,
-        };
-        self.time_of(seq).filter(|t| *t != UNTIMED)
+        self.head().and_then(|seq| self.time_of(seq)).filter(|t| *t != UNTIMED)
     }
 
     fn time_of(&self, seq: u64) -> Option<u64> {
@@ -177,30 +201,8 @@ impl QueueState {
     /// Apply one command. Pure: no I/O, same input, same output.
     pub fn apply(&mut self, cmd: &QueueCmd, changes: &mut Vec<Change>) -> QueueReply {
         match cmd {
-            QueueCmd::Enqueue { msgs } => {
-                self.stamp_run(changes);
-                let mut accepted = 0;
-                for i in 0..msgs.len() {
-                    if self.limits.overflow == Overflow::RejectPublish
-                        && self.limits.max_len.is_some_and(|max| self.ready_count() >= max)
-                    {
-                        // Full: the rest of this publish is refused (nacked).
-                        break;
-                    }
-                    let seq = self.counters.next_seq;
-                    self.counters.next_seq += 1;
-                    changes.push(Change::Insert { seq, batch_index: i });
-                    accepted += 1;
-                }
-                if let (Some(max), Overflow::DropHead) = (self.limits.max_len, self.limits.overflow) {
-                    while self.ready_count() > max {
-                        if !self.drop_head(DeathReason::Maxlen, changes) {
-                            break;
-                        }
-                    }
-                }
-                QueueReply::Enqueued { count: accepted }
-            }
+            QueueCmd::Enqueue { msgs } => self.enqueue(msgs.len(), None, changes),
+            QueueCmd::EnqueueExpiring { msgs, ttl_ms } => self.enqueue(msgs.len(), Some(ttl_ms), changes),
             QueueCmd::Get { owner, max, auto_ack } => {
                 let mut delivered = 0u32;
                 while delivered < *max {
@@ -216,7 +218,7 @@ impl QueueState {
                     self.counters.next_tag += 1;
                     changes.push(Change::Deliver { seq, tag, redelivered });
                     if *auto_ack {
-                        changes.push(Change::Remove { seq, tracked: redelivered });
+                        self.remove(seq, redelivered, changes);
                     } else {
                         self.unacked.insert(tag, Unacked { seq, owner: *owner });
                         changes.push(Change::SetState { seq, state: MsgState::Unacked { tag, owner: *owner } });
@@ -229,7 +231,7 @@ impl QueueState {
                 let mut unknown = Vec::new();
                 for tag in tags {
                     match self.unacked.remove(tag) {
-                        Some(u) => changes.push(Change::Remove { seq: u.seq, tracked: true }),
+                        Some(u) => self.remove(u.seq, true, changes),
                         None => unknown.push(*tag),
                     }
                 }
@@ -267,7 +269,9 @@ impl QueueState {
                 self.drop_ready(changes);
                 let mut unacked: Vec<u64> = self.unacked.drain().map(|(_, u)| u.seq).collect();
                 unacked.sort_unstable();
-                changes.extend(unacked.into_iter().map(|seq| Change::Remove { seq, tracked: true }));
+                for seq in unacked {
+                    self.remove(seq, true, changes);
+                }
                 QueueReply::Purged { count }
             }
             QueueCmd::Status => QueueReply::Status { ready: self.ready_count(), unacked: self.unacked_count() },
@@ -304,6 +308,46 @@ impl QueueState {
         }
     }
 
+    /// Store `n` new messages (`ttl_ms`: their own TTLs, if any) under the
+    /// entry's limits.
+    fn enqueue(&mut self, n: usize, ttl_ms: Option<&[Option<u64>]>, changes: &mut Vec<Change>) -> QueueReply {
+        self.stamp_run(changes);
+        let mut accepted = 0;
+        for i in 0..n {
+            if self.limits.overflow == Overflow::RejectPublish
+                && self.limits.max_len.is_some_and(|max| self.ready_count() >= max)
+            {
+                // Full: the rest of this publish is refused (nacked).
+                break;
+            }
+            let seq = self.counters.next_seq;
+            self.counters.next_seq += 1;
+            changes.push(Change::Insert { seq, batch_index: i });
+            if let Some(ttl) = ttl_ms.and_then(|t| t.get(i).copied().flatten()) {
+                let at_ms = self.now_ms.saturating_add(ttl);
+                self.deadlines.insert(seq, at_ms);
+                changes.push(Change::Deadline { seq, at_ms });
+            }
+            accepted += 1;
+        }
+        if let (Some(max), Overflow::DropHead) = (self.limits.max_len, self.limits.overflow) {
+            while self.ready_count() > max {
+                if !self.drop_head(DeathReason::Maxlen, changes) {
+                    break;
+                }
+            }
+        }
+        QueueReply::Enqueued { count: accepted }
+    }
+
+    /// Remove a message for good, with its deadline if it had one.
+    fn remove(&mut self, seq: u64, tracked: bool, changes: &mut Vec<Change>) {
+        changes.push(Change::Remove { seq, tracked });
+        if self.deadlines.remove(&seq).is_some() {
+            changes.push(Change::Undeadline { seq });
+        }
+    }
+
     /// Record the publish time of the messages an enqueue is about to add:
     /// the stamp's clock with a TTL, [`UNTIMED`] without one (only needed
     /// once times are being kept at all).
@@ -323,11 +367,20 @@ impl QueueState {
     /// Remove messages at the head whose TTL has run out, as RabbitMQ
     /// expires them: from the head only, oldest first.
     fn expire_due(&mut self, changes: &mut Vec<Change>) {
-        let Some(ttl) = self.limits.ttl_ms else { return };
-        while let Some(at) = self.head_published_at() {
-            if at.saturating_add(ttl) > self.now_ms || !self.drop_head(DeathReason::Expired, changes) {
+        while let Some(due) = self.head_due() {
+            if due > self.now_ms || !self.drop_head(DeathReason::Expired, changes) {
                 break;
             }
+        }
+    }
+
+    /// When the head message expires: the sooner of the queue's TTL (from
+    /// its publish time) and its own.
+    fn head_due(&self) -> Option<u64> {
+        let by_queue = self.limits.ttl_ms.and_then(|ttl| self.head_published_at().map(|at| at.saturating_add(ttl)));
+        match (by_queue, self.head_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -345,7 +398,7 @@ impl QueueState {
         if self.limits.dead_letter {
             changes.push(Change::DeadLetter { seq, reason });
         }
-        changes.push(Change::Remove { seq, tracked });
+        self.remove(seq, tracked, changes);
         true
     }
 
@@ -375,10 +428,10 @@ impl QueueState {
 
     fn drop_ready(&mut self, changes: &mut Vec<Change>) {
         for (_, seq) in std::mem::take(&mut self.requeued) {
-            changes.push(Change::Remove { seq, tracked: true });
+            self.remove(seq, true, changes);
         }
         for seq in self.counters.ready_head..self.counters.next_seq {
-            changes.push(Change::Remove { seq, tracked: false });
+            self.remove(seq, false, changes);
         }
         self.counters.ready_head = self.counters.next_seq;
     }
@@ -393,7 +446,7 @@ impl QueueState {
             if self.limits.dead_letter {
                 changes.push(Change::DeadLetter { seq, reason: DeathReason::Rejected });
             }
-            changes.push(Change::Remove { seq, tracked: true });
+            self.remove(seq, true, changes);
         }
     }
 }
@@ -728,5 +781,40 @@ mod tests {
         let mut c = Vec::new();
         s.apply(&QueueCmd::Nack { tags: vec![1], requeue: false }, &mut c);
         assert_eq!(c, vec![Change::Remove { seq: 1, tracked: true }]);
+    }
+
+    #[test]
+    fn messages_with_their_own_ttl_expire_at_the_head_only() {
+        let mut s = QueueState::default();
+        let mut c = Vec::new();
+        s.begin_entry();
+        s.apply(&QueueCmd::Stamp { now_ms: 1_000, limits: Limits { dead_letter: true, ..Limits::default() } }, &mut c);
+        let r =
+            s.apply(&QueueCmd::enqueue(vec![msg("a"), msg("b"), msg("c")], vec![Some(500), None, Some(10)]), &mut c);
+        assert_eq!(r, QueueReply::Enqueued { count: 3 });
+        assert!(c.contains(&Change::Deadline { seq: 0, at_ms: 1_500 }));
+        assert!(c.contains(&Change::Deadline { seq: 2, at_ms: 1_010 }));
+        assert_eq!(s.head_deadline(), Some(1_500));
+        // "c" is due at 1010 but not at the head: it waits, as in RabbitMQ.
+        assert!(dead(&stamp(&mut s, 1_100, Limits::default())).is_empty());
+        let c = stamp(&mut s, 1_500, Limits::default());
+        assert_eq!(dead(&c), vec![], "no dead-lettering without an exchange in the stamp");
+        assert!(c.contains(&Change::Undeadline { seq: 0 }));
+        assert_eq!(s.ready_count(), 2, "b has no TTL and now heads the queue");
+        let (d, _) = get(&mut s, 1, 1, true);
+        assert_eq!(d, vec![(1, 0, false)]);
+        let c = stamp(&mut s, 1_600, Limits { dead_letter: true, ..Limits::default() });
+        assert_eq!(dead(&c), vec![(2, DeathReason::Expired)]);
+        assert!(s.deadlines().is_empty());
+        // A message acked before its deadline leaves no deadline behind.
+        let mut c = Vec::new();
+        s.begin_entry();
+        s.apply(&QueueCmd::Stamp { now_ms: 2_000, limits: Limits::default() }, &mut c);
+        s.apply(&QueueCmd::enqueue(vec![msg("d")], vec![Some(1)]), &mut c);
+        get(&mut s, 1, 1, false);
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Ack { tags: vec![1] }, &mut c);
+        assert_eq!(c, vec![Change::Remove { seq: 3, tracked: true }, Change::Undeadline { seq: 3 }]);
+        assert!(s.deadlines().is_empty());
     }
 }

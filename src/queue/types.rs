@@ -78,6 +78,13 @@ pub enum QueueCmd {
     /// Nothing by itself: an entry for its stamp to expire messages in when
     /// nothing else is happening on the queue.
     Expire,
+    /// A publish of messages some of which carry their own TTL (the AMQP
+    /// `expiration` property), in ms from the entry's stamp; built by
+    /// [`QueueCmd::enqueue`].
+    EnqueueExpiring {
+        msgs: Vec<Message>,
+        ttl_ms: Vec<Option<u64>>,
+    },
 }
 
 /// What `x-overflow` does when a queue is at `x-max-length`.
@@ -130,15 +137,45 @@ impl DeathReason {
 }
 
 impl QueueCmd {
+    /// A publish; messages with a TTL of their own need the master's stamp.
+    pub fn enqueue(msgs: Vec<Message>, ttl_ms: Vec<Option<u64>>) -> Self {
+        if ttl_ms.iter().all(Option::is_none) {
+            QueueCmd::Enqueue { msgs }
+        } else {
+            QueueCmd::EnqueueExpiring { msgs, ttl_ms }
+        }
+    }
+
+    /// The messages this command stores, if it is a publish or hand-back.
+    pub fn messages(&self) -> Option<&[Message]> {
+        match self {
+            QueueCmd::Enqueue { msgs } | QueueCmd::EnqueueExpiring { msgs, .. } | QueueCmd::Handback { msgs, .. } => {
+                Some(msgs)
+            }
+            _ => None,
+        }
+    }
+
+    /// Does the master have to stamp the entry even without queue limits?
+    pub fn needs_stamp(&self) -> bool {
+        matches!(self, QueueCmd::EnqueueExpiring { .. } | QueueCmd::Expire)
+    }
+
     /// Must the caller wait for every synchronised replica before answering?
     /// Only publishes carry that promise.
     pub fn needs_confirm(&self) -> bool {
-        matches!(self, QueueCmd::Enqueue { .. } | QueueCmd::Handback { .. })
+        matches!(self, QueueCmd::Enqueue { .. } | QueueCmd::EnqueueExpiring { .. } | QueueCmd::Handback { .. })
     }
 
     /// Is this a command whose effect a re-formed epoch must keep?
     pub fn publishes(&self) -> bool {
-        matches!(self, QueueCmd::Enqueue { .. } | QueueCmd::Handback { .. } | QueueCmd::Stamp { .. })
+        matches!(
+            self,
+            QueueCmd::Enqueue { .. }
+                | QueueCmd::EnqueueExpiring { .. }
+                | QueueCmd::Handback { .. }
+                | QueueCmd::Stamp { .. }
+        )
     }
 }
 
