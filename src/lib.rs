@@ -17,6 +17,7 @@
 //!   outbound network and inbound server shared by all groups.
 //! - [`amqp`]: the AMQP 0-9-1 front end (amq-protocol frames) over the node API.
 //! - [`http`]: the management HTTP API (axum), RabbitMQ's field names.
+//! - [`metrics`]: Prometheus metrics for `GET /metrics`.
 //! - [`alarms`]: memory and disk alarms that block publishers.
 //! - [`client`]: a client of the node link, for tools and tests.
 //! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
@@ -37,6 +38,7 @@ pub mod ctl;
 pub mod error;
 pub mod http;
 pub mod metadata;
+pub mod metrics;
 pub mod node;
 pub mod perf;
 pub mod queue;

@@ -27,6 +27,7 @@ use crate::error::{NodeError, ServerError};
 use crate::metadata::{
     routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, Policy, QueueMeta,
 };
+use crate::metrics::Metrics;
 use crate::queue::catchup::{Plan, SyncProgress};
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::{Answer, Proposer};
@@ -135,6 +136,16 @@ pub struct DeclareOpts {
 /// The wait for the replies of operations started with [`Node::submit`].
 pub type Submitted = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<QueueReply>, NodeError>> + Send>>;
 
+/// One hosted replica's Raft figures.
+#[derive(Debug, Clone)]
+pub struct GroupRaftMetrics {
+    pub queue: String,
+    pub term: u64,
+    /// Last log index applied here (committed, as far as this replica knows).
+    pub committed: Option<u64>,
+    pub leader: Option<NodeId>,
+}
+
 /// A queue as this node sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QueueInfo {
@@ -201,6 +212,8 @@ struct Inner {
     clients: Arc<Clients>,
     /// Memory and disk alarms, which block publishers.
     alarms: Arc<Alarms>,
+    /// What the front ends count, for `/metrics`.
+    metrics: Metrics,
     /// Peers' reports of newer epochs of our groups.
     news: mpsc::UnboundedSender<EpochNews>,
     /// Groups being re-formed or healed: not (re)started meanwhile.
@@ -325,6 +338,7 @@ impl Node {
             hints: Mutex::new(HashMap::new()),
             clients: Arc::default(),
             alarms: Arc::new(Alarms::new(&cfg.data_dir, cfg.memory_high_watermark, cfg.disk_free_limit)),
+            metrics: Metrics::default(),
             news,
             busy: Mutex::default(),
             reach: Mutex::default(),
@@ -515,6 +529,31 @@ impl Node {
     /// Memory and disk alarms (`connection.blocked`).
     pub fn alarms(&self) -> &Alarms {
         &self.inner.alarms
+    }
+
+    /// Counters the front ends keep, for `/metrics`.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// Raft figures of every queue replica hosted here.
+    pub fn local_raft_metrics(&self) -> Vec<GroupRaftMetrics> {
+        let by_group: HashMap<GroupId, String> =
+            self.metadata().queues.values().map(|q| (q.group, q.name.clone())).collect();
+        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        groups
+            .iter()
+            .filter_map(|g| {
+                let queue = by_group.get(&g.meta.group)?.clone();
+                let m = g.raft.metrics().borrow().clone();
+                Some(GroupRaftMetrics {
+                    queue,
+                    term: m.current_term,
+                    committed: m.last_applied.map(|l| l.index),
+                    leader: m.current_leader,
+                })
+            })
+            .collect()
     }
 
     pub fn clients(&self) -> &Arc<Clients> {

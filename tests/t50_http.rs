@@ -397,3 +397,88 @@ async fn queue_arguments_and_alarms() {
     assert_eq!(api.call(2, "GET", "/api/health/checks/alarms", None).await.0, 200);
     api.cluster.shutdown().await;
 }
+
+/// `GET /metrics` without credentials, in the OpenMetrics text format.
+async fn scrape(api: &Api, node: u64) -> String {
+    let url = format!("http://127.0.0.1:{}/metrics", api.ports[(node - 1) as usize]);
+    tokio::task::spawn_blocking(move || {
+        let resp = ureq::get(&url).timeout(Duration::from_secs(30)).call().expect("metrics answer 200 without auth");
+        assert!(resp.content_type().contains("openmetrics"), "{}", resp.content_type());
+        resp.into_string().unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+/// The value of the sample `name` (with its labels, e.g. `x{queue="q",vhost="/"}`).
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Prometheus metrics: per-queue depth and synchronised replicas on the
+/// master, Raft figures on every replica, the front-end counters where the
+/// client is, confirm and fsync latency histograms, memory and disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prometheus_metrics() {
+    init_tracing();
+    let api = Api::start().await;
+    let pol = r#"{"pattern":"^m","definition":{"ha-mode":"all","ha-sync-mode":"automatic"}}"#;
+    assert_eq!(api.call(1, "PUT", "/api/policies/%2F/ha", Some(pol)).await.0, 201);
+    assert_eq!(api.call(1, "PUT", "/api/queues/%2F/mq", Some("{}")).await.0, 201);
+    let msg = r#"{"properties":{},"routing_key":"mq","payload":"x","payload_encoding":"string"}"#;
+    for _ in 0..3 {
+        assert_eq!(
+            api.call(2, "POST", "/api/exchanges/%2F/amq.default/publish", Some(msg)).await.1,
+            json!({"routed": true})
+        );
+    }
+    let get = r#"{"count":1,"ackmode":"ack_requeue_false","encoding":"auto"}"#;
+    assert_eq!(api.call(2, "POST", "/api/queues/%2F/mq/get", Some(get)).await.0, 200);
+    let q = r#"{queue="mq",vhost="/"}"#;
+    let (_, info) = api.call(1, "GET", "/api/queues/%2F/mq", None).await;
+    let master: u64 = info["node"].as_str().unwrap().trim_start_matches("mirrorq@").parse().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while api.call(1, "GET", "/api/queues/%2F/mq", None).await.1["synchronised_slave_nodes"]
+        .as_array()
+        .map_or(0, Vec::len)
+        < 2
+    {
+        assert!(std::time::Instant::now() < deadline, "mirrors never synchronised");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let m = scrape(&api, master).await;
+    assert_eq!(sample(&m, &format!("rabbitmq_queue_messages_ready{q}")), 2.0);
+    assert_eq!(sample(&m, &format!("rabbitmq_queue_messages_unacked{q}")), 0.0);
+    assert_eq!(sample(&m, &format!("mirrorq_queue_synchronised_replicas{q}")), 3.0);
+    assert_eq!(sample(&m, &format!("mirrorq_raft_leader_node{q}")), master as f64);
+    for n in 1..=3 {
+        let m = scrape(&api, n).await;
+        assert!(sample(&m, &format!("rabbitmq_raft_term{q}")) >= 1.0, "node {n}");
+        assert!(sample(&m, &format!("rabbitmq_raft_log_commit_index{q}")) >= 4.0, "node {n}: 3 publishes and a get");
+        assert!(sample(&m, "mirrorq_fsync_seconds_count") >= 1.0, "node {n} synced");
+        assert!(sample(&m, "rabbitmq_process_resident_memory_bytes") > 1e6);
+        assert!(sample(&m, "rabbitmq_disk_space_available_bytes") > 0.0);
+        assert_eq!(sample(&m, "rabbitmq_alarms_memory_used_watermark"), 0.0);
+        if n != master {
+            assert!(!m.contains(&format!("rabbitmq_queue_messages_ready{q}")), "depth only from the master");
+        }
+    }
+    // The client's node counts what its client did.
+    let m = scrape(&api, 2).await;
+    assert_eq!(sample(&m, "rabbitmq_global_messages_received_total"), 3.0);
+    assert_eq!(sample(&m, "rabbitmq_global_messages_confirmed_total"), 3.0);
+    assert_eq!(sample(&m, "rabbitmq_global_messages_delivered_total"), 1.0);
+    assert_eq!(sample(&m, "rabbitmq_global_messages_acknowledged_total"), 1.0);
+    assert_eq!(sample(&m, "mirrorq_confirm_latency_seconds_count"), 3.0);
+    assert!(sample(&m, r#"mirrorq_confirm_latency_seconds_bucket{le="+Inf"}"#) == 3.0);
+    assert!(m.trim_end().ends_with("# EOF"));
+    let m = scrape(&api, if master == 3 { 1 } else { 3 }).await;
+    assert_eq!(sample(&m, "rabbitmq_global_messages_received_total"), 0.0, "no client there");
+    api.cluster.shutdown().await;
+}

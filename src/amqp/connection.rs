@@ -959,6 +959,7 @@ impl Channel {
                 match got.into_iter().next() {
                     None => self.reply(AMQPClass::Basic(B::GetEmpty(basic::GetEmpty {}))).await,
                     Some(d) => {
+                        self.node.metrics().delivered.inc();
                         let tag = self.deliveries.assign(&queue, d.tag, !g.no_ack, None);
                         let m = B::GetOk(basic::GetOk {
                             delivery_tag: tag,
@@ -1086,6 +1087,10 @@ impl Channel {
             return Ok(true);
         }
         let mut taken = self.deliveries.take(tag, multiple).map_err(unknown)?;
+        if matches!(how, Settle::Ack) {
+            let n: usize = taken.by_queue.values().map(Vec::len).sum();
+            self.node.metrics().acknowledged.inc_by(n as u64);
+        }
         for (q, tags) in std::mem::take(&mut taken.by_queue) {
             let (node, deliveries) = (self.node.clone(), self.deliveries.clone());
             let holders = taken.holders(&q);
@@ -1183,6 +1188,8 @@ impl Channel {
         let headers = header.properties.headers().as_ref().map(to_args).unwrap_or_default();
         let ttl = codec::expiration_ms(&header.properties)
             .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 60, 40)))?;
+        let received = Instant::now();
+        self.node.metrics().received.inc();
         let Some(queues) = self.node.route_fresh(&exchange, &routing_key, &headers).await else {
             return Err(Ok(soft(NOT_FOUND, format!("NOT_FOUND - no exchange '{exchange}' in vhost '/'"), 60, 40)));
         };
@@ -1209,6 +1216,7 @@ impl Channel {
                 self.out.send(content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max)).await;
             }
             if let Some(seq) = seq {
+                self.node.metrics().confirmed.inc();
                 self.reply(ack_frame(seq)).await;
             }
             return Ok(());
@@ -1225,7 +1233,7 @@ impl Channel {
         for q in &queues {
             waits.push(self.node.submit(q, vec![QueueCmd::enqueue(vec![msg.clone()], vec![ttl])]).await);
         }
-        let (out, id) = (self.out.clone(), self.id);
+        let (out, id, node) = (self.out.clone(), self.id, self.node.clone());
         tokio::spawn(async move {
             // Confirmed only when every queue it reached has confirmed it.
             let results = futures::future::join_all(waits.into_iter().zip(&queues).map(|(w, q)| async move {
@@ -1238,7 +1246,11 @@ impl Channel {
             drop(permit);
             let failed = queues.iter().zip(&results).find_map(|(q, r)| r.as_ref().err().map(|e| (q, e)));
             match (failed, seq) {
-                (None, Some(seq)) => out.one(method(id, ack_frame(seq))).await,
+                (None, Some(seq)) => {
+                    node.metrics().confirmed.inc();
+                    node.metrics().confirm_latency.observe(received.elapsed().as_secs_f64());
+                    out.one(method(id, ack_frame(seq))).await
+                }
                 (Some((q, e)), Some(seq)) => {
                     match e {
                         NodeError::Refused(_) => tracing::debug!(queue = %q, error = %e, "publish refused; nacking"),
@@ -1444,6 +1456,7 @@ impl Consumer {
     }
 
     async fn deliver(&self, msgs: Vec<Delivery>) {
+        self.node.metrics().delivered.inc_by(msgs.len() as u64);
         let mut frames = Vec::with_capacity(msgs.len() * 3);
         for d in msgs {
             let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack, Some(self.id));

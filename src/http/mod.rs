@@ -63,7 +63,18 @@ pub fn router(node: Node) -> Router {
         .fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn_with_state(node.clone(), fresh_reads))
         .layer(middleware::from_fn(auth))
+        // Added after the auth layer: scraped without credentials, as
+        // RabbitMQ's prometheus endpoint is.
+        .route("/metrics", get(prometheus))
         .with_state(node)
+}
+
+async fn prometheus(State(node): State<Node>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        crate::metrics::render(&node),
+    )
+        .into_response()
 }
 
 /// HTTP basic auth: `guest`/`guest`, from loopback only (as RabbitMQ).
@@ -454,6 +465,10 @@ async fn get_messages(
     };
     node.find_queue(&name).await?;
     let (msgs, remaining) = node.fetch(&name, 0, count.min(10_000) as u32, !requeue).await?;
+    node.metrics().delivered.inc_by(msgs.len() as u64);
+    if b.get("ackmode").and_then(Value::as_str) == Some("ack_requeue_false") {
+        node.metrics().acknowledged.inc_by(msgs.len() as u64);
+    }
     if requeue && !msgs.is_empty() {
         node.nack(&name, msgs.iter().map(|d| d.tag).collect(), true).await?;
     }
@@ -536,6 +551,8 @@ async fn publish(
     let properties = props::from_json(b.get("properties").unwrap_or(&Value::Null)).map_err(ApiError::bad_request)?;
     let headers = props::header_args(&properties);
     let ttl = crate::amqp::expiration_ms(&properties).map_err(ApiError::bad_request)?;
+    let received = std::time::Instant::now();
+    node.metrics().received.inc();
     let Some(queues) = node.route_fresh(&exchange, &routing_key, &headers).await else {
         return Err(ApiError::not_found());
     };
@@ -556,6 +573,8 @@ async fn publish(
     for (w, q) in waits.into_iter().zip(&queues) {
         crate::node::stored_all(q, &w.await?)?;
     }
+    node.metrics().confirmed.inc();
+    node.metrics().confirm_latency.observe(received.elapsed().as_secs_f64());
     Ok(Json(json!({"routed": true})))
 }
 

@@ -35,6 +35,24 @@ pub struct FlusherStats {
     pub waiters: AtomicU64,
     /// Total time spent syncing, in nanoseconds.
     pub sync_nanos: AtomicU64,
+    /// Syncs by duration: `sync_buckets[i]` counts those up to
+    /// `SYNC_BUCKET_BOUNDS[i]` seconds and over the bound before it.
+    pub sync_buckets: [AtomicU64; SYNC_BUCKETS],
+}
+
+/// Number of sync-duration buckets (the last one is unbounded).
+pub const SYNC_BUCKETS: usize = 14;
+
+/// Upper bounds of the sync-duration buckets, in seconds.
+pub const SYNC_BUCKET_BOUNDS: [f64; SYNC_BUCKETS] =
+    [0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, f64::INFINITY];
+
+impl FlusherStats {
+    fn record(&self, took: std::time::Duration) {
+        let secs = took.as_secs_f64();
+        let i = SYNC_BUCKET_BOUNDS.iter().position(|b| secs <= *b).unwrap_or(SYNC_BUCKETS - 1);
+        self.sync_buckets[i].fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Handle to the flusher thread. Cloning shares the thread; the thread exits
@@ -210,7 +228,9 @@ fn run(
         let result = target.sync();
         stats.syncs.fetch_add(1, Ordering::Relaxed);
         stats.waiters.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        stats.sync_nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let took = started.elapsed();
+        stats.sync_nanos.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        stats.record(took);
         match result {
             Ok(()) => {
                 for done in batch.drain(..) {
