@@ -215,6 +215,45 @@ async fn classic_demo_two_of_three_killed_message_fetched_from_the_third() {
     }
 }
 
+/// The same demo through the management HTTP API alone, as an operator
+/// with curl would run it: policy, queue and publish on node 1 (answered
+/// only after the confirm), nodes 1 and 2 killed, the message got on node 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn classic_demo_through_the_http_api_alone() {
+    init_tracing();
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = start_cluster(root.path()).await;
+    ha_all_policy(&nodes[0]).await;
+    let (status, _) = http(&nodes[0], "PUT", "/api/queues/%2F/ha-http-demo", Some(json!({"durable": true}))).await;
+    assert_eq!(status, 201);
+    wait_mirrored(&nodes[0], "ha-http-demo", 0).await;
+    let msg = json!({"properties": {"delivery_mode": 2}, "routing_key": "ha-http-demo",
+                     "payload": "hello over http", "payload_encoding": "string"});
+    let (status, routed) = http(&nodes[0], "POST", "/api/exchanges/%2F/amq.default/publish", Some(msg)).await;
+    assert_eq!((status, routed), (200, json!({"routed": true})));
+    wait_mirrored(&nodes[2], "ha-http-demo", 1).await;
+
+    let (a, b) = nodes.split_at_mut(1);
+    a[0].kill9();
+    b[0].kill9();
+    let n3 = &nodes[2];
+    let get = json!({"count": 1, "ackmode": "ack_requeue_false", "encoding": "auto"});
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let served = loop {
+        let (status, body) = http(n3, "POST", "/api/queues/%2F/ha-http-demo/get", Some(get.clone())).await;
+        if status == 200 && body.as_array().is_some_and(|a| !a.is_empty()) {
+            break body;
+        }
+        assert!(Instant::now() < deadline, "node 3 never served the queue: {status} {body}\n{}", n3.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(served[0]["payload"], "hello over http");
+    assert_eq!(served[0]["properties"]["delivery_mode"], 2);
+    let (_, q) = http(n3, "GET", "/api/queues/%2F/ha-http-demo", None).await;
+    assert_eq!((node_id(&q["node"]), q["messages"].as_u64()), (3, Some(0)), "{q}");
+    n3.assert_no_panic();
+}
+
 /// A publisher streams confirmed messages into a 3-replica queue while its
 /// master is killed with SIGKILL; it reconnects to another node and goes
 /// on. After the killed node restarts, draining the queue finds every
