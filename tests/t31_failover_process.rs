@@ -118,6 +118,21 @@ async fn wait_mirrored(node: &ProcNode, queue: &str, messages: u64) -> Value {
     }
 }
 
+/// POST a get to `queue` on `node` until it answers with a message (the
+/// node may still be taking the queue over).
+async fn get_when_served(node: &ProcNode, queue: &str, ackmode: &str) -> Value {
+    let get = json!({"count": 1, "ackmode": ackmode, "encoding": "auto"});
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, body) = http(node, "POST", &format!("/api/queues/%2F/{queue}/get"), Some(get.clone())).await;
+        if status == 200 && body.as_array().is_some_and(|a| !a.is_empty()) {
+            return body;
+        }
+        assert!(Instant::now() < deadline, "{queue} never served: {status} {body}\n{}", node.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn node_id(name: &Value) -> u64 {
     name.as_str().and_then(|n| n.strip_prefix("mirrorq@")).and_then(|n| n.parse().ok()).expect("node name")
 }
@@ -169,16 +184,7 @@ async fn classic_demo_two_of_three_killed_message_fetched_from_the_third() {
 
     // HTTP on node 3 (requeue, so the message stays for the AMQP client).
     let n3 = &nodes[2];
-    let get = json!({"count": 1, "ackmode": "ack_requeue_true", "encoding": "auto"});
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let served = loop {
-        let (status, body) = http(n3, "POST", "/api/queues/%2F/ha-queue-demo/get", Some(get.clone())).await;
-        if status == 200 && body.as_array().is_some_and(|a| !a.is_empty()) {
-            break body;
-        }
-        assert!(Instant::now() < deadline, "node 3 never served the queue: {status} {body}\n{}", n3.log_text());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let served = get_when_served(n3, "ha-queue-demo", "ack_requeue_true").await;
     tracing::info!(after_ms = killed_at.elapsed().as_millis() as u64, "node 3 serves the queue alone");
     assert_eq!(served[0]["payload"], "hello from node 1");
     let (_, q) = http(n3, "GET", "/api/queues/%2F/ha-queue-demo", None).await;
@@ -237,16 +243,7 @@ async fn classic_demo_through_the_http_api_alone() {
     a[0].kill9();
     b[0].kill9();
     let n3 = &nodes[2];
-    let get = json!({"count": 1, "ackmode": "ack_requeue_false", "encoding": "auto"});
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let served = loop {
-        let (status, body) = http(n3, "POST", "/api/queues/%2F/ha-http-demo/get", Some(get.clone())).await;
-        if status == 200 && body.as_array().is_some_and(|a| !a.is_empty()) {
-            break body;
-        }
-        assert!(Instant::now() < deadline, "node 3 never served the queue: {status} {body}\n{}", n3.log_text());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let served = get_when_served(n3, "ha-http-demo", "ack_requeue_false").await;
     assert_eq!(served[0]["payload"], "hello over http");
     assert_eq!(served[0]["properties"]["delivery_mode"], 2);
     let (_, q) = http(n3, "GET", "/api/queues/%2F/ha-http-demo", None).await;

@@ -206,14 +206,7 @@ impl QueueState {
             QueueCmd::Get { owner, max, auto_ack } => {
                 let mut delivered = 0u32;
                 while delivered < *max {
-                    let (seq, redelivered) = if let Some((_, seq)) = self.requeued.pop_first() {
-                        (seq, true)
-                    } else if self.fresh_count() > 0 {
-                        self.counters.ready_head += 1;
-                        (self.counters.ready_head - 1, false)
-                    } else {
-                        break;
-                    };
+                    let Some((seq, redelivered)) = self.take_head() else { break };
                     let tag = self.counters.next_tag;
                     self.counters.next_tag += 1;
                     changes.push(Change::Deliver { seq, tag, redelivered });
@@ -384,17 +377,24 @@ impl QueueState {
         }
     }
 
+    /// Take the message at the head out of the ready ones: a requeued one
+    /// first (then `true`: it was delivered before and has a stored state),
+    /// else the oldest never-delivered one.
+    fn take_head(&mut self) -> Option<(u64, bool)> {
+        if let Some((_, seq)) = self.requeued.pop_first() {
+            Some((seq, true))
+        } else if self.fresh_count() > 0 {
+            self.counters.ready_head += 1;
+            Some((self.counters.ready_head - 1, false))
+        } else {
+            None
+        }
+    }
+
     /// Remove the message at the head (requeued ones first, as they are
     /// served first). `false` if the queue has no ready message.
     fn drop_head(&mut self, reason: DeathReason, changes: &mut Vec<Change>) -> bool {
-        let (seq, tracked) = if let Some((_, seq)) = self.requeued.pop_first() {
-            (seq, true)
-        } else if self.fresh_count() > 0 {
-            self.counters.ready_head += 1;
-            (self.counters.ready_head - 1, false)
-        } else {
-            return false;
-        };
+        let Some((seq, tracked)) = self.take_head() else { return false };
         if self.limits.dead_letter {
             changes.push(Change::DeadLetter { seq, reason });
         }
