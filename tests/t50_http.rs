@@ -482,3 +482,24 @@ async fn prometheus_metrics() {
     assert_eq!(sample(&m, "rabbitmq_global_messages_received_total"), 0.0, "no client there");
     api.cluster.shutdown().await;
 }
+
+/// `GET /` serves the embedded web UI without credentials (it has its own
+/// login and calls the API with them); every page it draws is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn web_ui_is_served_from_the_binary() {
+    init_tracing();
+    let api = Api::start().await;
+    let url = format!("http://127.0.0.1:{}/", api.ports[1]);
+    let (status, kind, page) = tokio::task::spawn_blocking(move || {
+        let r = ureq::get(&url).call().expect("200 without auth");
+        (r.status(), r.content_type().to_string(), r.into_string().unwrap())
+    })
+    .await
+    .unwrap();
+    assert_eq!((status, kind.as_str()), (200, "text/html"));
+    for hook in ["id=\"login\"", "overviewPage", "queuesPage", "queuePage", "policiesPage", "/api/exchanges/%2F/amq.default/publish", "setInterval"] {
+        assert!(page.contains(hook), "UI lacks {hook}");
+    }
+    assert!(!page.contains("src=\"http") && !page.contains("href=\"http"), "no external assets");
+    api.cluster.shutdown().await;
+}

@@ -66,7 +66,15 @@ pub fn router(node: Node) -> Router {
         // Added after the auth layer: scraped without credentials, as
         // RabbitMQ's prometheus endpoint is.
         .route("/metrics", get(prometheus))
+        // The web UI is one page with its own login; its calls to the API
+        // carry the credentials.
+        .route("/", get(ui))
         .with_state(node)
+}
+
+/// The web UI, embedded in the binary: no build step, no external assets.
+async fn ui() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], include_str!("ui.html")).into_response()
 }
 
 async fn prometheus(State(node): State<Node>) -> Response {
