@@ -1,0 +1,49 @@
+//! The web UI driven in headless Chromium (Debian's `chromium`, through
+//! playwright-core in `tests/ui/`; `.ci/run` installs both): a three-node
+//! cluster, a policy and a queue added through the UI, the queue seen
+//! mirrored on three nodes, a message published and got back in the page.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{fast_timing, init_tracing, Cluster};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_web_ui_in_a_real_browser() {
+    init_tracing();
+    let ui = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui");
+    assert!(
+        ui.join("node_modules/playwright-core").is_dir(),
+        "run `npm install --prefix tests/ui` first (and install Debian's chromium), as .ci/run does"
+    );
+    let cluster = Cluster::start(3, fast_timing(Duration::from_secs(3))).await;
+    let mut ports = Vec::new();
+    for id in 1..=3 {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        ports.push(l.local_addr().unwrap().port());
+        let node = cluster.node(id).clone();
+        tokio::spawn(mirrorq::http::serve(l, node.clone(), node.stopped()));
+    }
+    let shots = tempfile::tempdir().unwrap();
+    let base = format!("http://127.0.0.1:{}", ports[0]);
+    let (script, dir) = (ui.join("browser.js"), shots.path().to_path_buf());
+    let out = tokio::task::spawn_blocking(move || Command::new("node").arg(script).arg(&base).arg(&dir).output())
+        .await
+        .unwrap()
+        .expect("node runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "browser run failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert_eq!(stdout.lines().last(), Some("ok"), "{stdout}");
+    assert!(shots.path().join("queues.png").is_file());
+
+    // What the browser did, seen through the library API.
+    let node = cluster.node(2);
+    assert!(node.metadata().policies.contains_key("ha-ui"));
+    let members = node.queue_members("ui.demo").expect("queue declared through the UI");
+    assert_eq!(members.len(), 3, "mirrored on three nodes");
+    assert_eq!(node.status("ui.demo").await.unwrap(), (0, 0), "the message was got with an ack");
+    cluster.shutdown().await;
+}
