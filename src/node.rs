@@ -531,6 +531,18 @@ impl Node {
         &self.inner.alarms
     }
 
+    /// Memory and disk readings of node `id` (this one's own, or asked over
+    /// the node link; `None` if it does not answer in time).
+    pub async fn readings_of(&self, id: NodeId, limit: Duration) -> Option<crate::alarms::Readings> {
+        if id == self.id() {
+            return Some(self.alarms().readings());
+        }
+        match self.inner.call(id, &RpcRequest::Readings, Instant::now() + limit).await {
+            Ok(RpcResponse::Readings(r)) => Some(r),
+            _ => None,
+        }
+    }
+
     /// Counters the front ends keep, for `/metrics`.
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
@@ -1546,6 +1558,7 @@ impl Inner {
                 let (c, k) = self.clients.snapshot();
                 RpcResponse::Clients(c, k)
             }
+            RpcRequest::Readings => RpcResponse::Readings(self.alarms.readings()),
             RpcRequest::MetaIndex => {
                 let m = self.meta_raft.metrics().borrow().clone();
                 RpcResponse::MetaIndex(if m.current_leader == Some(self.id) {

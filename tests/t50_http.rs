@@ -393,6 +393,13 @@ async fn queue_arguments_and_alarms() {
     assert_eq!(me["mem_limit"], 1);
     assert!(me["mem_used"].as_u64().unwrap() > 1 && me["disk_free"].as_u64().unwrap() > 0, "{me}");
     assert_eq!(api.call(1, "GET", "/api/health/checks/alarms", None).await.0, 200, "node 1 has no alarm");
+    // Any node shows every node's readings.
+    let (_, nodes) = api.call(1, "GET", "/api/nodes", None).await;
+    for n in nodes.as_array().unwrap() {
+        assert_eq!(n["running"], true, "{n}");
+        assert!(n["mem_used"].as_u64().unwrap() > 1, "{n}");
+        assert_eq!(n["mem_alarm"], n["name"] == "mirrorq@2", "{n}");
+    }
     api.cluster.node(2).alarms().set_limits(Watermark::default(), DEFAULT_DISK_FREE_LIMIT);
     assert_eq!(api.call(2, "GET", "/api/health/checks/alarms", None).await.0, 200);
     api.cluster.shutdown().await;

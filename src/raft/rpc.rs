@@ -59,6 +59,8 @@ pub enum RpcRequest {
     },
     /// This node's AMQP connections and consumers (for the API's listings).
     Clients,
+    /// This node's memory and disk readings (for `/api/nodes`).
+    Readings,
     /// The metadata leader's last applied index: a node that waits until it
     /// has applied as far reads its own writes made through other nodes.
     MetaIndex,
@@ -137,6 +139,7 @@ pub enum RpcResponse {
     Members(Option<std::collections::BTreeSet<NodeId>>),
     MetaIndex(Option<u64>),
     Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),
+    Readings(crate::alarms::Readings),
     /// The receiver does not host this group (yet): the sender retries later.
     UnknownGroup(GroupId),
     /// The receiver's replica is in a newer epoch than the sender's.
