@@ -17,13 +17,7 @@ struct Api {
 impl Api {
     async fn start() -> Self {
         let cluster = Cluster::start(3, fast_timing(Duration::from_secs(3))).await;
-        let mut ports = Vec::new();
-        for id in 1..=3 {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            ports.push(l.local_addr().unwrap().port());
-            let node = cluster.node(id).clone();
-            tokio::spawn(mirrorq::http::serve(l, node.clone(), node.stopped()));
-        }
+        let ports = cluster.serve_http().await;
         Self { cluster, ports }
     }
 
@@ -504,7 +498,15 @@ async fn web_ui_is_served_from_the_binary() {
     .await
     .unwrap();
     assert_eq!((status, kind.as_str()), (200, "text/html"));
-    for hook in ["id=\"login\"", "overviewPage", "queuesPage", "queuePage", "policiesPage", "/api/exchanges/%2F/amq.default/publish", "setInterval"] {
+    for hook in [
+        "id=\"login\"",
+        "overviewPage",
+        "queuesPage",
+        "queuePage",
+        "policiesPage",
+        "/api/exchanges/%2F/amq.default/publish",
+        "setInterval",
+    ] {
         assert!(page.contains(hook), "UI lacks {hook}");
     }
     assert!(!page.contains("src=\"http") && !page.contains("href=\"http"), "no external assets");

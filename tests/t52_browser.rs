@@ -19,13 +19,7 @@ async fn the_web_ui_in_a_real_browser() {
         "run `npm install --prefix tests/ui` first (and install Debian's chromium), as .ci/run does"
     );
     let cluster = Cluster::start(3, fast_timing(Duration::from_secs(3))).await;
-    let mut ports = Vec::new();
-    for id in 1..=3 {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        ports.push(l.local_addr().unwrap().port());
-        let node = cluster.node(id).clone();
-        tokio::spawn(mirrorq::http::serve(l, node.clone(), node.stopped()));
-    }
+    let ports = cluster.serve_http().await;
     let shots = tempfile::tempdir().unwrap();
     let base = format!("http://127.0.0.1:{}", ports[0]);
     let (script, dir) = (ui.join("browser.js"), shots.path().to_path_buf());

@@ -44,6 +44,19 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// Serve the management HTTP API (and UI) of every node on a loopback
+    /// port; the ports in node order.
+    #[allow(dead_code)]
+    pub async fn serve_http(&self) -> Vec<u16> {
+        let mut ports = Vec::new();
+        for node in self.nodes.iter().flatten() {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            ports.push(l.local_addr().unwrap().port());
+            tokio::spawn(mirrorq::http::serve(l, node.clone(), node.stopped()));
+        }
+        ports
+    }
+
     /// Start `n` nodes (ids 1..=n) forming a new cluster.
     pub async fn start(n: u64, timing: Timing) -> Cluster {
         Self::start_configured(n, timing, |_| {}).await
