@@ -91,14 +91,15 @@ impl Node {
 
     /// While this node masters a queue, wake when the message at the head
     /// is due (by the queue's TTL or its own) and propose an entry whose
-    /// stamp expires it.
+    /// stamp expires it. Sleeps on the queue's stats and limits otherwise:
+    /// a queue with nothing due costs no wake-ups.
     pub(super) fn spawn_expiry(&self, g: Arc<QueueGroup>) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut stats = g.stats.clone();
-            let mut metrics = g.raft.metrics();
+            let mut limits = g.proposer.watch_limits();
             while !g.stop.is_cancelled() {
-                let ttl = g.proposer.limits().ttl_ms;
+                let ttl = limits.borrow_and_update().ttl_ms;
                 let (head, own) = {
                     let s = stats.borrow_and_update();
                     (s.head_published_at, s.head_deadline)
@@ -107,24 +108,26 @@ impl Node {
                 let due = match (by_queue, own) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
-                }
-                .filter(|_| g.is_leader(node.id()));
-                // Limits change with policies (no signal): look again now and then.
-                let wait = match due {
-                    Some(due) => Duration::from_millis(due.saturating_sub(now_ms())).min(Duration::from_secs(1)),
-                    None => Duration::from_secs(1),
                 };
-                if due.is_some_and(|d| d <= now_ms()) {
+                let leader = g.is_leader(node.id());
+                if leader && due.is_some_and(|d| d <= now_ms()) {
                     if let Err(e) = g.proposer.submit(vec![QueueCmd::Expire]).await {
                         tracing::debug!(queue = %g.meta.name, error = %e, "expiry entry not written");
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                     continue;
                 }
+                let wait = match due {
+                    Some(due) if leader => Duration::from_millis(due.saturating_sub(now_ms())),
+                    // Something is due but another node masters the queue:
+                    // look again now and then, this one may take over.
+                    Some(_) => Duration::from_secs(1),
+                    None => Duration::from_secs(3600),
+                };
                 tokio::select! {
                     _ = g.stop.cancelled() => return,
                     _ = stats.changed() => {}
-                    _ = metrics.changed() => {}
+                    _ = limits.changed() => {}
                     _ = tokio::time::sleep(wait) => {}
                 }
             }

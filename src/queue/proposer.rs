@@ -8,7 +8,7 @@
 //! together: the busier the queue, the bigger the entries.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use openraft::error::ClientWriteError;
 use std::time::Duration;
@@ -47,7 +47,7 @@ pub struct Proposer {
     /// `ha-min-synchronised` (0: none), set from the effective policy.
     min_sync: Arc<AtomicUsize>,
     /// TTL, max length, dead-lettering: stamped on every entry when set.
-    limits: Arc<Mutex<Limits>>,
+    limits: Arc<watch::Sender<Limits>>,
     /// In-flight entry slots; holding all of them stops new entries.
     slots: Arc<Semaphore>,
 }
@@ -73,7 +73,7 @@ impl Proposer {
         let (tx, mut rx) = mpsc::channel::<Pending>(65536);
         let min_sync = Arc::new(AtomicUsize::new(0));
         let min = min_sync.clone();
-        let limits = Arc::new(Mutex::new(Limits::default()));
+        let limits = Arc::new(watch::Sender::new(Limits::default()));
         let task_limits = limits.clone();
         let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
         let task_slots = slots.clone();
@@ -108,7 +108,7 @@ impl Proposer {
                 // Hand the entry to Raft here, in arrival order (that fixes
                 // its place in the log); wait for commit and confirm elsewhere.
                 let (mut cmds, waiters, needs_confirm) = flatten(batch);
-                let limits = *task_limits.lock().expect("poisoned");
+                let limits = *task_limits.borrow();
                 let stamped = limits.any() || cmds.iter().any(QueueCmd::needs_stamp);
                 if stamped {
                     cmds.insert(0, QueueCmd::Stamp { now_ms: now_ms(), limits });
@@ -129,11 +129,13 @@ impl Proposer {
 
     /// The limits the queue's arguments and policy give it now.
     pub fn set_limits(&self, limits: Limits) {
-        *self.limits.lock().expect("poisoned") = limits;
+        // Set on every reconcile: only a change wakes the expiry timer.
+        self.limits.send_if_modified(|l| std::mem::replace(l, limits) != limits);
     }
 
-    pub fn limits(&self) -> Limits {
-        *self.limits.lock().expect("poisoned")
+    /// The limits, announced whenever they change.
+    pub fn watch_limits(&self) -> watch::Receiver<Limits> {
+        self.limits.subscribe()
     }
 
     /// Stop proposing: resolves once every entry in flight has been
