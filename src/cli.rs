@@ -33,6 +33,9 @@ pub struct CtlArgs {
     /// Print the API's JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// The vhost of policies, queues and permissions (as rabbitmqctl's `-p`).
+    #[arg(long, short = 'p', default_value = "/", global = true)]
+    pub vhost: String,
     #[command(subcommand)]
     pub command: CtlCommand,
 }
@@ -74,6 +77,38 @@ pub enum CtlCommand {
     },
     ImportDefinitions {
         file: PathBuf,
+    },
+    ListUsers,
+    /// Add or replace a user: NAME PASSWORD.
+    AddUser {
+        name: String,
+        password: String,
+        /// Comma-separated: administrator, monitoring, policymaker, management.
+        #[arg(long, default_value = "")]
+        tags: String,
+    },
+    DeleteUser {
+        name: String,
+    },
+    ListVhosts,
+    AddVhost {
+        name: String,
+    },
+    /// Delete a vhost and everything in it.
+    DeleteVhost {
+        name: String,
+    },
+    /// Permissions in the vhost given by --vhost.
+    ListPermissions,
+    /// USER CONFIGURE WRITE READ (regexes) in the vhost given by --vhost.
+    SetPermissions {
+        user: String,
+        configure: String,
+        write: String,
+        read: String,
+    },
+    ClearPermissions {
+        user: String,
     },
 }
 

@@ -14,6 +14,8 @@ pub struct ConnectionInfo {
     pub name: String,
     pub peer: String,
     pub user: String,
+    /// Empty until the client opens a vhost.
+    pub vhost: String,
     pub node: String,
     /// Open channel numbers.
     pub channels: Vec<u16>,
@@ -55,6 +57,13 @@ impl Clients {
             keep
         });
         gone
+    }
+    /// The client logged in as `user` and opened `vhost`.
+    pub fn opened(&self, id: u64, user: &str, vhost: &str) {
+        if let Some(c) = self.connections.lock().expect("poisoned").get_mut(&id) {
+            c.user = user.to_string();
+            c.vhost = vhost.to_string();
+        }
     }
     pub fn channel_opened(&self, id: u64, channel: u16) {
         if let Some(c) = self.connections.lock().expect("poisoned").get_mut(&id) {

@@ -89,6 +89,15 @@ pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
         base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", args.user, args.password))
     );
     let c = Client { base: args.url.clone(), auth };
+    let vhost = enc(&args.vhost);
+    let list = |path: &str, keys: &[&str], headers: &[&str]| -> Result<String, CtlError> {
+        let v = c.call("GET", path, None)?;
+        if args.json {
+            return Ok(serde_json::to_string_pretty(&v).unwrap_or_default());
+        }
+        let rows = v.as_array().map(Vec::as_slice).unwrap_or_default().iter();
+        Ok(table(headers, rows.map(|item| keys.iter().map(|k| s(&item[*k])).collect()).collect()))
+    };
     let v = match &args.command {
         CtlCommand::ClusterStatus => {
             let v = c.call("GET", "/api/nodes", None)?;
@@ -113,13 +122,25 @@ pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
                     .unwrap_or_default()
                     .iter()
                     .map(|q| {
-                        ["name", "node", "slave_nodes", "synchronised_slave_nodes", "messages", "policy", "state"]
-                            .iter()
-                            .map(|k| s(&q[*k]))
-                            .collect()
+                        [
+                            "vhost",
+                            "name",
+                            "node",
+                            "slave_nodes",
+                            "synchronised_slave_nodes",
+                            "messages",
+                            "policy",
+                            "state",
+                        ]
+                        .iter()
+                        .map(|k| s(&q[*k]))
+                        .collect()
                     })
                     .collect();
-                return Ok(table(&["name", "master", "mirrors", "synchronised", "messages", "policy", "state"], rows));
+                return Ok(table(
+                    &["vhost", "name", "master", "mirrors", "synchronised", "messages", "policy", "state"],
+                    rows,
+                ));
             }
             v
         }
@@ -133,6 +154,7 @@ pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
                     .iter()
                     .map(|p| {
                         vec![
+                            s(&p["vhost"]),
                             s(&p["name"]),
                             s(&p["pattern"]),
                             s(&p["apply-to"]),
@@ -141,7 +163,7 @@ pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
                         ]
                     })
                     .collect();
-                return Ok(table(&["name", "pattern", "apply-to", "priority", "definition"], rows));
+                return Ok(table(&["vhost", "name", "pattern", "apply-to", "priority", "definition"], rows));
             }
             v
         }
@@ -149,19 +171,23 @@ pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
             let def: Value = serde_json::from_str(definition)
                 .map_err(|e| CtlError::Input(format!("DEFINITION_JSON is not JSON: {e}")))?;
             let body = json!({"pattern": pattern, "definition": def, "priority": priority, "apply-to": apply_to});
-            c.call("PUT", &format!("/api/policies/%2F/{}", enc(name)), Some(&body))?;
+            c.call("PUT", &format!("/api/policies/{vhost}/{}", enc(name)), Some(&body))?;
             return Ok(format!("policy {name} set"));
         }
         CtlCommand::ClearPolicy { name } => {
-            c.call("DELETE", &format!("/api/policies/%2F/{}", enc(name)), None)?;
+            c.call("DELETE", &format!("/api/policies/{vhost}/{}", enc(name)), None)?;
             return Ok(format!("policy {name} cleared"));
         }
         CtlCommand::SyncQueue { name } => {
-            c.call("POST", &format!("/api/queues/%2F/{}/actions", enc(name)), Some(&json!({"action": "sync"})))?;
+            c.call("POST", &format!("/api/queues/{vhost}/{}/actions", enc(name)), Some(&json!({"action": "sync"})))?;
             return Ok(format!("sync of {name} started"));
         }
         CtlCommand::CancelSyncQueue { name } => {
-            c.call("POST", &format!("/api/queues/%2F/{}/actions", enc(name)), Some(&json!({"action": "cancel_sync"})))?;
+            c.call(
+                "POST",
+                &format!("/api/queues/{vhost}/{}/actions", enc(name)),
+                Some(&json!({"action": "cancel_sync"})),
+            )?;
             return Ok(format!("sync of {name} cancelled"));
         }
         CtlCommand::ForgetNode { name } => {
@@ -196,6 +222,40 @@ pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
                 .map_err(|e| CtlError::Input(format!("{} is not JSON: {e}", file.display())))?;
             c.call("POST", "/api/definitions", Some(&v))?;
             return Ok(format!("definitions imported from {}", file.display()));
+        }
+        CtlCommand::ListUsers => return list("/api/users", &["name", "tags"], &["user", "tags"]),
+        CtlCommand::AddUser { name, password, tags } => {
+            c.call("PUT", &format!("/api/users/{}", enc(name)), Some(&json!({"password": password, "tags": tags})))?;
+            return Ok(format!("user {name} added"));
+        }
+        CtlCommand::DeleteUser { name } => {
+            c.call("DELETE", &format!("/api/users/{}", enc(name)), None)?;
+            return Ok(format!("user {name} deleted"));
+        }
+        CtlCommand::ListVhosts => return list("/api/vhosts", &["name", "description"], &["vhost", "description"]),
+        CtlCommand::AddVhost { name } => {
+            c.call("PUT", &format!("/api/vhosts/{}", enc(name)), Some(&json!({})))?;
+            return Ok(format!("vhost {name} added"));
+        }
+        CtlCommand::DeleteVhost { name } => {
+            c.call("DELETE", &format!("/api/vhosts/{}", enc(name)), None)?;
+            return Ok(format!("vhost {name} deleted"));
+        }
+        CtlCommand::ListPermissions => {
+            return list(
+                &format!("/api/vhosts/{vhost}/permissions"),
+                &["user", "configure", "write", "read"],
+                &["user", "configure", "write", "read"],
+            )
+        }
+        CtlCommand::SetPermissions { user, configure, write, read } => {
+            let body = json!({"configure": configure, "write": write, "read": read});
+            c.call("PUT", &format!("/api/permissions/{vhost}/{}", enc(user)), Some(&body))?;
+            return Ok(format!("permissions of {user} in vhost {} set", args.vhost));
+        }
+        CtlCommand::ClearPermissions { user } => {
+            c.call("DELETE", &format!("/api/permissions/{vhost}/{}", enc(user)), None)?;
+            return Ok(format!("permissions of {user} in vhost {} cleared", args.vhost));
         }
     };
     Ok(serde_json::to_string_pretty(&v).unwrap_or_default())

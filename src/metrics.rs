@@ -83,7 +83,8 @@ fn gauge(registry: &mut Registry, name: &str, help: &str, v: u64) {
 }
 
 fn queue_labels(queue: &str) -> Vec<(String, String)> {
-    vec![("queue".into(), queue.into()), ("vhost".into(), "/".into())]
+    let (vhost, name) = crate::metadata::names::split(queue);
+    vec![("queue".into(), name.into()), ("vhost".into(), vhost.into())]
 }
 
 /// The node's metrics in the OpenMetrics text format.

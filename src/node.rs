@@ -492,9 +492,18 @@ impl Node {
     }
 
     pub async fn clear_policy(&self, name: &str) -> Result<(), NodeError> {
+        let (vhost, bare) = crate::metadata::names::split(name);
         meta_result(self.meta_write(MetaCmd::ClearPolicy { name: name.to_string() }).await?, || {
-            format!("no policy '{name}' in vhost '/'")
+            format!("no policy '{bare}' in vhost '{vhost}'")
         })
+    }
+
+    /// A change to users, vhosts or permissions; `true` when it made
+    /// something new.
+    pub async fn meta_change(&self, cmd: MetaCmd, not_found: impl FnOnce() -> String) -> Result<bool, NodeError> {
+        let reply = self.meta_write(cmd).await?;
+        let created = reply == MetaReply::Created;
+        meta_result(reply, not_found).map(|_| created)
     }
 
     /// The queue as its master sees it (counts, synchronised mirrors), asked

@@ -1077,3 +1077,120 @@ async fn per_message_ttl_and_retry_through_a_wait_queue() {
     assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
     c.cluster.shutdown().await;
 }
+
+/// Users, vhosts and permissions over AMQP: a user logs in to the vhost it
+/// was given and nowhere else; a vhost is a namespace of its own (same
+/// queue names, its own exchanges, dead-lettering inside it); the
+/// configure/write/read patterns are enforced per operation and follow
+/// changes at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn vhosts_users_and_permissions() {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    use mirrorq::metadata::{MetaCmd, Permission, User, Vhost};
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let n1 = c.cluster.node(1).clone();
+    let change = |cmd: MetaCmd| {
+        let n1 = n1.clone();
+        async move { n1.meta_change(cmd, String::new).await.expect("metadata change") }
+    };
+    change(MetaCmd::PutVhost(Vhost::named("dev"))).await;
+    change(MetaCmd::PutUser(User::with_password("alice", "alice-pw", vec![]))).await;
+    change(MetaCmd::SetPermission(Permission::full("alice", "dev"))).await;
+    let uri = |node: u64, user: &str, vhost: &str| {
+        format!("amqp://{user}@127.0.0.1:{}/{}", c.ports[(node - 1) as usize], vhost.replace('/', "%2f"))
+    };
+
+    // Where alice may not go, and a wrong password.
+    let refused = Connection::connect(&uri(2, "alice:alice-pw", "/"), ConnectionProperties::default()).await;
+    assert_amqp_error(&refused.expect_err("alice has no access to /"), "530", "NOT_ALLOWED");
+    let missing = Connection::connect(&uri(2, "alice:alice-pw", "nope"), ConnectionProperties::default()).await;
+    assert_amqp_error(&missing.expect_err("no such vhost"), "530", "NOT_ALLOWED");
+    let wrong = Connection::connect(&uri(2, "alice:guest", "dev"), ConnectionProperties::default()).await;
+    assert!(wrong.is_err(), "wrong password must be refused");
+
+    // Same names in two vhosts are two queues.
+    let alice = Connection::connect(&uri(2, "alice:alice-pw", "dev"), ConnectionProperties::default()).await.unwrap();
+    let a = alice.create_channel().await.unwrap();
+    a.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    a.queue_declare(s("jobs"), durable, FieldTable::default()).await.unwrap();
+    let guest = c.connect(3).await;
+    let g = guest.create_channel().await.unwrap();
+    g.queue_declare(s("jobs"), durable, FieldTable::default()).await.unwrap();
+    assert!(publish(&a, "jobs", b"in dev").await);
+    assert!(publish(&a, "jobs", b"in dev 2").await);
+    assert!(
+        g.basic_get(s("jobs"), BasicGetOptions { no_ack: true }).await.unwrap().is_none(),
+        "/ jobs is another queue"
+    );
+    let got = a.basic_get(s("jobs"), BasicGetOptions { no_ack: true }).await.unwrap().expect("dev jobs has it");
+    assert_eq!(got.delivery.data, b"in dev");
+    assert_eq!(n1.metadata().queues.len(), 2);
+
+    // Exchanges are per vhost too.
+    a.exchange_declare(
+        s("logs"),
+        lapin::ExchangeKind::Fanout,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    a.queue_bind(s("jobs"), s("logs"), s(""), QueueBindOptions::default(), FieldTable::default()).await.unwrap();
+    let passive = ExchangeDeclareOptions { passive: true, ..Default::default() };
+    let err = g.exchange_declare(s("logs"), lapin::ExchangeKind::Fanout, passive, FieldTable::default()).await;
+    assert_amqp_error(&err.expect_err("no logs exchange in /"), "404", "NOT_FOUND");
+    let g = guest.create_channel().await.unwrap();
+
+    // Dead-lettering stays inside the vhost.
+    let mut dl = FieldTable::default();
+    dl.insert(s("x-message-ttl"), AMQPValue::LongInt(50));
+    dl.insert(s("x-dead-letter-exchange"), AMQPValue::LongString("".into()));
+    dl.insert(s("x-dead-letter-routing-key"), AMQPValue::LongString("jobs".into()));
+    a.queue_declare(s("wait"), durable, dl).await.unwrap();
+    assert!(publish(&a, "wait", b"later").await);
+    let mut bodies = Vec::new();
+    for _ in 0..100 {
+        if let Some(m) = a.basic_get(s("jobs"), BasicGetOptions { no_ack: true }).await.unwrap() {
+            bodies.push(m.delivery.data.clone());
+        }
+        if bodies.iter().any(|b| b == b"later") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(bodies, vec![b"in dev 2".to_vec(), b"later".to_vec()], "expired into dev's jobs");
+    assert!(g.basic_get(s("jobs"), BasicGetOptions { no_ack: true }).await.unwrap().is_none(), "not into /'s jobs");
+
+    // Narrower permissions apply to the next operation on open channels.
+    let mut narrow = Permission::full("alice", "dev");
+    narrow.configure = "^alice-".into();
+    narrow.read = "^alice-".into();
+    change(MetaCmd::SetPermission(narrow)).await;
+    wait_metadata(&c, 2, |m| m.permission("alice", "dev").is_some_and(|p| p.read == "^alice-")).await;
+    let b = alice.create_channel().await.unwrap();
+    b.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    b.queue_declare(s("alice-1"), durable, FieldTable::default()).await.unwrap();
+    assert!(publish(&b, "jobs", b"still writable").await, "write is still .*");
+    let err = b.queue_declare(s("other"), durable, FieldTable::default()).await;
+    assert_amqp_error(&err.expect_err("configure refused"), "403", "ACCESS_REFUSED");
+    let b = alice.create_channel().await.unwrap();
+    let err = b.basic_get(s("jobs"), BasicGetOptions::default()).await;
+    assert_amqp_error(&err.expect_err("read refused"), "403", "ACCESS_REFUSED");
+    assert!(n1.metadata().queues.keys().all(|k| !k.ends_with("other")), "nothing declared when refused");
+
+    // A deleted vhost takes its queues with it; / keeps its own.
+    alice.close(200, "bye".into()).await.ok();
+    change(MetaCmd::DeleteVhost { name: "dev".into() }).await;
+    wait_metadata(&c, 3, |m| m.queues.len() == 1).await;
+    assert!(n1.metadata().queues.contains_key("jobs"), "/ jobs survives");
+    let gone = Connection::connect(&uri(1, "alice:alice-pw", "dev"), ConnectionProperties::default()).await;
+    assert_amqp_error(&gone.expect_err("dev deleted"), "530", "NOT_ALLOWED");
+    c.cluster.shutdown().await;
+}
+
+async fn wait_metadata(c: &AmqpCluster, node: u64, cond: impl Fn(&mirrorq::metadata::MetaState) -> bool) {
+    let n = c.cluster.node(node).clone();
+    common::wait_until(Duration::from_secs(10), "metadata change applied", || cond(&n.metadata())).await;
+}

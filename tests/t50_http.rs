@@ -250,11 +250,14 @@ async fn definitions_import_and_export() {
     let api = Api::start().await;
     let defs = r#"{
       "rabbit_version": "3.10.8",
-      "users": [{"name":"guest","password_hash":"x","hashing_algorithm":"rabbit_password_hashing_sha256","tags":["administrator"]}],
-      "vhosts": [{"name":"/"}],
-      "permissions": [{"user":"guest","vhost":"/","configure":".*","write":".*","read":".*"}],
+      "users": [{"name":"guest","password_hash":"AQEBAWK/5XLINlvKIAESraUpJ372LTuU7m+heqz7q+c666UW","hashing_algorithm":"rabbit_password_hashing_sha256","tags":"administrator"},
+                {"name":"carol","password_hash":"CQgHBpdMuZXyG/avuvpvKFRTydvBrCJsDFtbvgMLddasqgCe","hashing_algorithm":"rabbit_password_hashing_sha256","tags":"management"}],
+      "vhosts": [{"name":"/"}, {"name":"shop","metadata":{"description":"the shop"}}],
+      "permissions": [{"user":"guest","vhost":"/","configure":".*","write":".*","read":".*"},
+                      {"user":"carol","vhost":"shop","configure":".*","write":".*","read":".*"}],
       "policies": [{"vhost":"/","name":"ha-all","pattern":"^ha\\.","apply-to":"queues","definition":{"ha-mode":"all"},"priority":0}],
-      "queues": [{"name":"ha.orders","vhost":"/","durable":true,"auto_delete":false,"arguments":{}}],
+      "queues": [{"name":"ha.orders","vhost":"/","durable":true,"auto_delete":false,"arguments":{}},
+                 {"name":"ha.orders","vhost":"shop","durable":true,"auto_delete":false,"arguments":{}}],
       "exchanges": [{"name":"orders","vhost":"/","type":"topic","durable":true,"auto_delete":false,"internal":false,"arguments":{}},
                     {"name":"amq.direct","vhost":"/","type":"direct","durable":true,"auto_delete":false,"internal":false,"arguments":{}}],
       "bindings": [{"source":"orders","vhost":"/","destination":"ha.orders","destination_type":"queue","routing_key":"order.#","arguments":{}}]
@@ -272,13 +275,28 @@ async fn definitions_import_and_export() {
     assert_eq!(out["exchanges"][0]["name"], "orders");
     assert_eq!(out["bindings"][0]["routing_key"], "order.#");
     assert_eq!(out["vhosts"][0]["name"], "/");
+    assert_eq!(out["vhosts"][1]["metadata"]["description"], "the shop");
+    assert_eq!(out["queues"].as_array().unwrap().len(), 2);
+    assert!(out["queues"].as_array().unwrap().iter().any(|q| q["vhost"] == "shop" && q["name"] == "ha.orders"));
+    let carol = out["users"].as_array().unwrap().iter().find(|u| u["name"] == "carol").cloned().unwrap();
+    assert_eq!(carol["password_hash"], "CQgHBpdMuZXyG/avuvpvKFRTydvBrCJsDFtbvgMLddasqgCe", "hash kept as exported");
+    // The imported hashes are RabbitMQ's: carol logs in with her RabbitMQ
+    // password (alice-pw) and sees her vhost only; guest still logs in.
+    let (s, mine) = api.call_as(2, "GET", "/api/queues", None, Some(("carol", "alice-pw"))).await;
+    assert_eq!(s, 200);
+    assert_eq!(mine.as_array().unwrap().len(), 1, "{mine}");
+    assert_eq!(mine[0]["vhost"], "shop");
+    assert_eq!(api.call(2, "GET", "/api/whoami", None).await.1["name"], "guest");
 
     let bad = r#"{"policies":[{"name":"ok","pattern":"^z","definition":{"ha-mode":"all"}}],
                   "queues":[{"name":"q","vhost":"/other"}]}"#;
     assert_error(&api.call(1, "POST", "/api/definitions", Some(bad)).await, 400, "vhost");
     assert_eq!(api.call(1, "GET", "/api/policies/%2F/ok", None).await.0, 404, "nothing of a bad file applied");
     assert_error(&api.call(1, "POST", "/api/definitions", Some(r#"{"queues":{}}"#)).await, 400, "list");
-    assert_error(&api.call(1, "POST", "/api/definitions", Some(r#"{"users":[{"name":"admin"}]}"#)).await, 400, "admin");
+    let md5 = r#"{"users":[{"name":"admin","password_hash":"abc","hashing_algorithm":"rabbit_password_hashing_md5"}]}"#;
+    assert_error(&api.call(1, "POST", "/api/definitions", Some(md5)).await, 400, "hashing_algorithm");
+    let no_user = r#"{"permissions":[{"user":"nobody","vhost":"/","configure":"","write":"","read":""}]}"#;
+    assert_error(&api.call(1, "POST", "/api/definitions", Some(no_user)).await, 400, "nobody");
     api.cluster.shutdown().await;
 }
 
@@ -504,11 +522,121 @@ async fn web_ui_is_served_from_the_binary() {
         "queuesPage",
         "queuePage",
         "policiesPage",
-        "/api/exchanges/%2F/amq.default/publish",
+        "/amq.default/publish",
         "setInterval",
     ] {
         assert!(page.contains(hook), "UI lacks {hook}");
     }
     assert!(!page.contains("src=\"http") && !page.contains("href=\"http"), "no external assets");
+    api.cluster.shutdown().await;
+}
+
+/// Users, vhosts and permissions through the API: an administrator creates
+/// a vhost and a management user with access to it; that user works there
+/// and is refused (401) everywhere else; patterns narrow what it may touch;
+/// deleting a vhost deletes what is in it. Bad input answers 4xx JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn users_vhosts_and_permissions() {
+    init_tracing();
+    let api = Api::start().await;
+    let alice = Some(("alice", "alice-pw"));
+    assert_eq!(api.call(1, "PUT", "/api/vhosts/dev", Some(r#"{"description":"team dev"}"#)).await.0, 201);
+    assert_eq!(api.call(1, "PUT", "/api/vhosts/dev", None).await.0, 204);
+    let (_, vs) = api.call(2, "GET", "/api/vhosts", None).await;
+    let names: Vec<&str> = vs.as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["/", "dev"]);
+    assert_eq!(
+        api.call(1, "PUT", "/api/users/alice", Some(r#"{"password":"alice-pw","tags":"management"}"#)).await.0,
+        201
+    );
+    let (_, u) = api.call(2, "GET", "/api/users/alice", None).await;
+    assert_eq!(u["tags"], json!(["management"]));
+    assert_eq!(u["hashing_algorithm"], "rabbit_password_hashing_sha256");
+    assert!(!u["password_hash"].as_str().unwrap().contains("alice-pw"));
+    // Known to the API, but no vhost yet: logs in and sees nothing.
+    assert_eq!(api.call_as(3, "GET", "/api/queues", None, alice).await, (200, json!([])));
+    let perm = r#"{"configure":".*","write":".*","read":".*"}"#;
+    assert_eq!(api.call(1, "PUT", "/api/permissions/dev/alice", Some(perm)).await.0, 201);
+    let (_, p) = api.call(3, "GET", "/api/permissions/dev/alice", None).await;
+    assert_eq!(p, json!({"user":"alice","vhost":"dev","configure":".*","write":".*","read":".*"}));
+    let (_, ps) = api.call(3, "GET", "/api/vhosts/dev/permissions", None).await;
+    assert_eq!(ps.as_array().unwrap().len(), 1);
+    let (_, ps) = api.call(3, "GET", "/api/users/guest/permissions", None).await;
+    assert_eq!(ps[0]["vhost"], "/");
+
+    // Bad input.
+    assert_error(
+        &api.call(1, "PUT", "/api/permissions/dev/alice", Some(r#"{"configure":"(","write":"","read":""}"#)).await,
+        400,
+        "configure",
+    );
+    assert_error(&api.call(1, "PUT", "/api/permissions/dev/nobody", Some(perm)).await, 400, "not_found");
+    assert_error(&api.call(1, "PUT", "/api/permissions/nope/alice", Some(perm)).await, 400, "not_found");
+    assert_error(&api.call(1, "PUT", "/api/permissions/dev/alice", Some(r#"{"configure":".*"}"#)).await, 400, "write");
+    assert_error(&api.call(1, "PUT", "/api/users/bob", Some(r#"{"password":5}"#)).await, 400, "password");
+    assert_error(&api.call(1, "PUT", "/api/users/bob", Some(r#"{"password":"x","tags":7}"#)).await, 400, "tags");
+    assert_error(&api.call(1, "PUT", "/api/users/bob", Some("{nope")).await, 400, "JSON");
+    assert_error(&api.call(1, "PUT", "/api/vhosts/a%00b", None).await, 400, "NUL");
+    assert_error(&api.call(1, "GET", "/api/vhosts/nope", None).await, 404, "");
+    assert_error(&api.call(1, "DELETE", "/api/users/nope", None).await, 404, "");
+    assert_error(&api.call(1, "DELETE", "/api/permissions/%2F/alice", None).await, 404, "");
+    assert_error(&api.call(1, "GET", "/api/queues/nope", None).await, 404, "");
+
+    // Alice works in dev; / is another namespace.
+    assert_eq!(api.call(1, "PUT", "/api/queues/%2F/jobs", Some("{}")).await.0, 201);
+    assert_eq!(api.call_as(2, "PUT", "/api/queues/dev/jobs", Some("{}"), alice).await.0, 201);
+    let msg = r#"{"properties":{},"routing_key":"jobs","payload":"for dev","payload_encoding":"string"}"#;
+    let publish = api.call_as(3, "POST", "/api/exchanges/dev/amq.default/publish", Some(msg), alice).await;
+    assert_eq!(publish, (200, json!({"routed": true})));
+    assert_eq!(api.call_as(1, "GET", "/api/queues/dev/jobs", None, alice).await.1["messages"], 1);
+    assert_eq!(api.call(1, "GET", "/api/queues/%2F/jobs", None).await.1["messages"], 0);
+    let (_, mine) = api.call_as(1, "GET", "/api/queues", None, alice).await;
+    assert_eq!(mine.as_array().unwrap().len(), 1);
+    assert_eq!((mine[0]["name"].as_str(), mine[0]["vhost"].as_str()), (Some("jobs"), Some("dev")));
+    assert_eq!(api.call(1, "GET", "/api/queues", None).await.1.as_array().unwrap().len(), 2, "the admin sees both");
+    let (_, ex) = api.call_as(1, "GET", "/api/exchanges", None, alice).await;
+    assert!(ex.as_array().unwrap().iter().all(|e| e["vhost"] == "dev"), "{ex}");
+    let take = r#"{"count":1,"ackmode":"ack_requeue_false","encoding":"auto"}"#;
+    let (_, got) = api.call_as(2, "POST", "/api/queues/dev/jobs/get", Some(take), alice).await;
+    assert_eq!(got[0]["payload"], "for dev");
+
+    // And is refused elsewhere, and from what only administrators do.
+    for (method, path, body) in [
+        ("GET", "/api/queues/%2F", None),
+        ("GET", "/api/queues/%2F/jobs", None),
+        ("PUT", "/api/queues/%2F/mine", Some("{}")),
+        ("DELETE", "/api/queues/%2F/jobs", None),
+        ("POST", "/api/exchanges/%2F/amq.default/publish", Some(msg)),
+        ("GET", "/api/users", None),
+        ("PUT", "/api/vhosts/mine", None),
+        ("PUT", "/api/permissions/%2F/alice", Some(perm)),
+        ("GET", "/api/definitions", None),
+        ("POST", "/api/rebalance/queues", Some("{}")),
+        ("PUT", "/api/policies/dev/p", Some(r#"{"pattern":".*","definition":{"ha-mode":"all"}}"#)),
+    ] {
+        let r = api.call_as(2, method, path, body, alice).await;
+        assert_eq!(r.0, 401, "{method} {path}: {r:?}");
+        assert_eq!(r.1["error"], "not_authorised", "{method} {path}");
+    }
+    assert_eq!(api.call(1, "GET", "/api/queues/%2F/jobs", None).await.1["messages"], 0, "nothing happened in /");
+    assert_error(&api.call_as(2, "GET", "/api/overview", None, Some(("alice", "wrong"))).await, 401, "Login failed");
+    assert_eq!(api.call(1, "PUT", "/api/users/bob", Some(r#"{"password":"bob-pw"}"#)).await.0, 201);
+    assert_error(&api.call_as(2, "GET", "/api/overview", None, Some(("bob", "bob-pw"))).await, 401, "management");
+
+    // Narrower patterns: configure only alice-*.
+    let narrow = r#"{"configure":"^alice-","write":".*","read":".*"}"#;
+    assert_eq!(api.call(1, "PUT", "/api/permissions/dev/alice", Some(narrow)).await.0, 204);
+    assert_error(&api.call_as(2, "PUT", "/api/queues/dev/other", Some("{}"), alice).await, 401, "configure");
+    assert_eq!(api.call_as(2, "PUT", "/api/queues/dev/alice-1", Some("{}"), alice).await.0, 201);
+
+    // Deleting the vhost deletes its queues and permissions.
+    assert_eq!(api.call(3, "DELETE", "/api/vhosts/dev", None).await.0, 204);
+    assert_error(&api.call(1, "GET", "/api/queues/dev/jobs", None).await, 404, "");
+    let (_, all) = api.call(1, "GET", "/api/queues", None).await;
+    assert_eq!(all.as_array().unwrap().len(), 1);
+    assert_eq!(api.call_as(1, "GET", "/api/queues", None, alice).await, (200, json!([])));
+    assert!(api.call(1, "GET", "/api/users/alice/permissions", None).await.1.as_array().unwrap().is_empty());
+    assert_eq!(api.call(1, "DELETE", "/api/users/alice", None).await.0, 204);
+    assert_error(&api.call_as(1, "GET", "/api/overview", None, alice).await, 401, "Login failed");
     api.cluster.shutdown().await;
 }

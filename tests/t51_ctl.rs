@@ -56,7 +56,7 @@ async fn ctl_commands() {
         assert_eq!(json[0]["priority"], 2);
 
         let queues = ok(&ctl(port, &["list-queues"]));
-        assert!(queues.lines().next().unwrap().starts_with("name"), "{queues}");
+        assert!(queues.lines().next().unwrap().starts_with("vhost  name"), "{queues}");
         assert!(queues.contains("ha.one") && queues.contains("mirrorq@1"), "{queues}");
 
         fails(&ctl(port, &["set-policy", "p", "x", "{not json"]), "not JSON");
@@ -82,6 +82,31 @@ async fn ctl_commands() {
         fails(&ctl(port, &["import-definitions", f]), "not JSON");
         let _ = std::fs::remove_file(&file);
         fails(&ctl(port, &["--password", "wrong", "list-queues"]), "401");
+
+        // Users, vhosts, permissions, and -p for the vhost.
+        assert!(ok(&ctl(port, &["add-vhost", "dev"])).contains("vhost dev added"));
+        assert!(ok(&ctl(port, &["list-vhosts"])).lines().any(|l| l.trim() == "dev"));
+        assert!(ok(&ctl(port, &["add-user", "ops", "ops-pw", "--tags", "management,policymaker"])).contains("added"));
+        let users = ok(&ctl(port, &["list-users"]));
+        assert!(users.lines().any(|l| l.starts_with("ops") && l.contains("management,policymaker")), "{users}");
+        fails(&ctl(port, &["-p", "dev", "set-permissions", "ops", "(", ".*", ".*"]), "configure");
+        fails(&ctl(port, &["-p", "nope", "set-permissions", "ops", ".*", ".*", ".*"]), "not_found");
+        assert!(ok(&ctl(port, &["-p", "dev", "set-permissions", "ops", ".*", ".*", ".*"])).contains("set"));
+        let perms = ok(&ctl(port, &["-p", "dev", "list-permissions"]));
+        assert!(perms.lines().any(|l| l.starts_with("ops")), "{perms}");
+        let as_ops = |args: &[&str]| ctl(port, &[&["--user", "ops", "--password", "ops-pw"], args].concat());
+        assert!(ok(&as_ops(&["-p", "dev", "set-policy", "dev-ha", ".*", r#"{"ha-mode":"all"}"#])).contains("set"));
+        let pols = ok(&ctl(port, &["list-policies"]));
+        assert!(pols.lines().any(|l| l.starts_with("dev") && l.contains("dev-ha")), "{pols}");
+        fails(&as_ops(&["set-policy", "in-root", ".*", r#"{"ha-mode":"all"}"#]), "401");
+        fails(&as_ops(&["list-users"]), "administrator");
+        assert!(ok(&ctl(port, &["-p", "dev", "clear-permissions", "ops"])).contains("cleared"));
+        fails(&ctl(port, &["-p", "dev", "clear-permissions", "ops"]), "404");
+        assert!(ok(&ctl(port, &["delete-vhost", "dev"])).contains("deleted"));
+        fails(&ctl(port, &["delete-vhost", "dev"]), "404");
+        assert!(!ok(&ctl(port, &["list-policies"])).contains("dev-ha"), "gone with its vhost");
+        assert!(ok(&ctl(port, &["delete-user", "ops"])).contains("deleted"));
+        fails(&as_ops(&["list-queues"]), "401");
         fails(&ctl(1, &["list-queues"]), "cannot reach");
         true
     })

@@ -14,6 +14,7 @@
 //! `basic.ack/nack/reject/recover`, `basic.cancel`, `connection.blocked`
 //! under memory and disk alarms. Exchange-to-exchange bindings answer 540.
 
+mod auth;
 mod codec;
 mod connection;
 mod deliveries;

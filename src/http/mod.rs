@@ -3,28 +3,34 @@
 //! metadata and the queue masters (over the node link), writes go through
 //! the metadata leader or the queue's master.
 
+mod access;
 mod definitions;
 mod error;
 mod props;
+mod users;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use base64::Engine;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::metadata::{policy, ApplyTo, ArgValue, Policy, QueueArgs, QueueMeta};
+use crate::metadata::names::{self, key};
+use crate::metadata::{
+    policy, Access, ApplyTo, ArgValue, Binding, ExchangeKind, ExchangeMeta, Policy, QueueArgs, QueueMeta,
+};
 use crate::node::{DeclareOpts, Node};
 use crate::queue::{Message, QueueCmd};
+use access::Caller;
 pub use error::ApiError;
 
 /// Serve the API until `stop` is cancelled.
@@ -54,15 +60,32 @@ pub fn router(node: Node) -> Router {
         .route("/api/queues/{vhost}/{name}/actions", post(queue_action))
         .route("/api/rebalance/queues", post(rebalance))
         .route("/api/exchanges", get(list_exchanges))
+        .route("/api/exchanges/{vhost}", get(list_exchanges_in))
+        .route("/api/exchanges/{vhost}/{name}", get(get_exchange).put(put_exchange).delete(delete_exchange))
         .route("/api/exchanges/{vhost}/{name}/publish", post(publish))
         .route("/api/bindings", get(list_bindings))
+        .route("/api/bindings/{vhost}", get(list_bindings_in))
+        .route("/api/bindings/{vhost}/e/{exchange}/q/{queue}", get(queue_bindings).post(bind))
+        .route("/api/whoami", get(users::whoami))
+        .route("/api/users", get(users::list_users))
+        .route("/api/users/{name}", get(users::get_user).put(users::put_user).delete(users::delete_user))
+        .route("/api/users/{name}/permissions", get(users::user_permissions))
+        .route("/api/vhosts", get(users::list_vhosts))
+        .route("/api/vhosts/{name}", get(users::get_vhost).put(users::put_vhost).delete(users::delete_vhost))
+        .route("/api/vhosts/{name}/permissions", get(users::vhost_permissions))
+        .route("/api/permissions", get(users::list_permissions))
+        .route(
+            "/api/permissions/{vhost}/{user}",
+            get(users::get_permission).put(users::put_permission).delete(users::delete_permission),
+        )
         .route("/api/definitions", get(definitions::export).post(definitions::import))
         .route("/api/connections", get(list_connections))
         .route("/api/channels", get(list_channels))
         .route("/api/consumers", get(list_consumers))
         .fallback(|| async { ApiError::not_found() })
+        .layer(middleware::from_fn_with_state(node.clone(), access::auth))
+        // Outermost: users and permissions are checked against fresh metadata.
         .layer(middleware::from_fn_with_state(node.clone(), fresh_reads))
-        .layer(middleware::from_fn(auth))
         // Added after the auth layer: scraped without credentials, as
         // RabbitMQ's prometheus endpoint is.
         .route("/metrics", get(prometheus))
@@ -85,39 +108,18 @@ async fn prometheus(State(node): State<Node>) -> Response {
         .into_response()
 }
 
-/// HTTP basic auth: `guest`/`guest`, from loopback only (as RabbitMQ).
-async fn auth(req: Request, next: Next) -> Response {
-    let loopback = req.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip().is_loopback()).unwrap_or(true);
-    let ok = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Basic "))
-        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
-        .is_some_and(|creds| creds == b"guest:guest");
-    if !ok || !loopback {
-        let mut r = ApiError::new(StatusCode::UNAUTHORIZED, "not_authorised", "Login failed").into_response();
-        r.headers_mut().insert(header::WWW_AUTHENTICATE, "Basic realm=\"RabbitMQ Management\"".parse().unwrap());
-        return r;
-    }
-    next.run(req).await
-}
-
-/// Reads see every change made through any node before they were asked:
-/// catch up with the metadata leader first (at once if it is unreachable).
+/// Every request sees every change made through any node before it was
+/// asked (a user just added, a permission just revoked, a queue just
+/// declared): catch up with the metadata leader first (at once if it is
+/// unreachable).
 async fn fresh_reads(State(node): State<Node>, req: Request, next: Next) -> Response {
-    if req.method() == axum::http::Method::GET || req.method() == axum::http::Method::POST {
-        node.meta_barrier().await;
-    }
+    node.meta_barrier().await;
     next.run(req).await
 }
 
-fn vhost_ok(vhost: &str) -> Result<(), ApiError> {
-    if vhost == "/" {
-        Ok(())
-    } else {
-        Err(ApiError::not_found())
-    }
+/// A queue, exchange or policy name from a path or body: it becomes part of a key.
+fn checked_name(what: &str, name: &str) -> Result<(), ApiError> {
+    names::check(what, name).map_err(ApiError::bad_request)
 }
 
 fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
@@ -143,11 +145,12 @@ async fn health(State(node): State<Node>) -> Response {
     }
 }
 
-async fn overview(State(node): State<Node>) -> Json<Value> {
+async fn overview(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
     let meta = node.metadata();
     let mut ready = 0;
     let mut unacked = 0;
-    for q in meta.queues.values() {
+    let visible: Vec<&QueueMeta> = meta.queues.values().filter(|q| caller.sees_key(&meta, &q.name)).collect();
+    for q in &visible {
         if let Ok(info) = node.master_view(&q.name).await {
             ready += info.ready;
             unacked += info.unacked;
@@ -161,8 +164,9 @@ async fn overview(State(node): State<Node>) -> Json<Value> {
         "management_version": env!("CARGO_PKG_VERSION"),
         "queue_totals": {"messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked},
         "object_totals": {
-            "queues": meta.queues.len(),
-            "exchanges": meta.exchanges.len() + 6,
+            "queues": visible.len(),
+            "exchanges": meta.exchanges.keys().filter(|k| caller.sees_key(&meta, k)).count()
+                + 6 * meta.vhosts.keys().filter(|v| caller.sees(&meta, v)).count(),
             "connections": 0, "channels": 0, "consumers": 0,
         },
     }))
@@ -187,9 +191,10 @@ async fn nodes(State(node): State<Node>) -> Json<Value> {
 }
 
 fn policy_json(p: &Policy) -> Value {
+    let (vhost, name) = names::split(&p.name);
     json!({
-        "vhost": "/",
-        "name": p.name,
+        "vhost": vhost,
+        "name": name,
         "pattern": p.pattern,
         "apply-to": p.apply_to.as_str(),
         "priority": p.priority,
@@ -197,29 +202,39 @@ fn policy_json(p: &Policy) -> Value {
     })
 }
 
-async fn list_policies(State(node): State<Node>) -> Json<Value> {
-    Json(Value::Array(node.metadata().policies.values().map(policy_json).collect()))
+async fn list_policies(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
+    let meta = node.metadata();
+    Json(meta.policies.values().filter(|p| caller.sees_key(&meta, &p.name)).map(policy_json).collect())
 }
 
-async fn list_policies_in(State(node): State<Node>, Path(vhost): Path<String>) -> Result<Json<Value>, ApiError> {
-    vhost_ok(&vhost)?;
-    Ok(list_policies(State(node)).await)
+async fn list_policies_in(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path(vhost): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    Ok(Json(meta.policies.values().filter(|p| names::vhost_of(&p.name) == vhost).map(policy_json).collect()))
 }
 
 async fn get_policy(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    vhost_ok(&vhost)?;
-    node.metadata().policies.get(&name).map(|p| Json(policy_json(p))).ok_or_else(ApiError::not_found)
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    meta.policies.get(&key(&vhost, &name)).map(|p| Json(policy_json(p))).ok_or_else(ApiError::not_found)
 }
 
 async fn put_policy(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    vhost_ok(&vhost)?;
+    caller.policies(&node.metadata(), &vhost)?;
+    checked_name("policy", &name)?;
     let b = parse_body(&body)?;
     let pattern = match b.get("pattern") {
         Some(Value::String(s)) => s.clone(),
@@ -242,7 +257,7 @@ async fn put_policy(
         Some(Value::String(s)) => ApplyTo::parse(s).map_err(ApiError::bad_request)?,
         Some(_) => return Err(ApiError::bad_request("apply-to must be a string")),
     };
-    let p = Policy { name: name.clone(), pattern, apply_to, priority, definition };
+    let p = Policy { name: key(&vhost, &name), pattern, apply_to, priority, definition };
     policy::validate(&p).map_err(ApiError::bad_request)?;
     let created = node.set_policy(p).await?;
     Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
@@ -250,10 +265,11 @@ async fn put_policy(
 
 async fn delete_policy(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    vhost_ok(&vhost)?;
-    node.clear_policy(&name).await?;
+    caller.policies(&node.metadata(), &vhost)?;
+    node.clear_policy(&key(&vhost, &name)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -287,9 +303,10 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         .and_then(|p| meta.policies.get(p))
         .and_then(|p| serde_json::from_str::<Value>(&p.definition).ok())
         .unwrap_or(json!({}));
+    let (vhost, name) = names::split(&q.name);
     json!({
-        "name": q.name,
-        "vhost": "/",
+        "name": name,
+        "vhost": vhost,
         "durable": q.durable,
         "auto_delete": false,
         "exclusive": q.exclusive_owner.is_some(),
@@ -300,7 +317,7 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         "messages": ready + unacked,
         "messages_ready": ready,
         "messages_unacknowledged": unacked,
-        "policy": q.policy,
+        "policy": q.policy.as_deref().map(names::name_of),
         "effective_policy_definition": def,
         "sync_progress": catching,
         "state": match (master, syncing) {
@@ -312,35 +329,50 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
     })
 }
 
-async fn list_queues(State(node): State<Node>) -> Json<Value> {
+async fn queues_json(node: &Node, wanted: impl Fn(&QueueMeta) -> bool) -> Json<Value> {
     let meta = node.metadata();
     let mut out = Vec::new();
-    for q in meta.queues.values() {
-        out.push(queue_json(&node, q).await);
+    for q in meta.queues.values().filter(|q| wanted(q)) {
+        out.push(queue_json(node, q).await);
     }
     Json(Value::Array(out))
 }
 
-async fn list_queues_in(State(node): State<Node>, Path(vhost): Path<String>) -> Result<Json<Value>, ApiError> {
-    vhost_ok(&vhost)?;
-    Ok(list_queues(State(node)).await)
+async fn list_queues(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
+    let meta = node.metadata();
+    queues_json(&node, |q| caller.sees_key(&meta, &q.name)).await
+}
+
+async fn list_queues_in(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path(vhost): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    caller.read(&node.metadata(), &vhost)?;
+    Ok(queues_json(&node, |q| names::vhost_of(&q.name) == vhost).await)
 }
 
 async fn get_queue(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    vhost_ok(&vhost)?;
-    let q = node.metadata().queues.get(&name).cloned().ok_or_else(ApiError::not_found)?;
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    let q = meta.queues.get(&key(&vhost, &name)).cloned().ok_or_else(ApiError::not_found)?;
     Ok(Json(queue_json(&node, &q).await))
 }
 
 async fn put_queue(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    vhost_ok(&vhost)?;
+    caller.may(&node.metadata(), &vhost, Access::Configure, "queue", &name)?;
+    checked_name("queue", &name)?;
+    let bare = name;
+    let name = key(&vhost, &bare);
     let b = parse_body(&body)?;
     for k in ["durable", "auto_delete"] {
         if b.get(k).is_some_and(|v| !v.is_boolean()) {
@@ -350,14 +382,14 @@ async fn put_queue(
     if b.get("arguments").is_some_and(|v| !v.is_object() && !v.is_null()) {
         return Err(ApiError::bad_request("arguments must be an object"));
     }
-    if name.is_empty() || name.len() > 255 {
+    if bare.is_empty() || bare.len() > 255 {
         return Err(ApiError::bad_request("queue name must be 1 to 255 bytes"));
     }
     let args = queue_args(b.get("arguments")).map_err(ApiError::bad_request)?;
     if let Some(q) = node.metadata().queues.get(&name) {
         if let Some(arg) = args.inequivalent(&q.args) {
             return Err(ApiError::bad_request(format!(
-                "inequivalent arg '{arg}' for queue '{name}' in vhost '/': received {} but current is {}",
+                "inequivalent arg '{arg}' for queue '{bare}' in vhost '{vhost}': received {} but current is {}",
                 args.to_json(),
                 q.args.to_json()
             )));
@@ -389,15 +421,21 @@ pub(crate) fn queue_args(v: Option<&Value>) -> Result<QueueArgs, String> {
 
 async fn delete_queue(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    vhost_ok(&vhost)?;
-    node.delete_queue(&name).await?;
+    caller.may(&node.metadata(), &vhost, Access::Configure, "queue", &name)?;
+    node.delete_queue(&key(&vhost, &name)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// Remove a stopped node from the cluster (`rabbitmqctl forget_cluster_node`).
-async fn forget_node(State(node): State<Node>, Path(name): Path<String>) -> Result<StatusCode, ApiError> {
+async fn forget_node(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    caller.admin()?;
     node.forget_node(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -405,13 +443,17 @@ async fn forget_node(State(node): State<Node>, Path(name): Path<String>) -> Resu
 /// Move masters of mirrored queues so every node has within one of the
 /// others (RabbitMQ answers at once and works in the background; we answer
 /// when done, with what moved).
-async fn rebalance(State(node): State<Node>) -> Result<Json<Value>, ApiError> {
+async fn rebalance(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Result<Json<Value>, ApiError> {
+    caller.admin()?;
     let moves = node.rebalance().await?;
     let meta = node.metadata();
     let name_of = |id: u64| meta.nodes.get(&id).map(|n| n.name.clone()).unwrap_or_else(|| format!("mirrorq@{id}"));
     let moves: Vec<Value> = moves
         .into_iter()
-        .map(|m| json!({"queue": m.queue, "from": name_of(m.from), "to": name_of(m.to), "error": m.error}))
+        .map(|m| {
+            let (vhost, queue) = names::split(&m.queue);
+            json!({"queue": queue, "vhost": vhost, "from": name_of(m.from), "to": name_of(m.to), "error": m.error})
+        })
         .collect();
     Ok(Json(json!({ "moves": moves })))
 }
@@ -420,10 +462,12 @@ async fn rebalance(State(node): State<Node>) -> Result<Json<Value>, ApiError> {
 /// catch-up of the queue's unsynchronised mirrors.
 async fn queue_action(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    vhost_ok(&vhost)?;
+    caller.read(&node.metadata(), &vhost)?;
+    let name = key(&vhost, &name);
     let b = parse_body(&body)?;
     let run = match b.get("action").and_then(Value::as_str) {
         Some("sync") => true,
@@ -437,19 +481,22 @@ async fn queue_action(
 
 async fn purge_queue(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    vhost_ok(&vhost)?;
-    node.purge(&name).await?;
+    caller.may(&node.metadata(), &vhost, Access::Read, "queue", &name)?;
+    node.purge(&key(&vhost, &name)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn get_messages(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    vhost_ok(&vhost)?;
+    caller.may(&node.metadata(), &vhost, Access::Read, "queue", &name)?;
+    let name = key(&vhost, &name);
     let b = parse_body(&body)?;
     let count = match b.get("count") {
         Some(Value::Number(n)) => {
@@ -503,42 +550,174 @@ async fn get_messages(
     Ok(Json(Value::Array(out)))
 }
 
-async fn list_exchanges(State(node): State<Node>) -> Json<Value> {
-    let meta = node.metadata();
-    let builtin = ["", "amq.direct", "amq.fanout", "amq.topic", "amq.headers", "amq.match"];
-    let mut out: Vec<Value> = builtin
-        .iter()
-        .filter_map(|n| meta.exchange(n))
-        .chain(meta.exchanges.values().cloned())
-        .map(|e| {
-            json!({"name": e.name, "vhost": "/", "type": e.kind.as_str(), "durable": e.durable,
-                   "auto_delete": e.auto_delete, "internal": e.internal, "arguments": {}})
-        })
-        .collect();
-    out.dedup();
-    Json(Value::Array(out))
+fn exchange_json(e: &ExchangeMeta) -> Value {
+    let (vhost, name) = names::split(&e.name);
+    json!({"name": name, "vhost": vhost, "type": e.kind.as_str(), "durable": e.durable,
+           "auto_delete": e.auto_delete, "internal": e.internal, "arguments": {}})
 }
 
-async fn list_bindings(State(node): State<Node>) -> Json<Value> {
+/// Every exchange of `vhost`: the built-in ones and those declared there.
+fn exchanges_of(meta: &crate::metadata::MetaState, vhost: &str) -> Vec<Value> {
+    let builtin = ["", "amq.direct", "amq.fanout", "amq.topic", "amq.headers", "amq.match"];
+    builtin
+        .iter()
+        .filter_map(|n| meta.exchange(&key(vhost, n)))
+        .chain(meta.exchanges.values().filter(|e| names::vhost_of(&e.name) == vhost).cloned())
+        .map(|e| exchange_json(&e))
+        .collect()
+}
+
+async fn list_exchanges(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
     let meta = node.metadata();
-    Json(Value::Array(
-        meta.bindings
+    Json(meta.vhosts.keys().filter(|v| caller.sees(&meta, v)).flat_map(|v| exchanges_of(&meta, v)).collect())
+}
+
+async fn list_exchanges_in(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path(vhost): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    Ok(Json(Value::Array(exchanges_of(&meta, &vhost))))
+}
+
+async fn get_exchange(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    let name = if name == "amq.default" { String::new() } else { name };
+    meta.exchange(&key(&vhost, &name)).map(|e| Json(exchange_json(&e))).ok_or_else(ApiError::not_found)
+}
+
+/// Body `{"type","durable","auto_delete","internal","arguments"}`, as RabbitMQ.
+async fn put_exchange(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    caller.may(&node.metadata(), &vhost, Access::Configure, "exchange", &name)?;
+    checked_name("exchange", &name)?;
+    if name.is_empty() || name.len() > 255 {
+        return Err(ApiError::bad_request("exchange name must be 1 to 255 bytes"));
+    }
+    let b = parse_body(&body)?;
+    let kind = match b.get("type") {
+        Some(Value::String(t)) => ExchangeKind::parse(t).ok_or_else(|| {
+            ApiError::bad_request(format!("unknown exchange type '{t}': direct, fanout, topic or headers"))
+        })?,
+        Some(_) => return Err(ApiError::bad_request("type must be a string")),
+        None => return Err(ApiError::bad_request("type is required")),
+    };
+    let flag = |k: &str, default: bool| match b.get(k) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(v)) => Ok(*v),
+        Some(_) => Err(ApiError::bad_request(format!("{k} must be true or false"))),
+    };
+    let ex = ExchangeMeta {
+        name: key(&vhost, &name),
+        kind,
+        durable: flag("durable", true)?,
+        auto_delete: flag("auto_delete", false)?,
+        internal: flag("internal", false)?,
+    };
+    let existed = node.metadata().exchange(&ex.name).is_some();
+    node.declare_exchange(ex).await?;
+    Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
+}
+
+async fn delete_exchange(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    caller.may(&node.metadata(), &vhost, Access::Configure, "exchange", &name)?;
+    node.delete_exchange(&key(&vhost, &name), false).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+fn binding_json(b: &Binding) -> Value {
+    let (vhost, source) = names::split(&b.exchange);
+    json!({"source": source, "vhost": vhost, "destination": names::name_of(&b.queue), "destination_type": "queue",
+           "routing_key": b.routing_key, "arguments": {}, "properties_key": b.routing_key})
+}
+
+async fn list_bindings(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
+    let meta = node.metadata();
+    Json(meta.bindings.iter().filter(|b| caller.sees_key(&meta, &b.queue)).map(binding_json).collect())
+}
+
+async fn list_bindings_in(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path(vhost): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    Ok(Json(meta.bindings.iter().filter(|b| names::vhost_of(&b.queue) == vhost).map(binding_json).collect()))
+}
+
+async fn queue_bindings(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, exchange, queue)): Path<(String, String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    let (e, q) = (key(&vhost, &exchange), key(&vhost, &queue));
+    Ok(Json(meta.bindings.iter().filter(|b| b.exchange == e && b.queue == q).map(binding_json).collect()))
+}
+
+/// Body `{"routing_key","arguments"}`; answers 201, as RabbitMQ.
+async fn bind(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, exchange, queue)): Path<(String, String, String)>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let meta = node.metadata();
+    caller.may(&meta, &vhost, Access::Write, "queue", &queue)?;
+    caller.may(&meta, &vhost, Access::Read, "exchange", &exchange)?;
+    let b = parse_body(&body)?;
+    let routing_key = match b.get("routing_key") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(ApiError::bad_request("routing_key must be a string")),
+    };
+    if b.get("arguments").is_some_and(|v| !v.is_object() && !v.is_null()) {
+        return Err(ApiError::bad_request("arguments must be an object"));
+    }
+    let args = match b.get("arguments") {
+        Some(Value::Object(m)) => m
             .iter()
-            .map(|b| {
-                json!({"source": b.exchange, "vhost": "/", "destination": b.queue, "destination_type": "queue",
-                       "routing_key": b.routing_key, "arguments": {}})
+            .map(|(k, v)| {
+                let v = match v {
+                    Value::String(s) => ArgValue::Str(s.clone()),
+                    Value::Bool(b) => ArgValue::Bool(*b),
+                    Value::Number(n) if n.is_i64() => ArgValue::Int(n.as_i64().unwrap_or_default()),
+                    other => ArgValue::Other(other.to_string()),
+                };
+                (k.clone(), v)
             })
             .collect(),
-    ))
+        _ => Default::default(),
+    };
+    node.bind(Binding { exchange: key(&vhost, &exchange), queue: key(&vhost, &queue), routing_key, args }).await?;
+    Ok(StatusCode::CREATED)
 }
 
 async fn publish(
     State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
     Path((vhost, exchange)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    vhost_ok(&vhost)?;
     let exchange = if exchange == "amq.default" { String::new() } else { exchange };
+    caller.may(&node.metadata(), &vhost, Access::Write, "exchange", &exchange)?;
     let b = parse_body(&body)?;
     let routing_key = match b.get("routing_key") {
         Some(Value::String(s)) => s.clone(),
@@ -560,7 +739,7 @@ async fn publish(
     let ttl = crate::amqp::expiration_ms(&properties).map_err(ApiError::bad_request)?;
     let received = std::time::Instant::now();
     node.metrics().received.inc();
-    let Some(queues) = node.route_fresh(&exchange, &routing_key, &headers).await else {
+    let Some(queues) = node.route_fresh(&key(&vhost, &exchange), &routing_key, &headers).await else {
         return Err(ApiError::not_found());
     };
     if queues.is_empty() {
@@ -592,42 +771,51 @@ fn split_peer(peer: &str) -> (String, u16) {
     }
 }
 
-async fn list_connections(State(node): State<Node>) -> Json<Value> {
+/// Monitoring users see every client; others their own (as RabbitMQ).
+fn own(caller: &Caller, user: &str) -> bool {
+    caller.0.is_monitoring() || caller.name() == user
+}
+
+async fn list_connections(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
     let (conns, _) = node.cluster_clients().await;
     Json(Value::Array(
         conns
             .iter()
+            .filter(|c| own(&caller, &c.user))
             .map(|c| {
                 let (host, port) = split_peer(&c.peer);
-                json!({"name": c.name, "node": c.node, "user": c.user, "vhost": "/", "channels": c.channels.len(),
+                json!({"name": c.name, "node": c.node, "user": c.user, "vhost": c.vhost, "channels": c.channels.len(),
                        "peer_host": host, "peer_port": port, "state": "running", "protocol": "AMQP 0-9-1"})
             })
             .collect(),
     ))
 }
 
-async fn list_channels(State(node): State<Node>) -> Json<Value> {
+async fn list_channels(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
     let (conns, consumers) = node.cluster_clients().await;
     let mut out = Vec::new();
-    for c in &conns {
+    for c in conns.iter().filter(|c| own(&caller, &c.user)) {
         for ch in &c.channels {
             let n = consumers.iter().filter(|k| k.connection == c.id && k.channel == *ch).count();
             out.push(json!({"name": format!("{} ({ch})", c.name), "number": ch, "node": c.node, "user": c.user,
-                            "vhost": "/", "consumer_count": n, "state": "running",
+                            "vhost": c.vhost, "consumer_count": n, "state": "running",
                             "connection_details": {"name": c.name}}));
         }
     }
     Json(Value::Array(out))
 }
 
-async fn list_consumers(State(node): State<Node>) -> Json<Value> {
+async fn list_consumers(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
     let (conns, consumers) = node.cluster_clients().await;
-    let name_of = |id: u64| conns.iter().find(|c| c.id == id).map(|c| c.name.clone()).unwrap_or_default();
+    let conn = |id: u64| conns.iter().find(|c| c.id == id);
+    let name_of = |id: u64| conn(id).map(|c| c.name.clone()).unwrap_or_default();
     Json(Value::Array(
         consumers
             .iter()
+            .filter(|k| conn(k.connection).is_some_and(|c| own(&caller, &c.user)))
             .map(|k| {
-                json!({"consumer_tag": k.tag, "queue": {"name": k.queue, "vhost": "/"}, "ack_required": k.ack_required,
+                let (vhost, queue) = names::split(&k.queue);
+                json!({"consumer_tag": k.tag, "queue": {"name": queue, "vhost": vhost}, "ack_required": k.ack_required,
                        "prefetch_count": k.prefetch, "exclusive": k.exclusive,
                        "channel_details": {"name": format!("{} ({})", name_of(k.connection), k.channel), "number": k.channel}})
             })

@@ -2,12 +2,15 @@
 //! replicas, exchanges and bindings. A Raft group over every node (group 0); every node applies it
 //! and answers reads from its local copy.
 
+pub mod access;
 mod machine;
+pub mod names;
 pub mod policy;
 pub mod queue_args;
 pub mod routing;
 mod state;
 
+pub use access::{Access, Permission, User, Vhost};
 pub use machine::MetaMachine;
 pub use policy::{ApplyTo, Policy};
 pub use queue_args::QueueArgs;

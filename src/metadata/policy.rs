@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::names;
 use crate::raft::types::NodeId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,7 +36,7 @@ impl ApplyTo {
     }
 }
 
-/// A stored policy. The definition is kept as the JSON text it was given in
+/// A stored policy; `name` is its key (vhost and name). The definition is kept as the JSON text it was given in
 /// (validated on write), so it reads back exactly.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Policy {
@@ -206,21 +207,22 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
 
 /// Validate a whole policy before it is stored.
 pub fn validate(p: &Policy) -> Result<HaPolicy, String> {
-    if p.name.is_empty() {
+    if names::name_of(&p.name).is_empty() {
         return Err("policy name is empty".into());
     }
     regex::Regex::new(&p.pattern).map_err(|e| format!("pattern is not a valid regex: {e}"))?;
     parse_definition(&p.definition)
 }
 
-/// The policy that applies to queue `name`: the highest priority among the
-/// matching ones; equal priorities go to the name that sorts first, so every
-/// node picks the same one.
+/// The policy that applies to queue `queue` (a key): the highest priority
+/// among the matching ones of its vhost; equal priorities go to the name that
+/// sorts first, so every node picks the same one.
 pub fn effective<'a>(policies: &'a BTreeMap<String, Policy>, queue: &str) -> Option<&'a Policy> {
+    let (vhost, name) = names::split(queue);
     policies
         .values()
-        .filter(|p| p.apply_to.covers_queues())
-        .filter(|p| regex::Regex::new(&p.pattern).map(|r| r.is_match(queue)).unwrap_or(false))
+        .filter(|p| p.apply_to.covers_queues() && names::vhost_of(&p.name) == vhost)
+        .filter(|p| regex::Regex::new(&p.pattern).map(|r| r.is_match(name)).unwrap_or(false))
         .fold(None, |best: Option<&Policy>, p| match best {
             Some(b) if b.priority >= p.priority => Some(b),
             _ => Some(p),

@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::names;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ExchangeKind {
     Direct,
@@ -62,9 +64,10 @@ pub struct Binding {
     pub args: Args,
 }
 
-/// The exchanges every vhost has (RabbitMQ's `amq.*` set and the default).
+/// The exchanges every vhost has (RabbitMQ's `amq.*` set and the default);
+/// `name` is a key.
 pub fn builtin(name: &str) -> Option<ExchangeMeta> {
-    let kind = match name {
+    let kind = match names::name_of(name) {
         "" | "amq.direct" => ExchangeKind::Direct,
         "amq.fanout" => ExchangeKind::Fanout,
         "amq.topic" => ExchangeKind::Topic,
@@ -107,8 +110,8 @@ pub fn headers_match(binding: &Args, headers: &Args) -> bool {
     }
 }
 
-/// Queues a message published to `exchange` with `routing_key` and `headers`
-/// reaches (sorted, each once). `None`: no such exchange.
+/// Queues (keys) a message published to `exchange` (a key) with
+/// `routing_key` and `headers` reaches (sorted, each once). `None`: no such exchange.
 pub fn route(
     exchanges: &BTreeMap<String, ExchangeMeta>,
     bindings: &BTreeSet<Binding>,
@@ -117,8 +120,10 @@ pub fn route(
     routing_key: &str,
     headers: &Args,
 ) -> Option<Vec<String>> {
-    if exchange.is_empty() {
-        return Some(if queues(routing_key) { vec![routing_key.to_string()] } else { Vec::new() });
+    let (vhost, bare) = names::split(exchange);
+    if bare.is_empty() {
+        let queue = names::key(vhost, routing_key);
+        return Some(if queues(&queue) { vec![queue] } else { Vec::new() });
     }
     let ex = exchanges.get(exchange).cloned().or_else(|| builtin(exchange))?;
     let mut out = BTreeSet::new();

@@ -2,6 +2,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::access::{default_guest, Permission, User, Vhost};
+use super::names::{self, DEFAULT_VHOST};
 use super::policy::{self, Policy};
 use super::queue_args::QueueArgs;
 use super::routing::{builtin, Binding, ExchangeMeta};
@@ -40,8 +42,9 @@ pub struct QueueMeta {
     pub args: QueueArgs,
 }
 
-/// The metadata as every node sees it once applied.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The metadata as every node sees it once applied. Queues, exchanges,
+/// bindings and policies are keyed by [`names::key`] (vhost and name).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetaState {
     pub nodes: BTreeMap<NodeId, NodeInfo>,
     pub queues: BTreeMap<String, QueueMeta>,
@@ -54,6 +57,33 @@ pub struct MetaState {
     pub bindings: BTreeSet<Binding>,
     #[serde(default)]
     pub policies: BTreeMap<String, Policy>,
+    pub users: BTreeMap<String, User>,
+    pub vhosts: BTreeMap<String, Vhost>,
+    /// Per vhost, per user.
+    pub permissions: BTreeMap<String, BTreeMap<String, Permission>>,
+}
+
+impl Default for MetaState {
+    /// A fresh cluster, as a fresh RabbitMQ node: vhost `/` and user
+    /// `guest` (administrator, all permissions on `/`).
+    fn default() -> Self {
+        let guest = default_guest();
+        Self {
+            nodes: BTreeMap::new(),
+            queues: BTreeMap::new(),
+            next_group: 0,
+            exchanges: BTreeMap::new(),
+            bindings: BTreeSet::new(),
+            policies: BTreeMap::new(),
+            permissions: [(
+                DEFAULT_VHOST.to_string(),
+                [(guest.name.clone(), Permission::full(&guest.name, DEFAULT_VHOST))].into(),
+            )]
+            .into(),
+            users: [(guest.name.clone(), guest)].into(),
+            vhosts: [(DEFAULT_VHOST.to_string(), Vhost::named(DEFAULT_VHOST))].into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,6 +132,23 @@ pub enum MetaCmd {
     },
     Bind(Binding),
     Unbind(Binding),
+    /// Add or replace a user (the password already hashed).
+    PutUser(User),
+    /// Remove a user and its permissions.
+    DeleteUser {
+        name: String,
+    },
+    PutVhost(Vhost),
+    /// Remove a vhost with everything in it: queues, exchanges, bindings,
+    /// policies, permissions.
+    DeleteVhost {
+        name: String,
+    },
+    SetPermission(Permission),
+    ClearPermission {
+        vhost: String,
+        user: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -164,6 +211,9 @@ impl MetaState {
                 if let Some(q) = self.queues.get(name) {
                     return MetaReply::Queue(q.clone());
                 }
+                if let Err(why) = self.vhost_exists(name) {
+                    return why;
+                }
                 let by_policy = replicas.is_empty();
                 let (replicas, policy) = if by_policy {
                     let pol = policy::effective(&self.policies, name).cloned();
@@ -211,6 +261,9 @@ impl MetaState {
                 if let Err(why) = policy::validate(p) {
                     return MetaReply::Invalid(why);
                 }
+                if let Err(why) = self.vhost_exists(&p.name) {
+                    return why;
+                }
                 let new = self.policies.insert(p.name.clone(), p.clone()).is_none();
                 self.replace_all();
                 if new {
@@ -234,40 +287,44 @@ impl MetaState {
                 None => MetaReply::NotFound,
             },
             MetaCmd::DeclareExchange(ex) => {
+                let (vhost, bare) = names::split(&ex.name);
                 if let Some(have) = self.exchange(&ex.name) {
                     return if have.kind == ex.kind {
                         MetaReply::Ok
                     } else {
                         MetaReply::Conflict(format!(
-                            "inequivalent arg 'type' for exchange '{}' in vhost '/': received '{}' but current is '{}'",
-                            ex.name,
+                            "inequivalent arg 'type' for exchange '{bare}' in vhost '{vhost}': received '{}' but current is '{}'",
                             ex.kind.as_str(),
                             have.kind.as_str()
                         ))
                     };
                 }
-                if ex.name.starts_with("amq.") {
-                    return MetaReply::Refused(format!("exchange name '{}' contains reserved prefix 'amq.*'", ex.name));
+                if bare.starts_with("amq.") {
+                    return MetaReply::Refused(format!("exchange name '{bare}' contains reserved prefix 'amq.*'"));
+                }
+                if let Err(why) = self.vhost_exists(&ex.name) {
+                    return why;
                 }
                 self.exchanges.insert(ex.name.clone(), ex.clone());
                 MetaReply::Ok
             }
             MetaCmd::DeleteExchange { name, if_unused } => {
+                let (vhost, bare) = names::split(name);
                 if builtin(name).is_some() {
-                    return MetaReply::Refused(format!("cannot delete built-in exchange '{name}'"));
+                    return MetaReply::Refused(format!("cannot delete built-in exchange '{bare}'"));
                 }
                 if !self.exchanges.contains_key(name) {
                     return MetaReply::NotFound;
                 }
                 if *if_unused && self.bindings.iter().any(|b| &b.exchange == name) {
-                    return MetaReply::Conflict(format!("exchange '{name}' in vhost '/' in use"));
+                    return MetaReply::Conflict(format!("exchange '{bare}' in vhost '{vhost}' in use"));
                 }
                 self.exchanges.remove(name);
                 self.bindings.retain(|b| &b.exchange != name);
                 MetaReply::Ok
             }
             MetaCmd::Bind(b) => {
-                if b.exchange.is_empty() {
+                if names::name_of(&b.exchange).is_empty() {
                     return MetaReply::Refused("operation not permitted on the default exchange".into());
                 }
                 if self.exchange(&b.exchange).is_none() || !self.queues.contains_key(&b.queue) {
@@ -277,13 +334,95 @@ impl MetaState {
                 MetaReply::Ok
             }
             MetaCmd::Unbind(b) => {
-                if b.exchange.is_empty() {
+                if names::name_of(&b.exchange).is_empty() {
                     return MetaReply::Refused("operation not permitted on the default exchange".into());
                 }
                 self.bindings.remove(b);
                 MetaReply::Ok
             }
+            MetaCmd::PutUser(u) => {
+                if u.name.is_empty() {
+                    return MetaReply::Invalid("user name is empty".into());
+                }
+                match self.users.insert(u.name.clone(), u.clone()) {
+                    None => MetaReply::Created,
+                    Some(_) => MetaReply::Ok,
+                }
+            }
+            MetaCmd::DeleteUser { name } => {
+                if self.users.remove(name).is_none() {
+                    return MetaReply::NotFound;
+                }
+                for users in self.permissions.values_mut() {
+                    users.remove(name);
+                }
+                MetaReply::Ok
+            }
+            MetaCmd::PutVhost(v) => {
+                if let Err(why) = names::check("vhost", &v.name).and_then(|()| {
+                    if v.name.is_empty() {
+                        Err("vhost name is empty".to_string())
+                    } else {
+                        Ok(())
+                    }
+                }) {
+                    return MetaReply::Invalid(why);
+                }
+                match self.vhosts.insert(v.name.clone(), v.clone()) {
+                    None => MetaReply::Created,
+                    Some(_) => MetaReply::Ok,
+                }
+            }
+            MetaCmd::DeleteVhost { name } => {
+                if self.vhosts.remove(name).is_none() {
+                    return MetaReply::NotFound;
+                }
+                let inside = |key: &String| names::vhost_of(key) == name;
+                self.queues.retain(|k, _| !inside(k));
+                self.exchanges.retain(|k, _| !inside(k));
+                self.bindings.retain(|b| !inside(&b.exchange) && !inside(&b.queue));
+                self.policies.retain(|k, _| !inside(k));
+                self.permissions.remove(name);
+                MetaReply::Ok
+            }
+            MetaCmd::SetPermission(p) => {
+                if !self.users.contains_key(&p.user) {
+                    return MetaReply::Invalid(format!("no user '{}'", p.user));
+                }
+                if !self.vhosts.contains_key(&p.vhost) {
+                    return MetaReply::Invalid(format!("no vhost '{}'", p.vhost));
+                }
+                if let Err(why) = p.validate() {
+                    return MetaReply::Invalid(why);
+                }
+                match self.permissions.entry(p.vhost.clone()).or_default().insert(p.user.clone(), p.clone()) {
+                    None => MetaReply::Created,
+                    Some(_) => MetaReply::Ok,
+                }
+            }
+            MetaCmd::ClearPermission { vhost, user } => {
+                match self.permissions.get_mut(vhost).and_then(|users| users.remove(user)) {
+                    Some(_) => MetaReply::Ok,
+                    None => MetaReply::NotFound,
+                }
+            }
         }
+    }
+
+    /// A queue, exchange or policy can only be made in a vhost that exists
+    /// (it may have been deleted since the request was checked).
+    fn vhost_exists(&self, key: &str) -> Result<(), MetaReply> {
+        let vhost = names::vhost_of(key);
+        if self.vhosts.contains_key(vhost) {
+            Ok(())
+        } else {
+            Err(MetaReply::Invalid(format!("vhost '{vhost}' not found")))
+        }
+    }
+
+    /// The user's permission in `vhost`, if it has access there.
+    pub fn permission(&self, user: &str, vhost: &str) -> Option<&Permission> {
+        self.permissions.get(vhost)?.get(user)
     }
 
     fn node_list(&self) -> Vec<(NodeId, String)> {

@@ -15,7 +15,7 @@ use std::time::Duration;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 
 use super::{Inner, Node, QueueGroup};
-use crate::metadata::{policy, MetaState, QueueArgs, QueueMeta};
+use crate::metadata::{names, policy, MetaState, QueueArgs, QueueMeta};
 use crate::queue::proposer::{now_ms, DeadLetterSink};
 use crate::queue::types::{DeathReason, Limits, Overflow};
 use crate::queue::{Message, QueueCmd};
@@ -59,22 +59,25 @@ impl Node {
         let Some(q) = state.queues.get(queue) else { return };
         let args = effective_args(&state, q);
         let Some(dlx) = args.dead_letter_exchange else { return };
+        // Messages carry names as clients see them; the exchange is in the queue's vhost.
+        let (vhost, bare) = names::split(queue);
+        let dlx_key = names::key(vhost, &dlx);
         for (msg, reason) in msgs {
             let key = args.dead_letter_routing_key.clone().unwrap_or_else(|| msg.routing_key.clone());
-            let (dead, rejected_on_the_way, queues_seen) = with_death(msg, queue, reason, &dlx, &key);
+            let (dead, rejected_on_the_way, queues_seen) = with_death(msg, bare, reason, &dlx, &key);
             let headers = crate::amqp::decode_properties(&dead.properties)
                 .headers()
                 .as_ref()
                 .map(crate::amqp::to_args)
                 .unwrap_or_default();
-            let Some(targets) = self.route_fresh(&dlx, &key, &headers).await else {
+            let Some(targets) = self.route_fresh(&dlx_key, &key, &headers).await else {
                 tracing::warn!(queue, exchange = %dlx, "dead-letter exchange does not exist; message dropped");
                 continue;
             };
             for target in targets {
                 // A message dead-lettered round a cycle with no rejection on
                 // it would circle for ever: dropped, as RabbitMQ does.
-                if queues_seen.contains(&target) && !rejected_on_the_way {
+                if queues_seen.iter().any(|q| q == names::name_of(&target)) && !rejected_on_the_way {
                     tracing::debug!(queue, target, "dead-letter cycle without a rejection; dropped");
                     continue;
                 }

@@ -47,7 +47,7 @@ const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
   console.log(`ui.demo mirrored, synchronised mirrors: ${mirrors.join(' ')}`);
   await page.screenshot({ path: shots + '/queues.png' });
 
-  await page.click('#queues a.q[href="#/queue/ui.demo"]');
+  await page.click('#queues a.q[href="#/queue/%2F/ui.demo"]');
   await page.waitForSelector('#publish');
   await page.fill('#pub-payload', 'hello from chromium');
   await page.click('#publish button[type=submit]');
