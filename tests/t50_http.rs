@@ -335,6 +335,7 @@ async fn connections_channels_and_consumers_cluster_wide() {
     assert_eq!(conns.as_array().unwrap().len(), 1, "{conns}");
     assert_eq!(conns[0]["node"], "mirrorq@2");
     assert_eq!(conns[0]["user"], "guest");
+    assert_eq!(conns[0]["vhost"], "/");
     assert_eq!(conns[0]["channels"], 2);
     let (_, chans) = api.call(3, "GET", "/api/channels", None).await;
     assert_eq!(chans.as_array().unwrap().len(), 2, "{chans}");
@@ -638,5 +639,62 @@ async fn users_vhosts_and_permissions() {
     assert!(api.call(1, "GET", "/api/users/alice/permissions", None).await.1.as_array().unwrap().is_empty());
     assert_eq!(api.call(1, "DELETE", "/api/users/alice", None).await.0, 204);
     assert_error(&api.call_as(1, "GET", "/api/overview", None, alice).await, 401, "Login failed");
+    api.cluster.shutdown().await;
+}
+
+/// Exchanges and bindings through the API: declare, read, bind, route a
+/// publish through the binding, and delete; bad input answers 4xx JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exchanges_and_bindings_routes() {
+    init_tracing();
+    let api = Api::start().await;
+    assert_eq!(api.call(1, "PUT", "/api/exchanges/%2F/logs", Some(r#"{"type":"topic","durable":true}"#)).await.0, 201);
+    assert_eq!(api.call(2, "PUT", "/api/exchanges/%2F/logs", Some(r#"{"type":"topic"}"#)).await.0, 204);
+    let (_, e) = api.call(3, "GET", "/api/exchanges/%2F/logs", None).await;
+    assert_eq!((e["name"].as_str(), e["type"].as_str(), e["vhost"].as_str()), (Some("logs"), Some("topic"), Some("/")));
+    let (_, d) = api.call(3, "GET", "/api/exchanges/%2F/amq.default", None).await;
+    assert_eq!(d["type"], "direct");
+    let (_, all) = api.call(3, "GET", "/api/exchanges/%2F", None).await;
+    assert_eq!(all.as_array().unwrap().len(), 7, "six built-in and logs: {all}");
+    assert_eq!(api.call(1, "PUT", "/api/queues/%2F/errors", Some("{}")).await.0, 201);
+    let bind = r#"{"routing_key":"*.error","arguments":{}}"#;
+    assert_eq!(api.call(2, "POST", "/api/bindings/%2F/e/logs/q/errors", Some(bind)).await.0, 201);
+    let (_, bs) = api.call(3, "GET", "/api/bindings/%2F/e/logs/q/errors", None).await;
+    assert_eq!(bs[0]["routing_key"], "*.error");
+    assert_eq!(bs[0]["source"], "logs");
+    assert_eq!(bs[0]["destination"], "errors");
+    assert_eq!(api.call(3, "GET", "/api/bindings/%2F", None).await.1.as_array().unwrap().len(), 1);
+    let msg =
+        |key: &str| format!(r#"{{"properties":{{}},"routing_key":"{key}","payload":"x","payload_encoding":"string"}}"#);
+    assert_eq!(api.call(1, "POST", "/api/exchanges/%2F/logs/publish", Some(&msg("db.error"))).await.1["routed"], true);
+    assert_eq!(api.call(1, "POST", "/api/exchanges/%2F/logs/publish", Some(&msg("db.info"))).await.1["routed"], false);
+    assert_eq!(api.call(1, "GET", "/api/queues/%2F/errors", None).await.1["messages"], 1);
+
+    assert_error(&api.call(1, "PUT", "/api/exchanges/%2F/x", Some(r#"{"type":"fast"}"#)).await, 400, "type");
+    assert_error(&api.call(1, "PUT", "/api/exchanges/%2F/x", Some("{}")).await, 400, "type");
+    assert_error(
+        &api.call(1, "PUT", "/api/exchanges/%2F/x", Some(r#"{"type":"direct","durable":"y"}"#)).await,
+        400,
+        "durable",
+    );
+    assert_error(
+        &api.call(1, "PUT", "/api/exchanges/%2F/logs", Some(r#"{"type":"fanout"}"#)).await,
+        400,
+        "inequivalent",
+    );
+    assert_error(&api.call(1, "PUT", "/api/exchanges/%2F/amq.mine", Some(r#"{"type":"direct"}"#)).await, 400, "amq.");
+    assert_error(&api.call(1, "PUT", "/api/exchanges/nope/x", Some(r#"{"type":"direct"}"#)).await, 404, "");
+    assert_error(&api.call(1, "GET", "/api/exchanges/%2F/nope", None).await, 404, "");
+    assert_error(&api.call(1, "POST", "/api/bindings/%2F/e/nope/q/errors", Some(bind)).await, 404, "");
+    assert_error(
+        &api.call(1, "POST", "/api/bindings/%2F/e/logs/q/errors", Some(r#"{"routing_key":3}"#)).await,
+        400,
+        "routing_key",
+    );
+    assert_error(&api.call(1, "DELETE", "/api/exchanges/%2F/amq.topic", None).await, 400, "built-in");
+
+    assert_eq!(api.call(2, "DELETE", "/api/exchanges/%2F/logs", None).await.0, 204);
+    assert_error(&api.call(1, "GET", "/api/exchanges/%2F/logs", None).await, 404, "");
+    assert!(api.call(1, "GET", "/api/bindings", None).await.1.as_array().unwrap().is_empty(), "bindings went with it");
     api.cluster.shutdown().await;
 }
