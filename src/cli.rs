@@ -126,11 +126,24 @@ pub struct PerfArgs {
     /// Publisher confirm window per producer (0: no confirms).
     #[arg(long, default_value_t = 1000)]
     pub confirm: u32,
-    /// Seconds to run.
+    /// Seconds to run at most.
     #[arg(long, default_value_t = 10)]
     pub time: u64,
     #[arg(long, default_value = "perf-test")]
     pub queue: String,
+    /// Spread producers and consumers over N queues, `QUEUE-1` .. `QUEUE-N`
+    /// (round robin); 1: the queue `QUEUE` alone.
+    #[arg(long, default_value_t = 1)]
+    pub queues: u32,
+    /// Each producer stops after N messages (0: until --time).
+    #[arg(long, default_value_t = 0)]
+    pub pmessages: u64,
+    /// Each consumer stops after N messages (0: until --time).
+    #[arg(long, default_value_t = 0)]
+    pub cmessages: u64,
+    /// Publish with `mandatory`.
+    #[arg(long)]
+    pub mandatory: bool,
     /// Consumer prefetch.
     #[arg(long, default_value_t = 1000)]
     pub prefetch: u16,

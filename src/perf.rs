@@ -2,8 +2,11 @@
 //! PerfTest. It speaks plain AMQP (lapin), so the same command measures
 //! mirrorq and RabbitMQ.
 //!
-//! Each message starts with the send time, so consumers measure
-//! end-to-end latency; publishers measure confirm latency.
+//! Every producer and consumer has its own connection, as PerfTest's. Each
+//! message starts with its send time, so consumers measure end-to-end
+//! latency; producers measure confirm latency. A run ends at `--time` or
+//! when every producer and consumer has done its `--pmessages` /
+//! `--cmessages`; rates are over the time it really took.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,155 +38,100 @@ struct Counters {
     published: AtomicU64,
     confirmed: AtomicU64,
     nacked: AtomicU64,
+    returned: AtomicU64,
     consumed: AtomicU64,
+}
+
+/// What every producer and consumer task shares.
+struct Run {
+    start: Instant,
+    deadline: Instant,
+    counters: Counters,
+    confirm_lat: Mutex<Histogram<u64>>,
+    e2e_lat: Mutex<Histogram<u64>>,
+}
+
+impl Run {
+    fn micros(&self) -> u64 {
+        self.start.elapsed().as_micros() as u64
+    }
+    fn left(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
 }
 
 fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds")
 }
 
-fn now_micros(start: Instant) -> u64 {
-    start.elapsed().as_micros() as u64
+fn queue_name(args: &PerfArgs, i: u32) -> String {
+    if args.queues <= 1 {
+        args.queue.clone()
+    } else {
+        format!("{}-{}", args.queue, i % args.queues + 1)
+    }
 }
 
 pub async fn run(args: PerfArgs) -> Result<(), PerfError> {
     if args.size < 8 {
         return Err(PerfError::Invalid("--size must be at least 8 bytes (the timestamp)".into()));
     }
+    if args.queues == 0 {
+        return Err(PerfError::Invalid("--queues must be at least 1".into()));
+    }
+    if args.producers == 0 && args.consumers == 0 {
+        return Err(PerfError::Invalid("nothing to do: --producers and --consumers are both 0".into()));
+    }
     let start = Instant::now();
-    let counters = Arc::new(Counters::default());
-    let confirm_lat = Arc::new(Mutex::new(histogram()));
-    let e2e_lat = Arc::new(Mutex::new(histogram()));
-    let conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
-    let setup = conn.create_channel().await?;
+    let run = Arc::new(Run {
+        start,
+        deadline: start + Duration::from_secs(args.time),
+        counters: Counters::default(),
+        confirm_lat: Mutex::new(histogram()),
+        e2e_lat: Mutex::new(histogram()),
+    });
+    let setup_conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
+    let setup = setup_conn.create_channel().await?;
     let mut qargs = FieldTable::default();
     if args.quorum {
         qargs.insert(ShortString::from("x-queue-type"), AMQPValue::LongString("quorum".into()));
     }
-    setup
-        .queue_declare(
-            ShortString::from(args.queue.as_str()),
-            QueueDeclareOptions { durable: true, ..Default::default() },
-            qargs,
-        )
-        .await?;
-    let deadline = start + Duration::from_secs(args.time);
+    for i in 0..args.queues {
+        let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+        setup.queue_declare(ShortString::from(queue_name(&args, i)), durable, qargs.clone()).await?;
+    }
+    let mut conns = vec![setup_conn];
     let mut tasks = Vec::new();
-
-    for _ in 0..args.consumers {
-        let ch = conn.create_channel().await?;
-        ch.basic_qos(args.prefetch, BasicQosOptions::default()).await?;
-        let mut consumer = ch
-            .basic_consume(
-                ShortString::from(args.queue.as_str()),
-                ShortString::from(""),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let (counters, e2e, multi) = (counters.clone(), e2e_lat.clone(), args.multi_ack.max(1));
-        tasks.push(tokio::spawn(async move {
-            let mut local = histogram();
-            let mut since_ack = 0u32;
-            while Instant::now() < deadline {
-                let next =
-                    tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), consumer.next()).await;
-                let Ok(Some(Ok(d))) = next else { break };
-                if d.data.len() >= 8 {
-                    let sent = u64::from_be_bytes(d.data[..8].try_into().expect("8 bytes"));
-                    let _ = local.record(now_micros(start).saturating_sub(sent).max(1));
-                }
-                counters.consumed.fetch_add(1, Ordering::Relaxed);
-                since_ack += 1;
-                if since_ack >= multi {
-                    let _ = ch.basic_ack(d.delivery_tag, BasicAckOptions { multiple: true }).await;
-                    since_ack = 0;
-                }
-            }
-            e2e.lock().expect("poisoned").add(local).expect("same bounds");
-        }));
+    for i in 0..args.consumers {
+        let conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
+        tasks.push(tokio::spawn(consume(
+            run.clone(),
+            conn.create_channel().await?,
+            queue_name(&args, i),
+            args.clone(),
+        )));
+        conns.push(conn);
+    }
+    for i in 0..args.producers {
+        let conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
+        tasks.push(tokio::spawn(produce(
+            run.clone(),
+            conn.create_channel().await?,
+            queue_name(&args, i),
+            args.clone(),
+        )));
+        conns.push(conn);
     }
 
-    for _ in 0..args.producers {
-        let ch = conn.create_channel().await?;
-        if args.confirm > 0 {
-            ch.confirm_select(ConfirmSelectOptions::default()).await?;
-        }
-        let window = Arc::new(Semaphore::new(args.confirm.max(1) as usize));
-        let (counters, lat) = (counters.clone(), confirm_lat.clone());
-        let (queue, size, confirm, persistent, rate) =
-            (args.queue.clone(), args.size, args.confirm, !args.transient, args.rate);
-        tasks.push(tokio::spawn(async move {
-            let props =
-                if persistent { BasicProperties::default().with_delivery_mode(2) } else { BasicProperties::default() };
-            let mut body = vec![b'x'; size];
-            let mut sent = 0u64;
-            while Instant::now() < deadline {
-                if rate > 0 {
-                    let due = Duration::from_secs_f64(sent as f64 / rate as f64);
-                    if start.elapsed() < due {
-                        tokio::time::sleep(due - start.elapsed()).await;
-                    }
-                }
-                let permit = match tokio::time::timeout(
-                    deadline.saturating_duration_since(Instant::now()),
-                    window.clone().acquire_owned(),
-                )
-                .await
-                {
-                    Ok(Ok(p)) => p,
-                    _ => break,
-                };
-                let t = now_micros(start);
-                body[..8].copy_from_slice(&t.to_be_bytes());
-                let Ok(pc) = ch
-                    .basic_publish(
-                        ShortString::from(""),
-                        ShortString::from(queue.as_str()),
-                        BasicPublishOptions::default(),
-                        &body,
-                        props.clone(),
-                    )
-                    .await
-                else {
-                    break;
-                };
-                sent += 1;
-                counters.published.fetch_add(1, Ordering::Relaxed);
-                if confirm == 0 {
-                    drop(permit);
-                    continue;
-                }
-                let (counters, lat) = (counters.clone(), lat.clone());
-                tokio::spawn(async move {
-                    match pc.await {
-                        Ok(c) if c.is_ack() => {
-                            counters.confirmed.fetch_add(1, Ordering::Relaxed);
-                            let _ = lat.lock().expect("poisoned").record(now_micros(start).saturating_sub(t).max(1));
-                        }
-                        _ => {
-                            counters.nacked.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    drop(permit);
-                });
-            }
-            // Wait for the confirms still in the window before the channel
-            // (and with it their promises) goes away.
-            if confirm > 0 {
-                let _ = tokio::time::timeout(Duration::from_secs(30), window.acquire_many(confirm)).await;
-            }
-        }));
-    }
-
-    // Progress, once a second.
+    // Progress, once a second, until the time is up or every task is done.
     let (mut last, mut last_t) = ((0, 0, 0), Instant::now());
-    while Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_secs(1).min(deadline.saturating_duration_since(Instant::now()))).await;
+    while Instant::now() < run.deadline && !tasks.iter().all(|t| t.is_finished()) {
+        tokio::time::sleep(Duration::from_secs(1).min(run.left())).await;
+        let c = &run.counters;
         let now = (
-            counters.published.load(Ordering::Relaxed),
-            counters.confirmed.load(Ordering::Relaxed),
-            counters.consumed.load(Ordering::Relaxed),
+            c.published.load(Ordering::Relaxed),
+            c.confirmed.load(Ordering::Relaxed),
+            c.consumed.load(Ordering::Relaxed),
         );
         let dt = last_t.elapsed().as_secs_f64().max(1e-9);
         if !args.json {
@@ -198,42 +146,160 @@ pub async fn run(args: PerfArgs) -> Result<(), PerfError> {
         last = now;
         last_t = Instant::now();
     }
+    let mut elapsed = [0f64; 2];
     for t in tasks {
-        let _ = t.await;
+        if let Ok(Some((role, secs))) = t.await {
+            elapsed[role] = elapsed[role].max(secs);
+        }
     }
-    let secs = args.time.max(1) as f64;
+    print_summary(&args, &run, elapsed);
+    for c in conns {
+        let _ = c.close(200, ShortString::from("perf done")).await;
+    }
+    Ok(())
+}
+
+const PRODUCER: usize = 0;
+const CONSUMER: usize = 1;
+
+/// Publish until the time is up or `--pmessages` are sent (and confirmed);
+/// answers how long that took.
+async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArgs) -> Option<(usize, f64)> {
+    if args.confirm > 0 {
+        ch.confirm_select(ConfirmSelectOptions::default()).await.ok()?;
+    }
+    let window = Arc::new(Semaphore::new(args.confirm.max(1) as usize));
+    let props =
+        if args.transient { BasicProperties::default() } else { BasicProperties::default().with_delivery_mode(2) };
+    let opts = BasicPublishOptions { mandatory: args.mandatory, ..Default::default() };
+    let mut body = vec![b'x'; args.size];
+    let mut sent = 0u64;
+    while Instant::now() < run.deadline && (args.pmessages == 0 || sent < args.pmessages) {
+        if args.rate > 0 {
+            let due = Duration::from_secs_f64(sent as f64 / args.rate as f64);
+            if run.start.elapsed() < due {
+                tokio::time::sleep(due - run.start.elapsed()).await;
+            }
+        }
+        let Ok(Ok(permit)) = tokio::time::timeout(run.left(), window.clone().acquire_owned()).await else { break };
+        let t = run.micros();
+        body[..8].copy_from_slice(&t.to_be_bytes());
+        let Ok(pc) = ch
+            .basic_publish(ShortString::from(""), ShortString::from(queue.as_str()), opts, &body, props.clone())
+            .await
+        else {
+            break;
+        };
+        sent += 1;
+        run.counters.published.fetch_add(1, Ordering::Relaxed);
+        if args.confirm == 0 {
+            continue;
+        }
+        let run = run.clone();
+        tokio::spawn(async move {
+            match pc.await {
+                Ok(c) if c.is_ack() => {
+                    if c.take_message().is_some() {
+                        run.counters.returned.fetch_add(1, Ordering::Relaxed);
+                    }
+                    run.counters.confirmed.fetch_add(1, Ordering::Relaxed);
+                    let _ = run.confirm_lat.lock().expect("poisoned").record(run.micros().saturating_sub(t).max(1));
+                }
+                _ => {
+                    run.counters.nacked.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            drop(permit);
+        });
+    }
+    // The confirms still in the window belong to this run.
+    if args.confirm > 0 {
+        let _ = tokio::time::timeout(Duration::from_secs(30), window.acquire_many(args.confirm)).await;
+    }
+    Some((PRODUCER, run.start.elapsed().as_secs_f64()))
+}
+
+/// Consume with prefetch and multi-acks until the time is up or
+/// `--cmessages` arrived; answers how long that took.
+async fn consume(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArgs) -> Option<(usize, f64)> {
+    ch.basic_qos(args.prefetch, BasicQosOptions::default()).await.ok()?;
+    let mut consumer = ch
+        .basic_consume(
+            ShortString::from(queue.as_str()),
+            ShortString::from(""),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .ok()?;
+    let mut local = histogram();
+    let (mut got, mut since_ack, mut last) = (0u64, 0u32, 0u64);
+    let multi = args.multi_ack.max(1);
+    while Instant::now() < run.deadline && (args.cmessages == 0 || got < args.cmessages) {
+        let Ok(Some(Ok(d))) = tokio::time::timeout(run.left(), consumer.next()).await else { break };
+        if d.data.len() >= 8 {
+            let sent = u64::from_be_bytes(d.data[..8].try_into().expect("8 bytes"));
+            let _ = local.record(run.micros().saturating_sub(sent).max(1));
+        }
+        run.counters.consumed.fetch_add(1, Ordering::Relaxed);
+        got += 1;
+        since_ack += 1;
+        last = d.delivery_tag;
+        if since_ack >= multi {
+            let _ = ch.basic_ack(last, BasicAckOptions { multiple: true }).await;
+            since_ack = 0;
+        }
+    }
+    if since_ack > 0 {
+        let _ = ch.basic_ack(last, BasicAckOptions { multiple: true }).await;
+    }
+    let secs = run.start.elapsed().as_secs_f64();
+    run.e2e_lat.lock().expect("poisoned").add(local).expect("same bounds");
+    Some((CONSUMER, secs))
+}
+
+fn print_summary(args: &PerfArgs, run: &Run, elapsed: [f64; 2]) {
+    let c = &run.counters;
+    let rate = |n: &AtomicU64, secs: f64| n.load(Ordering::Relaxed) as f64 / secs.max(1e-3);
     let pct = |h: &Histogram<u64>| {
+        let ms = |v: u64| if h.is_empty() { 0.0 } else { v as f64 / 1000.0 };
         json!({
-            "min": h.min() as f64 / 1000.0, "p50": h.value_at_quantile(0.5) as f64 / 1000.0,
-            "p75": h.value_at_quantile(0.75) as f64 / 1000.0, "p95": h.value_at_quantile(0.95) as f64 / 1000.0,
-            "p99": h.value_at_quantile(0.99) as f64 / 1000.0, "max": h.max() as f64 / 1000.0,
+            "min": ms(h.min()), "p50": ms(h.value_at_quantile(0.5)), "p75": ms(h.value_at_quantile(0.75)),
+            "p95": ms(h.value_at_quantile(0.95)), "p99": ms(h.value_at_quantile(0.99)), "max": ms(h.max()),
         })
     };
-    let cl = confirm_lat.lock().expect("poisoned");
-    let el = e2e_lat.lock().expect("poisoned");
+    let cl = run.confirm_lat.lock().expect("poisoned");
+    let el = run.e2e_lat.lock().expect("poisoned");
     let summary = json!({
-        "published_per_sec": counters.published.load(Ordering::Relaxed) as f64 / secs,
-        "confirmed_per_sec": counters.confirmed.load(Ordering::Relaxed) as f64 / secs,
-        "nacked": counters.nacked.load(Ordering::Relaxed),
-        "consumed_per_sec": counters.consumed.load(Ordering::Relaxed) as f64 / secs,
+        "published": c.published.load(Ordering::Relaxed),
+        "confirmed": c.confirmed.load(Ordering::Relaxed),
+        "consumed": c.consumed.load(Ordering::Relaxed),
+        "published_per_sec": rate(&c.published, elapsed[PRODUCER]),
+        "confirmed_per_sec": rate(&c.confirmed, elapsed[PRODUCER]),
+        "nacked": c.nacked.load(Ordering::Relaxed),
+        "returned": c.returned.load(Ordering::Relaxed),
+        "consumed_per_sec": rate(&c.consumed, elapsed[CONSUMER]),
         "confirm_latency_ms": pct(&cl),
         "end_to_end_latency_ms": pct(&el),
-        "producers": args.producers, "consumers": args.consumers, "size": args.size, "confirm": args.confirm,
+        "producers": args.producers, "consumers": args.consumers, "queues": args.queues,
+        "size": args.size, "confirm": args.confirm,
     });
     if args.json {
         println!("{summary}");
-    } else {
-        println!(
-            "summary: sent {:.0} msg/s, confirmed {:.0} msg/s, received {:.0} msg/s",
-            summary["published_per_sec"].as_f64().unwrap_or(0.0),
-            summary["confirmed_per_sec"].as_f64().unwrap_or(0.0),
-            summary["consumed_per_sec"].as_f64().unwrap_or(0.0)
-        );
-        println!("confirm latency ms  min/p50/p75/p95/p99/max: {}", fmt_pct(&summary["confirm_latency_ms"]));
-        println!("end-to-end latency ms min/p50/p75/p95/p99/max: {}", fmt_pct(&summary["end_to_end_latency_ms"]));
+        return;
     }
-    let _ = conn.close(200, ShortString::from("perf done")).await;
-    Ok(())
+    println!(
+        "summary: sent {:.0} msg/s, confirmed {:.0} msg/s, received {:.0} msg/s{}",
+        summary["published_per_sec"].as_f64().unwrap_or(0.0),
+        summary["confirmed_per_sec"].as_f64().unwrap_or(0.0),
+        summary["consumed_per_sec"].as_f64().unwrap_or(0.0),
+        match (summary["nacked"].as_u64(), summary["returned"].as_u64()) {
+            (Some(0), Some(0)) => String::new(),
+            (n, r) => format!(" ({} nacked, {} returned)", n.unwrap_or(0), r.unwrap_or(0)),
+        }
+    );
+    println!("confirm latency ms  min/p50/p75/p95/p99/max: {}", fmt_pct(&summary["confirm_latency_ms"]));
+    println!("end-to-end latency ms min/p50/p75/p95/p99/max: {}", fmt_pct(&summary["end_to_end_latency_ms"]));
 }
 
 fn fmt_pct(v: &serde_json::Value) -> String {

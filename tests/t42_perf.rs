@@ -22,6 +22,22 @@ async fn perf_runs_and_reports() {
     assert!(v["consumed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
     assert_eq!(v["nacked"], 0, "{v}");
     assert!(v["confirm_latency_ms"]["p99"].as_f64().unwrap() >= v["confirm_latency_ms"]["p50"].as_f64().unwrap());
+    // Message counts and several queues: 2 producers x 150 over 2 queues,
+    // each consumer stops after its 150; every message confirmed and consumed.
+    let counted = std::process::Command::new(process::binary())
+        .args(["perf", "--uri", &uri, "--time", "60", "--producers", "2", "--consumers", "2", "--queues", "2"])
+        .args(["--pmessages", "150", "--cmessages", "150", "--confirm", "20", "--mandatory", "--json"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&counted.stdout);
+    assert!(counted.status.success(), "perf failed: {stdout}\n{}", String::from_utf8_lossy(&counted.stderr));
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    assert_eq!(
+        (v["published"].as_u64(), v["confirmed"].as_u64(), v["consumed"].as_u64()),
+        (Some(300), Some(300), Some(300)),
+        "{v}"
+    );
+    assert_eq!(v["returned"], 0, "every queue exists: nothing returned");
     // Bad input is a clear error and a non-zero exit.
     let bad =
         std::process::Command::new(process::binary()).args(["perf", "--uri", &uri, "--size", "4"]).output().unwrap();
