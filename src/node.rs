@@ -737,6 +737,13 @@ impl Node {
         }
     }
 
+    /// Ready messages in the local replica of `queue` (the master's count
+    /// where this node masters it, a little behind elsewhere).
+    pub fn ready_hint(&self, queue: &str) -> Option<u64> {
+        let group = self.metadata().queues.get(queue)?.group;
+        self.inner.groups.read().expect("poisoned").get(&group).map(|g| g.stats.borrow().ready)
+    }
+
     /// Wait until the local replica of `queue` shows ready messages, at most
     /// `limit` (just `limit` when this node hosts no replica).
     pub async fn wait_for_messages(&self, queue: &str, limit: Duration) {

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
 use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, queue, tx, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+use futures::FutureExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Semaphore};
@@ -21,12 +22,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::auth::{self, Grants};
 use super::codec::{self, decode_properties, encode_properties, Parsed};
+use super::confirms;
+use super::consumer::Consumer;
 use super::deliveries::{ConsumerId, Deliveries};
 use crate::error::NodeError;
 use crate::metadata::names::{self, DEFAULT_VHOST};
 use crate::metadata::{Access, ArgValue, Args, Binding, ExchangeKind, ExchangeMeta, QueueArgs};
 use crate::node::{stored_all, DeclareOpts, Node};
-use crate::queue::{Delivery, Message, QueueCmd};
+use crate::queue::{Message, QueueCmd};
 
 const PROTOCOL_HEADER: &[u8; 8] = b"AMQP\x00\x00\x09\x01";
 const FRAME_MAX: u32 = 131_072;
@@ -66,7 +69,7 @@ fn hard(code: u16, text: impl Into<String>) -> Hard {
 
 /// A short string (reply texts, names): at most 255 bytes, so a long
 /// error text is cut at a character boundary rather than panicking.
-fn ss(s: &str) -> ShortString {
+pub(super) fn ss(s: &str) -> ShortString {
     let mut end = s.len().min(255);
     while !s.is_char_boundary(end) {
         end -= 1;
@@ -74,18 +77,18 @@ fn ss(s: &str) -> ShortString {
     ShortString::from(&s[..end])
 }
 
-fn method(ch: u16, class: AMQPClass) -> AMQPFrame {
+pub(super) fn method(ch: u16, class: AMQPClass) -> AMQPFrame {
     AMQPFrame::Method(ch, class)
 }
 
 #[derive(Clone)]
-struct Out(mpsc::Sender<Vec<AMQPFrame>>);
+pub(super) struct Out(mpsc::Sender<Vec<AMQPFrame>>);
 
 impl Out {
-    async fn send(&self, frames: Vec<AMQPFrame>) {
+    pub(super) async fn send(&self, frames: Vec<AMQPFrame>) {
         let _ = self.0.send(frames).await;
     }
-    async fn one(&self, frame: AMQPFrame) {
+    pub(super) async fn one(&self, frame: AMQPFrame) {
         self.send(vec![frame]).await;
     }
 }
@@ -492,6 +495,7 @@ impl Conn {
                 user: self.user.clone(),
                 vhost: self.vhost.clone(),
                 grants: Grants::default(),
+                confirms: None,
             };
             self.channels.insert(ch, ChannelHandle { tx, closed });
             self.node.clients().channel_opened(self.conn_id, ch);
@@ -563,6 +567,8 @@ struct Channel {
     /// Names from the client are in this vhost: the engine gets keys.
     vhost: Arc<str>,
     grants: Grants,
+    /// In confirm mode: the task that sends acks and nacks.
+    confirms: Option<mpsc::UnboundedSender<confirms::Pending>>,
 }
 
 /// A channel-level error: `channel.close` with this code.
@@ -1262,6 +1268,19 @@ impl Channel {
         }
     }
 
+    /// Answer publish `seq` once `stored` says whether it was stored; the
+    /// channel's confirm task coalesces the answers (see `confirms`).
+    fn confirm_when(&mut self, seq: u64, stored: futures::future::BoxFuture<'static, bool>) {
+        let (id, out) = (self.id, self.out.clone());
+        let confirms = self.confirms.get_or_insert_with(|| {
+            confirms::spawn(id, move |frames| {
+                let out = out.clone();
+                async move { out.send(frames).await }
+            })
+        });
+        let _ = confirms.send((seq, stored));
+    }
+
     async fn publish_complete(&mut self) -> Result<(), Result<Soft, Hard>> {
         let p = self.pending.take().expect("pending publish");
         let header = p.header.expect("header before completion");
@@ -1298,8 +1317,9 @@ impl Channel {
                 self.out.send(content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max)).await;
             }
             if let Some(seq) = seq {
+                // After the return, in order with the other confirms.
                 self.node.metrics().confirmed.inc();
-                self.reply(ack_frame(seq)).await;
+                self.confirm_when(seq, futures::future::ready(true).boxed());
             }
             return Ok(());
         }
@@ -1315,8 +1335,8 @@ impl Channel {
         for q in &queues {
             waits.push(self.node.submit(q, vec![QueueCmd::enqueue(vec![msg.clone()], vec![ttl])]).await);
         }
-        let (out, id, node) = (self.out.clone(), self.id, self.node.clone());
-        tokio::spawn(async move {
+        let node = self.node.clone();
+        let done = async move {
             // Confirmed only when every queue it reached has confirmed it.
             let results = futures::future::join_all(waits.into_iter().zip(&queues).map(|(w, q)| async move {
                 match w {
@@ -1326,34 +1346,32 @@ impl Channel {
             }))
             .await;
             drop(permit);
-            let failed = queues.iter().zip(&results).find_map(|(q, r)| r.as_ref().err().map(|e| (q, e)));
-            match (failed, seq) {
-                (None, Some(seq)) => {
-                    node.metrics().confirmed.inc();
-                    node.metrics().confirm_latency.observe(received.elapsed().as_secs_f64());
-                    out.one(method(id, ack_frame(seq))).await
-                }
-                (Some((q, e)), Some(seq)) => {
-                    match e {
-                        NodeError::Refused(_) => tracing::debug!(queue = %q, error = %e, "publish refused; nacking"),
-                        _ => tracing::warn!(queue = %q, error = %e, "publish not confirmed; nacking"),
+            match queues.iter().zip(&results).find_map(|(q, r)| r.as_ref().err().map(|e| (q, e))) {
+                None => {
+                    if seq.is_some() {
+                        node.metrics().confirmed.inc();
+                        node.metrics().confirm_latency.observe(received.elapsed().as_secs_f64());
                     }
-                    out.one(method(
-                        id,
-                        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-                            delivery_tag: seq,
-                            multiple: false,
-                            requeue: false,
-                        })),
-                    ))
-                    .await
+                    true
                 }
-                (Some((q, e)), None) => {
-                    tracing::warn!(queue = %q, error = %e, "publish failed (no confirms requested)")
+                Some((q, e)) => {
+                    match (e, seq) {
+                        (NodeError::Refused(_), Some(_)) => {
+                            tracing::debug!(queue = %q, error = %e, "publish refused; nacking")
+                        }
+                        (_, Some(_)) => tracing::warn!(queue = %q, error = %e, "publish not confirmed; nacking"),
+                        (_, None) => tracing::warn!(queue = %q, error = %e, "publish failed (no confirms requested)"),
+                    }
+                    false
                 }
-                (None, None) => {}
             }
-        });
+        };
+        match seq {
+            Some(seq) => self.confirm_when(seq, done.boxed()),
+            None => {
+                tokio::spawn(done);
+            }
+        }
         Ok(())
     }
 }
@@ -1397,10 +1415,6 @@ fn is_publish(frame: &AMQPFrame) -> bool {
     matches!(frame, AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Publish(_))))
 }
 
-fn ack_frame(seq: u64) -> AMQPClass {
-    AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: seq, multiple: false }))
-}
-
 fn class_name(c: &AMQPClass) -> String {
     let s = format!("{c:?}");
     s.split('(').take(2).collect::<Vec<_>>().join(".").to_lowercase()
@@ -1433,7 +1447,7 @@ fn rand_id() -> u64 {
 }
 
 /// A method followed by its content header and body frames.
-fn content(ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) -> Vec<AMQPFrame> {
+pub(super) fn content(ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) -> Vec<AMQPFrame> {
     let mut frames = vec![method(ch, class)];
     frames.push(AMQPFrame::Header(
         ch,
@@ -1448,116 +1462,6 @@ fn content(ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) -> Vec<AMQP
         frames.push(AMQPFrame::Body(ch, part.to_vec()));
     }
     frames
-}
-
-/// Pushes a queue's messages to one consumer, within its prefetch.
-struct Consumer {
-    /// Its number on the channel, for its prefetch count.
-    id: ConsumerId,
-    channel: u16,
-    tag: String,
-    queue: String,
-    no_ack: bool,
-    owner: u64,
-    node: Node,
-    out: Out,
-    deliveries: Arc<Deliveries>,
-    frame_max: u32,
-    stop: CancellationToken,
-}
-
-impl Consumer {
-    async fn run(self) {
-        let mut idle = Duration::from_millis(5);
-        loop {
-            if self.stop.is_cancelled() {
-                return;
-            }
-            // Held until the messages fetched with it are assigned tags.
-            let claim = (!self.no_ack).then(|| self.deliveries.claim(self.id));
-            let room = claim.as_ref().map_or(1000, |c| c.n);
-            if room == 0 {
-                drop(claim);
-                let notified = self.deliveries.room.notified();
-                tokio::select! {
-                    _ = self.stop.cancelled() => return,
-                    _ = notified => {}
-                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                }
-                continue;
-            }
-            if !self.node.may_have_messages(&self.queue) {
-                drop(claim);
-                tokio::select! {
-                    _ = self.stop.cancelled() => return,
-                    _ = self.node.wait_for_messages(&self.queue, Duration::from_millis(200)) => {}
-                }
-                continue;
-            }
-            match self.node.get(&self.queue, self.owner, room.min(256), self.no_ack).await {
-                Ok(msgs) if msgs.is_empty() => {
-                    drop(claim);
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return,
-                        _ = self.node.wait_for_messages(&self.queue, idle) => {}
-                    }
-                    idle = (idle * 2).min(Duration::from_millis(200));
-                }
-                Ok(msgs) => {
-                    idle = Duration::from_millis(5);
-                    if self.stop.is_cancelled() {
-                        // Cancelled while the get was in flight: hand them back.
-                        if !self.no_ack {
-                            let tags = msgs.iter().map(|d| d.tag).collect();
-                            let _ = self.node.nack(&self.queue, tags, true).await;
-                        }
-                        return;
-                    }
-                    self.deliver(msgs).await;
-                    drop(claim);
-                }
-                Err(NodeError::NoSuchQueue(_)) => {
-                    self.node.clients().stopped_consuming(self.owner >> 16, self.channel, &self.tag);
-                    // The queue was deleted: tell the client (consumer_cancel_notify).
-                    self.out
-                        .one(method(
-                            self.channel,
-                            AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-                                consumer_tag: ss(&self.tag),
-                                nowait: true,
-                            })),
-                        ))
-                        .await;
-                    return;
-                }
-                Err(e) => {
-                    drop(claim);
-                    tracing::debug!(queue = %self.queue, error = %e, "consumer get failed; retrying");
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return,
-                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                    }
-                }
-            }
-        }
-    }
-
-    async fn deliver(&self, msgs: Vec<Delivery>) {
-        self.node.metrics().delivered.inc_by(msgs.len() as u64);
-        let mut frames = Vec::with_capacity(msgs.len() * 3);
-        for d in msgs {
-            let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack, Some(self.id));
-            let m = basic::AMQPMethod::Deliver(basic::Deliver {
-                consumer_tag: ss(&self.tag),
-                delivery_tag: tag,
-                redelivered: d.redelivered,
-                exchange: ss(&d.message.exchange),
-                routing_key: ss(&d.message.routing_key),
-            });
-            frames.extend(content(self.channel, AMQPClass::Basic(m), &d.message, self.frame_max));
-        }
-        self.out.send(frames).await;
-    }
 }
 
 #[cfg(test)]

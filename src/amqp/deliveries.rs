@@ -126,9 +126,9 @@ impl Deliveries {
     /// Claim the room consumer `id` has now (how many more messages it may
     /// be sent); give it back with [`Deliveries::release`] once the
     /// messages fetched with it are assigned.
-    pub fn reserve(&self, id: ConsumerId) -> u32 {
+    pub fn reserve(&self, id: ConsumerId, at_most: u32) -> u32 {
         let mut st = self.state.lock().expect("poisoned");
-        let mut room = UNLIMITED_BATCH;
+        let mut room = UNLIMITED_BATCH.min(at_most);
         if st.channel_prefetch > 0 {
             let busy = st.unacked.len() + st.settling.values().sum::<usize>() + st.reserved.values().sum::<usize>();
             room = room.min((st.channel_prefetch as usize).saturating_sub(busy) as u32);
@@ -158,14 +158,15 @@ impl Deliveries {
         self.room.notify_waiters();
     }
 
-    /// [`Deliveries::reserve`], given back when the claim is dropped.
-    pub fn claim(self: &Arc<Self>, id: ConsumerId) -> Claim {
-        Claim { n: self.reserve(id), id, deliveries: self.clone() }
+    /// [`Deliveries::reserve`] of at most `at_most`, given back when the
+    /// claim is dropped.
+    pub fn claim(self: &Arc<Self>, id: ConsumerId, at_most: u32) -> Claim {
+        Claim { n: self.reserve(id, at_most), id, deliveries: self.clone() }
     }
 
     #[cfg(test)]
     fn room(&self, id: ConsumerId) -> u32 {
-        let n = self.reserve(id);
+        let n = self.reserve(id, u32::MAX);
         self.release(id, n);
         n
     }
@@ -298,12 +299,12 @@ mod tests {
         d.set_prefetch(4, true);
         d.consumer_started(1);
         d.consumer_started(2);
-        assert_eq!(d.reserve(1), 4);
-        assert_eq!(d.reserve(2), 0, "consumer 1's get is in flight");
+        assert_eq!(d.reserve(1, u32::MAX), 4);
+        assert_eq!(d.reserve(2, u32::MAX), 0, "consumer 1's get is in flight");
         d.assign("q", 1, true, Some(1));
         d.assign("q", 2, true, Some(1));
         d.release(1, 4);
-        assert_eq!(d.reserve(2), 2);
+        assert_eq!(d.reserve(2, u32::MAX), 2);
     }
 
     #[test]

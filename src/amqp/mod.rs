@@ -16,7 +16,9 @@
 
 mod auth;
 mod codec;
+mod confirms;
 mod connection;
+mod consumer;
 mod deliveries;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
 
-pub use codec::{decode_properties, encode_properties, expiration_ms, without_expiration};
+pub use codec::{decode_properties, encode_properties, expiration_ms, parse, without_expiration, write_frame, Parsed};
 pub(crate) use connection::to_args;
 
 /// Accept AMQP connections until `stop` is cancelled.

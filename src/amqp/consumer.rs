@@ -1,0 +1,183 @@
+//! Pushes a queue's messages to one consumer, within its prefetch.
+//!
+//! Deliveries are taken from the queue's master with gets that go through
+//! the queue's Raft log (a delivered message is recorded on every replica
+//! before the client sees it). One get at a time would make a consumer as
+//! fast as one commit round trip allows, so while the queue holds more than
+//! is already asked for, up to [`GETS_IN_FLIGHT`] gets run at once; their
+//! messages go to the client in the order the gets were issued, which is
+//! their order in the log.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use amq_protocol::protocol::{basic, AMQPClass};
+use futures::future::BoxFuture;
+use futures::stream::FuturesOrdered;
+use futures::{FutureExt, StreamExt};
+use tokio_util::sync::CancellationToken;
+
+use super::connection::{content, method, ss, Out};
+use super::deliveries::{Claim, ConsumerId, Deliveries};
+use crate::error::NodeError;
+use crate::node::Node;
+use crate::queue::Delivery;
+
+/// Gets a consumer keeps in flight while the queue is deep.
+const GETS_IN_FLIGHT: usize = 4;
+/// Messages one get asks for at most.
+const GET_BATCH: u32 = 256;
+/// A no-ack consumer has no prefetch: this bounds what it asks for at once.
+const NO_ACK_BATCH: u32 = 1000;
+
+type Get = BoxFuture<'static, (Option<Claim>, u32, Result<Vec<Delivery>, NodeError>)>;
+
+pub(super) struct Consumer {
+    /// Its number on the channel, for its prefetch count.
+    pub id: ConsumerId,
+    pub channel: u16,
+    pub tag: String,
+    pub queue: String,
+    pub no_ack: bool,
+    pub owner: u64,
+    pub node: Node,
+    pub out: Out,
+    pub deliveries: Arc<Deliveries>,
+    pub frame_max: u32,
+    pub stop: CancellationToken,
+}
+
+impl Consumer {
+    pub async fn run(self) {
+        let mut idle = Duration::from_millis(5);
+        let mut gets: FuturesOrdered<Get> = FuturesOrdered::new();
+        // Messages the gets in flight ask for.
+        let mut asked = 0u64;
+        loop {
+            if self.stop.is_cancelled() {
+                return self.give_back(gets).await;
+            }
+            let mut no_room = false;
+            while gets.len() < GETS_IN_FLIGHT {
+                let first = gets.is_empty();
+                // Another get only while the queue holds more than is asked for.
+                let worth = if first {
+                    self.node.may_have_messages(&self.queue)
+                } else {
+                    self.node.ready_hint(&self.queue).is_some_and(|ready| ready > asked)
+                };
+                if !worth {
+                    break;
+                }
+                // Held until the messages fetched with it are assigned tags.
+                let claim = (!self.no_ack).then(|| self.deliveries.claim(self.id, GET_BATCH));
+                let want = claim.as_ref().map_or(NO_ACK_BATCH, |c| c.n);
+                if want == 0 {
+                    no_room = first;
+                    break;
+                }
+                asked += want as u64;
+                let (node, queue, owner, no_ack) = (self.node.clone(), self.queue.clone(), self.owner, self.no_ack);
+                gets.push_back(async move { (claim, want, node.get(&queue, owner, want, no_ack).await) }.boxed());
+            }
+            let Some((claim, want, got)) = gets.next().await else {
+                // Nothing asked: wait for room or for messages.
+                if no_room {
+                    let notified = self.deliveries.room.notified();
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = notified => {}
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                } else {
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = self.node.wait_for_messages(&self.queue, Duration::from_millis(200)) => {}
+                    }
+                }
+                continue;
+            };
+            asked -= want as u64;
+            match got {
+                Ok(msgs) if msgs.is_empty() => {
+                    drop(claim);
+                    if gets.is_empty() {
+                        tokio::select! {
+                            _ = self.stop.cancelled() => return,
+                            _ = self.node.wait_for_messages(&self.queue, idle) => {}
+                        }
+                        idle = (idle * 2).min(Duration::from_millis(200));
+                    }
+                }
+                Ok(msgs) => {
+                    idle = Duration::from_millis(5);
+                    if self.stop.is_cancelled() {
+                        // Cancelled while the get was in flight: hand them back.
+                        self.requeue(msgs).await;
+                        return self.give_back(gets).await;
+                    }
+                    self.deliver(msgs).await;
+                    drop(claim);
+                }
+                Err(NodeError::NoSuchQueue(_)) => {
+                    self.node.clients().stopped_consuming(self.owner >> 16, self.channel, &self.tag);
+                    // The queue was deleted: tell the client (consumer_cancel_notify).
+                    self.out
+                        .one(method(
+                            self.channel,
+                            AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                                consumer_tag: ss(&self.tag),
+                                nowait: true,
+                            })),
+                        ))
+                        .await;
+                    return self.give_back(gets).await;
+                }
+                Err(e) => {
+                    drop(claim);
+                    tracing::debug!(queue = %self.queue, error = %e, "consumer get failed; retrying");
+                    if gets.is_empty() {
+                        tokio::select! {
+                            _ = self.stop.cancelled() => return,
+                            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Gets still in flight when the consumer stops: wait for them (a get
+    /// cannot be taken back once sent) and requeue what they took.
+    async fn give_back(&self, mut gets: FuturesOrdered<Get>) {
+        while let Some((_claim, _, got)) = gets.next().await {
+            if let Ok(msgs) = got {
+                self.requeue(msgs).await;
+            }
+        }
+    }
+
+    async fn requeue(&self, msgs: Vec<Delivery>) {
+        if !self.no_ack && !msgs.is_empty() {
+            let tags = msgs.iter().map(|d| d.tag).collect();
+            let _ = self.node.nack(&self.queue, tags, true).await;
+        }
+    }
+
+    async fn deliver(&self, msgs: Vec<Delivery>) {
+        self.node.metrics().delivered.inc_by(msgs.len() as u64);
+        let mut frames = Vec::with_capacity(msgs.len() * 3);
+        for d in msgs {
+            let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack, Some(self.id));
+            let m = basic::AMQPMethod::Deliver(basic::Deliver {
+                consumer_tag: ss(&self.tag),
+                delivery_tag: tag,
+                redelivered: d.redelivered,
+                exchange: ss(&d.message.exchange),
+                routing_key: ss(&d.message.routing_key),
+            });
+            frames.extend(content(self.channel, AMQPClass::Basic(m), &d.message, self.frame_max));
+        }
+        self.out.send(frames).await;
+    }
+}
