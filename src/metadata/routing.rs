@@ -77,21 +77,31 @@ pub fn builtin(name: &str) -> Option<ExchangeMeta> {
     Some(ExchangeMeta { name: name.to_string(), kind, durable: true, auto_delete: false, internal: false })
 }
 
-/// AMQP topic matching: words split on '.', `*` is one word, `#` zero or more.
+/// AMQP topic matching: words split on '.', `*` is one word, `#` zero or
+/// more. Walks both strings in place (no allocation): it runs once per
+/// binding of the exchange on every publish.
 pub fn topic_matches(pattern: &str, key: &str) -> bool {
-    fn go(p: &[&str], k: &[&str]) -> bool {
-        match (p.first(), k.first()) {
+    /// The first word and the rest (`None`: no words left).
+    fn word(s: Option<&str>) -> Option<(&str, Option<&str>)> {
+        let s = s?;
+        Some(match s.split_once('.') {
+            Some((w, rest)) => (w, Some(rest)),
+            None => (s, None),
+        })
+    }
+    fn go(p: Option<&str>, k: Option<&str>) -> bool {
+        match (word(p), word(k)) {
             (None, None) => true,
-            (Some(&"#"), _) => go(&p[1..], k) || (!k.is_empty() && go(p, &k[1..])),
-            (Some(&"*"), Some(_)) => go(&p[1..], &k[1..]),
-            (Some(w), Some(x)) if w == x => go(&p[1..], &k[1..]),
+            (Some(("#", p_rest)), _) => go(p_rest, k) || (k.is_some() && go(p, word(k).and_then(|(_, r)| r))),
+            (Some(("*", p_rest)), Some((_, k_rest))) => go(p_rest, k_rest),
+            (Some((w, p_rest)), Some((x, k_rest))) if w == x => go(p_rest, k_rest),
             _ => false,
         }
     }
-    let p: Vec<&str> = pattern.split('.').collect();
-    let k: Vec<&str> = if key.is_empty() { Vec::new() } else { key.split('.').collect() };
-    let p: Vec<&str> = if pattern.is_empty() { Vec::new() } else { p };
-    go(&p, &k)
+    fn words(s: &str) -> Option<&str> {
+        (!s.is_empty()).then_some(s)
+    }
+    go(words(pattern), words(key))
 }
 
 /// Headers-exchange matching: `x-match` `all` (default) or `any` over the
@@ -127,7 +137,9 @@ pub fn route(
     }
     let ex = exchanges.get(exchange).cloned().or_else(|| builtin(exchange))?;
     let mut out = BTreeSet::new();
-    for b in bindings.iter().filter(|b| b.exchange == exchange) {
+    // Bindings sort by exchange first: this exchange's are one range.
+    let from = Binding { exchange: exchange.to_string(), queue: String::new(), routing_key: String::new(), args: Args::new() };
+    for b in bindings.range(from..).take_while(|b| b.exchange == exchange) {
         let hit = match ex.kind {
             ExchangeKind::Direct => b.routing_key == routing_key,
             ExchangeKind::Fanout => true,
@@ -161,6 +173,14 @@ mod tests {
         assert!(topic_matches("lazy.#", "lazy.orange.male.rabbit"));
         assert!(!topic_matches("*", ""));
         assert!(!topic_matches("a.b", "a.b.c"));
+        assert!(topic_matches("a.#.d", "a.d"));
+        assert!(topic_matches("a.#.d", "a.b.c.d"));
+        assert!(!topic_matches("a.#.d", "a.b.c"));
+        assert!(topic_matches("#.#", "a"));
+        assert!(topic_matches("", ""));
+        assert!(!topic_matches("", "a"));
+        assert!(topic_matches("a..b", "a..b"), "empty words are words");
+        assert!(topic_matches("*.*", "a."));
     }
 
     fn args(kv: &[(&str, &str)]) -> Args {
