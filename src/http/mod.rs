@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metadata::names::{self, key};
 use crate::metadata::{
-    policy, Access, ApplyTo, ArgValue, Binding, ExchangeKind, ExchangeMeta, Policy, QueueArgs, QueueMeta,
+    policy, Access, ApplyTo, ArgValue, Args, Binding, ExchangeKind, ExchangeMeta, Policy, QueueArgs, QueueMeta,
 };
 use crate::node::{DeclareOpts, Node};
 use crate::queue::{Message, QueueCmd};
@@ -115,6 +115,15 @@ async fn prometheus(State(node): State<Node>) -> Response {
 async fn fresh_reads(State(node): State<Node>, req: Request, next: Next) -> Response {
     node.meta_barrier().await;
     next.run(req).await
+}
+
+/// What a PUT answers, as RabbitMQ: 201 for something new, 204 otherwise.
+fn put_status(created: bool) -> StatusCode {
+    if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::NO_CONTENT
+    }
 }
 
 /// A queue, exchange or policy name from a path or body: it becomes part of a key.
@@ -260,7 +269,7 @@ async fn put_policy(
     let p = Policy { name: key(&vhost, &name), pattern, apply_to, priority, definition };
     policy::validate(&p).map_err(ApiError::bad_request)?;
     let created = node.set_policy(p).await?;
-    Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
+    Ok(put_status(created))
 }
 
 async fn delete_policy(
@@ -398,14 +407,13 @@ async fn put_queue(
     // Decided by the metadata apply, not a local look-up that may lag.
     let opts = DeclareOpts { args, ..DeclareOpts::default() };
     let (_, created) = node.declare_queue_with(&name, Vec::new(), opts).await?;
-    Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
+    Ok(put_status(created))
 }
 
-/// A queue's `arguments` object as RabbitMQ's API takes it.
-pub(crate) fn queue_args(v: Option<&Value>) -> Result<QueueArgs, String> {
-    let Some(Value::Object(m)) = v else { return Ok(QueueArgs::default()) };
-    let raw = m
-        .iter()
+/// An `arguments` object of the API (queues, bindings) as AMQP arguments.
+fn json_args(v: Option<&Value>) -> Args {
+    let Some(Value::Object(m)) = v else { return Args::new() };
+    m.iter()
         .map(|(k, v)| {
             let v = match v {
                 Value::String(s) => ArgValue::Str(s.clone()),
@@ -415,8 +423,12 @@ pub(crate) fn queue_args(v: Option<&Value>) -> Result<QueueArgs, String> {
             };
             (k.clone(), v)
         })
-        .collect();
-    QueueArgs::parse(&raw)
+        .collect()
+}
+
+/// A queue's `arguments` object as RabbitMQ's API takes it.
+pub(crate) fn queue_args(v: Option<&Value>) -> Result<QueueArgs, String> {
+    QueueArgs::parse(&json_args(v))
 }
 
 async fn delete_queue(
@@ -627,7 +639,7 @@ async fn put_exchange(
     };
     let existed = node.metadata().exchange(&ex.name).is_some();
     node.declare_exchange(ex).await?;
-    Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
+    Ok(put_status(!existed))
 }
 
 async fn delete_exchange(
@@ -691,21 +703,7 @@ async fn bind(
     if b.get("arguments").is_some_and(|v| !v.is_object() && !v.is_null()) {
         return Err(ApiError::bad_request("arguments must be an object"));
     }
-    let args = match b.get("arguments") {
-        Some(Value::Object(m)) => m
-            .iter()
-            .map(|(k, v)| {
-                let v = match v {
-                    Value::String(s) => ArgValue::Str(s.clone()),
-                    Value::Bool(b) => ArgValue::Bool(*b),
-                    Value::Number(n) if n.is_i64() => ArgValue::Int(n.as_i64().unwrap_or_default()),
-                    other => ArgValue::Other(other.to_string()),
-                };
-                (k.clone(), v)
-            })
-            .collect(),
-        _ => Default::default(),
-    };
+    let args = json_args(b.get("arguments"));
     node.bind(Binding { exchange: key(&vhost, &exchange), queue: key(&vhost, &queue), routing_key, args }).await?;
     Ok(StatusCode::CREATED)
 }

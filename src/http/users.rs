@@ -8,7 +8,7 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 
 use super::access::Caller;
-use super::{parse_body, ApiError};
+use super::{parse_body, put_status, ApiError};
 use crate::metadata::access::{hash_password, parse_tags, Hashing};
 use crate::metadata::{names, MetaCmd, Permission, User, Vhost};
 use crate::node::Node;
@@ -89,7 +89,7 @@ pub async fn put_user(
     caller.admin()?;
     let user = user_from(&name, &parse_body(&body)?)?;
     let created = node.meta_change(MetaCmd::PutUser(user), String::new).await?;
-    Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
+    Ok(put_status(created))
 }
 
 pub async fn delete_user(
@@ -142,7 +142,7 @@ pub async fn put_vhost(
     caller.admin()?;
     let vhost = vhost_from(&name, &parse_body(&body)?)?;
     let created = node.meta_change(MetaCmd::PutVhost(vhost), String::new).await?;
-    Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
+    Ok(put_status(created))
 }
 
 /// Deletes the vhost and everything in it, as RabbitMQ does.
@@ -231,7 +231,7 @@ pub async fn put_permission(
         return Err(ApiError::bad_request("vhost_or_user_not_found"));
     }
     let created = node.meta_change(MetaCmd::SetPermission(p), String::new).await?;
-    Ok(if created { StatusCode::CREATED } else { StatusCode::NO_CONTENT })
+    Ok(put_status(created))
 }
 
 pub async fn delete_permission(

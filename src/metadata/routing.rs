@@ -138,7 +138,8 @@ pub fn route(
     let ex = exchanges.get(exchange).cloned().or_else(|| builtin(exchange))?;
     let mut out = BTreeSet::new();
     // Bindings sort by exchange first: this exchange's are one range.
-    let from = Binding { exchange: exchange.to_string(), queue: String::new(), routing_key: String::new(), args: Args::new() };
+    let from =
+        Binding { exchange: exchange.to_string(), queue: String::new(), routing_key: String::new(), args: Args::new() };
     for b in bindings.range(from..).take_while(|b| b.exchange == exchange) {
         let hit = match ex.kind {
             ExchangeKind::Direct => b.routing_key == routing_key,
