@@ -407,6 +407,10 @@ impl Node {
     pub fn metadata(&self) -> Arc<MetaState> {
         self.inner.meta.borrow().clone()
     }
+    /// The metadata, announced on every applied change.
+    pub fn watch_metadata(&self) -> watch::Receiver<Arc<MetaState>> {
+        self.inner.meta.clone()
+    }
     pub fn metadata_raft(&self) -> &Raft {
         &self.inner.meta_raft
     }

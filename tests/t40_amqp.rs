@@ -1180,9 +1180,33 @@ async fn vhosts_users_and_permissions() {
     assert_amqp_error(&err.expect_err("read refused"), "403", "ACCESS_REFUSED");
     assert!(n1.metadata().queues.keys().all(|k| !k.ends_with("other")), "nothing declared when refused");
 
-    // A deleted vhost takes its queues with it; / keeps its own.
-    alice.close(200, "bye".into()).await.ok();
+    // Revoked access, a deleted user, a deleted vhost: their open
+    // connections are closed (320), as RabbitMQ closes them.
+    change(MetaCmd::PutUser(User::with_password("bob", "bob-pw", vec![]))).await;
+    change(MetaCmd::SetPermission(Permission::full("bob", "dev"))).await;
+    let bob = Connection::connect(&uri(3, "bob:bob-pw", "dev"), ConnectionProperties::default()).await.unwrap();
+    let bob2 = Connection::connect(&uri(1, "bob:bob-pw", "dev"), ConnectionProperties::default()).await.unwrap();
+    change(MetaCmd::ClearPermission { vhost: "dev".into(), user: "bob".into() }).await;
+    common::wait_until(Duration::from_secs(10), "bob's connections closed", || {
+        !bob.status().connected() && !bob2.status().connected()
+    })
+    .await;
+    let carl = Connection::connect(&uri(2, "alice:alice-pw", "dev"), ConnectionProperties::default()).await.unwrap();
+    assert!(alice.status().connected() && carl.status().connected(), "others' access unchanged");
+    change(MetaCmd::PutUser(User::with_password("dave", "dave-pw", vec![]))).await;
+    change(MetaCmd::SetPermission(Permission::full("dave", "dev"))).await;
+    let dave = Connection::connect(&uri(2, "dave:dave-pw", "dev"), ConnectionProperties::default()).await.unwrap();
+    change(MetaCmd::DeleteUser { name: "dave".into() }).await;
+    common::wait_until(Duration::from_secs(10), "dave's connection closed", || !dave.status().connected()).await;
+    assert!(alice.status().connected(), "deleting another user closes nothing of alice's");
+
+    // A deleted vhost takes its queues and connections with it; / keeps its own.
     change(MetaCmd::DeleteVhost { name: "dev".into() }).await;
+    common::wait_until(Duration::from_secs(10), "dev's connections closed", || {
+        !alice.status().connected() && !carl.status().connected()
+    })
+    .await;
+    assert!(guest.status().connected(), "a connection to / stays");
     wait_metadata(&c, 3, |m| m.queues.len() == 1).await;
     assert!(n1.metadata().queues.contains_key("jobs"), "/ jobs survives");
     let gone = Connection::connect(&uri(1, "alice:alice-pw", "dev"), ConnectionProperties::default()).await;

@@ -53,6 +53,7 @@ const UNEXPECTED_FRAME: u16 = 505;
 const NOT_ALLOWED: u16 = 530;
 const NOT_IMPLEMENTED: u16 = 540;
 const INTERNAL_ERROR: u16 = 541;
+const CONNECTION_FORCED: u16 = 320;
 
 /// An error that ends the connection (`connection.close`).
 #[derive(Debug)]
@@ -271,6 +272,24 @@ impl Conn {
             .await;
     }
 
+    /// Why an open connection may no longer stay, as RabbitMQ closes it:
+    /// its user was deleted, or its vhost, or the user's access to it.
+    fn access_gone(&self, meta: &crate::metadata::MetaState) -> Option<String> {
+        if self.state != State::Open {
+            return None;
+        }
+        let (user, vhost) = (&self.user, &self.vhost);
+        if !meta.users.contains_key(&**user) {
+            Some(format!("user '{user}' was deleted"))
+        } else if !meta.vhosts.contains_key(&**vhost) {
+            Some(format!("vhost '{vhost}' is deleted"))
+        } else if meta.permission(user, vhost).is_none() {
+            Some(format!("access to vhost '{vhost}' was revoked for user '{user}'"))
+        } else {
+            None
+        }
+    }
+
     /// `connection.blocked` / `unblocked` to a publishing client that asked
     /// for them (as RabbitMQ: connections that only consume are left
     /// alone), once per change.
@@ -294,6 +313,7 @@ impl Conn {
         let mut last_sent_heartbeat = Instant::now();
         let mut hard_rx = self.hard_rx.take().expect("hard_rx");
         let mut alarms = self.node.alarms().subscribe();
+        let mut meta = self.node.watch_metadata();
         // A publish waits in `buf` while an alarm is on; the socket is not
         // read meanwhile, so TCP pushes back on the publisher.
         let mut held = false;
@@ -340,6 +360,11 @@ impl Conn {
                     held = false;
                 }
                 Some(h) = hard_rx.recv() => return Err(h),
+                Ok(()) = meta.changed() => {
+                    if let Some(why) = self.access_gone(&meta.borrow_and_update()) {
+                        return Err(hard(CONNECTION_FORCED, format!("CONNECTION_FORCED - {why}")));
+                    }
+                }
                 _ = tick.tick() => {
                     if held || self.told_blocked {
                         // Not reading is our doing, and a blocked client
