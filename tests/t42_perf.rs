@@ -38,6 +38,10 @@ async fn perf_runs_and_reports() {
         "{v}"
     );
     assert_eq!(v["returned"], 0, "every queue exists: nothing returned");
+    // Closing is clean: the server lets the client close the socket after
+    // close-ok, so lapin does not report a broken connection.
+    let stderr = String::from_utf8_lossy(&counted.stderr);
+    assert!(!stderr.contains("ERROR"), "{stderr}");
     // Bad input is a clear error and a non-zero exit.
     let bad =
         std::process::Command::new(process::binary()).args(["perf", "--uri", &uri, "--size", "4"]).output().unwrap();

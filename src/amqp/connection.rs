@@ -194,6 +194,17 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         ))
         .await;
     }
+    if result.is_ok() {
+        // The client closed (or is closing) the connection. Whoever sent
+        // `connection.close` closes the socket after close-ok: wait for the
+        // client to do so, briefly, rather than closing under it (clients
+        // report that as a broken connection).
+        let mut scratch = [0u8; 256];
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            while matches!(rd.read(&mut scratch).await, Ok(n) if n > 0) {}
+        })
+        .await;
+    }
     drop(out);
     drop(conn);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
