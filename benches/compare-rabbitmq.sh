@@ -8,7 +8,7 @@
 # benches/compare_report.py writes the table into docs/benchmarks.md and the
 # chart docs/compare-rabbitmq.png.
 #
-# Usage: benches/compare-rabbitmq.sh            (TIME=10 seconds per case)
+# Usage: benches/compare-rabbitmq.sh            (TIME=10 seconds per case, DRAIN=50000)
 #        MIRRORQ_BIN=target/release/mirrorq SYSTEMS="mirrorq" benches/compare-rabbitmq.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,5 +68,7 @@ for s in $SYSTEMS; do
 done
 cleanup
 trap - EXIT
+# REPORT=0: results only, docs untouched (a smoke run).
+[ "${REPORT:-1}" = 1 ] || exit 0
 python3 -c "import matplotlib" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check matplotlib
 python3 benches/compare_report.py "$OUT/results.jsonl"
