@@ -3,6 +3,7 @@
 # RabbitMQ: nodes rmq1..3@localhost, AMQP 5681-5683, management 15681-15683.
 # mirrorq: AMQP 5691-5693, HTTP 15691-15693.
 RMQ=/usr/lib/rabbitmq/bin
+EPMD_BEFORE=$(pgrep -x epmd || true)
 
 cleanup() {
   for i in 1 2 3; do
@@ -10,7 +11,8 @@ cleanup() {
   done
   kill $(jobs -p) 2>/dev/null || true
   wait 2>/dev/null || true
-  pkill -f "epmd.*-address 127.0.0.1" 2>/dev/null || true
+  # epmd outlives the nodes; stop it if this script started it.
+  [ -n "${EPMD_BEFORE:-}" ] || epmd -kill >/dev/null 2>&1 || true
   rm -rf "$DIR"
 }
 if [ ! -x $RMQ/rabbitmq-server ]; then

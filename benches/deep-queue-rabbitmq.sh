@@ -13,6 +13,7 @@ BIN=${MIRRORQ_BIN:-target/release/mirrorq}
 [ -n "${MIRRORQ_BIN:-}" ] || cargo build --release --quiet --bin mirrorq
 BIN=$(realpath "$BIN")
 RMQ=/usr/lib/rabbitmq/bin
+EPMD_BEFORE=$(pgrep -x epmd || true)
 DIR=$(mktemp -d /tmp/deep-rabbitmq.XXXXXX)
 export HOME=$DIR ERL_EPMD_ADDRESS=127.0.0.1
 export RABBITMQ_CTL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
@@ -21,7 +22,8 @@ printf 'listeners.tcp.default = 127.0.0.1:5685\nmanagement.tcp.ip = 127.0.0.1\nm
 echo "[rabbitmq_management]." > "$DIR/enabled_plugins"
 cleanup() {
   [ -f "$DIR/pid" ] && kill -9 "$(cat "$DIR/pid")" 2>/dev/null || true
-  pkill -f "epmd.*-address 127.0.0.1" 2>/dev/null || true
+  # epmd outlives the nodes; stop it if this script started it.
+  [ -n "${EPMD_BEFORE:-}" ] || epmd -kill >/dev/null 2>&1 || true
   rm -rf "$DIR"
 }
 trap cleanup EXIT
