@@ -178,6 +178,8 @@ struct QueueGroup {
     majority_seen: Mutex<Instant>,
     /// Since when this replica has known no master.
     leaderless_since: Mutex<Option<Instant>>,
+    /// Since when the master this replica follows has not answered pings.
+    master_lost_since: Mutex<Option<Instant>>,
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,
@@ -1330,6 +1332,7 @@ impl Node {
             epoch,
             majority_seen: Mutex::new(Instant::now()),
             leaderless_since: Mutex::new(None),
+            master_lost_since: Mutex::new(None),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
             proposer,

@@ -234,7 +234,28 @@ impl Node {
                 // serve what it does not have.
                 let complete = g.plan.borrow().is_none();
                 let may = complete && !self.inner.is_quiet(q.group);
-                g.raft.runtime_config().elect(may && (senior_voter == Some(self.id()) || leaderless_long));
+                let stand = may && (senior_voter == Some(self.id()) || leaderless_long);
+                g.raft.runtime_config().elect(stand);
+                // A follower of a master that was alive waits out the
+                // master's lease and then a whole election timeout more
+                // before standing (openraft), 3-4 s by default. The pings
+                // already tell the master is gone: stand as soon as the lease
+                // has run out on the other voters too.
+                let lost_since = {
+                    let mut l = g.master_lost_since.lock().expect("poisoned");
+                    if m.current_leader.is_some_and(|leader| !reach.contains(&leader)) {
+                        Some(*l.get_or_insert(now))
+                    } else {
+                        *l = None;
+                        None
+                    }
+                };
+                if stand
+                    && m.state != ServerState::Candidate
+                    && lost_since.is_some_and(|t| now.duration_since(t) >= timing.election_max)
+                {
+                    let _ = g.raft.trigger().elect().await;
+                }
             }
 
             // Re-form: no majority reachable for the failure timeout, the
