@@ -306,7 +306,7 @@ impl Node {
         let transport = Arc::new(Transport::new());
         let (news, news_rx) = mpsc::unbounded_channel();
 
-        let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP))?;
+        let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?;
         let meta = meta_sm.with(|m| m.subscribe()).await;
         let meta_raft = Raft::new(
             cfg.node_id,
@@ -1291,7 +1291,7 @@ impl Node {
         let started = Instant::now();
         let db = &self.inner.db;
         let epoch = failover::load_epoch(db, q.group)?;
-        let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group))?;
+        let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?;
         let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
         let raft = Raft::new(
             self.id(),

@@ -17,7 +17,7 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachine<QueueMachine>, tempfile::Te
         // A non-zero group id, so the suite also exercises key prefixing.
         let group = 42;
         let log = LogStore::new(db.clone(), group);
-        let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, group)).expect("open sm");
+        let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, group), 1).expect("open sm");
         // As in a running node (after `Raft::new`): snapshots carry data.
         sm.enable_snapshot_transfer();
         Ok((dir, log, sm))

@@ -36,7 +36,7 @@ fn delivered(r: &Response) -> Vec<(Vec<u8>, bool)> {
 async fn get_sees_publish_from_earlier_entry_in_same_apply() {
     let dir = tempfile::tempdir().unwrap();
     let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, 5)).unwrap();
+    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, 5), 1).unwrap();
     let out = sm
         .apply(vec![
             entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }]),
@@ -56,7 +56,7 @@ async fn state_survives_reopen() {
     let dir = tempfile::tempdir().unwrap();
     {
         let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-        let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5)).unwrap();
+        let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 1).unwrap();
         sm.apply(vec![
             entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
             entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false }]),
@@ -68,7 +68,7 @@ async fn state_survives_reopen() {
         db.flusher().sync().await.unwrap();
     }
     let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, 5)).unwrap();
+    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, 5), 1).unwrap();
     let (applied, _) = sm.applied_state().await.unwrap();
     assert_eq!(applied.map(|l| l.index), Some(3));
     let out = sm.apply(vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false }])]).await.unwrap();
@@ -81,4 +81,32 @@ async fn state_survives_reopen() {
     let QueueReply::Got { msgs, .. } = &r[0] else { panic!() };
     assert_eq!(msgs[0].message, msg("b"));
     assert_eq!(msgs.iter().map(|d| d.tag).collect::<Vec<_>>(), vec![2, 3, 4], "tags keep counting after restart");
+}
+
+/// A mirror does not read bodies for deliveries: only the node that
+/// proposed an entry answers it. So a mirror lacking a body (one still
+/// catching up) applies a get of that message instead of failing with a
+/// fatal storage error, and the node that answers still gets the body.
+#[tokio::test]
+async fn only_the_answering_node_reads_delivered_bodies() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+    let publish = entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }]);
+    let get = entry(2, vec![QueueCmd::Get { owner: 2, max: 1, auto_ack: false }]);
+
+    // Node 2, following leader 1 (the entries' proposer), without the body of seq 0.
+    let mut mirror = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 7), 2).unwrap();
+    mirror.apply(vec![publish.clone()]).await.unwrap();
+    let mut body_key = vec![b'b'];
+    body_key.extend(0u64.to_be_bytes());
+    db.sm_tree().remove(SmSpace::new(db.clone(), 7).key(&body_key)).unwrap();
+    let out = mirror.apply(vec![get.clone()]).await.expect("a mirror applies a get of a body it lacks");
+    let Response::Queue(r) = &out[0] else { panic!() };
+    assert!(matches!(&r[0], QueueReply::Got { msgs, remaining: 1 } if msgs.is_empty()), "{r:?}");
+
+    // Node 1, which proposed them, answers with the body.
+    let mut master = StateMachine::<QueueMachine>::open(SmSpace::new(db, 8), 1).unwrap();
+    master.apply(vec![publish]).await.unwrap();
+    let out = master.apply(vec![get]).await.unwrap();
+    assert_eq!(delivered(&out[0]), vec![(b"a".to_vec(), false)]);
 }

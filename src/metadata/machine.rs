@@ -35,7 +35,13 @@ impl Machine for MetaMachine {
         Ok(Self { state, dirty: false, watch })
     }
 
-    fn apply(&mut self, _space: &SmSpace, req: &Request, _batch: &mut sled::Batch) -> Result<Response, StorageError> {
+    fn apply(
+        &mut self,
+        _space: &SmSpace,
+        req: &Request,
+        _batch: &mut sled::Batch,
+        _answering: bool,
+    ) -> Result<Response, StorageError> {
         let Request::Meta(cmd) = req else {
             return Ok(Response::None);
         };

@@ -293,7 +293,13 @@ impl Machine for QueueMachine {
         Ok(Self { state, stats, plan })
     }
 
-    fn apply(&mut self, space: &SmSpace, req: &Request, batch: &mut sled::Batch) -> Result<Response, StorageError> {
+    fn apply(
+        &mut self,
+        space: &SmSpace,
+        req: &Request,
+        batch: &mut sled::Batch,
+        answering: bool,
+    ) -> Result<Response, StorageError> {
         let Request::Queue(cmds) = req else {
             return Ok(Response::None);
         };
@@ -333,6 +339,10 @@ impl Machine for QueueMachine {
                     Change::Undeadline { seq } => {
                         batch.remove(space.key(&deadline_key(seq)));
                     }
+                    // Bodies go into replies only where a client gets them:
+                    // a mirror reads none (one still catching up may not
+                    // have them).
+                    Change::DeadLetter { .. } | Change::Deliver { .. } if !answering => {}
                     Change::DeadLetter { seq, reason } => {
                         let message = match fresh.get(&seq) {
                             Some(m) => Some((*m).clone()),

@@ -30,7 +30,15 @@ pub trait Machine: Send + Sync + Sized + 'static {
     /// Load the state written by earlier applies (empty space: initial state).
     fn load(space: &SmSpace) -> Result<Self, StorageError>;
     /// Apply one request; writes go into `batch` (keys from `space.key`).
-    fn apply(&mut self, space: &SmSpace, req: &Request, batch: &mut sled::Batch) -> Result<Response, StorageError>;
+    /// `answering`: this node proposed the entry, so its reply reaches a
+    /// client; elsewhere the reply is dropped and need not be filled in.
+    fn apply(
+        &mut self,
+        space: &SmSpace,
+        req: &Request,
+        batch: &mut sled::Batch,
+        answering: bool,
+    ) -> Result<Response, StorageError>;
     /// Add aggregate state to the batch that ends an apply call; announce the
     /// new state to watchers.
     fn commit(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError>;
@@ -66,11 +74,13 @@ pub struct StateMachine<M> {
     /// its meta; serializing a deep queue there made restarts take seconds.
     /// Until this is set (after `Raft::new`), the snapshot carries no data.
     transfer: Arc<AtomicBool>,
+    /// This node: entries it proposed are the ones it answers.
+    node: NodeId,
 }
 
 impl<M> Clone for StateMachine<M> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone(), transfer: self.transfer.clone() }
+        Self { inner: self.inner.clone(), transfer: self.transfer.clone(), node: self.node }
     }
 }
 
@@ -88,7 +98,8 @@ pub fn stored_applied(space: &SmSpace) -> Result<Option<LogId<NodeId>>, StorageE
 }
 
 impl<M: Machine> StateMachine<M> {
-    pub fn open(space: SmSpace) -> Result<Self, StorageError> {
+    /// The state machine of the group in `space`, on node `node`.
+    pub fn open(space: SmSpace, node: NodeId) -> Result<Self, StorageError> {
         let applied = match space.get(APPLIED_KEY)? {
             Some(b) => keys::decode(&b, "applied state")?,
             None => Applied::default(),
@@ -97,6 +108,7 @@ impl<M: Machine> StateMachine<M> {
         Ok(Self {
             inner: Arc::new(Mutex::new(Inner { space, machine, applied })),
             transfer: Arc::new(AtomicBool::new(false)),
+            node,
         })
     }
 
@@ -187,7 +199,7 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
                 EntryPayload::Blank => Response::None,
                 EntryPayload::Normal(req) => inner
                     .machine
-                    .apply(&inner.space, req, &mut batch)
+                    .apply(&inner.space, req, &mut batch, entry.log_id.leader_id.node_id == self.node)
                     .map_err(|e| sto(ErrorSubject::Apply(entry.log_id), ErrorVerb::Write, e))?,
                 EntryPayload::Membership(m) => {
                     inner.applied.membership = StoredMembership::new(Some(entry.log_id), m.clone());
