@@ -26,8 +26,9 @@ export RABBITMQ_CTL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
 printf MIRRORQCOMPARECOOKIE > "$DIR/.erlang.cookie"
 chmod 400 "$DIR/.erlang.cookie"
 ctl() { "$RMQ/rabbitmqctl" -n "rmq$1@localhost" "${@:2}" >/dev/null; }
-# One RabbitMQ node (again, after a kill: it rejoins from its data dir).
-start_rabbit_node() {
+# Launch RabbitMQ node i (again, after a kill: it rejoins from its data
+# dir) without waiting for it.
+launch_rabbit_node() {
   local i=$1
   mkdir -p "$DIR/r$i"
   printf 'listeners.tcp.default = 127.0.0.1:568%s\nmanagement.tcp.ip = 127.0.0.1\nmanagement.tcp.port = 1568%s\n' \
@@ -39,7 +40,11 @@ start_rabbit_node() {
     RABBITMQ_PLUGINS_EXPAND_DIR=$DIR/r$i/plugins RABBITMQ_PID_FILE=$DIR/r$i/pid \
     RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}" \
     setsid "$RMQ/rabbitmq-server" >> "$DIR/r$i/out.log" 2>&1 &
-  "$RMQ/rabbitmqctl" -n "rmq$i@localhost" wait "$DIR/r$i/pid" --timeout 120 >/dev/null
+}
+# Node i, up and running.
+start_rabbit_node() {
+  launch_rabbit_node "$1"
+  "$RMQ/rabbitmqctl" -n "rmq$1@localhost" wait "$DIR/r$1/pid" --timeout 120 >/dev/null
 }
 start_rabbitmq() {
   for i in 1 2 3; do start_rabbit_node $i; done
