@@ -3,11 +3,14 @@
 //! that batches operations into entries and holds confirms until every
 //! synchronised replica has them ([`proposer`], [`sync`]); and the epochs
 //! a group goes through when it is re-formed after losing its majority ([`epoch`]);
-//! the bodies a replica still has to fetch after a snapshot ([`catchup`]).
+//! the bodies a replica still has to fetch after a snapshot ([`catchup`]);
+//! how bodies and deliveries are laid out on disk ([`bodies`], [`runs`]).
 
+mod bodies;
 pub mod catchup;
 pub mod epoch;
 pub mod proposer;
+mod runs;
 pub mod sm;
 pub mod state;
 pub mod sync;

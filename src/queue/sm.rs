@@ -3,10 +3,13 @@
 //!
 //! Keys (group-relative):
 //! - `c`            counters (next seq, tag, requeue order)
-//! - `s` + seq(8)   [`MsgState`] of delivered or requeued messages only;
-//!   scanned at start to rebuild the index (never-delivered messages are a
-//!   range given by the counters, so a deep queue restarts without reading it)
-//! - `b` + seq(8)   the [`Message`], read only to deliver
+//! - `s` + seq(8)   [`MsgState`] of a requeued message (or of one restored
+//!   from a snapshot); scanned at start with the runs to rebuild the index
+//!   (never-delivered messages are a range given by the counters, so a deep
+//!   queue restarts without reading it)
+//! - `u` + seq(8)   a run of messages delivered together ([`super::runs`])
+//! - `B` + seq(8)   a chunk of message bodies from seq on ([`super::bodies`]),
+//!   read only to deliver; removed once none of its messages is held
 //! - `h` + origin(24) an old-epoch entry whose messages were handed back
 //! - `e`            the [`ForkRecord`] of the group's current epoch, if re-formed
 //! - `y`            the catch-up [`Plan`]: bodies this replica still lacks
@@ -16,14 +19,17 @@
 //!   starting at seq; only for queues with a TTL
 
 use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use mirrorq_storage::{keys, SmSpace, StorageError};
 
+use super::bodies::{self, Chunk, ChunkWriter};
 use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
+use super::runs::Runs;
 use super::state::{Change, Counters, QueueState};
 use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
 use crate::raft::state_machine::Machine;
@@ -79,12 +85,6 @@ fn stored_times(space: &SmSpace, prefix: &[u8]) -> Result<Vec<(u64, u64)>, Stora
     Ok(out)
 }
 
-fn body_key(seq: u64) -> [u8; 9] {
-    let mut k = [b'b'; 9];
-    k[1..].copy_from_slice(&seq.to_be_bytes());
-    k
-}
-
 /// Message bodies by seq, encoded as stored.
 pub type EncodedBodies = Vec<(u64, Vec<u8>)>;
 
@@ -116,6 +116,46 @@ pub struct QueueMachine {
     stats: watch::Sender<QueueStats>,
     /// Bodies still to fetch; `None` when the replica has every body.
     plan: watch::Sender<Option<Plan>>,
+    /// Seqs of the delivered and requeued messages (the state's, ordered
+    /// by seq): with the never-delivered range, what keeps a chunk alive.
+    tracked: BTreeSet<u64>,
+    /// Where delivered messages are recorded on disk.
+    runs: Runs,
+    /// The chunk read last: a get reads its messages one after another.
+    chunk: Option<Chunk>,
+}
+
+/// Is `seq` held, given the never-delivered range and the tracked seqs?
+fn held_in(fresh: &Range<u64>, tracked: &BTreeSet<u64>, start: u64, end: u64) -> bool {
+    (start.max(fresh.start) < end.min(fresh.end)) || tracked.range(start..end).next().is_some()
+}
+
+/// What a stored (maybe stopped) replica holds, read from its disk alone:
+/// the never-delivered range and the tracked seqs.
+fn stored_holdings(space: &SmSpace) -> Result<(Range<u64>, BTreeSet<u64>), StorageError> {
+    let c = QueueMachine::stored_counters(space)?;
+    let mut tracked: BTreeSet<u64> = Runs::load(space)?.1.into_iter().map(|(seq, _)| seq).collect();
+    for kv in space.scan(b"s") {
+        tracked.insert(u64::from_be_bytes(kv?.0[1..9].try_into().expect("state key is 9 bytes")));
+    }
+    Ok((c.ready_head..c.next_seq, tracked))
+}
+
+/// Consecutive messages as chunks: a new chunk wherever a seq does not
+/// follow the one before.
+fn chunks_of<'a>(msgs: impl IntoIterator<Item = (u64, &'a [u8])>) -> Vec<ChunkWriter> {
+    let mut out: Vec<ChunkWriter> = Vec::new();
+    for (seq, encoded) in msgs {
+        match out.last_mut() {
+            Some(w) if w.end() == seq => w.push_encoded(encoded),
+            _ => {
+                let mut w = ChunkWriter::new(seq);
+                w.push_encoded(encoded);
+                out.push(w);
+            }
+        }
+    }
+    out
 }
 
 impl QueueMachine {
@@ -126,6 +166,11 @@ impl QueueMachine {
     /// The catch-up plan, announced whenever it changes.
     pub fn plan(&self) -> watch::Receiver<Option<Plan>> {
         self.plan.subscribe()
+    }
+
+    fn fresh(&self) -> Range<u64> {
+        let c = self.state.counters();
+        c.ready_head..c.next_seq
     }
 
     /// Store fetched bodies (encoded as the master stores them) of messages
@@ -140,14 +185,17 @@ impl QueueMachine {
         bytes_total: Option<u64>,
     ) -> Result<(), StorageError> {
         let Some(mut plan) = self.plan.borrow().clone() else { return Ok(()) };
-        let tracked = self.state.tracked_seqs();
+        let fresh = self.fresh();
         let mut batch = sled::Batch::default();
-        for (seq, body) in bodies {
-            if plan.lacks(*seq) && self.state.holds(*seq, &tracked) {
-                batch.insert(space.key(&body_key(*seq)), body.as_slice());
-                plan.msgs_done += 1;
-                plan.bytes_done += body.len() as u64;
-            }
+        let wanted = bodies
+            .iter()
+            .filter(|(seq, _)| plan.lacks(*seq) && held_in(&fresh, &self.tracked, *seq, *seq + 1))
+            .map(|(seq, body)| (*seq, body.as_slice()));
+        for w in chunks_of(wanted) {
+            plan.msgs_done += w.end() - w.first();
+            let chunk = w.finish();
+            plan.bytes_done += chunk.len() as u64;
+            batch.insert(space.key(&bodies::key(w.first())), chunk);
         }
         plan.advance(upto);
         plan.bytes_total = plan.bytes_total.or(bytes_total);
@@ -169,8 +217,9 @@ impl QueueMachine {
     /// Encoded bodies with seqs in `ranges` from `from` on, at most about
     /// `max_bytes` of them, and the seq to continue from (`None`: the
     /// ranges are exhausted). Read from sled without the state machine
-    /// lock: bodies are immutable, and one consumed meanwhile is simply
-    /// not sent.
+    /// lock: chunks are immutable, and one removed meanwhile is simply not
+    /// sent. A consumed message whose chunk is still kept is sent too; the
+    /// receiver keeps only what it still holds.
     pub fn read_bodies(
         space: &SmSpace,
         ranges: &[(u64, u64)],
@@ -179,14 +228,15 @@ impl QueueMachine {
         let mut out = Vec::new();
         let mut bytes = 0;
         for (start, end) in ranges {
-            for kv in space.range(&body_key(*start), &body_key(*end)) {
-                let (k, v) = kv?;
-                let seq = u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes"));
-                if bytes >= max_bytes && !out.is_empty() {
-                    return Ok((out, Some(seq)));
+            for c in bodies::overlapping(space, *start, *end)? {
+                for seq in c.first().max(*start)..c.end().min(*end) {
+                    if bytes >= max_bytes && !out.is_empty() {
+                        return Ok((out, Some(seq)));
+                    }
+                    let body = c.encoded(seq)?.expect("seq within the chunk");
+                    bytes += body.len();
+                    out.push((seq, body.to_vec()));
                 }
-                bytes += v.len();
-                out.push((seq, v.to_vec()));
             }
         }
         Ok((out, None))
@@ -196,38 +246,50 @@ impl QueueMachine {
     pub fn bytes_in(space: &SmSpace, ranges: &[(u64, u64)]) -> Result<u64, StorageError> {
         let mut total = 0;
         for (start, end) in ranges {
-            for kv in space.range(&body_key(*start), &body_key(*end)) {
-                total += kv?.1.len() as u64;
+            for c in bodies::overlapping(space, *start, *end)? {
+                for seq in c.first().max(*start)..c.end().min(*end) {
+                    total += c.encoded(seq)?.map_or(0, |b| b.len() as u64);
+                }
             }
         }
         Ok(total)
     }
 
-    /// Bodies of every message stored in a group's space (tests, tools).
-    pub fn stored_messages(space: &SmSpace) -> Result<Vec<Message>, StorageError> {
+    /// Every message the stored state holds whose body is here, with its
+    /// seq, in seq order (tests, tools, re-forming a group).
+    fn stored_live(space: &SmSpace) -> Result<Vec<(u64, Message)>, StorageError> {
+        let (fresh, tracked) = stored_holdings(space)?;
         let mut out = Vec::new();
-        for kv in space.scan(b"b") {
-            out.push(keys::decode(&kv?.1, "message body")?);
-        }
-        Ok(out)
-    }
-
-    /// Live messages with a seq of at least `from` (handed-back ones
-    /// included: their seqs are above every other).
-    pub fn stored_from(space: &SmSpace, from: u64) -> Result<Vec<Message>, StorageError> {
-        let mut out = Vec::new();
-        for kv in space.scan(b"b") {
-            let (k, v) = kv?;
-            if u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes")) >= from {
-                out.push(keys::decode(&v, "message body")?);
+        for c in bodies::all(space) {
+            let c = c?;
+            for seq in (c.first()..c.end()).filter(|s| held_in(&fresh, &tracked, *s, *s + 1)) {
+                out.extend(c.message(seq)?.map(|m| (seq, m)));
             }
         }
         Ok(out)
     }
 
+    /// Bodies of every message stored in a group's space (tests, tools).
+    pub fn stored_messages(space: &SmSpace) -> Result<Vec<Message>, StorageError> {
+        Ok(Self::stored_live(space)?.into_iter().map(|(_, m)| m).collect())
+    }
+
+    /// Live messages with a seq of at least `from` (handed-back ones
+    /// included: their seqs are above every other).
+    pub fn stored_from(space: &SmSpace, from: u64) -> Result<Vec<Message>, StorageError> {
+        Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| *seq >= from).map(|(_, m)| m).collect())
+    }
+
     /// The message stored under `seq`, if it is still live.
     pub fn stored_body(space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
-        space.get(&body_key(seq))?.map(|b| keys::decode(&b, "message body")).transpose()
+        let (fresh, tracked) = stored_holdings(space)?;
+        if !held_in(&fresh, &tracked, seq, seq + 1) {
+            return Ok(None);
+        }
+        match bodies::find(space, seq)? {
+            Some(c) => c.message(seq),
+            None => Ok(None),
+        }
     }
 
     /// The counters as stored (a stopped replica's, for healing).
@@ -245,15 +307,64 @@ impl QueueMachine {
 
     /// The body of a live message; `None` if this replica has not fetched
     /// it yet (such a replica never leads, so the reply is not used).
-    fn read_body(&self, space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
-        match space.get(&body_key(seq))? {
-            Some(b) => keys::decode(&b, "message body").map(Some),
+    fn read_body(&mut self, space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
+        if !self.chunk.as_ref().is_some_and(|c| c.contains(seq)) {
+            self.chunk = bodies::find(space, seq)?;
+        }
+        match &self.chunk {
+            Some(c) => c.message(seq),
             None if self.plan.borrow().as_ref().is_some_and(|p| p.lacks(seq)) => Ok(None),
             None => Err(StorageError::Decode {
                 what: "message body (missing)",
                 source: bincode::error::DecodeError::Other("body of a live message is missing"),
             }),
         }
+    }
+
+    /// End of an entry: store its new messages in chunks, remove chunks
+    /// none of whose messages is held any more, write the changed runs.
+    fn write_entry(
+        &mut self,
+        space: &SmSpace,
+        batch: &mut sled::Batch,
+        inserted: &[(u64, &Message)],
+        removed: &mut [u64],
+    ) -> Result<(), StorageError> {
+        let fresh = self.fresh();
+        let mut encoded = Vec::with_capacity(inserted.len());
+        for (seq, m) in inserted {
+            encoded.push((*seq, keys::encode(*m, "message body")?));
+        }
+        let new = chunks_of(encoded.iter().map(|(seq, b)| (*seq, b.as_slice())));
+        for w in &new {
+            // Consumed within its own entry (auto-ack, overflow): never written.
+            if held_in(&fresh, &self.tracked, w.first(), w.end()) {
+                batch.insert(space.key(&bodies::key(w.first())), w.finish());
+            }
+        }
+        removed.sort_unstable();
+        let mut checked: Option<(u64, u64)> = None;
+        for &seq in removed.iter() {
+            if checked.is_some_and(|(start, end)| (start..end).contains(&seq))
+                || new.iter().any(|w| (w.first()..w.end()).contains(&seq))
+            {
+                continue;
+            }
+            let chunk = match self.chunk.as_ref().filter(|c| c.contains(seq)) {
+                Some(c) => Some(c.clone()),
+                None => bodies::find(space, seq)?,
+            };
+            // No chunk: a body this replica never fetched.
+            let Some(c) = chunk else { continue };
+            checked = Some((c.first(), c.end()));
+            if !held_in(&fresh, &self.tracked, c.first(), c.end()) {
+                batch.remove(space.key(&bodies::key(c.first())));
+                if self.chunk.as_ref().is_some_and(|k| k.first() == c.first()) {
+                    self.chunk = None;
+                }
+            }
+        }
+        self.runs.write(space, batch)
     }
 }
 
@@ -273,7 +384,7 @@ struct Dump {
 impl Machine for QueueMachine {
     fn load(space: &SmSpace) -> Result<Self, StorageError> {
         let counters = Self::stored_counters(space)?;
-        let mut stored = Vec::new();
+        let (runs, mut stored) = Runs::load(space)?;
         for kv in space.scan(b"s") {
             let (k, v) = kv?;
             let seq = u64::from_be_bytes(k[1..9].try_into().expect("state key is 9 bytes"));
@@ -290,7 +401,8 @@ impl Machine for QueueMachine {
         let (stats, _) = watch::channel(QueueStats::of(&state));
         let plan = space.get(PLAN)?.map(|b| keys::decode::<Plan>(&b, "catch-up plan")).transpose()?;
         let (plan, _) = watch::channel(plan);
-        Ok(Self { state, stats, plan })
+        let tracked = state.tracked_seqs();
+        Ok(Self { state, stats, plan, tracked, runs, chunk: None })
     }
 
     fn apply(
@@ -308,8 +420,11 @@ impl Machine for QueueMachine {
         // Bodies inserted by this apply call are not in sled until the batch
         // is applied; a get in the same entry reads them from here.
         let mut fresh: HashMap<u64, &Message> = HashMap::new();
+        let mut inserted: Vec<(u64, &Message)> = Vec::new();
+        let mut removed: Vec<u64> = Vec::new();
         let mut dead: Vec<(Message, DeathReason)> = Vec::new();
         self.state.begin_entry();
+        self.runs.begin_entry();
         for cmd in cmds {
             if let QueueCmd::Fork(record) = cmd {
                 batch.insert(space.key(FORK), keys::encode(record, "fork record")?);
@@ -321,7 +436,7 @@ impl Machine for QueueMachine {
                     Change::Insert { seq, batch_index } => {
                         let Some(msgs) = cmd.messages() else { unreachable!("insert without messages") };
                         let m = &msgs[batch_index];
-                        batch.insert(space.key(&body_key(seq)), keys::encode(m, "message body")?);
+                        inserted.push((seq, m));
                         fresh.insert(seq, m);
                     }
                     Change::Handed { origin } => {
@@ -350,14 +465,25 @@ impl Machine for QueueMachine {
                         };
                         dead.extend(message.map(|m| (m, reason)));
                     }
+                    Change::SetState { seq, state: MsgState::Unacked { tag, owner } } => {
+                        // Delivered again after a requeue: its state key goes.
+                        if self.tracked.contains(&seq) && !self.runs.holds(seq) {
+                            batch.remove(space.key(&state_key(seq)));
+                        }
+                        self.tracked.insert(seq);
+                        self.runs.delivered(seq, tag, owner);
+                    }
                     Change::SetState { seq, state } => {
+                        self.runs.settle(seq);
+                        self.tracked.insert(seq);
                         batch.insert(space.key(&state_key(seq)), keys::encode(&state, "message state")?);
                     }
                     Change::Remove { seq, tracked } => {
-                        if tracked {
+                        if tracked && !self.runs.settle(seq) {
                             batch.remove(space.key(&state_key(seq)));
                         }
-                        batch.remove(space.key(&body_key(seq)));
+                        self.tracked.remove(&seq);
+                        removed.push(seq);
                     }
                     Change::Deliver { seq, tag, redelivered } => {
                         let message = match fresh.get(&seq) {
@@ -372,6 +498,7 @@ impl Machine for QueueMachine {
             }
             replies.push(reply);
         }
+        self.write_entry(space, batch, &inserted, &mut removed)?;
         // The entry's dead letters go to its stamp's reply, which only the
         // master's proposer reads.
         if let Some(QueueReply::DeadLetters { msgs }) = replies.first_mut() {
@@ -386,25 +513,21 @@ impl Machine for QueueMachine {
         Ok(())
     }
 
-    const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[b"b"];
+    const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[b"B"];
 
     fn dump(&self, space: &SmSpace) -> Result<Vec<u8>, StorageError> {
-        let mut states = Vec::new();
-        for kv in space.scan(b"s") {
-            let (k, v) = kv?;
-            let seq = u64::from_be_bytes(k[1..9].try_into().expect("state key is 9 bytes"));
-            states.push((seq, keys::decode::<MsgState>(&v, "message state")?));
-        }
         let fork = Self::fork_record(space)?;
         let handed = self.state.handed().iter().copied().collect();
         let times = self.state.times().iter().map(|(k, v)| (*k, *v)).collect();
         let deadlines = self.state.deadlines().iter().map(|(k, v)| (*k, *v)).collect();
+        let states = self.state.states();
         let dump = Dump { counters: self.state.counters().clone(), states, fork, handed, times, deadlines };
         keys::encode(&dump, "queue dump")
     }
 
-    /// Bodies this replica already had (kept by the install) stay if the new
-    /// state still holds their message; the others it holds go in the plan.
+    /// Chunks this replica already had (kept by the install) stay if the
+    /// new state still holds one of their messages; the held messages
+    /// without a body here go in the plan.
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
         let d: Dump = keys::decode(dump, "queue dump")?;
         let state = QueueState::restore(d.counters.clone(), d.states.iter().copied())
@@ -412,6 +535,7 @@ impl Machine for QueueMachine {
             .with_times(d.times.iter().copied())
             .with_deadlines(d.deadlines.iter().copied());
         let tracked = state.tracked_seqs();
+        let fresh = d.counters.ready_head..d.counters.next_seq;
         let mut batch = sled::Batch::default();
         for (seq, at) in &d.times {
             batch.insert(space.key(&time_key(*seq)), &at.to_be_bytes()[..]);
@@ -426,20 +550,21 @@ impl Machine for QueueMachine {
         if let Some(f) = &d.fork {
             batch.insert(space.key(FORK), keys::encode(f, "fork record")?);
         }
+        // Delivered ones too are stored one by one here: runs are only
+        // made by gets.
         for (seq, st) in &d.states {
             batch.insert(space.key(&state_key(*seq)), keys::encode(st, "message state")?);
         }
         let mut present = BTreeSet::new();
-        for kv in space.scan(b"b") {
-            let (k, _) = kv?;
-            let seq = u64::from_be_bytes(k[1..9].try_into().expect("body key is 9 bytes"));
-            if state.holds(seq, &tracked) {
-                present.insert(seq);
+        for c in bodies::all(space) {
+            let c = c?;
+            if held_in(&fresh, &tracked, c.first(), c.end()) {
+                present.extend((c.first()..c.end()).filter(|s| held_in(&fresh, &tracked, *s, *s + 1)));
             } else {
-                batch.remove(space.key(&k));
+                batch.remove(space.key(&bodies::key(c.first())));
             }
         }
-        let (missing, msgs_total) = missing_ranges(d.counters.ready_head..d.counters.next_seq, &tracked, &present);
+        let (missing, msgs_total) = missing_ranges(fresh, &tracked, &present);
         let plan = (!missing.is_empty()).then(|| Plan { missing, msgs_total, ..Plan::default() });
         match &plan {
             Some(p) => batch.insert(space.key(PLAN), keys::encode(p, "catch-up plan")?),
@@ -447,6 +572,9 @@ impl Machine for QueueMachine {
         }
         space.apply(batch)?;
         self.state = state;
+        self.tracked = tracked;
+        self.runs.clear();
+        self.chunk = None;
         self.plan.send_replace(plan);
         Ok(())
     }

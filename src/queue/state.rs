@@ -193,6 +193,14 @@ impl QueueState {
     pub fn tracked_seqs(&self) -> BTreeSet<u64> {
         self.requeued.values().copied().chain(self.unacked.values().map(|u| u.seq)).collect()
     }
+    /// Delivered and requeued messages with their states, by seq.
+    pub fn states(&self) -> Vec<(u64, MsgState)> {
+        let requeued = self.requeued.iter().map(|(order, seq)| (*seq, MsgState::Requeued { order: *order }));
+        let unacked = self.unacked.iter().map(|(tag, u)| (u.seq, MsgState::Unacked { tag: *tag, owner: u.owner }));
+        let mut v: Vec<_> = requeued.chain(unacked).collect();
+        v.sort_unstable_by_key(|(seq, _)| *seq);
+        v
+    }
     /// Is `seq` a message the queue still holds?
     pub fn holds(&self, seq: u64, tracked: &BTreeSet<u64>) -> bool {
         self.is_fresh(seq) || tracked.contains(&seq)

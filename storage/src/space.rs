@@ -60,6 +60,19 @@ impl SmSpace {
             .map(|kv| kv.map(|(k, v)| (k[8..].to_vec(), v)).map_err(StorageError::from))
     }
 
+    /// The last of the group's keys in `[start, end]` (group-relative), if
+    /// any: the record a point falls in when records are keyed by where
+    /// they start.
+    pub fn last_in(&self, start: &[u8], end: &[u8]) -> Result<Option<(Vec<u8>, sled::IVec)>, StorageError> {
+        match self.db.sm_tree().range(self.key(start)..=self.key(end)).next_back() {
+            Some(kv) => {
+                let (k, v) = kv?;
+                Ok(Some((k[8..].to_vec(), v)))
+            }
+            None => Ok(None),
+        }
+    }
+
     /// Remove every key of the group.
     pub fn clear(&self) -> Result<(), StorageError> {
         self.clear_keeping(&[])
