@@ -13,11 +13,19 @@ use mirrorq::serve::{self, Exit};
 /// Rust binding).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
+/// How long freed pages stay mapped (ms). Purging at once (0) made a quarter
+/// of a node's CPU go to the kernel zeroing the same pages again with 4 KiB
+/// messages; 100 ms gave +30% msg/s there and +40% publishing a deep queue,
+/// for 12% more RSS holding 1M x 1 KiB (424 vs 378 MB; docs/benchmarks.md).
+/// mimalloc's default kept about 160 MB more on that queue.
+const PURGE_DELAY_MS: std::ffi::c_long = 100;
+
 fn main() -> anyhow::Result<()> {
-    // Give freed pages back at once: with the default delay, a node holding a
-    // deep queue kept about 160 MB of freed memory (benches/deep_queue.rs).
-    // SAFETY: sets a global allocator option before any thread is started.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
+    // mimalloc's own MIMALLOC_PURGE_DELAY (ms), when set, wins.
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets a global allocator option before any thread is started.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) };
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("MIRRORQ_LOG")

@@ -140,7 +140,9 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
                         msgs: (0..rng.gen_range(1..=20))
                             .map(|_| {
                                 n += 1;
-                                msg(&format!("m{n}"))
+                                // Some large ones, so that an entry's messages fill several chunks.
+                                let pad = if rng.gen_bool(0.2) { 6000 } else { 0 };
+                                msg(&format!("m{n}{}", "-".repeat(pad)))
                             })
                             .collect(),
                     },

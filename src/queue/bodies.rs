@@ -21,6 +21,11 @@ use super::types::Message;
 
 const PREFIX: u8 = b'B';
 
+/// A chunk takes no more messages once it holds this many bytes: sled keeps
+/// large values poorly (a node holding 1M x 1 KiB in chunks of 200 KB grew
+/// to 1.3 GB of RSS), and a small chunk frees its space sooner.
+pub const FULL_BYTES: usize = 16 * 1024;
+
 pub fn key(first: u64) -> [u8; 9] {
     let mut k = [PREFIX; 9];
     k[1..].copy_from_slice(&first.to_be_bytes());
@@ -54,6 +59,11 @@ impl ChunkWriter {
     /// The seq the next pushed message gets.
     pub fn end(&self) -> u64 {
         self.first + (self.offsets.len() as u64 - 1)
+    }
+
+    /// Holds [`FULL_BYTES`] or more: the next message starts a new chunk.
+    pub fn is_full(&self) -> bool {
+        self.data.len() >= FULL_BYTES
     }
 
     pub fn push_encoded(&mut self, encoded: &[u8]) {

@@ -142,12 +142,12 @@ fn stored_holdings(space: &SmSpace) -> Result<(Range<u64>, BTreeSet<u64>), Stora
 }
 
 /// Consecutive messages as chunks: a new chunk wherever a seq does not
-/// follow the one before.
+/// follow the one before, or the chunk is full.
 fn chunks_of<'a>(msgs: impl IntoIterator<Item = (u64, &'a [u8])>) -> Vec<ChunkWriter> {
     let mut out: Vec<ChunkWriter> = Vec::new();
     for (seq, encoded) in msgs {
         match out.last_mut() {
-            Some(w) if w.end() == seq => w.push_encoded(encoded),
+            Some(w) if w.end() == seq && !w.is_full() => w.push_encoded(encoded),
             _ => {
                 let mut w = ChunkWriter::new(seq);
                 w.push_encoded(encoded);
