@@ -15,7 +15,8 @@ cleanup() {
   [ -n "${EPMD_BEFORE:-}" ] || epmd -kill >/dev/null 2>&1 || true
   rm -rf "$DIR"
 }
-if [ ! -x $RMQ/rabbitmq-server ]; then
+# MIRRORQ_ONLY=1: a mirrorq-only script; RabbitMQ is not needed.
+if [ -z "${MIRRORQ_ONLY:-}" ] && [ ! -x $RMQ/rabbitmq-server ]; then
   SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get install -y -q --no-install-recommends rabbitmq-server >/dev/null \
     || { $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends rabbitmq-server >/dev/null; }

@@ -16,7 +16,8 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// How long freed pages stay mapped (ms). Purging at once (0) made a quarter
 /// of a node's CPU go to the kernel zeroing the same pages again with 4 KiB
 /// messages; 100 ms gave +30% msg/s there and +40% publishing a deep queue,
-/// for 12% more RSS holding 1M x 1 KiB (424 vs 378 MB; docs/benchmarks.md).
+/// for 12% more RSS holding 1M x 1 KiB (424 vs 378 MB with 16 KiB chunks;
+/// docs/benchmarks.md).
 /// mimalloc's default kept about 160 MB more on that queue.
 const PURGE_DELAY_MS: std::ffi::c_long = 100;
 
