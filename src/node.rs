@@ -180,6 +180,8 @@ struct QueueGroup {
     leaderless_since: Mutex<Option<Instant>>,
     /// Since when the master this replica follows has not answered pings.
     master_lost_since: Mutex<Option<Instant>>,
+    /// An election is timed to start when the lost master's lease is out.
+    elect_timed: AtomicBool,
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,
@@ -222,6 +224,8 @@ struct Inner {
     busy: Mutex<HashSet<GroupId>>,
     /// Peers that answered the last round of pings, and when it ran.
     reach: Mutex<Option<(Instant, BTreeSet<NodeId>)>>,
+    /// When each peer last answered a ping (the start of that round).
+    seen: Mutex<HashMap<NodeId, Instant>>,
     /// Peers known down (the complement of `reach`, plus masters that
     /// announced their stop): confirms do not wait for them at a new term.
     down: sync::Down,
@@ -344,6 +348,7 @@ impl Node {
             news,
             busy: Mutex::default(),
             reach: Mutex::default(),
+            seen: Mutex::default(),
             down: sync::Down::default(),
             leaving: AtomicBool::new(false),
             quiet: Mutex::default(),
@@ -888,9 +893,13 @@ impl Node {
                     target = match leader {
                         Some(l) if l != target => l,
                         _ => {
-                            // No hint: wait for an election, then try the next replica.
-                            tokio::time::sleep(Duration::from_millis(50 * attempt.min(10) as u64)).await;
-                            q.replicas[attempt % q.replicas.len()]
+                            // No hint: wait for an election, then try the
+                            // new master or else the next replica.
+                            let wait = Duration::from_millis(50 * attempt.min(10) as u64);
+                            match self.new_leader(q.group, target, wait).await {
+                                Some(l) => l,
+                                None => q.replicas[attempt % q.replicas.len()],
+                            }
                         }
                     };
                 }
@@ -901,6 +910,24 @@ impl Node {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// A leader of `group` other than `not`, as this node's replica learns
+    /// of it within `wait` (at once when an election ends: a publisher
+    /// waiting out a failover goes on as soon as there is a new master,
+    /// not at its next retry). `None` after `wait` or without a replica here.
+    async fn new_leader(&self, group: GroupId, not: NodeId, wait: Duration) -> Option<NodeId> {
+        let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
+        let Some(g) = g else {
+            tokio::time::sleep(wait).await;
+            return None;
+        };
+        let mut metrics = g.raft.metrics();
+        let found = tokio::time::timeout(wait, async {
+            metrics.wait_for(|m| m.current_leader.is_some_and(|l| l != not)).await.ok().and_then(|m| m.current_leader)
+        })
+        .await;
+        found.ok().flatten()
     }
 
     fn leader_guess(&self, q: &QueueMeta) -> NodeId {
@@ -1333,6 +1360,7 @@ impl Node {
             majority_seen: Mutex::new(Instant::now()),
             leaderless_since: Mutex::new(None),
             master_lost_since: Mutex::new(None),
+            elect_timed: AtomicBool::new(false),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
             proposer,
@@ -1420,6 +1448,11 @@ impl Inner {
         }
         // Before registration completes, the metadata membership knows it.
         self.meta_raft.metrics().borrow().membership_config.membership().get_node(&id).map(|n| n.addr.clone())
+    }
+
+    /// When the link to `id` broke by itself, if it is broken now.
+    fn link_lost_at(&self, id: NodeId) -> Option<Instant> {
+        self.transport.link_lost_at(&self.addr_of(id)?)
     }
 
     async fn call(&self, target: NodeId, req: &RpcRequest, deadline: Instant) -> Result<RpcResponse, CallError> {

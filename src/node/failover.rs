@@ -29,6 +29,10 @@ use mirrorq_storage::{NodeDb, SmSpace, StorageError};
 
 /// How long a ping may take before the peer counts as unreachable.
 const PING_LIMIT: Duration = Duration::from_millis(800);
+/// Stand this long after the lost master's lease has run out on the other
+/// voters: a vote asked for inside the lease is refused, and the refused
+/// candidate would wait a whole election timeout before asking again.
+const LEASE_MARGIN: Duration = Duration::from_millis(50);
 /// Handed-back messages travel in chunks of at most this many bytes.
 const HANDBACK_CHUNK_BYTES: usize = 1 << 20;
 
@@ -158,11 +162,18 @@ impl Node {
             }
         }
         let peers: Vec<NodeId> = state.nodes.keys().copied().filter(|id| *id != self.id()).collect();
+        let round = Instant::now();
         let pings = peers.iter().map(|id| self.ping(*id, PING_LIMIT));
         let answers = futures::future::join_all(pings).await;
         let mut set: BTreeSet<NodeId> =
             peers.into_iter().zip(answers).filter(|(_, ok)| *ok).map(|(id, _)| id).collect();
         set.insert(self.id());
+        {
+            let mut seen = self.inner.seen.lock().expect("poisoned");
+            for id in &set {
+                seen.insert(*id, round);
+            }
+        }
         *self.inner.reach.lock().expect("poisoned") = Some((Instant::now(), set.clone()));
         *self.inner.down.write().expect("poisoned") =
             state.nodes.keys().copied().filter(|id| !set.contains(id)).collect();
@@ -240,21 +251,31 @@ impl Node {
                 // master's lease and then a whole election timeout more
                 // before standing (openraft), 3-4 s by default. The pings
                 // already tell the master is gone: stand as soon as the lease
-                // has run out on the other voters too.
+                // has run out on the other voters too. Their lease runs from
+                // the master's last heartbeat, so from no later than its
+                // death; when the link to it broke after its last answered
+                // ping (a killed process's sockets close at once), that
+                // moment bounds its death, else the moment the pings failed.
                 let lost_since = {
                     let mut l = g.master_lost_since.lock().expect("poisoned");
-                    if m.current_leader.is_some_and(|leader| !reach.contains(&leader)) {
-                        Some(*l.get_or_insert(now))
-                    } else {
-                        *l = None;
-                        None
+                    match m.current_leader.filter(|leader| !reach.contains(leader)) {
+                        Some(leader) => Some(*l.get_or_insert_with(|| {
+                            let seen = self.inner.seen.lock().expect("poisoned").get(&leader).copied();
+                            match (self.inner.link_lost_at(leader), seen) {
+                                (Some(lost), Some(seen)) if lost > seen => lost.min(now),
+                                _ => now,
+                            }
+                        })),
+                        None => {
+                            *l = None;
+                            None
+                        }
                     }
                 };
-                if stand
-                    && m.state != ServerState::Candidate
-                    && lost_since.is_some_and(|t| now.duration_since(t) >= timing.election_max)
+                if let (true, Some(lost), Some(leader)) =
+                    (stand && m.state != ServerState::Candidate, lost_since, m.current_leader)
                 {
-                    let _ = g.raft.trigger().elect().await;
+                    self.elect_after_lease(&g, leader, lost + timing.election_max + LEASE_MARGIN);
                 }
             }
 
@@ -271,6 +292,30 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// Stand for election at `at` (now if it has passed), once, if the
+    /// master is still lost then and no one has won meanwhile: timed rather
+    /// than left to the next reconcile, which may come half a second late.
+    fn elect_after_lease(&self, g: &Arc<QueueGroup>, lost_leader: NodeId, at: Instant) {
+        if g.elect_timed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let g = g.clone();
+        let stop = self.inner.stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::time::sleep_until(at.into()) => {
+                    let lost = g.master_lost_since.lock().expect("poisoned").is_some();
+                    let m = g.raft.metrics().borrow().clone();
+                    if lost && m.state == ServerState::Follower && m.current_leader == Some(lost_leader) {
+                        let _ = g.raft.trigger().elect().await;
+                    }
+                }
+            }
+            g.elect_timed.store(false, Ordering::Release);
+        });
     }
 
     /// Make this replica the only voter of a new epoch of the group, with

@@ -110,6 +110,16 @@ impl Transport {
         self.peer(addr).start_call(req).await
     }
 
+    /// When the connection to `addr` broke by itself (the peer closed it or
+    /// the socket failed), if it is broken now. A process killed with
+    /// `kill -9` has its sockets closed by the kernel at once, so this is
+    /// within milliseconds of its death.
+    pub fn link_lost_at(&self, addr: &str) -> Option<Instant> {
+        let peer = self.peers.lock().expect("poisoned").get(addr).cloned()?;
+        let lost = *peer.lost_at.lock().expect("poisoned");
+        lost
+    }
+
     /// Drop every connection (the peers are re-dialled on the next call).
     pub fn close_all(&self) {
         for p in self.peers.lock().expect("poisoned").values() {
@@ -140,12 +150,20 @@ struct Peer {
     conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
     /// When the last dial failed, and how long to wait before the next.
     backoff: Mutex<Option<(Instant, Duration)>>,
+    /// When the last connection broke by itself; `None` while one is up.
+    lost_at: Arc<Mutex<Option<Instant>>>,
     next_id: AtomicU64,
 }
 
 impl Peer {
     fn new(addr: String) -> Self {
-        Self { addr, conn: tokio::sync::Mutex::new(None), backoff: Mutex::new(None), next_id: AtomicU64::new(1) }
+        Self {
+            addr,
+            conn: tokio::sync::Mutex::new(None),
+            backoff: Mutex::new(None),
+            lost_at: Arc::default(),
+            next_id: AtomicU64::new(1),
+        }
     }
 
     fn close(&self) {
@@ -175,7 +193,8 @@ impl Peer {
         };
         *self.backoff.lock().expect("poisoned") = None;
         let _ = stream.set_nodelay(true);
-        let conn = Arc::new(start_conn(stream));
+        *self.lost_at.lock().expect("poisoned") = None;
+        let conn = Arc::new(start_conn(stream, self.lost_at.clone()));
         *slot = Some(conn.clone());
         Ok(conn)
     }
@@ -245,7 +264,7 @@ pub(crate) async fn write_frames(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mp
     }
 }
 
-fn start_conn(stream: TcpStream) -> Conn {
+fn start_conn(stream: TcpStream, lost_at: Arc<Mutex<Option<Instant>>>) -> Conn {
     let (rd, wr) = stream.into_split();
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
@@ -276,6 +295,7 @@ fn start_conn(stream: TcpStream) -> Conn {
                 }
             }
             closed.store(true, Ordering::Release);
+            lost_at.lock().expect("poisoned").get_or_insert_with(Instant::now);
             // Dropping the senders fails every waiter at once.
             pending.lock().expect("poisoned").clear();
         })
@@ -397,5 +417,35 @@ impl RaftNetwork<TypeConfig> for GroupNetwork {
             RpcResponse::Vote(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
             _ => Err(self.unexpected()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The failover timer starts from the moment a master's link broke: the
+    /// transport must notice a peer closing it, without any call pending.
+    #[tokio::test]
+    async fn a_link_closed_by_the_peer_is_noticed_at_once() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let t = Transport::new();
+        assert!(t.link_lost_at(&addr).is_none(), "never dialled");
+        let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
+        let _reply = t.start_call(&addr, &RpcRequest::Members { group: 0 }).await.unwrap();
+        let server_side = accept.await.unwrap();
+        assert!(t.link_lost_at(&addr).is_none(), "the link is up");
+        let before = Instant::now();
+        drop(server_side);
+        let mut lost = None;
+        for _ in 0..500 {
+            lost = t.link_lost_at(&addr);
+            if lost.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(lost.is_some_and(|at| at >= before), "the closed link was not noticed");
     }
 }
