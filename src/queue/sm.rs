@@ -7,7 +7,8 @@
 //!   from a snapshot); scanned at start with the runs to rebuild the index
 //!   (never-delivered messages are a range given by the counters, so a deep
 //!   queue restarts without reading it)
-//! - `u` + seq(8)   a run of messages delivered together ([`super::runs`])
+//! - `u` + tag(8)   a run of messages delivered together, keyed by its first
+//!   tag ([`super::runs`])
 //! - `B` + seq(8)   a chunk of message bodies from seq on ([`super::bodies`]),
 //!   read only to deliver; removed once none of its messages is held
 //! - `h` + origin(24) an old-epoch entry whose messages were handed back
@@ -125,7 +126,8 @@ pub struct QueueMachine {
     chunk: Option<Chunk>,
 }
 
-/// Is `seq` held, given the never-delivered range and the tracked seqs?
+/// Is any seq in `[start, end)` held, given the never-delivered range and
+/// the tracked seqs?
 fn held_in(fresh: &Range<u64>, tracked: &BTreeSet<u64>, start: u64, end: u64) -> bool {
     (start.max(fresh.start) < end.min(fresh.end)) || tracked.range(start..end).next().is_some()
 }
