@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use hdrhistogram::Histogram;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
@@ -254,6 +254,9 @@ async fn consume(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
         let _ = ch.basic_ack(last, BasicAckOptions { multiple: true }).await;
     }
     let secs = run.start.elapsed().as_secs_f64();
+    // Stop the deliveries before the connection closes: a delivery arriving
+    // on a channel lapin is closing is logged as a connection error.
+    let _ = ch.basic_cancel(consumer.tag(), BasicCancelOptions::default()).await;
     run.e2e_lat.lock().expect("poisoned").add(local).expect("same bounds");
     Some((CONSUMER, secs))
 }
