@@ -13,6 +13,7 @@ CASES=${CASES:-"w1-100 w1000-100 w1-4k w1000-4k drain"}
 [ $# -ge 1 ] || { echo "usage: $0 BIN [BIN...]" >&2; exit 2; }
 DIR=$(mktemp -d /tmp/ab.XXXXXX)
 MIRRORQ_ONLY=1
+BIN=$(realpath "$1")
 # shellcheck source=benches/clusters.sh
 . benches/clusters.sh
 trap cleanup EXIT

@@ -1,8 +1,14 @@
 # Sourced by the side-by-side benchmarks: 3-node RabbitMQ and mirrorq
-# clusters on loopback only. Needs DIR (a scratch dir) and BIN (mirrorq).
+# clusters on loopback only. Needs DIR (a scratch dir). The mirrorq binary
+# is BIN if set, else MIRRORQ_BIN, else a fresh release build.
 # RabbitMQ: nodes rmq1..3@localhost, AMQP 5681-5683, management 15681-15683.
 # mirrorq: AMQP 5691-5693, HTTP 15691-15693.
 RMQ=/usr/lib/rabbitmq/bin
+if [ -z "${BIN:-}" ]; then
+  BIN=${MIRRORQ_BIN:-target/release/mirrorq}
+  [ -n "${MIRRORQ_BIN:-}" ] || cargo build --release --quiet --bin mirrorq
+  BIN=$(realpath "$BIN")
+fi
 EPMD_BEFORE=$(pgrep -x epmd || true)
 
 cleanup() {

@@ -16,9 +16,6 @@ TIME=${TIME:-10}
 DRAIN=${DRAIN:-50000}
 SYSTEMS=${SYSTEMS:-"rabbitmq-mirrored rabbitmq-quorum mirrorq"}
 OUT=${OUT:-target/compare}
-BIN=${MIRRORQ_BIN:-target/release/mirrorq}
-[ -n "${MIRRORQ_BIN:-}" ] || cargo build --release --quiet --bin mirrorq
-BIN=$(realpath "$BIN")
 mkdir -p "$OUT"
 : > "$OUT/results.jsonl"
 DIR=$(mktemp -d /tmp/compare-rabbitmq.XXXXXX)

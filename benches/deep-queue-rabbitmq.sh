@@ -9,9 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-1000000}
 KIND=${KIND:-quorum}
-BIN=${MIRRORQ_BIN:-target/release/mirrorq}
-[ -n "${MIRRORQ_BIN:-}" ] || cargo build --release --quiet --bin mirrorq
-BIN=$(realpath "$BIN")
 DIR=$(mktemp -d /tmp/deep-rabbitmq.XXXXXX)
 # One node of the side-by-side set-up: rmq1@localhost, AMQP 5681.
 # shellcheck source=benches/clusters.sh

@@ -10,9 +10,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-1}
 TIME=${TIME:-16}
-BIN=${MIRRORQ_BIN:-target/release/mirrorq}
-[ -n "${MIRRORQ_BIN:-}" ] || cargo build --release --quiet --bin mirrorq
-BIN=$(realpath "$BIN")
 DIR=$(mktemp -d /tmp/failover-gap.XXXXXX)
 # shellcheck source=benches/clusters.sh
 . benches/clusters.sh

@@ -72,6 +72,14 @@ impl ChunkWriter {
         self.offsets.push(self.data.len() as u32);
     }
 
+    /// Encode `m` straight into the chunk (as [`keys::encode`] would).
+    pub fn push(&mut self, m: &Message) -> Result<(), StorageError> {
+        bincode::serde::encode_into_std_write(m, &mut self.data, bincode::config::standard())
+            .map_err(|source| StorageError::Encode { what: "message body", source })?;
+        self.offsets.push(self.data.len() as u32);
+        Ok(())
+    }
+
     pub fn finish(&self) -> Vec<u8> {
         let count = self.offsets.len() - 1;
         let mut out = Vec::with_capacity(4 + 4 * self.offsets.len() + self.data.len());
@@ -185,7 +193,8 @@ mod tests {
     #[test]
     fn a_chunk_gives_back_each_message_by_seq() {
         let mut w = ChunkWriter::new(40);
-        for b in ["a", "", "ccc"] {
+        w.push(&msg("a")).unwrap();
+        for b in ["", "ccc"] {
             w.push_encoded(&keys::encode(&msg(b), "test").unwrap());
         }
         assert_eq!(w.end(), 43);

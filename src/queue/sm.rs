@@ -144,20 +144,23 @@ fn stored_holdings(space: &SmSpace) -> Result<(Range<u64>, BTreeSet<u64>), Stora
 }
 
 /// Consecutive messages as chunks: a new chunk wherever a seq does not
-/// follow the one before, or the chunk is full.
-fn chunks_of<'a>(msgs: impl IntoIterator<Item = (u64, &'a [u8])>) -> Vec<ChunkWriter> {
+/// follow the one before, or the chunk is full. `push` adds one message.
+fn chunks_of<T>(
+    msgs: impl IntoIterator<Item = (u64, T)>,
+    mut push: impl FnMut(&mut ChunkWriter, T) -> Result<(), StorageError>,
+) -> Result<Vec<ChunkWriter>, StorageError> {
     let mut out: Vec<ChunkWriter> = Vec::new();
-    for (seq, encoded) in msgs {
+    for (seq, m) in msgs {
         match out.last_mut() {
-            Some(w) if w.end() == seq && !w.is_full() => w.push_encoded(encoded),
+            Some(w) if w.end() == seq && !w.is_full() => push(w, m)?,
             _ => {
                 let mut w = ChunkWriter::new(seq);
-                w.push_encoded(encoded);
+                push(&mut w, m)?;
                 out.push(w);
             }
         }
     }
-    out
+    Ok(out)
 }
 
 impl QueueMachine {
@@ -193,7 +196,11 @@ impl QueueMachine {
             .iter()
             .filter(|(seq, _)| plan.lacks(*seq) && held_in(&fresh, &self.tracked, *seq, *seq + 1))
             .map(|(seq, body)| (*seq, body.as_slice()));
-        for w in chunks_of(wanted) {
+        let fetched = chunks_of(wanted, |w, body| {
+            w.push_encoded(body);
+            Ok(())
+        })?;
+        for w in fetched {
             plan.msgs_done += w.end() - w.first();
             let chunk = w.finish();
             plan.bytes_done += chunk.len() as u64;
@@ -333,11 +340,7 @@ impl QueueMachine {
         removed: &mut [u64],
     ) -> Result<(), StorageError> {
         let fresh = self.fresh();
-        let mut encoded = Vec::with_capacity(inserted.len());
-        for (seq, m) in inserted {
-            encoded.push((*seq, keys::encode(*m, "message body")?));
-        }
-        let new = chunks_of(encoded.iter().map(|(seq, b)| (*seq, b.as_slice())));
+        let new = chunks_of(inserted.iter().copied(), |w, m| w.push(m))?;
         for w in &new {
             // Consumed within its own entry (auto-ack, overflow): never written.
             if held_in(&fresh, &self.tracked, w.first(), w.end()) {
