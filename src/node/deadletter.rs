@@ -13,6 +13,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use tokio::sync::oneshot;
 
 use super::{Inner, Node, QueueGroup};
 use crate::metadata::{names, policy, MetaState, QueueArgs, QueueMeta};
@@ -41,13 +42,23 @@ pub(super) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
 }
 
 /// The proposer's sink for a queue's dead letters. Holds the node weakly:
-/// the node owns the group that owns the proposer.
+/// the node owns the group that owns the proposer. One task republishes the
+/// queue's dead letters slot by slot, in the order the entries were
+/// proposed (a task per batch raced, and dead letters reached their queue
+/// out of order); it ends with the sink.
 pub(super) fn sink(inner: Weak<Inner>, queue: String) -> DeadLetterSink {
-    Arc::new(move |msgs| {
-        let Some(inner) = inner.upgrade() else { return };
-        let node = Node { inner };
-        let queue = queue.clone();
-        tokio::spawn(async move { node.dead_letter(&queue, msgs).await });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<oneshot::Receiver<Vec<(Message, DeathReason)>>>();
+    tokio::spawn(async move {
+        while let Some(slot) = rx.recv().await {
+            let Ok(msgs) = slot.await else { continue };
+            let Some(inner) = inner.upgrade() else { return };
+            Node { inner }.dead_letter(&queue, msgs).await;
+        }
+    });
+    Arc::new(move || {
+        let (slot, filled) = oneshot::channel();
+        let _ = tx.send(filled);
+        slot
     })
 }
 
@@ -62,6 +73,8 @@ impl Node {
         // Messages carry names as clients see them; the exchange is in the queue's vhost.
         let (vhost, bare) = names::split(queue);
         let dlx_key = names::key(vhost, &dlx);
+        // Per target queue, in order: one publish each.
+        let mut out: Vec<(String, Vec<Message>)> = Vec::new();
         for (msg, reason) in msgs {
             let key = args.dead_letter_routing_key.clone().unwrap_or_else(|| msg.routing_key.clone());
             let (dead, rejected_on_the_way, queues_seen) = with_death(msg, bare, reason, &dlx, &key);
@@ -81,13 +94,15 @@ impl Node {
                     tracing::debug!(queue, target, "dead-letter cycle without a rejection; dropped");
                     continue;
                 }
-                let node = self.clone();
-                let m = dead.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = node.publish(&target, vec![m]).await {
-                        tracing::warn!(queue = %target, error = %e, "dead letter not stored");
-                    }
-                });
+                match out.iter_mut().find(|(t, _)| *t == target) {
+                    Some((_, ms)) => ms.push(dead.clone()),
+                    None => out.push((target, vec![dead.clone()])),
+                }
+            }
+        }
+        for (target, ms) in out {
+            if let Err(e) = self.publish(&target, ms).await {
+                tracing::warn!(queue = %target, error = %e, "dead letters not stored");
             }
         }
     }

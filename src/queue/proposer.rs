@@ -37,8 +37,13 @@ struct Pending {
 }
 
 /// Where the master hands the messages its entries dead-lettered, to be
-/// published to the queue's dead-letter exchange.
-pub type DeadLetterSink = Arc<dyn Fn(Vec<(Message, DeathReason)>) + Send + Sync>;
+/// published to the queue's dead-letter exchange. Called when an entry is
+/// proposed, it answers the slot for that entry's dead letters: slots are
+/// taken in log order, so dead letters are republished in the order the
+/// messages died, however the entries' completions interleave.
+pub type DeadLetterSink = Arc<dyn Fn() -> DeadLetterSlot + Send + Sync>;
+/// An entry's dead letters; dropped unfilled when it has none or failed.
+pub type DeadLetterSlot = tokio::sync::oneshot::Sender<Vec<(Message, DeathReason)>>;
 
 /// Handle for submitting operations to one group on this node.
 #[derive(Clone)]
@@ -117,7 +122,7 @@ impl Proposer {
                     Ok(rx) => {
                         let sync = sync.clone();
                         let min = (needs_confirm, min.load(Ordering::Relaxed), min_sync_wait);
-                        let dead = stamped.then(|| dead_letters.clone());
+                        let dead = stamped.then(|| dead_letters());
                         tokio::spawn(finish(rx, sync, waiters, min, dead, permit));
                     }
                     Err(fatal) => fail(waiters, NodeError::Unavailable(fatal.to_string())),
@@ -213,7 +218,7 @@ async fn finish(
     mut sync: watch::Receiver<SyncState>,
     waiters: Waiters,
     (needs_confirm, min_sync, wait): (bool, usize, Duration),
-    dead_letters: Option<DeadLetterSink>,
+    dead_letters: Option<DeadLetterSlot>,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let result = match rx.await {
@@ -266,11 +271,11 @@ async fn finish(
         // could not be confirmed.
         Ok((replies, confirmed)) => {
             let mut it = replies.into_iter();
-            if let Some(sink) = dead_letters {
+            if let Some(slot) = dead_letters {
                 // The entry's stamp: its reply is the master's, not a caller's.
                 if let Some(QueueReply::DeadLetters { msgs }) = it.next() {
                     if !msgs.is_empty() {
-                        sink(msgs);
+                        let _ = slot.send(msgs);
                     }
                 }
             }
