@@ -2,7 +2,7 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use mirrorq_storage::{keys, SmSpace, StorageError};
+use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 
 use super::state::MetaState;
 use crate::raft::state_machine::Machine;
@@ -39,7 +39,7 @@ impl Machine for MetaMachine {
         &mut self,
         _space: &SmSpace,
         req: &Request,
-        _batch: &mut sled::Batch,
+        _batch: &mut Batch,
         _answering: bool,
     ) -> Result<Response, StorageError> {
         let Request::Meta(cmd) = req else {
@@ -49,7 +49,7 @@ impl Machine for MetaMachine {
         Ok(Response::Meta(self.state.apply(cmd)))
     }
 
-    fn commit(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError> {
+    fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError> {
         if std::mem::take(&mut self.dirty) {
             batch.insert(space.key(STATE), keys::encode(&self.state, "metadata")?);
         }
@@ -64,7 +64,7 @@ impl Machine for MetaMachine {
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
         self.state = keys::decode(dump, "metadata")?;
         self.dirty = false;
-        let mut batch = sled::Batch::default();
+        let mut batch = Batch::default();
         batch.insert(space.key(STATE), dump.to_vec());
         space.apply(batch)
     }

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use mirrorq_storage::{keys, SmSpace, StorageError};
+use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 
 use super::types::MsgState;
 
@@ -139,7 +139,7 @@ impl Runs {
     }
 
     /// Write the runs the current entry changed.
-    pub fn write(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError> {
+    pub fn write(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError> {
         for first in std::mem::take(&mut self.dirty) {
             match self.by_tag.get(&first) {
                 Some(run) if run.is_empty() => {

@@ -25,7 +25,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use mirrorq_storage::{keys, SmSpace, StorageError};
+use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 
 use super::bodies::{self, Chunk, ChunkWriter};
 use super::catchup::{missing_ranges, Plan};
@@ -191,7 +191,7 @@ impl QueueMachine {
     ) -> Result<(), StorageError> {
         let Some(mut plan) = self.plan.borrow().clone() else { return Ok(()) };
         let fresh = self.fresh();
-        let mut batch = sled::Batch::default();
+        let mut batch = Batch::default();
         let wanted = bodies
             .iter()
             .filter(|(seq, _)| plan.lacks(*seq) && held_in(&fresh, &self.tracked, *seq, *seq + 1))
@@ -216,7 +216,7 @@ impl QueueMachine {
 
     /// Every body is here (and synced by the caller): drop the plan.
     pub fn finish_catch_up(&mut self, space: &SmSpace) -> Result<(), StorageError> {
-        let mut batch = sled::Batch::default();
+        let mut batch = Batch::default();
         batch.remove(space.key(PLAN));
         space.apply(batch)?;
         self.plan.send_replace(None);
@@ -335,7 +335,7 @@ impl QueueMachine {
     fn write_entry(
         &mut self,
         space: &SmSpace,
-        batch: &mut sled::Batch,
+        batch: &mut Batch,
         inserted: &[(u64, &Message)],
         removed: &mut [u64],
     ) -> Result<(), StorageError> {
@@ -414,7 +414,7 @@ impl Machine for QueueMachine {
         &mut self,
         space: &SmSpace,
         req: &Request,
-        batch: &mut sled::Batch,
+        batch: &mut Batch,
         answering: bool,
     ) -> Result<Response, StorageError> {
         let Request::Queue(cmds) = req else {
@@ -512,7 +512,7 @@ impl Machine for QueueMachine {
         Ok(Response::Queue(replies))
     }
 
-    fn commit(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError> {
+    fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError> {
         batch.insert(space.key(COUNTERS), keys::encode(self.state.counters(), "queue counters")?);
         self.stats.send_replace(QueueStats::of(&self.state));
         Ok(())
@@ -541,7 +541,7 @@ impl Machine for QueueMachine {
             .with_deadlines(d.deadlines.iter().copied());
         let tracked = state.tracked_seqs();
         let fresh = d.counters.ready_head..d.counters.next_seq;
-        let mut batch = sled::Batch::default();
+        let mut batch = Batch::default();
         for (seq, at) in &d.times {
             batch.insert(space.key(&time_key(*seq)), &at.to_be_bytes()[..]);
         }

@@ -19,7 +19,7 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
-use mirrorq_storage::{keys, SmSpace, StorageError};
+use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 
 use super::types::{NodeId, Request, Response, TypeConfig};
 
@@ -36,12 +36,12 @@ pub trait Machine: Send + Sync + Sized + 'static {
         &mut self,
         space: &SmSpace,
         req: &Request,
-        batch: &mut sled::Batch,
+        batch: &mut Batch,
         answering: bool,
     ) -> Result<Response, StorageError>;
     /// Add aggregate state to the batch that ends an apply call; announce the
     /// new state to watchers.
-    fn commit(&mut self, space: &SmSpace, batch: &mut sled::Batch) -> Result<(), StorageError>;
+    fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError>;
     /// Group-relative key prefixes an installed snapshot leaves in place
     /// for [`Machine::restore`] to sort out (the rest is cleared first).
     const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[];
@@ -65,6 +65,11 @@ struct Inner<M> {
     space: SmSpace,
     machine: M,
     applied: Applied,
+    /// The stored applied record still carries the last step's redo
+    /// writes (see `SmSpace::apply_step`). Replaying them after a write that
+    /// did not go through `apply` could undo that write, so such a write
+    /// first stores the record without them.
+    redo_stored: bool,
 }
 
 /// The state machine of one group.
@@ -101,12 +106,21 @@ impl<M: Machine> StateMachine<M> {
     /// The state machine of the group in `space`, on node `node`.
     pub fn open(space: SmSpace, node: NodeId) -> Result<Self, StorageError> {
         let applied = match space.get(APPLIED_KEY)? {
-            Some(b) => keys::decode(&b, "applied state")?,
+            Some(b) => {
+                let (applied, used) = keys::decode_prefix::<Applied>(&b, "applied state")?;
+                // A crash may have cut the last step short: finish it
+                // before the machine reads its state.
+                let replayed = space.replay(&b[used..])?;
+                if replayed > 0 {
+                    tracing::debug!(replayed, "finished the last applied step from its redo record");
+                }
+                applied
+            }
             None => Applied::default(),
         };
         let machine = M::load(&space)?;
         Ok(Self {
-            inner: Arc::new(Mutex::new(Inner { space, machine, applied })),
+            inner: Arc::new(Mutex::new(Inner { space, machine, applied, redo_stored: true })),
             transfer: Arc::new(AtomicBool::new(false)),
             node,
         })
@@ -125,9 +139,13 @@ impl<M: Machine> StateMachine<M> {
 
     /// Run `f` on the machine and its space, between two applies (for
     /// local state that is not the log's: fetched message bodies).
-    pub async fn with_mut<T>(&self, f: impl FnOnce(&mut M, &SmSpace) -> T) -> T {
+    pub async fn with_mut<T>(
+        &self,
+        f: impl FnOnce(&mut M, &SmSpace) -> Result<T, StorageError>,
+    ) -> Result<T, StorageError> {
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
+        inner.forget_redo()?;
         f(&mut inner.machine, &inner.space)
     }
 
@@ -145,6 +163,16 @@ fn snapshot_id(last: &Option<LogId<NodeId>>) -> String {
 }
 
 impl<M: Machine> Inner<M> {
+    /// Store the applied record without the last step's redo writes (that
+    /// step is complete: every write of it came before this one).
+    fn forget_redo(&mut self) -> Result<(), StorageError> {
+        if self.redo_stored {
+            self.space.put(APPLIED_KEY, keys::encode(&self.applied, "applied state")?)?;
+            self.redo_stored = false;
+        }
+        Ok(())
+    }
+
     fn meta(&self) -> SnapshotMeta<NodeId, openraft::BasicNode> {
         SnapshotMeta {
             last_log_id: self.applied.last_applied,
@@ -163,7 +191,7 @@ impl<M: Machine> RaftSnapshotBuilder<TypeConfig> for StateMachine<M> {
         let meta = inner.meta();
         let b =
             keys::encode(&meta, "snapshot meta").map_err(|e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
-        let mut batch = sled::Batch::default();
+        let mut batch = Batch::default();
         batch.insert(inner.space.key(SNAPSHOT_KEY), b);
         inner.space.apply(batch).map_err(|e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
         // openraft keeps only the meta of a built snapshot; the data is
@@ -194,7 +222,7 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
         // one wrote (a get of a message published just before), so each
         // entry's writes must be visible before the next is applied.
         for entry in entries {
-            let mut batch = sled::Batch::default();
+            let mut batch = Batch::default();
             let resp = match &entry.payload {
                 EntryPayload::Blank => Response::None,
                 EntryPayload::Normal(req) => inner
@@ -213,8 +241,11 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
                 .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
             let b = keys::encode(&inner.applied, "applied state")
                 .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
-            batch.insert(inner.space.key(APPLIED_KEY), b);
-            inner.space.apply(batch).map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+            inner
+                .space
+                .apply_step(APPLIED_KEY, b, batch)
+                .map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+            inner.redo_stored = true;
             out.push(resp);
         }
         Ok(out)
@@ -241,11 +272,12 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
             inner.machine.restore(&inner.space, snapshot.get_ref()).map_err(err)?;
         }
         inner.applied = Applied { last_applied: meta.last_log_id, membership: meta.last_membership.clone() };
-        let mut batch = sled::Batch::default();
+        let mut batch = Batch::default();
         batch.insert(inner.space.key(APPLIED_KEY), keys::encode(&inner.applied, "applied state").map_err(err)?);
         batch.insert(inner.space.key(SNAPSHOT_KEY), keys::encode(meta, "snapshot meta").map_err(err)?);
         inner.space.apply(batch).map_err(err)?;
-        let mut batch = sled::Batch::default();
+        inner.redo_stored = false;
+        let mut batch = Batch::default();
         let inner = &mut *inner;
         inner.machine.commit(&inner.space, &mut batch).map_err(err)?;
         inner.space.apply(batch).map_err(err)?;

@@ -37,6 +37,8 @@ pub enum StorageError {
         #[source]
         source: bincode::error::EncodeError,
     },
+    #[error("damaged redo record of a state-machine step: {0}")]
+    Redo(&'static str),
     #[error("disk sync failed earlier; the node is stopping (fail-stop)")]
     SyncFailed,
 }

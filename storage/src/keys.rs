@@ -47,6 +47,15 @@ pub fn decode<T: serde::de::DeserializeOwned>(b: &[u8], what: &'static str) -> R
         .map_err(|source| crate::StorageError::Decode { what, source })
 }
 
+/// Decode a value from the front of `b`, and say how many bytes it took.
+pub fn decode_prefix<T: serde::de::DeserializeOwned>(
+    b: &[u8],
+    what: &'static str,
+) -> Result<(T, usize), crate::StorageError> {
+    bincode::serde::decode_from_slice(b, bincode::config::standard())
+        .map_err(|source| crate::StorageError::Decode { what, source })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

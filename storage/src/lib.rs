@@ -12,6 +12,8 @@
 //!   group into one `flush` + `fdatasync` and only then completes them.
 //! - [`log_store`]: [`LogStore`], openraft's `RaftLogStorage` for one group.
 //! - [`space`]: [`SmSpace`], the key space a group's state machine writes into.
+//! - [`batch`]: [`Batch`], a state-machine step's writes, made crash-atomic by
+//!   a redo record rather than a sled batch when small.
 //! - [`keys`]: the on-disk key encoding shared by all of the above.
 //!
 //! ## Why the sync is ours
@@ -23,6 +25,7 @@
 //! flusher fails every waiter and every later request, and raises
 //! [`NodeDb::fatal`], on which the node stops.
 
+pub mod batch;
 pub mod db;
 pub mod error;
 pub mod flusher;
@@ -30,6 +33,7 @@ pub mod keys;
 pub mod log_store;
 pub mod space;
 
+pub use batch::Batch;
 pub use db::{DbOptions, NodeDb};
 pub use error::StorageError;
 pub use flusher::{Flusher, FlusherStats};

@@ -1,5 +1,6 @@
 //! The key space a group's state machine writes into.
 
+use crate::batch::{self, Batch, REDO_MAX_BYTES};
 use crate::keys::group_prefix;
 use crate::{GroupId, NodeDb, StorageError};
 
@@ -34,8 +35,39 @@ impl SmSpace {
     }
 
     /// Apply a batch whose keys were built with [`SmSpace::key`], atomically.
-    pub fn apply(&self, batch: sled::Batch) -> Result<(), StorageError> {
-        Ok(self.db.sm_tree().apply_batch(batch)?)
+    pub fn apply(&self, batch: Batch) -> Result<(), StorageError> {
+        Ok(self.db.sm_tree().apply_batch(batch.into_sled())?)
+    }
+
+    /// Apply one step's writes and its commit record `record` under `rel`,
+    /// atomically across a crash: small steps as a redo record (`record`
+    /// followed by the writes, then the writes one by one; see
+    /// [`crate::batch`]), large ones as a sled batch with `record` alone.
+    /// After a restart, whatever follows the caller's record in the stored
+    /// value goes to [`SmSpace::replay`] before the state is read.
+    pub fn apply_step(&self, rel: &[u8], mut record: Vec<u8>, mut writes: Batch) -> Result<(), StorageError> {
+        let tree = self.db.sm_tree();
+        if writes.bytes() <= REDO_MAX_BYTES {
+            writes.encode_redo(&mut record);
+            tree.insert(self.key(rel), record)?;
+            batch::apply_each(tree, &writes)
+        } else {
+            writes.insert(self.key(rel), record);
+            Ok(tree.apply_batch(writes.into_sled())?)
+        }
+    }
+
+    /// Finish the step whose redo writes are `redo` (the tail of a record
+    /// written by [`SmSpace::apply_step`]; empty: nothing to do). Returns the
+    /// number of writes replayed.
+    pub fn replay(&self, redo: &[u8]) -> Result<usize, StorageError> {
+        batch::replay(self.db.sm_tree(), redo)
+    }
+
+    /// Set one key (group-relative) by itself.
+    pub fn put(&self, rel: &[u8], value: Vec<u8>) -> Result<(), StorageError> {
+        self.db.sm_tree().insert(self.key(rel), value)?;
+        Ok(())
     }
 
     /// Iterate over the group's keys starting with `rel_prefix`, yielding
@@ -95,5 +127,56 @@ impl SmSpace {
     /// Wait until every write so far is durable.
     pub async fn sync(&self) -> Result<(), StorageError> {
         self.db.flusher().sync().await.map_err(|_| StorageError::SyncFailed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DbOptions;
+
+    fn value(space: &SmSpace, rel: &[u8]) -> Option<Vec<u8>> {
+        space.get(rel).unwrap().map(|v| v.to_vec())
+    }
+
+    #[test]
+    fn a_small_step_stores_its_writes_after_the_record_and_replays_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let space = SmSpace::new(db, 3);
+        space.put(b"gone", b"old".to_vec()).unwrap();
+        let mut step = Batch::default();
+        step.insert(space.key(b"a"), b"1".to_vec());
+        step.remove(space.key(b"gone"));
+        step.insert(space.key(b"a"), b"2".to_vec());
+        space.apply_step(b"rec", b"REC".to_vec(), step).unwrap();
+        assert_eq!(value(&space, b"a"), Some(b"2".to_vec()), "the later write of a key wins");
+        assert_eq!(value(&space, b"gone"), None);
+        let rec = value(&space, b"rec").unwrap();
+        assert_eq!(&rec[..3], b"REC");
+        // A crash after the record: none of the writes made it.
+        space.put(b"gone", b"old".to_vec()).unwrap();
+        let mut lost = Batch::default();
+        lost.remove(space.key(b"a"));
+        space.apply(lost).unwrap();
+        assert_eq!(space.replay(&rec[3..]).unwrap(), 3);
+        assert_eq!(value(&space, b"a"), Some(b"2".to_vec()));
+        assert_eq!(value(&space, b"gone"), None);
+        // Replaying a finished step changes nothing.
+        assert_eq!(space.replay(&rec[3..]).unwrap(), 3);
+        assert_eq!(value(&space, b"a"), Some(b"2".to_vec()));
+    }
+
+    #[test]
+    fn a_large_step_goes_through_a_sled_batch_with_the_bare_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let space = SmSpace::new(db, 3);
+        let mut step = Batch::default();
+        step.insert(space.key(b"big"), vec![7u8; REDO_MAX_BYTES + 1]);
+        space.apply_step(b"rec", b"REC".to_vec(), step).unwrap();
+        assert_eq!(value(&space, b"rec"), Some(b"REC".to_vec()), "no redo tail: sled's batch is atomic");
+        assert_eq!(value(&space, b"big").map(|v| v.len()), Some(REDO_MAX_BYTES + 1));
+        assert_eq!(space.replay(b"").unwrap(), 0);
     }
 }
