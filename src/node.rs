@@ -695,6 +695,22 @@ impl Node {
         self.fetch(queue, owner, max, auto_ack).await.map(|(msgs, _)| msgs)
     }
 
+    /// A consumer's get: with nothing ready at the master it waits there
+    /// (briefly) for the next entry and takes what that entry publishes
+    /// (`Proposer::enqueue_parked`); answers empty if nothing came.
+    pub async fn consumer_get(
+        &self,
+        queue: &str,
+        owner: u64,
+        max: u32,
+        auto_ack: bool,
+    ) -> Result<Vec<Delivery>, NodeError> {
+        match self.queue_op_parked(queue, vec![QueueCmd::Get { owner, max, auto_ack }], true).await?.pop() {
+            Some(QueueReply::Got { msgs, .. }) => Ok(msgs),
+            other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+        }
+    }
+
     /// [`Node::get`], also answering how many ready messages remain.
     pub async fn fetch(
         &self,
@@ -734,18 +750,6 @@ impl Node {
 
     async fn single(&self, queue: &str, cmd: QueueCmd) -> Result<QueueReply, NodeError> {
         self.queue_op(queue, vec![cmd]).await?.pop().ok_or_else(|| NodeError::Invalid("empty reply".into()))
-    }
-
-    /// Could the queue have ready messages? Answered from the local replica's
-    /// applied state when this node hosts one (no Raft round trip), else yes.
-    pub fn may_have_messages(&self, queue: &str) -> bool {
-        let Some(group) = self.metadata().queues.get(queue).map(|q| q.group) else {
-            return true;
-        };
-        match self.inner.groups.read().expect("poisoned").get(&group) {
-            Some(g) => g.stats.borrow().ready > 0,
-            None => true,
-        }
     }
 
     /// Ready messages in the local replica of `queue` (the master's count
@@ -808,7 +812,7 @@ impl Node {
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.to_string()))?;
         let target = self.leader_guess(&q);
         let fast: Option<Result<Answer, NodeError>> =
-            if target == self.id() { Some(self.inner.local_enqueue(q.group, cmds.clone()).await) } else { None };
+            if target == self.id() { Some(self.inner.local_enqueue(q.group, cmds.clone(), false).await) } else { None };
         let node = self.clone();
         let queue = queue.to_string();
         match fast {
@@ -825,7 +829,7 @@ impl Node {
                 let Some(addr) = addr else {
                     return Ok(Box::pin(async move { node.queue_op(&queue, cmds).await }));
                 };
-                let req = RpcRequest::Queue { group: q.group, cmds };
+                let req = RpcRequest::Queue { group: q.group, cmds, park: false };
                 match self.inner.transport.start_call(&addr, &req).await {
                     Ok(rx) => {
                         let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
@@ -853,15 +857,26 @@ impl Node {
 
     /// Run queue operations at the queue's master, wherever it is.
     pub async fn queue_op(&self, queue: &str, cmds: Vec<QueueCmd>) -> Result<Vec<QueueReply>, NodeError> {
+        self.queue_op_parked(queue, cmds, false).await
+    }
+
+    /// [`Node::queue_op`]; with `park`, the master may hold the operations
+    /// (consumer gets) for its next entry (`Proposer::enqueue_parked`).
+    async fn queue_op_parked(
+        &self,
+        queue: &str,
+        cmds: Vec<QueueCmd>,
+        park: bool,
+    ) -> Result<Vec<QueueReply>, NodeError> {
         let deadline = Instant::now() + self.inner.timing.op_timeout;
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.to_string()))?;
         let mut target = self.leader_guess(&q);
         let mut attempt = 0usize;
         loop {
             let result = if target == self.id() {
-                self.inner.local_queue_op(q.group, cmds.clone()).await
+                self.inner.local_queue_op(q.group, cmds.clone(), park).await
             } else {
-                let req = RpcRequest::Queue { group: q.group, cmds: cmds.clone() };
+                let req = RpcRequest::Queue { group: q.group, cmds: cmds.clone(), park };
                 match self.inner.call(target, &req, deadline).await {
                     Ok(RpcResponse::Queue(r)) => r,
                     Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
@@ -1351,6 +1366,7 @@ impl Node {
             sync.clone(),
             self.inner.timing.sync_timeout,
             deadletter::sink(Arc::downgrade(&self.inner), q.name.clone()),
+            stats.clone(),
             stop.clone(),
         );
         proposer.set_limits(deadletter::limits_of(state, &q));
@@ -1466,14 +1482,21 @@ impl Inner {
         self.transport.call(&addr, req, wait).await
     }
 
-    async fn local_queue_op(&self, group: GroupId, cmds: Vec<QueueCmd>) -> Result<Vec<QueueReply>, NodeError> {
-        self.local_enqueue(group, cmds).await?.await.unwrap_or(Err(NodeError::Stopped))
+    async fn local_queue_op(
+        &self,
+        group: GroupId,
+        cmds: Vec<QueueCmd>,
+        park: bool,
+    ) -> Result<Vec<QueueReply>, NodeError> {
+        self.local_enqueue(group, cmds, park).await?.await.unwrap_or(Err(NodeError::Stopped))
     }
 
-    /// Put operations in this node's proposer for `group`, in call order.
-    async fn local_enqueue(&self, group: GroupId, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
+    /// Put operations in this node's proposer for `group`, in call order
+    /// (`park`: see `Proposer::enqueue_parked`).
+    async fn local_enqueue(&self, group: GroupId, cmds: Vec<QueueCmd>, park: bool) -> Result<Answer, NodeError> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned();
         match g {
+            Some(g) if park => g.proposer.enqueue_parked(cmds).await,
             Some(g) => g.proposer.enqueue(cmds).await,
             None => Err(NodeError::NotLeader { leader: None }),
         }
@@ -1523,8 +1546,8 @@ impl Inner {
 
 impl RpcHandler for Inner {
     async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion {
-        if let RpcRequest::Queue { group, cmds } = req {
-            return match self.local_enqueue(group, cmds).await {
+        if let RpcRequest::Queue { group, cmds, park } = req {
+            return match self.local_enqueue(group, cmds, park).await {
                 Ok(answer) => {
                     Box::pin(async move { RpcResponse::Queue(answer.await.unwrap_or(Err(NodeError::Stopped))) })
                 }
@@ -1557,7 +1580,7 @@ impl Inner {
                     Some(g) if g.epoch == epoch => {
                         let cmds =
                             batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
-                        RpcResponse::Queue(self.local_queue_op(group, cmds).await)
+                        RpcResponse::Queue(self.local_queue_op(group, cmds, false).await)
                     }
                     // The epoch moved on again: the sender must heal into this one.
                     Some(g) if g.epoch > epoch => RpcResponse::NewerEpoch(g.epoch),
@@ -1609,7 +1632,7 @@ impl Inner {
                 }
                 RpcResponse::Done
             }
-            RpcRequest::Queue { group, cmds } => RpcResponse::Queue(self.local_queue_op(group, cmds).await),
+            RpcRequest::Queue { group, cmds, park } => RpcResponse::Queue(self.local_queue_op(group, cmds, park).await),
             RpcRequest::Clients => {
                 let (c, k) = self.clients.snapshot();
                 RpcResponse::Clients(c, k)

@@ -174,6 +174,8 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
     let opts = BasicPublishOptions { mandatory: args.mandatory, ..Default::default() };
     let mut body = vec![b'x'; args.size];
     let mut sent = 0u64;
+    let (confirms, rx) = tokio::sync::mpsc::unbounded_channel::<Confirm>();
+    let collector = tokio::spawn(collect_confirms(run.clone(), rx));
     while Instant::now() < run.deadline && (args.pmessages == 0 || sent < args.pmessages) {
         if args.rate > 0 {
             let due = Duration::from_secs_f64(sent as f64 / args.rate as f64);
@@ -195,28 +197,49 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
         if args.confirm == 0 {
             continue;
         }
-        let run = run.clone();
-        tokio::spawn(async move {
-            match pc.await {
-                Ok(c) if c.is_ack() => {
-                    if c.take_message().is_some() {
-                        run.counters.returned.fetch_add(1, Ordering::Relaxed);
-                    }
-                    run.counters.confirmed.fetch_add(1, Ordering::Relaxed);
-                    let _ = run.confirm_lat.lock().expect("poisoned").record(run.micros().saturating_sub(t).max(1));
-                }
-                _ => {
-                    run.counters.nacked.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            drop(permit);
-        });
+        if confirms.send((t, pc, permit)).is_err() {
+            break;
+        }
     }
     // The confirms still in the window belong to this run.
+    drop(confirms);
     if args.confirm > 0 {
         let _ = tokio::time::timeout(Duration::from_secs(30), window.acquire_many(args.confirm)).await;
     }
+    collector.abort();
     Some((PRODUCER, run.start.elapsed().as_secs_f64()))
+}
+
+type Confirm = (u64, lapin::PublisherConfirm, tokio::sync::OwnedSemaphorePermit);
+
+/// Await a producer's confirms, in whatever order they come, in one task:
+/// a task per publish cost the client about as much CPU as a broker node.
+async fn collect_confirms(run: Arc<Run>, mut rx: tokio::sync::mpsc::UnboundedReceiver<Confirm>) {
+    let mut waiting = futures::stream::FuturesUnordered::new();
+    let mut open = true;
+    while open || !waiting.is_empty() {
+        tokio::select! {
+            next = rx.recv(), if open => match next {
+                Some((t, pc, permit)) => waiting.push(async move { (t, pc.await, permit) }),
+                None => open = false,
+            },
+            Some((t, outcome, permit)) = waiting.next(), if !waiting.is_empty() => {
+                match outcome {
+                    Ok(c) if c.is_ack() => {
+                        if c.take_message().is_some() {
+                            run.counters.returned.fetch_add(1, Ordering::Relaxed);
+                        }
+                        run.counters.confirmed.fetch_add(1, Ordering::Relaxed);
+                        let _ = run.confirm_lat.lock().expect("poisoned").record(run.micros().saturating_sub(t).max(1));
+                    }
+                    _ => {
+                        run.counters.nacked.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                drop(permit);
+            }
+        }
+    }
 }
 
 /// Consume with prefetch and multi-acks until the time is up or

@@ -1218,3 +1218,57 @@ async fn wait_metadata(c: &AmqpCluster, node: u64, cond: impl Fn(&mirrorq::metad
     let n = c.cluster.node(node).clone();
     common::wait_until(Duration::from_secs(10), "metadata change applied", || cond(&n.metadata())).await;
 }
+
+/// A consumer waiting on an empty queue has its get parked at the master,
+/// which puts it in the next entry: each message published to it is
+/// delivered by the very entry that publishes it (one Raft entry a message,
+/// not a publish entry and then a get entry). The consumer and the
+/// publisher are on other nodes than the master, so the parked get crosses
+/// the node link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_consumer_is_served_by_the_entry_that_publishes() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let master = c.cluster.node(1);
+    let setup = c.connect(1).await.create_channel().await.unwrap();
+    setup
+        .queue_declare(s("waiting"), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    let consumer_conn = c.connect(2).await;
+    let cch = consumer_conn.create_channel().await.unwrap();
+    cch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let mut deliveries =
+        cch.basic_consume(s("waiting"), s("w"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let pch = c.connect(3).await.create_channel().await.unwrap();
+    pch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    // Let the consumer settle into waiting (its parked gets are answered
+    // empty without an entry, so the index stays put).
+    let applied = || master.queue_info("waiting").unwrap().applied.unwrap_or(0);
+    let mut before = applied();
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = applied();
+        if now == before {
+            break;
+        }
+        before = now;
+    }
+    for i in 0..5u8 {
+        assert!(publish(&pch, "waiting", &[i]).await, "message {i} confirmed");
+        let d = tokio::time::timeout(Duration::from_secs(5), deliveries.next())
+            .await
+            .expect("delivered in time")
+            .expect("consumer open")
+            .expect("delivery");
+        assert_eq!(d.data, vec![i]);
+        // Not acked yet: an ack would be an entry of its own.
+        let after = applied();
+        assert_eq!(after, before + 1, "message {i}: one entry published and delivered it");
+        before = after;
+        d.ack(BasicAckOptions::default()).await.unwrap();
+        // The ack's entry; then the consumer waits again.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        before = applied();
+    }
+}

@@ -522,6 +522,7 @@ impl Conn {
                 pending: None,
                 deliveries: Arc::new(Deliveries::default()),
                 consumers: HashMap::new(),
+                delivery_gate: Arc::default(),
                 next_consumer: 0,
                 closed: closed.clone(),
                 in_flight: self.in_flight.clone(),
@@ -591,6 +592,11 @@ struct Channel {
     pending: Option<PendingPublish>,
     deliveries: Arc<Deliveries>,
     consumers: HashMap<String, CancellationToken>,
+    /// Held by a consumer while it checks it is still running and queues a
+    /// delivery, and by `basic.cancel` and channel close while they stop
+    /// consumers: so no delivery follows a `cancel-ok` or `close-ok` (a
+    /// client closing its channel fails on one; lapin does).
+    delivery_gate: Arc<tokio::sync::Mutex<()>>,
     /// Numbers this channel's consumers, for their prefetch counts.
     next_consumer: ConsumerId,
     closed: CancellationToken,
@@ -703,6 +709,8 @@ impl Channel {
 
     /// Stop consumers and give back unacked messages (requeued, redelivered).
     async fn shutdown(&mut self) {
+        let gate = self.delivery_gate.clone();
+        let _gate = gate.lock().await;
         self.closed.cancel();
         for q in self.node.clients().channel_closed(self.conn_id, self.id) {
             let node = self.node.clone();
@@ -1147,12 +1155,14 @@ impl Channel {
                     deliveries: self.deliveries.clone(),
                     frame_max: self.frame_max,
                     stop,
+                    gate: self.delivery_gate.clone(),
                 };
                 tokio::spawn(consumer.run());
                 Ok(true)
             }
             B::Cancel(c) => {
                 if let Some(t) = self.consumers.remove(c.consumer_tag.as_str()) {
+                    let _gate = self.delivery_gate.lock().await;
                     t.cancel();
                 }
                 if let Some(q) = self.node.clients().stopped_consuming(self.conn_id, self.id, c.consumer_tag.as_str()) {

@@ -30,7 +30,9 @@ const GET_BATCH: u32 = 256;
 /// A no-ack consumer has no prefetch: this bounds what it asks for at once.
 const NO_ACK_BATCH: u32 = 1000;
 
-type Get = BoxFuture<'static, (Option<Claim>, u32, Result<Vec<Delivery>, NodeError>)>;
+/// A get in flight: its claim on the prefetch, how many it asked for,
+/// whether it was parked, and what it brought.
+type Get = BoxFuture<'static, (Option<Claim>, u32, bool, Result<Vec<Delivery>, NodeError>)>;
 
 pub(super) struct Consumer {
     /// Its number on the channel, for its prefetch count.
@@ -45,6 +47,8 @@ pub(super) struct Consumer {
     pub deliveries: Arc<Deliveries>,
     pub frame_max: u32,
     pub stop: CancellationToken,
+    /// The channel's delivery gate (see `Channel::delivery_gate`).
+    pub gate: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Consumer {
@@ -60,12 +64,13 @@ impl Consumer {
             let mut no_room = false;
             while gets.len() < GETS_IN_FLIGHT {
                 let first = gets.is_empty();
-                // Another get only while the queue holds more than is asked for.
-                let worth = if first {
-                    self.node.may_have_messages(&self.queue)
-                } else {
-                    self.node.ready_hint(&self.queue).is_some_and(|ready| ready > asked)
-                };
+                // Another get only while the queue holds more than is asked
+                // for. The first get goes anyway: on a queue that looks empty
+                // it waits at the master for the next publish (`park`).
+                // Parked unless this node's replica shows messages ready (one
+                // without a replica here leaves it to the master).
+                let park = first && !self.node.ready_hint(&self.queue).is_some_and(|ready| ready > 0);
+                let worth = first || self.node.ready_hint(&self.queue).is_some_and(|ready| ready > asked);
                 if !worth {
                     break;
                 }
@@ -78,9 +83,19 @@ impl Consumer {
                 }
                 asked += want as u64;
                 let (node, queue, owner, no_ack) = (self.node.clone(), self.queue.clone(), self.owner, self.no_ack);
-                gets.push_back(async move { (claim, want, node.get(&queue, owner, want, no_ack).await) }.boxed());
+                gets.push_back(
+                    async move {
+                        let got = if park {
+                            node.consumer_get(&queue, owner, want, no_ack).await
+                        } else {
+                            node.get(&queue, owner, want, no_ack).await
+                        };
+                        (claim, want, park, got)
+                    }
+                    .boxed(),
+                );
             }
-            let Some((claim, want, got)) = gets.next().await else {
+            let Some((claim, want, parked, got)) = gets.next().await else {
                 // Nothing asked: wait for room or for messages.
                 if no_room {
                     let notified = self.deliveries.room.notified();
@@ -101,7 +116,9 @@ impl Consumer {
             match got {
                 Ok(msgs) if msgs.is_empty() => {
                     drop(claim);
-                    if gets.is_empty() {
+                    // A parked get waited at the master already: park again
+                    // at once, or a publish meanwhile would miss it.
+                    if gets.is_empty() && !parked {
                         tokio::select! {
                             _ = self.stop.cancelled() => return,
                             _ = self.node.wait_for_messages(&self.queue, idle) => {}
@@ -116,12 +133,23 @@ impl Consumer {
                         self.requeue(msgs).await;
                         return self.give_back(gets).await;
                     }
-                    self.deliver(msgs).await;
+                    if let Err(msgs) = self.deliver(msgs).await {
+                        // Cancelled meanwhile: not one delivery after cancel-ok.
+                        self.requeue(msgs).await;
+                        return self.give_back(gets).await;
+                    }
                     drop(claim);
                 }
                 Err(NodeError::NoSuchQueue(_)) => {
+                    // The queue was deleted: tell the client (consumer_cancel_notify),
+                    // unless the client cancelled this consumer first (a get
+                    // still in flight then): its tag may be in use again.
+                    let gate = self.gate.lock().await;
+                    if self.stop.is_cancelled() {
+                        drop(gate);
+                        return self.give_back(gets).await;
+                    }
                     self.node.clients().stopped_consuming(self.owner >> 16, self.channel, &self.tag);
-                    // The queue was deleted: tell the client (consumer_cancel_notify).
                     self.out
                         .one(method(
                             self.channel,
@@ -131,6 +159,7 @@ impl Consumer {
                             })),
                         ))
                         .await;
+                    drop(gate);
                     return self.give_back(gets).await;
                 }
                 Err(e) => {
@@ -150,7 +179,7 @@ impl Consumer {
     /// Gets still in flight when the consumer stops: wait for them (a get
     /// cannot be taken back once sent) and requeue what they took.
     async fn give_back(&self, mut gets: FuturesOrdered<Get>) {
-        while let Some((_claim, _, got)) = gets.next().await {
+        while let Some((_claim, _, _, got)) = gets.next().await {
             if let Ok(msgs) = got {
                 self.requeue(msgs).await;
             }
@@ -164,7 +193,12 @@ impl Consumer {
         }
     }
 
-    async fn deliver(&self, msgs: Vec<Delivery>) {
+    /// Hand `msgs` to the client, or back if the consumer was stopped.
+    async fn deliver(&self, msgs: Vec<Delivery>) -> Result<(), Vec<Delivery>> {
+        let _gate = self.gate.lock().await;
+        if self.stop.is_cancelled() {
+            return Err(msgs);
+        }
         self.node.metrics().delivered.inc_by(msgs.len() as u64);
         let mut frames = Vec::with_capacity(msgs.len() * 3);
         for d in msgs {
@@ -179,5 +213,6 @@ impl Consumer {
             frames.extend(content(self.channel, AMQPClass::Basic(m), &d.message, self.frame_max));
         }
         self.out.send(frames).await;
+        Ok(())
     }
 }

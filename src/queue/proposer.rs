@@ -15,6 +15,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use super::sm::QueueStats;
 use super::sync::SyncState;
 use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
 use crate::error::NodeError;
@@ -34,7 +35,14 @@ pub type Answer = oneshot::Receiver<Result<Vec<QueueReply>, NodeError>>;
 struct Pending {
     cmds: Vec<QueueCmd>,
     reply: Reply,
+    /// A consumer's get on a queue with nothing ready: held until an
+    /// entry is proposed, and put at its end (see [`Proposer::enqueue_parked`]).
+    park: bool,
 }
+
+/// How long a parked get waits for an entry or a ready message before it is
+/// answered empty (without an entry: an empty get changes nothing).
+const PARK_MAX: Duration = Duration::from_millis(200);
 
 /// Where the master hands the messages its entries dead-lettered, to be
 /// published to the queue's dead-letter exchange. Called when an entry is
@@ -73,6 +81,7 @@ impl Proposer {
         sync: watch::Receiver<SyncState>,
         min_sync_wait: Duration,
         dead_letters: DeadLetterSink,
+        mut stats: watch::Receiver<QueueStats>,
         stop: CancellationToken,
     ) -> Self {
         let (tx, mut rx) = mpsc::channel::<Pending>(65536);
@@ -84,24 +93,52 @@ impl Proposer {
         let task_slots = slots.clone();
         tokio::spawn(async move {
             let slots = task_slots;
+            let mut parked = Parked::default();
             loop {
                 // Work first, then a slot: an idle proposer holds no slot,
                 // so `hold` takes them all at once.
                 let first = tokio::select! {
-                    _ = stop.cancelled() => return refuse_waiting(&mut rx),
-                    p = rx.recv() => match p { Some(p) => p, None => return },
+                    _ = stop.cancelled() => {
+                        parked.refuse();
+                        return refuse_waiting(&mut rx);
+                    }
+                    p = rx.recv() => match p {
+                        Some(p) if p.park && stats.borrow().ready == 0 => {
+                            parked.push(p);
+                            continue;
+                        }
+                        Some(p) => Some(p),
+                        None => return,
+                    },
+                    // Something became ready that no entry of theirs took:
+                    // the parked gets go in an entry of their own.
+                    r = stats.changed(), if !parked.is_empty() => {
+                        if r.is_ok() && stats.borrow().ready == 0 {
+                            continue;
+                        }
+                        None
+                    }
+                    _ = tokio::time::sleep_until(parked.deadline()), if !parked.is_empty() => {
+                        parked.answer_empty();
+                        continue;
+                    }
                 };
                 let permit = tokio::select! {
                     _ = stop.cancelled() => {
-                        let _ = first.reply.send(Err(NodeError::NotLeader { leader: None }));
+                        if let Some(first) = first {
+                            let _ = first.reply.send(Err(NodeError::NotLeader { leader: None }));
+                        }
+                        parked.refuse();
                         return refuse_waiting(&mut rx);
                     }
                     p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
                 };
-                let (mut n, mut bytes) = (first.cmds.len(), approx_size(&first.cmds));
-                let mut batch = vec![first];
+                let mut batch: Vec<Pending> = first.into_iter().collect();
+                let (mut n, mut bytes) =
+                    batch.iter().fold((0, 0), |(n, b), p| (n + p.cmds.len(), b + approx_size(&p.cmds)));
                 while n < MAX_CMDS && bytes < MAX_BYTES {
                     match rx.try_recv() {
+                        Ok(p) if p.park => parked.push(p),
                         Ok(p) => {
                             n += p.cmds.len();
                             bytes += approx_size(&p.cmds);
@@ -109,6 +146,11 @@ impl Proposer {
                         }
                         Err(_) => break,
                     }
+                }
+                // Parked gets go last, so they take what this entry publishes.
+                batch.extend(parked.take());
+                if batch.is_empty() {
+                    continue;
                 }
                 // Hand the entry to Raft here, in arrival order (that fixes
                 // its place in the log); wait for commit and confirm elsewhere.
@@ -164,9 +206,65 @@ impl Proposer {
     /// fixes their order in the log); the receiver answers after commit (and
     /// confirm, for publishes).
     pub async fn enqueue(&self, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
+        self.send(cmds, false).await
+    }
+
+    /// A consumer's gets (`cmds`, gets only). With messages ready they go in
+    /// the next entry like any operation. With none, they wait for the next
+    /// entry proposed (a publish, most likely) and go at its end, so a
+    /// message published to a waiting consumer is delivered by the entry that
+    /// publishes it: one Raft round trip instead of two. If nothing is
+    /// proposed and nothing becomes ready within [`PARK_MAX`], they are
+    /// answered empty, as a get of an empty queue would be.
+    pub async fn enqueue_parked(&self, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
+        self.send(cmds, true).await
+    }
+
+    async fn send(&self, cmds: Vec<QueueCmd>, park: bool) -> Result<Answer, NodeError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Pending { cmds, reply }).await.map_err(|_| NodeError::Stopped)?;
+        self.tx.send(Pending { cmds, reply, park }).await.map_err(|_| NodeError::Stopped)?;
         Ok(rx)
+    }
+}
+
+/// Parked consumer gets and when the oldest must be answered.
+#[derive(Default)]
+struct Parked {
+    gets: Vec<Pending>,
+    since: Option<tokio::time::Instant>,
+}
+
+impl Parked {
+    fn push(&mut self, p: Pending) {
+        self.since.get_or_insert_with(tokio::time::Instant::now);
+        self.gets.push(p);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.gets.is_empty()
+    }
+
+    fn deadline(&self) -> tokio::time::Instant {
+        self.since.unwrap_or_else(tokio::time::Instant::now) + PARK_MAX
+    }
+
+    fn take(&mut self) -> Vec<Pending> {
+        self.since = None;
+        std::mem::take(&mut self.gets)
+    }
+
+    /// Nothing came: what a get of the empty queue would have answered.
+    fn answer_empty(&mut self) {
+        for p in self.take() {
+            let replies = p.cmds.iter().map(|_| QueueReply::Got { msgs: Vec::new(), remaining: 0 }).collect();
+            let _ = p.reply.send(Ok(replies));
+        }
+    }
+
+    fn refuse(&mut self) {
+        for p in self.take() {
+            let _ = p.reply.send(Err(NodeError::NotLeader { leader: None }));
+        }
     }
 }
 

@@ -50,6 +50,8 @@ pub enum RpcRequest {
     Queue {
         group: GroupId,
         cmds: Vec<QueueCmd>,
+        /// Consumer gets that may wait for the master's next entry.
+        park: bool,
     },
     /// The members (voters and learners) of `group` as the receiver's replica
     /// sees them; `None` if it hosts none. A replica moved away asks this to
