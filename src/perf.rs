@@ -212,8 +212,9 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
 
 type Confirm = (u64, lapin::PublisherConfirm, tokio::sync::OwnedSemaphorePermit);
 
-/// Await a producer's confirms, in whatever order they come, in one task:
-/// a task per publish cost the client about as much CPU as a broker node.
+/// Await a producer's confirms, in whatever order they come, in one task
+/// rather than one spawned per publish (5-10% less client CPU per message at
+/// 1000 in flight; lapin itself is most of what the client spends).
 async fn collect_confirms(run: Arc<Run>, mut rx: tokio::sync::mpsc::UnboundedReceiver<Confirm>) {
     let mut waiting = futures::stream::FuturesUnordered::new();
     let mut open = true;

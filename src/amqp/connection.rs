@@ -1378,8 +1378,13 @@ impl Channel {
         let permit = self.in_flight.clone().acquire_owned().await.expect("semaphore never closed");
         // Start each queue's publish here, in channel order; wait elsewhere.
         let mut waits = Vec::with_capacity(queues.len());
-        for q in &queues {
-            waits.push(self.node.submit(q, vec![QueueCmd::enqueue(vec![msg.clone()], vec![ttl])]).await);
+        let mut msg = Some(msg);
+        for (i, q) in queues.iter().enumerate() {
+            // The last queue takes the message itself: no copy of its body
+            // for the usual single queue.
+            let m = if i + 1 == queues.len() { msg.take() } else { msg.clone() };
+            let m = m.expect("taken only by the last queue");
+            waits.push(self.node.submit(q, vec![QueueCmd::enqueue(vec![m], vec![ttl])]).await);
         }
         let node = self.node.clone();
         let done = async move {
