@@ -103,7 +103,9 @@ impl Proposer {
                         return refuse_waiting(&mut rx);
                     }
                     p = rx.recv() => match p {
-                        Some(p) if p.park && stats.borrow().ready == 0 => {
+                        // Only the leader parks: elsewhere the get goes on
+                        // to be refused, so its caller finds the master.
+                        Some(p) if p.park && stats.borrow().ready == 0 && raft.metrics().borrow().state.is_leader() => {
                             parked.push(p);
                             continue;
                         }
