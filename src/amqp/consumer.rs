@@ -65,12 +65,12 @@ impl Consumer {
             while gets.len() < GETS_IN_FLIGHT {
                 let first = gets.is_empty();
                 // Another get only while the queue holds more than is asked
-                // for. The first get goes anyway: on a queue that looks empty
-                // it waits at the master for the next publish (`park`).
-                // Parked unless this node's replica shows messages ready (one
-                // without a replica here leaves it to the master).
-                let park = first && !self.node.ready_hint(&self.queue).is_some_and(|ready| ready > 0);
-                let worth = first || self.node.ready_hint(&self.queue).is_some_and(|ready| ready > asked);
+                // for. The first goes anyway, parked at the master for the
+                // next publish unless this node's replica shows messages
+                // ready (without a replica here, the master decides).
+                let ready = self.node.ready_hint(&self.queue);
+                let park = first && !ready.is_some_and(|r| r > 0);
+                let worth = first || ready.is_some_and(|r| r > asked);
                 if !worth {
                     break;
                 }

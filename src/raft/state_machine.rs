@@ -191,9 +191,8 @@ impl<M: Machine> RaftSnapshotBuilder<TypeConfig> for StateMachine<M> {
         let meta = inner.meta();
         let b =
             keys::encode(&meta, "snapshot meta").map_err(|e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
-        let mut batch = Batch::default();
-        batch.insert(inner.space.key(SNAPSHOT_KEY), b);
-        inner.space.apply(batch).map_err(|e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
+        // One key: a plain insert is atomic, no sled batch needed.
+        inner.space.put(SNAPSHOT_KEY, b).map_err(|e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
         // openraft keeps only the meta of a built snapshot; the data is
         // produced by `get_current_snapshot` when a replica needs it.
         Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(Vec::new())) })
