@@ -61,8 +61,15 @@ start_rabbitmq() {
   ctl 1 set_policy ha-all '^mirrored' '{"ha-mode":"all","ha-sync-mode":"automatic"}' --apply-to queues
 }
 
+# A server still stopping from an earlier run holds these ports and, while
+# it hands its queues over, answers clients itself: wait for it to go.
+ports_free() {
+  ! ss -Htln 2>/dev/null | awk '{print $4}' | grep -Eq ':(2669[1-3]|569[1-3]|1569[1-3])$'
+}
 start_mirrorq() {
   local c=1=127.0.0.1:26691,2=127.0.0.1:26692,3=127.0.0.1:26693
+  for _ in $(seq 150); do ports_free && break; sleep 0.2; done
+  ports_free || { echo "mirrorq ports 5691-5693 / 15691-15693 / 26691-26693 still in use" >&2; return 1; }
   for i in 1 2 3; do
     MIRRORQ_LOG=warn "$BIN" serve --node-id $i --data-dir "$DIR/m$i" --raft-listen 127.0.0.1:2669$i \
       --amqp-listen 127.0.0.1:569$i --http-listen 127.0.0.1:1569$i --cluster $c 2>"$DIR/m$i.log" &
@@ -71,6 +78,9 @@ start_mirrorq() {
   for _ in $(seq 150); do
     "$BIN" ctl --url http://127.0.0.1:15691 cluster-status 2>/dev/null | grep -c true | grep -q 3 && break
     sleep 0.2
+  done
+  for i in 1 2 3; do
+    kill -0 "$(cat "$DIR/m$i.pid")" 2>/dev/null || { echo "mirrorq node $i exited: $(cat "$DIR/m$i.log")" >&2; return 1; }
   done
   # Masters on the node the client declares on, as RabbitMQ places them.
   "$BIN" ctl --url http://127.0.0.1:15691 set-policy ha-all '^mirrored' \

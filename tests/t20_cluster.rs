@@ -156,6 +156,62 @@ async fn confirm_waits_for_the_slowest_replica() {
     c.shutdown().await;
 }
 
+/// The master's own fsync runs in parallel with its mirrors' (the patched
+/// openraft core replicates an entry before the leader's write of it is
+/// durable), and a confirm still waits for the master's disk as well: with
+/// the master's syncs held, both mirrors get the entry onto their disks and
+/// it commits on them, but no confirm fires until the master's sync is let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mirrors_sync_an_entry_while_the_master_syncs_it_and_the_confirm_waits_for_all_three() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    c.node(1).declare_queue("q4", vec![1, 2, 3]).await.unwrap();
+    c.node(1).publish("q4", vec![msg("warm-up")]).await.unwrap();
+    let master = c.master_of("q4").await;
+    let mirrors: Vec<u64> = (1..=3).filter(|id| *id != master).collect();
+    let raft = c.node(master).queue_raft("q4").unwrap();
+    let last = raft.metrics().borrow().last_log_index;
+    let matched = |id: u64| {
+        let m = raft.metrics().borrow().clone();
+        m.replication.as_ref().and_then(|r| r.get(&id).cloned().flatten()).map(|l| l.index)
+    };
+
+    tracing::info!(master, "--- hold the master's disk syncs, publish one message");
+    let held = c.node(master).db().flusher().hold_syncs();
+    let publisher = {
+        let node = c.node(master).clone();
+        tokio::spawn(async move { node.publish("q4", vec![msg("held")]).await })
+    };
+    // A mirror answers an append only once it is on its disk, so `matched`
+    // past `last` means durable there. Without replication in parallel with
+    // the master's own write this never happens while the master's sync waits.
+    wait_until(Duration::from_secs(10), "both mirrors have the entry on disk", || {
+        mirrors.iter().all(|id| matched(*id) > last)
+    })
+    .await;
+    for id in &mirrors {
+        let node = c.node(*id).clone();
+        let mut applied = false;
+        for _ in 0..100 {
+            applied = bodies(&node.local_messages("q4").await.unwrap()).contains(&b"held".to_vec());
+            if applied {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(applied, "mirror {id} never applied the entry its majority committed");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(matched(master), last, "the master counted its own copy before its sync");
+    assert!(!publisher.is_finished(), "confirm fired before the master's copy was on its disk");
+
+    tracing::info!("--- let the master sync: the confirm follows");
+    drop(held);
+    tokio::time::timeout(Duration::from_secs(10), publisher).await.expect("confirm after release").unwrap().unwrap();
+    assert!(matched(master) > last);
+    c.shutdown().await;
+}
+
 /// A mirror that stays unreachable longer than the sync timeout stops
 /// counting as synchronised, so confirms go on without it; once reachable
 /// again it catches up and is synchronised again.

@@ -13,7 +13,7 @@ use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
 /// Called once with the outcome of the sync that covered the waiter's writes.
@@ -62,6 +62,34 @@ pub struct Flusher {
     tx: mpsc::Sender<Msg>,
     failed: Arc<AtomicBool>,
     stats: Arc<FlusherStats>,
+    held: Arc<Held>,
+}
+
+/// How many [`SyncsHeld`] guards are alive; the flusher thread waits for none
+/// before it syncs.
+#[derive(Default)]
+struct Held {
+    count: Mutex<usize>,
+    released: Condvar,
+}
+
+impl Held {
+    fn wait_released(&self) {
+        let mut n = self.count.lock().expect("poisoned");
+        while *n > 0 {
+            n = self.released.wait(n).expect("poisoned");
+        }
+    }
+}
+
+/// Syncs are held back while this lives (see [`Flusher::hold_syncs`]).
+pub struct SyncsHeld(Arc<Held>);
+
+impl Drop for SyncsHeld {
+    fn drop(&mut self) {
+        *self.0.count.lock().expect("poisoned") -= 1;
+        self.0.released.notify_all();
+    }
 }
 
 impl Flusher {
@@ -86,11 +114,12 @@ impl Flusher {
         let (tx, rx) = mpsc::channel::<Msg>();
         let failed = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(FlusherStats::default());
-        let (f2, s2) = (failed.clone(), stats.clone());
+        let held = Arc::new(Held::default());
+        let (f2, s2, h2) = (failed.clone(), stats.clone(), held.clone());
         let thread = std::thread::Builder::new()
             .name("mirrorq-flusher".into())
-            .spawn(move || run(rx, &mut target, &f2, &s2, on_fatal))?;
-        Ok((Self { tx, failed, stats }, thread))
+            .spawn(move || run(rx, &mut target, &f2, &s2, &h2, on_fatal))?;
+        Ok((Self { tx, failed, stats, held }, thread))
     }
 
     /// Queue a completion behind the writes already made; it fires after the
@@ -134,6 +163,15 @@ impl Flusher {
 
     pub fn stats(&self) -> &FlusherStats {
         &self.stats
+    }
+
+    /// Start no sync until the guard drops (a sync under way finishes):
+    /// writes go on and stay readable, nothing more becomes durable and no
+    /// completion fires. This is a disk that is slow on purpose, for tests
+    /// of what waits for whose disk.
+    pub fn hold_syncs(&self) -> SyncsHeld {
+        *self.held.count.lock().expect("poisoned") += 1;
+        SyncsHeld(self.held.clone())
     }
 }
 
@@ -200,6 +238,7 @@ fn run(
     target: &mut impl SyncTarget,
     failed: &AtomicBool,
     stats: &FlusherStats,
+    held: &Held,
     on_fatal: impl Fn(&io::Error),
 ) {
     let mut batch: Vec<Completion> = Vec::with_capacity(256);
@@ -224,6 +263,7 @@ fn run(
             }
             continue;
         }
+        held.wait_released();
         let started = Instant::now();
         let result = target.sync();
         stats.syncs.fetch_add(1, Ordering::Relaxed);
@@ -319,6 +359,30 @@ mod tests {
         }
         // The first waiter may be synced alone; the other 99 share at most one more.
         assert!(calls.load(Ordering::SeqCst) <= 2, "syncs: {}", calls.load(Ordering::SeqCst));
+        flusher.stop();
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn held_syncs_complete_nothing_until_released() {
+        struct Count(Arc<AtomicUsize>);
+        impl SyncTarget for Count {
+            fn sync(&mut self) -> io::Result<()> {
+                self.0.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        }
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (flusher, thread) = Flusher::with_target(Count(calls.clone()), |_| {}).unwrap();
+        let held = flusher.hold_syncs();
+        let (tx, rx) = mpsc::channel();
+        flusher.submit(Box::new(move |r| tx.send(r.is_ok()).unwrap()));
+        let early = rx.recv_timeout(std::time::Duration::from_millis(200));
+        assert!(early.is_err(), "a completion fired while syncs were held");
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "the disk was synced while held");
+        drop(held);
+        assert!(rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
         flusher.stop();
         thread.join().unwrap();
     }
