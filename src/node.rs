@@ -236,6 +236,9 @@ struct Inner {
     /// (it just handed mastership over in a rebalance).
     quiet: Mutex<HashMap<GroupId, Instant>>,
     stop: CancellationToken,
+    /// Cancelled first thing in a graceful stop (and with `stop`): clients
+    /// are told to leave before masterships move.
+    closing: CancellationToken,
 }
 
 /// Handle to a running node. Clones share it.
@@ -329,6 +332,7 @@ impl Node {
         .map_err(|e| ServerError::Raft(e.to_string()))?;
         meta_sm.enable_snapshot_transfer();
 
+        let stop = CancellationToken::new();
         let inner = Arc::new(Inner {
             id: cfg.node_id,
             name: cfg.node_name.clone(),
@@ -352,7 +356,8 @@ impl Node {
             down: sync::Down::default(),
             leaving: AtomicBool::new(false),
             quiet: Mutex::default(),
-            stop: CancellationToken::new(),
+            closing: stop.child_token(),
+            stop,
         });
 
         tokio::spawn(server::serve(listener, inner.clone(), inner.stop.clone()));
@@ -424,6 +429,19 @@ impl Node {
     /// Cancelled when the node stops (shutdown or a fatal disk error).
     pub fn stopped(&self) -> CancellationToken {
         self.inner.stop.clone()
+    }
+
+    /// Cancelled when the node begins to stop, before it hands its
+    /// masterships over: the AMQP front end stops accepting and closes its
+    /// connections (320, as RabbitMQ does on shutdown), so no client is
+    /// served by a node on its way out.
+    pub fn closing(&self) -> CancellationToken {
+        self.inner.closing.clone()
+    }
+
+    /// Begin closing: cancel [`Node::closing`] ([`Node::shutdown`] does it too).
+    pub fn close_clients(&self) {
+        self.inner.closing.cancel();
     }
 
     /// The local replica's Raft handle of a queue, if this node hosts one.
@@ -1044,6 +1062,7 @@ impl Node {
     /// Stop the node: masterships handed over (`ha-promote-on-shutdown`), no
     /// new work, every group shut down, storage synced.
     pub async fn shutdown(&self) {
+        self.inner.closing.cancel();
         let successors = self.prepare_hand_over();
         // Move each mastership while this node can still vote for its
         // successor (which then wins at once); what does not move in time

@@ -21,7 +21,7 @@ pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result
     let amqp = tokio::net::TcpListener::bind(&cfg.amqp_listen)
         .await
         .map_err(|source| ServerError::Listen { addr: cfg.amqp_listen.clone(), source })?;
-    tokio::spawn(crate::amqp::serve(amqp, node.clone(), node.stopped()));
+    let amqp = tokio::spawn(crate::amqp::serve(amqp, node.clone(), node.stopped()));
     let http = tokio::net::TcpListener::bind(&cfg.http_listen)
         .await
         .map_err(|source| ServerError::Listen { addr: cfg.http_listen.clone(), source })?;
@@ -38,6 +38,10 @@ pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result
         _ = shutdown => Exit::Requested,
         _ = stopped.cancelled() => Exit::Failed,
     };
+    // As RabbitMQ does: clients are told to leave (320) before masterships
+    // move, and the listener closes, so none is served by a node on its way out.
+    node.close_clients();
+    let _ = amqp.await;
     node.shutdown().await;
     Ok(exit)
 }

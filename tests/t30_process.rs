@@ -222,3 +222,46 @@ async fn sigterm_exits_zero_and_keeps_data() {
     }
     assert_eq!(got.iter().map(|d| d.message.body.clone()).collect::<Vec<_>>(), vec![b"still here".to_vec()]);
 }
+
+/// SIGTERM tells the node's AMQP clients why they are cut off, first thing,
+/// as RabbitMQ does: `connection.close` 320 CONNECTION_FORCED with reason
+/// 'shutdown', before masterships move (no client is answered by a node on
+/// its way out), and then the node exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_closes_amqp_connections_with_connection_forced() {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = process::cluster(root.path(), 1, &[]);
+    let mut node = nodes.remove(0);
+    node.start();
+    node.wait_serving().await;
+    let uri = format!("amqp://guest:guest@127.0.0.1:{}/%2f", node.amqp_port.unwrap());
+    let conn = lapin::Connection::connect(&uri, lapin::ConnectionProperties::default()).await.unwrap();
+    let seen: Arc<Mutex<Option<String>>> = Arc::default();
+    let slot = seen.clone();
+    let mut events = Box::pin(conn.events_listener());
+    tokio::spawn(async move {
+        use futures::StreamExt;
+        while let Some(ev) = events.next().await {
+            if let lapin::Event::Error(e) = ev {
+                slot.lock().unwrap().get_or_insert(e.to_string());
+            }
+        }
+    });
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        "before-stop".into(),
+        QueueDeclareOptions { durable: true, ..Default::default() },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let code = tokio::task::spawn_blocking(move || node.terminate()).await.unwrap();
+    assert_eq!(code, Some(0));
+    common::wait_until(Duration::from_secs(10), "the client saw its connection end", || seen.lock().unwrap().is_some())
+        .await;
+    let why = seen.lock().unwrap().clone().unwrap();
+    assert!(why.contains("CONNECTION_FORCED") && why.contains("shutdown"), "{why}");
+    assert!(!conn.status().connected());
+}

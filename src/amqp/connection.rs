@@ -194,11 +194,12 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         ))
         .await;
     }
-    if result.is_ok() {
-        // The client closed (or is closing) the connection. Whoever sent
-        // `connection.close` closes the socket after close-ok: wait for the
-        // client to do so, briefly, rather than closing under it (clients
-        // report that as a broken connection).
+    let told_to_leave = result.as_ref().err().is_some_and(|h| h.code == CONNECTION_FORCED);
+    if result.is_ok() || told_to_leave {
+        // The client closed (or is closing) the connection, or we told it to
+        // leave. Whoever sent `connection.close` closes the socket after
+        // close-ok: wait for the client to do so, briefly, rather than
+        // closing under it (clients report that as a broken connection).
         let mut scratch = [0u8; 256];
         let _ = tokio::time::timeout(Duration::from_secs(1), async {
             while matches!(rd.read(&mut scratch).await, Ok(n) if n > 0) {}
@@ -325,6 +326,7 @@ impl Conn {
         let mut hard_rx = self.hard_rx.take().expect("hard_rx");
         let mut alarms = self.node.alarms().subscribe();
         let mut meta = self.node.watch_metadata();
+        let closing = self.node.closing();
         // A publish waits in `buf` while an alarm is on; the socket is not
         // read meanwhile, so TCP pushes back on the publisher.
         let mut held = false;
@@ -371,6 +373,12 @@ impl Conn {
                     held = false;
                 }
                 Some(h) = hard_rx.recv() => return Err(h),
+                _ = closing.cancelled() => {
+                    return Err(hard(
+                        CONNECTION_FORCED,
+                        "CONNECTION_FORCED - broker forced connection closure with reason 'shutdown'",
+                    ));
+                }
                 Ok(()) = meta.changed() => {
                     if let Some(why) = self.access_gone(&meta.borrow_and_update()) {
                         return Err(hard(CONNECTION_FORCED, format!("CONNECTION_FORCED - {why}")));

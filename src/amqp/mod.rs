@@ -32,12 +32,19 @@ use crate::node::Node;
 pub use codec::{decode_properties, encode_properties, expiration_ms, parse, without_expiration, write_frame, Parsed};
 pub(crate) use connection::to_args;
 
-/// Accept AMQP connections until `stop` is cancelled.
+/// Accept AMQP connections until `stop` is cancelled. When the node starts
+/// closing (`Node::closing`) it stops accepting, so connecting is refused
+/// and clients go to another node, and returns once its connections have
+/// closed (each told why, 320) or after a few seconds.
 pub async fn serve(listener: TcpListener, node: Node, stop: CancellationToken) {
     let ids = Arc::new(AtomicU64::new(1));
+    let closing = node.closing();
+    let mut conns = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
+            _ = closing.cancelled() => break,
+            Some(_) = conns.join_next() => continue,
             a = listener.accept() => a,
         };
         match accepted {
@@ -45,7 +52,7 @@ pub async fn serve(listener: TcpListener, node: Node, stop: CancellationToken) {
                 let _ = stream.set_nodelay(true);
                 let id = (node.id() << 40) | ids.fetch_add(1, Ordering::Relaxed);
                 let (node, stop) = (node.clone(), stop.clone());
-                tokio::spawn(async move {
+                conns.spawn(async move {
                     tokio::select! {
                         _ = stop.cancelled() => {}
                         r = connection::run(stream, peer, node, id) => {
@@ -62,4 +69,10 @@ pub async fn serve(listener: TcpListener, node: Node, stop: CancellationToken) {
             }
         }
     }
+    drop(listener);
+    let _ =
+        tokio::time::timeout(std::time::Duration::from_secs(3), async { while conns.join_next().await.is_some() {} })
+            .await;
+    // Stragglers (a client that never answered close) go with the node's stop.
+    conns.detach_all();
 }
