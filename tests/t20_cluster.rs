@@ -12,6 +12,17 @@ fn bodies(msgs: &[mirrorq::Message]) -> BTreeSet<Vec<u8>> {
     msgs.iter().map(|m| m.body.clone()).collect()
 }
 
+/// Whether `node`'s replica of `queue` comes to hold `body` within 2 s.
+async fn comes_to_hold(node: &mirrorq::Node, queue: &str, body: &[u8]) -> bool {
+    for _ in 0..100 {
+        if bodies(&node.local_messages(queue).await.unwrap()).contains(body) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
 /// Every confirmed publish is on the disk of all three replicas at the moment
 /// its confirm arrives, and ends up in every replica's applied state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -134,16 +145,7 @@ async fn confirm_waits_for_the_slowest_replica() {
         tokio::spawn(async move { node.publish("q3", vec![msg("held")]).await })
     };
     // Committed on the majority (master + fast mirror)...
-    let fast_node = c.node(fast).clone();
-    let mut fast_has = false;
-    for _ in 0..100 {
-        fast_has = bodies(&fast_node.local_messages("q3").await.unwrap()).contains(&b"held".to_vec());
-        if fast_has {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(fast_has, "the fast mirror never got the entry");
+    assert!(comes_to_hold(c.node(fast), "q3", b"held").await, "the fast mirror never got the entry");
     tokio::time::sleep(Duration::from_secs(1)).await;
     // ...but not confirmed: the slow mirror does not have it.
     assert!(!publisher.is_finished(), "confirm fired before the slow mirror had the message");
@@ -190,15 +192,7 @@ async fn mirrors_sync_an_entry_while_the_master_syncs_it_and_the_confirm_waits_f
     })
     .await;
     for id in &mirrors {
-        let node = c.node(*id).clone();
-        let mut applied = false;
-        for _ in 0..100 {
-            applied = bodies(&node.local_messages("q4").await.unwrap()).contains(&b"held".to_vec());
-            if applied {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let applied = comes_to_hold(c.node(*id), "q4", b"held").await;
         assert!(applied, "mirror {id} never applied the entry its majority committed");
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
