@@ -12,6 +12,17 @@ fn bodies(msgs: &[mirrorq::Message]) -> BTreeSet<Vec<u8>> {
     msgs.iter().map(|m| m.body.clone()).collect()
 }
 
+/// Three nodes and a three-replica queue `q` whose master has confirmed one
+/// message: the cluster, the master and the two mirrors.
+async fn cluster_with_queue(q: &str) -> (Cluster, u64, Vec<u64>) {
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    c.node(1).declare_queue(q, vec![1, 2, 3]).await.unwrap();
+    c.node(1).publish(q, vec![msg("warm-up")]).await.unwrap();
+    let master = c.master_of(q).await;
+    let mirrors = (1..=3).filter(|id| *id != master).collect();
+    (c, master, mirrors)
+}
+
 /// Whether `node`'s replica of `queue` comes to hold `body` within 2 s.
 async fn comes_to_hold(node: &mirrorq::Node, queue: &str, body: &[u8]) -> bool {
     for _ in 0..100 {
@@ -131,12 +142,8 @@ async fn master_crash_loses_no_confirmed_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn confirm_waits_for_the_slowest_replica() {
     init_tracing();
-    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
-    c.node(1).declare_queue("q3", vec![1, 2, 3]).await.unwrap();
-    c.node(1).publish("q3", vec![msg("warm-up")]).await.unwrap();
-    let master = c.master_of("q3").await;
-    let mut mirrors = (1..=3).filter(|id| *id != master);
-    let (slow, fast) = (mirrors.next().unwrap(), mirrors.next().unwrap());
+    let (c, master, mirrors) = cluster_with_queue("q3").await;
+    let (slow, fast) = (mirrors[0], mirrors[1]);
 
     tracing::info!(master, slow, "--- hold the master's traffic to one mirror");
     c.node(master).transport().control.block(slow);
@@ -166,11 +173,7 @@ async fn confirm_waits_for_the_slowest_replica() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mirrors_sync_an_entry_while_the_master_syncs_it_and_the_confirm_waits_for_all_three() {
     init_tracing();
-    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
-    c.node(1).declare_queue("q4", vec![1, 2, 3]).await.unwrap();
-    c.node(1).publish("q4", vec![msg("warm-up")]).await.unwrap();
-    let master = c.master_of("q4").await;
-    let mirrors: Vec<u64> = (1..=3).filter(|id| *id != master).collect();
+    let (c, master, mirrors) = cluster_with_queue("q4").await;
     let raft = c.node(master).queue_raft("q4").unwrap();
     let last = raft.metrics().borrow().last_log_index;
     let matched = |id: u64| {
