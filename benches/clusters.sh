@@ -45,7 +45,7 @@ launch_rabbit_node() {
     RABBITMQ_CONFIG_FILE=$DIR/r$i/rabbitmq.conf RABBITMQ_ENABLED_PLUGINS_FILE=$DIR/r$i/enabled_plugins \
     RABBITMQ_MNESIA_BASE=$DIR/r$i/mnesia RABBITMQ_LOG_BASE=$DIR/r$i/log \
     RABBITMQ_PLUGINS_EXPAND_DIR=$DIR/r$i/plugins RABBITMQ_PID_FILE=$DIR/r$i/pid \
-    RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}" \
+    RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} ${RABBITMQ_EXTRA_ERL_ARGS:-}" \
     setsid "$RMQ/rabbitmq-server" >> "$DIR/r$i/out.log" 2>&1 &
 }
 # Node i, up and running.
@@ -66,13 +66,18 @@ start_rabbitmq() {
 ports_free() {
   ! ss -Htln 2>/dev/null | awk '{print $4}' | grep -Eq ':(2669[1-3]|569[1-3]|1569[1-3])$'
 }
+# Three nodes share two cores here: one runtime thread each does better than
+# one per core (benchmarks.md, "Worker threads"). MIRRORQ_WORKERS="" gives
+# tokio's default.
 start_mirrorq() {
   local c=1=127.0.0.1:26691,2=127.0.0.1:26692,3=127.0.0.1:26693
+  local workers=()
+  [ -z "${MIRRORQ_WORKERS-1}" ] || workers=(--worker-threads "${MIRRORQ_WORKERS-1}")
   for _ in $(seq 150); do ports_free && break; sleep 0.2; done
   ports_free || { echo "mirrorq ports 5691-5693 / 15691-15693 / 26691-26693 still in use" >&2; return 1; }
   for i in 1 2 3; do
     MIRRORQ_LOG=warn "$BIN" serve --node-id $i --data-dir "$DIR/m$i" --raft-listen 127.0.0.1:2669$i \
-      --amqp-listen 127.0.0.1:569$i --http-listen 127.0.0.1:1569$i --cluster $c 2>"$DIR/m$i.log" &
+      --amqp-listen 127.0.0.1:569$i --http-listen 127.0.0.1:1569$i --cluster $c "${workers[@]}" 2>"$DIR/m$i.log" &
     echo $! > "$DIR/m$i.pid"
   done
   for _ in $(seq 150); do

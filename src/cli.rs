@@ -223,4 +223,9 @@ pub struct ServeArgs {
     /// sled page cache in MiB [default: 64]
     #[arg(long, env = "MIRRORQ_CACHE_MB")]
     pub cache_mb: Option<u64>,
+    /// Threads running the node's tasks (connections, queues, replication).
+    /// Nodes sharing one machine do better with their share of its cores
+    /// [default: one per core]
+    #[arg(long, env = "MIRRORQ_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
 }

@@ -43,7 +43,12 @@ pub struct FileConfig {
     pub memory_high_watermark: Option<toml::Value>,
     #[serde(alias = "disk_free_limit")]
     pub disk_free_limit: Option<u64>,
+    #[serde(alias = "worker_threads")]
+    pub worker_threads: Option<usize>,
 }
+
+/// More runtime threads than this is a typo, not a tuning.
+const MAX_WORKER_THREADS: usize = 1024;
 
 /// Everything `serve` needs, resolved.
 #[derive(Debug, Clone)]
@@ -51,6 +56,8 @@ pub struct ServeConfig {
     pub node: NodeConfig,
     pub amqp_listen: String,
     pub http_listen: String,
+    /// Runtime worker threads; `None` is tokio's default, one per core.
+    pub worker_threads: Option<usize>,
 }
 
 /// Parse `ID=ADDR,ID=ADDR`.
@@ -132,8 +139,17 @@ impl ServeConfig {
         if let Some(mb) = args.cache_mb.or(file.cache_mb) {
             node.cache_bytes = mb << 20;
         }
+        let worker_threads = args.worker_threads.or(file.worker_threads);
+        if let Some(n) = worker_threads {
+            if !(1..=MAX_WORKER_THREADS).contains(&n) {
+                return Err(ServerError::Config(format!(
+                    "--worker-threads must be between 1 and {MAX_WORKER_THREADS}"
+                )));
+            }
+        }
         Ok(Self {
             node,
+            worker_threads,
             amqp_listen: args.amqp_listen.clone().or(file.amqp_listen).unwrap_or_else(|| "127.0.0.1:5672".into()),
             http_listen: args.http_listen.clone().or(file.http_listen).unwrap_or_else(|| "127.0.0.1:15672".into()),
         })
@@ -186,6 +202,23 @@ mod tests {
         for bad in [0.0, -1.0, 0.05, f64::NAN, 61.0] {
             let args = ServeArgs { election_timeout: Some(bad), ..Default::default() };
             assert!(ServeConfig::resolve(&args).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn worker_threads_come_from_flag_or_file_and_are_checked() {
+        assert_eq!(ServeConfig::resolve(&ServeArgs::default()).unwrap().worker_threads, None);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.toml");
+        std::fs::write(&path, "worker-threads = 3\n").unwrap();
+        let args = ServeArgs { config: Some(path.clone()), ..Default::default() };
+        assert_eq!(ServeConfig::resolve(&args).unwrap().worker_threads, Some(3));
+        let args = ServeArgs { config: Some(path), worker_threads: Some(1), ..Default::default() };
+        assert_eq!(ServeConfig::resolve(&args).unwrap().worker_threads, Some(1), "flag beats file");
+        for bad in [0, 1025] {
+            let args = ServeArgs { worker_threads: Some(bad), ..Default::default() };
+            let err = ServeConfig::resolve(&args).unwrap_err().to_string();
+            assert!(err.contains("--worker-threads"), "{bad}: {err}");
         }
     }
 

@@ -64,7 +64,12 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
-    let rt = tokio::runtime::Runtime::new()?;
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.enable_all();
+    if let Some(n) = cfg.worker_threads {
+        rt.worker_threads(n);
+    }
+    let rt = rt.build()?;
     match rt.block_on(serve::run(cfg, shutdown_signal())) {
         Ok(Exit::Requested) => Ok(()),
         Ok(Exit::Failed) => {

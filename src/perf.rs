@@ -10,6 +10,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::future::Future;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -186,20 +188,36 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
         let Ok(Ok(permit)) = tokio::time::timeout(run.left(), window.clone().acquire_owned()).await else { break };
         let t = run.micros();
         body[..8].copy_from_slice(&t.to_be_bytes());
-        let Ok(pc) = ch
-            .basic_publish(ShortString::from(""), ShortString::from(queue.as_str()), opts, &body, props.clone())
-            .await
-        else {
-            break;
-        };
+        if args.confirm == 0 {
+            // No window to bound what is queued: each publish waits until
+            // lapin has written it.
+            let publish =
+                ch.basic_publish(ShortString::from(""), ShortString::from(queue.as_str()), opts, &body, props.clone());
+            if publish.await.is_err() {
+                break;
+            }
+        } else {
+            // lapin queues a publish's frames (and numbers it for confirms)
+            // when its future is first polled, then waits for its IO thread
+            // to write them. Polled once here, in order, and awaited by the
+            // collector, a window's publishes share the IO thread's writes
+            // instead of costing a thread hand-off and a `sendto` each.
+            let (ch, queue, body, props) = (ch.clone(), queue.clone(), body.clone(), props.clone());
+            let mut publish: Publish = Box::pin(async move {
+                ch.basic_publish(ShortString::from(""), ShortString::from(queue.as_str()), opts, &body, props).await
+            });
+            match futures::poll!(publish.as_mut()) {
+                Poll::Ready(Err(_)) => break,
+                // Written already: the collector must not poll it again.
+                Poll::Ready(Ok(pc)) => publish = Box::pin(std::future::ready(Ok(pc))),
+                Poll::Pending => {}
+            }
+            if confirms.send((t, publish, permit)).is_err() {
+                break;
+            }
+        }
         sent += 1;
         run.counters.published.fetch_add(1, Ordering::Relaxed);
-        if args.confirm == 0 {
-            continue;
-        }
-        if confirms.send((t, pc, permit)).is_err() {
-            break;
-        }
     }
     // The confirms still in the window belong to this run.
     drop(confirms);
@@ -210,7 +228,9 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
     Some((PRODUCER, run.start.elapsed().as_secs_f64()))
 }
 
-type Confirm = (u64, lapin::PublisherConfirm, tokio::sync::OwnedSemaphorePermit);
+/// A publish queued with lapin: its send, then its confirm.
+type Publish = std::pin::Pin<Box<dyn Future<Output = lapin::Result<lapin::PublisherConfirm>> + Send>>;
+type Confirm = (u64, Publish, tokio::sync::OwnedSemaphorePermit);
 
 /// Await a producer's confirms, in whatever order they come, in one task
 /// rather than one spawned per publish (5-10% less client CPU per message at
@@ -221,7 +241,13 @@ async fn collect_confirms(run: Arc<Run>, mut rx: tokio::sync::mpsc::UnboundedRec
     while open || !waiting.is_empty() {
         tokio::select! {
             next = rx.recv(), if open => match next {
-                Some((t, pc, permit)) => waiting.push(async move { (t, pc.await, permit) }),
+                Some((t, publish, permit)) => waiting.push(async move {
+                    let outcome = match publish.await {
+                        Ok(pc) => pc.await,
+                        Err(e) => Err(e),
+                    };
+                    (t, outcome, permit)
+                }),
                 None => open = false,
             },
             Some((t, outcome, permit)) = waiting.next(), if !waiting.is_empty() => {
