@@ -1200,7 +1200,7 @@ impl Channel {
 
     async fn requeue_all(&mut self, _requeue: bool) {
         // RabbitMQ requeues in both cases; so do we.
-        if let Ok(mut taken) = self.deliveries.take(0, true) {
+        if let Ok(mut taken) = self.deliveries.take(0, true, true) {
             for (q, tags) in std::mem::take(&mut taken.by_queue) {
                 let _ = self.node.nack(&q, tags, true).await;
                 self.deliveries.settled(&taken.holders(&q));
@@ -1223,7 +1223,8 @@ impl Channel {
             tx.settles.push((tag, multiple, how));
             return Ok(true);
         }
-        let mut taken = self.deliveries.take(tag, multiple).map_err(unknown)?;
+        let requeued = matches!(how, Settle::Nack { requeue: true });
+        let mut taken = self.deliveries.take(tag, multiple, requeued).map_err(unknown)?;
         if matches!(how, Settle::Ack) {
             let n: usize = taken.by_queue.values().map(Vec::len).sum();
             self.node.metrics().acknowledged.inc_by(n as u64);
@@ -1281,7 +1282,9 @@ impl Channel {
                 }
                 let mut settled = Vec::new();
                 for (tag, multiple, how) in work.settles {
-                    let mut taken = self.deliveries.take(tag, multiple).map_err(|t| Ok(unknown_tag(t, 90, 20)))?;
+                    let requeued = matches!(how, Settle::Nack { requeue: true });
+                    let mut taken =
+                        self.deliveries.take(tag, multiple, requeued).map_err(|t| Ok(unknown_tag(t, 90, 20)))?;
                     for (q, tags) in std::mem::take(&mut taken.by_queue) {
                         settled.extend(taken.holders(&q));
                         per_queue.entry(q).or_default().push(match how {

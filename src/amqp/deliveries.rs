@@ -4,9 +4,13 @@
 //! `basic.qos` as RabbitMQ reads it: `global = false` sets the limit of each
 //! consumer started afterwards on the channel, `global = true` a limit
 //! shared by the whole channel; a consumer is sent messages only while both
-//! allow it. Messages acked or nacked here but not yet applied at the queue
-//! still count ("settling"), so a requeued message is back in the queue
-//! before the next get and is the one delivered next.
+//! allow it. Messages requeued here but not yet back in the queue still
+//! count ("settling"), so a requeued message is back before the next get
+//! and is the one delivered next. An ack (or a nack that does not requeue)
+//! gives its room back at once: nothing it settles can be delivered again,
+//! and waiting for its Raft commit would make the prefetch window a round
+//! trip of the log longer (a drain at prefetch 1000 ran at 57k msg/s that
+//! way; at 4000, or with the room back at once, about 88k).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -176,8 +180,10 @@ impl Deliveries {
     }
 
     /// Remove tags (all up to `tag` if `multiple`; all if tag 0 and
-    /// multiple) grouped by queue. `Err` if a single tag is unknown.
-    pub fn take(&self, tag: u64, multiple: bool) -> Result<Taken, u64> {
+    /// multiple) grouped by queue. `Err` if a single tag is unknown. Their
+    /// room comes back now, or, if they are `requeued`, at
+    /// [`Deliveries::settled`] once the queue has them back.
+    pub fn take(&self, tag: u64, multiple: bool, requeued: bool) -> Result<Taken, u64> {
         let mut st = self.state.lock().expect("poisoned");
         let tags: Vec<u64> = if multiple {
             st.unacked.keys().copied().filter(|t| tag == 0 || *t <= tag).collect()
@@ -194,16 +200,25 @@ impl Deliveries {
                         *n = n.saturating_sub(1);
                     }
                 }
-                *st.settling.entry(h.by).or_default() += 1;
-                taken.by_queue.entry(h.queue.clone()).or_default().push(h.qtag);
-                taken.holders.entry(h.queue).or_default().push(h.by);
+                if requeued {
+                    *st.settling.entry(h.by).or_default() += 1;
+                    taken.holders.entry(h.queue.clone()).or_default().push(h.by);
+                }
+                taken.by_queue.entry(h.queue).or_default().push(h.qtag);
             }
+        }
+        drop(st);
+        if !requeued && !taken.by_queue.is_empty() {
+            self.room.notify_waiters();
         }
         Ok(taken)
     }
 
     /// Taken tags with these holders have been applied at their queue.
     pub fn settled(&self, holders: &[Option<ConsumerId>]) {
+        if holders.is_empty() {
+            return;
+        }
         let mut st = self.state.lock().expect("poisoned");
         for h in holders {
             if let Some(n) = st.settling.get_mut(h) {
@@ -242,12 +257,12 @@ mod tests {
         let b = d.assign("q2", 20, true, None);
         let c = d.assign("q1", 11, true, None);
         assert_eq!((a, b, c), (1, 2, 3));
-        assert_eq!(d.take(9, false), Err(9));
-        let got = d.take(2, true).unwrap();
+        assert_eq!(d.take(9, false, false), Err(9));
+        let got = d.take(2, true, false).unwrap();
         assert_eq!(got.by_queue.get("q1"), Some(&vec![10]));
         assert_eq!(got.by_queue.get("q2"), Some(&vec![20]));
-        assert_eq!(d.take(3, false).unwrap().by_queue.get("q1"), Some(&vec![11]));
-        assert_eq!(d.take(3, false), Err(3), "a tag settles once");
+        assert_eq!(d.take(3, false, false).unwrap().by_queue.get("q1"), Some(&vec![11]));
+        assert_eq!(d.take(3, false, true), Err(3), "a tag settles once");
     }
 
     #[test]
@@ -262,14 +277,35 @@ mod tests {
         d.assign("q", 2, true, Some(1));
         d.assign("q", 3, true, Some(2));
         assert_eq!((d.room(1), d.room(2)), (0, 2), "each consumer has its own limit");
-        // Acked but not yet applied at the queue: still counts.
-        let mut taken = d.take(t1, false).unwrap();
+        // Requeued but not yet back in the queue: still counts.
+        let mut taken = d.take(t1, false, true).unwrap();
         assert_eq!(d.room(1), 0);
         d.settled(&taken.holders("q"));
         assert_eq!(d.room(1), 1);
         // Gets count against no consumer.
         d.assign("q", 4, true, None);
         assert_eq!((d.room(1), d.room(2)), (1, 2));
+    }
+
+    #[test]
+    fn an_ack_gives_its_room_back_at_once_a_requeue_once_applied() {
+        let d = Arc::new(Deliveries::default());
+        d.set_prefetch(2, false);
+        d.consumer_started(1);
+        let t1 = d.assign("q", 1, true, Some(1));
+        let t2 = d.assign("q", 2, true, Some(1));
+        assert_eq!(d.room(1), 0);
+        let woken = d.room.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        let mut acked = d.take(t1, false, false).unwrap();
+        assert_eq!(d.room(1), 1, "acked: its room is back before the queue applies it");
+        assert!(acked.holders("q").is_empty(), "nothing left to give back");
+        assert!(futures::FutureExt::now_or_never(woken).is_some(), "a consumer waiting for room is woken");
+        let mut requeued = d.take(t2, false, true).unwrap();
+        assert_eq!(d.room(1), 1, "requeued: held until it is back in the queue");
+        d.settled(&requeued.holders("q"));
+        assert_eq!(d.room(1), 2);
     }
 
     #[test]
@@ -287,7 +323,7 @@ mod tests {
         d.assign("q", 3, true, Some(3));
         assert_eq!(d.room(3), 0, "both limits apply");
         assert_eq!(d.room(1), 0, "channel full");
-        let mut taken = d.take(0, true).unwrap();
+        let mut taken = d.take(0, true, true).unwrap();
         assert_eq!(taken.len(), 3);
         d.settled(&taken.holders("q"));
         assert_eq!((d.room(1), d.room(3)), (3, 1));
