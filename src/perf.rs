@@ -8,9 +8,9 @@
 //! when every producer and consumer has done its `--pmessages` /
 //! `--cmessages`; rates are over the time it really took.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::future::Future;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 

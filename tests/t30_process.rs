@@ -177,6 +177,34 @@ async fn second_process_on_same_data_dir_is_refused() {
     assert!(matches!(q, Err(ClientError::Node(NodeError::NoSuchQueue(_)))), "{q:?}");
 }
 
+/// `--worker-threads N` is the number of runtime threads the node runs its
+/// tasks on (tokio names them `tokio-rt-worker`); 0 is a configuration error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_threads_set_the_runtime_threads() {
+    let root = tempfile::tempdir().unwrap();
+    let workers = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter(|t| {
+                let comm = t.as_ref().map(|t| std::fs::read_to_string(t.path().join("comm")).unwrap_or_default());
+                comm.is_ok_and(|c| c.trim() == "tokio-rt-worker")
+            })
+            .count()
+    };
+    // Three: neither tokio's default here (one per core) nor one.
+    let mut nodes = process::cluster(root.path(), 1, &["--worker-threads", "3"]);
+    nodes[0].start();
+    nodes[0].wait_listening().await;
+    assert_eq!(workers(nodes[0].pid()), 3);
+    let mut bad = process::cluster(&root.path().join("bad"), 1, &["--worker-threads", "0"]).pop().unwrap();
+    bad.data_dir = root.path().join("bad-data");
+    let out = bad.command().output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--worker-threads must be between 1 and"), "stderr: {err}");
+    nodes[0].assert_no_panic();
+}
+
 /// A corrupt data dir is refused with a clear message and a non-zero exit,
 /// and left as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -57,6 +57,11 @@ impl ProcNode {
         cmd
     }
 
+    /// The running process's id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("node running").id()
+    }
+
     /// Start the process; its stderr goes to `self.log` (appended).
     pub fn start(&mut self) {
         assert!(self.child.is_none(), "node {} already running", self.id);
