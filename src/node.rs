@@ -1126,7 +1126,7 @@ impl Node {
         let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
         for e in entries {
             if let openraft::EntryPayload::Normal(Request::Queue(cmds)) = e.payload {
-                for c in cmds {
+                for c in std::sync::Arc::unwrap_or_clone(cmds) {
                     if let QueueCmd::Enqueue { msgs } | QueueCmd::EnqueueExpiring { msgs, .. } = c {
                         out.extend(msgs);
                     }

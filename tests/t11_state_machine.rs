@@ -11,7 +11,7 @@ use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
 fn entry(index: u64, cmds: Vec<QueueCmd>) -> Entry<TypeConfig> {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-        payload: EntryPayload::Normal(Request::Queue(cmds)),
+        payload: EntryPayload::Normal(Request::Queue(std::sync::Arc::new(cmds))),
     }
 }
 

@@ -90,7 +90,7 @@ fn publishes(e: &Entry<TypeConfig>) -> (Origin, Vec<(&Message, bool)>) {
     let origin = (e.log_id.leader_id.term, e.log_id.leader_id.node_id, e.log_id.index);
     let mut msgs = Vec::new();
     if let EntryPayload::Normal(Request::Queue(cmds)) = &e.payload {
-        for c in cmds {
+        for c in cmds.iter() {
             match c {
                 QueueCmd::Enqueue { msgs: m } | QueueCmd::EnqueueExpiring { msgs: m, .. } => {
                     msgs.extend(m.iter().map(|m| (m, false)))
@@ -361,6 +361,7 @@ impl Node {
         for mut e in reader.try_get_log_entries(applied..).await.map_err(raft_err)? {
             if let EntryPayload::Normal(Request::Queue(cmds)) = &mut e.payload {
                 let before = cmds.len();
+                let cmds = std::sync::Arc::make_mut(cmds);
                 cmds.retain(|c| c.publishes() || matches!(c, QueueCmd::Fork(_)));
                 if cmds.len() != before {
                     entries.push(e);
@@ -379,7 +380,7 @@ impl Node {
         let raft = self.inner.raft_of(group).ok_or(ServerError::Raft("re-formed group vanished".into()))?;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            match raft.client_write(Request::Queue(vec![QueueCmd::Fork(record.clone())])).await {
+            match raft.client_write(Request::Queue(std::sync::Arc::new(vec![QueueCmd::Fork(record.clone())]))).await {
                 Ok(_) => return Ok(()),
                 Err(e) if Instant::now() > deadline => return Err(ServerError::Raft(e.to_string())),
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,

@@ -162,7 +162,7 @@ impl Proposer {
                 if stamped {
                     cmds.insert(0, QueueCmd::Stamp { now_ms: now_ms(), limits });
                 }
-                match raft.client_write_ff(Request::Queue(cmds)).await {
+                match raft.client_write_ff(Request::Queue(Arc::new(cmds))).await {
                     Ok(rx) => {
                         let sync = sync.clone();
                         let min = (needs_confirm, min.load(Ordering::Relaxed), min_sync_wait);

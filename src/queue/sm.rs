@@ -430,7 +430,7 @@ impl Machine for QueueMachine {
         let mut dead: Vec<(Message, DeathReason)> = Vec::new();
         self.state.begin_entry();
         self.runs.begin_entry();
-        for cmd in cmds {
+        for cmd in cmds.iter() {
             if let QueueCmd::Fork(record) = cmd {
                 batch.insert(space.key(FORK), keys::encode(record, "fork record")?);
             }

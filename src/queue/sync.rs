@@ -212,7 +212,7 @@ pub fn spawn(
                     last_kick = now;
                     let raft = raft.clone();
                     tokio::spawn(async move {
-                        let _ = raft.client_write(crate::raft::types::Request::Queue(Vec::new())).await;
+                        let _ = raft.client_write(crate::raft::types::Request::Queue(Default::default())).await;
                     });
                 }
                 let matched_of = |id: &NodeId| repl.get(id).cloned().flatten().map(|l| l.index);

@@ -1,6 +1,7 @@
 //! The one Raft type configuration shared by every group on a node.
 
 use std::io::Cursor;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -20,8 +21,10 @@ pub const METADATA_GROUP: GroupId = 0;
 pub enum Request {
     Meta(MetaCmd),
     /// A batch: every operation that arrived while the previous entry was in
-    /// flight.
-    Queue(Vec<QueueCmd>),
+    /// flight. Shared: an entry is read back to apply it and once per mirror
+    /// to replicate it (from the log store's recent entries), and a copy of
+    /// its messages each time would cost what decoding did.
+    Queue(Arc<Vec<QueueCmd>>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

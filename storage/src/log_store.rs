@@ -1,9 +1,10 @@
 //! openraft's `RaftLogStorage` for one group, over the node's shared sled trees.
 
+use std::collections::VecDeque;
 use std::fmt::Debug;
 use std::io;
-use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
+use std::sync::{Arc, Mutex};
 
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{
@@ -18,25 +19,109 @@ use crate::{GroupId, NodeDb};
 
 type RaftStorageError<C> = openraft::StorageError<<C as RaftTypeConfig>::NodeId>;
 
+/// Bytes of the newest entries a group keeps decoded in memory. Every
+/// entry is read back right after it is written, to apply it and (on a
+/// leader) once per mirror to replicate it; decoding it from sled each time
+/// was 6-9% of a node's CPU. A few entries in flight are all that is read
+/// back, so the bound is small (it holds per group, busy or idle).
+const RECENT_BYTES: usize = 512 << 10;
+
 /// The log, vote and committed id of one Raft group.
 ///
-/// Cheap to clone: clones share the database and are used as log readers by
-/// openraft's replication tasks.
+/// Cheap to clone: clones share the database and the recent entries, and are
+/// used as log readers by openraft's replication tasks. While a group's Raft
+/// runs, only its store (and clones) may write its log: another instance's
+/// writes would not reach these recent entries (writes from outside Raft,
+/// [`LogStore::refound`], happen while it is stopped, and the group then
+/// starts on a new store).
 pub struct LogStore<C: RaftTypeConfig> {
     db: NodeDb,
     group: GroupId,
-    _c: PhantomData<C>,
+    recent: Arc<Mutex<Recent<C::Entry>>>,
+}
+
+/// The newest entries of the log, consecutive, ending at its last entry
+/// (when not empty).
+struct Recent<E> {
+    entries: VecDeque<(u64, usize, E)>,
+    bytes: usize,
+}
+
+impl<E> Recent<E> {
+    /// Whether entry `index` comes right after the last one kept.
+    fn follows(&self, index: u64) -> bool {
+        self.entries.back().is_some_and(|(last, _, _)| last.checked_add(1) == Some(index))
+    }
+
+    fn push(&mut self, index: u64, size: usize, entry: E) {
+        if self.entries.back().is_some_and(|(last, _, _)| last + 1 != index) {
+            self.clear();
+        }
+        if size > RECENT_BYTES {
+            // Kept only in sled; nothing after it may be cached without it.
+            self.clear();
+            return;
+        }
+        self.entries.push_back((index, size, entry));
+        self.bytes += size;
+        while self.bytes > RECENT_BYTES {
+            let (_, size, _) = self.entries.pop_front().expect("bytes counted for some entry");
+            self.bytes -= size;
+        }
+    }
+
+    fn clear(&mut self) {
+        self.entries.clear();
+        self.bytes = 0;
+    }
+
+    /// Drop entries from `index` on (truncate).
+    fn drop_from(&mut self, index: u64) {
+        while self.entries.back().is_some_and(|(i, _, _)| *i >= index) {
+            let (_, size, _) = self.entries.pop_back().expect("checked");
+            self.bytes -= size;
+        }
+    }
+
+    /// Drop entries up to `index` (purge).
+    fn drop_through(&mut self, index: u64) {
+        while self.entries.front().is_some_and(|(i, _, _)| *i <= index) {
+            let (_, size, _) = self.entries.pop_front().expect("checked");
+            self.bytes -= size;
+        }
+    }
+}
+
+impl<E: Clone> Recent<E> {
+    /// Entries `start..=end` if the first is here: the rest of the log is
+    /// here too (this ends at the log's last entry).
+    fn get(&self, start: u64, end: u64) -> Option<Vec<E>> {
+        let first = self.entries.front()?.0;
+        if start < first {
+            return None;
+        }
+        let skip = usize::try_from(start - first).ok()?;
+        if skip >= self.entries.len() {
+            return None;
+        }
+        let take = usize::try_from(end - start).map_or(usize::MAX, |n| n.saturating_add(1));
+        Some(self.entries.iter().skip(skip).take(take).map(|(_, _, e)| e.clone()).collect())
+    }
 }
 
 impl<C: RaftTypeConfig> Clone for LogStore<C> {
     fn clone(&self) -> Self {
-        Self { db: self.db.clone(), group: self.group, _c: PhantomData }
+        Self { db: self.db.clone(), group: self.group, recent: self.recent.clone() }
     }
 }
 
 impl<C: RaftTypeConfig> LogStore<C> {
     pub fn new(db: NodeDb, group: GroupId) -> Self {
-        Self { db, group, _c: PhantomData }
+        Self { db, group, recent: Arc::new(Mutex::new(Recent { entries: VecDeque::new(), bytes: 0 })) }
+    }
+
+    fn recent(&self) -> std::sync::MutexGuard<'_, Recent<C::Entry>> {
+        self.recent.lock().expect("poisoned")
     }
 
     pub fn group(&self) -> GroupId {
@@ -157,6 +242,7 @@ where
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
             .map_err(|e| wr(&format!("{e:?}")))?;
+        self.recent().clear();
         self.db.flusher().sync().await.map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
     }
 }
@@ -164,7 +250,7 @@ where
 impl<C> RaftLogReader<C> for LogStore<C>
 where
     C: RaftTypeConfig,
-    C::Entry: Serialize + DeserializeOwned,
+    C::Entry: Serialize + DeserializeOwned + Clone,
 {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
@@ -184,6 +270,9 @@ where
         if start > end {
             return Ok(Vec::new());
         }
+        if let Some(hit) = self.recent().get(start, end) {
+            return Ok(hit);
+        }
         let mut out = Vec::new();
         for kv in self.db.log_tree().range(log_key(self.group, start)..=log_key(self.group, end)) {
             let (_, v) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
@@ -196,7 +285,7 @@ where
 impl<C> RaftLogStorage<C> for LogStore<C>
 where
     C: RaftTypeConfig,
-    C::Entry: Serialize + DeserializeOwned,
+    C::Entry: Serialize + DeserializeOwned + Clone,
 {
     type LogReader = Self;
 
@@ -249,8 +338,24 @@ where
             let index = entry.get_log_id().index;
             let bytes =
                 keys::encode(&entry, "log entry").map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
-            tree.insert(&log_key(self.group, index)[..], bytes)
-                .map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+            let size = bytes.len();
+            if let Err(e) = tree.insert(&log_key(self.group, index)[..], bytes) {
+                // What is cached must be what sled has.
+                self.recent().clear();
+                return Err(io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e));
+            }
+            let mut recent = self.recent();
+            // Kept only while it ends at the log's last entry: after a gap
+            // (or at start-up), only if nothing follows this one in sled.
+            if !recent.follows(index) {
+                recent.clear();
+                let next = log_key(self.group, index.saturating_add(1));
+                let after = self.db.log_tree().range(next..=log_key(self.group, u64::MAX)).next().is_some();
+                if after || index == u64::MAX {
+                    continue;
+                }
+            }
+            recent.push(index, size, entry);
         }
         // Readable now; durable (and acknowledged to openraft) after the next
         // group-commit sync.
@@ -259,6 +364,7 @@ where
     }
 
     async fn truncate(&mut self, log_id: LogId<C::NodeId>) -> Result<(), RaftStorageError<C>> {
+        self.recent().drop_from(log_id.index);
         self.remove_range(log_id.index, u64::MAX)
     }
 
@@ -266,6 +372,46 @@ where
         // Record the purge point first: if we crash half way, the state still
         // says "everything up to here is gone", which is what openraft expects.
         self.write_meta(META_PURGED, &log_id)?;
+        self.recent().drop_through(log_id.index);
         self.remove_range(0, log_id.index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recent(indexes: impl IntoIterator<Item = u64>, size: usize) -> Recent<u64> {
+        let mut r = Recent { entries: VecDeque::new(), bytes: 0 };
+        for i in indexes {
+            r.push(i, size, i);
+        }
+        r
+    }
+
+    #[test]
+    fn recent_entries_stay_consecutive_bounded_and_end_at_the_log_tail() {
+        let mut r = recent(1..=5, 10);
+        assert_eq!(r.get(2, 4), Some(vec![2, 3, 4]));
+        assert_eq!(r.get(4, u64::MAX), Some(vec![4, 5]), "the rest of the log");
+        assert_eq!(r.get(0, 3), None, "starts before what is kept: read sled");
+        assert_eq!(r.get(6, 9), None);
+        // A gap (a log rewritten elsewhere) forgets what came before it.
+        r.push(9, 10, 9);
+        assert_eq!((r.get(5, 9), r.get(9, 9)), (None, Some(vec![9])));
+        // Truncate and purge.
+        let mut r = recent(1..=5, 10);
+        r.drop_from(4);
+        assert_eq!((r.get(1, u64::MAX), r.bytes), (Some(vec![1, 2, 3]), 30));
+        r.drop_through(1);
+        assert_eq!(r.get(2, u64::MAX), Some(vec![2, 3]));
+        r.push(4, 10, 4);
+        assert_eq!(r.get(2, 9), Some(vec![2, 3, 4]));
+        // The byte bound drops the oldest; an entry over it empties the cache
+        // (nothing after it could be served without it).
+        let mut r = recent(1..=4, RECENT_BYTES / 3);
+        assert_eq!((r.get(1, 4), r.get(2, 4)), (None, Some(vec![2, 3, 4])));
+        r.push(5, RECENT_BYTES + 1, 5);
+        assert_eq!((r.get(5, 5), r.entries.len(), r.bytes), (None, 0, 0));
     }
 }
