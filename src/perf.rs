@@ -188,11 +188,13 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
         let Ok(Ok(permit)) = tokio::time::timeout(run.left(), window.clone().acquire_owned()).await else { break };
         let t = run.micros();
         body[..8].copy_from_slice(&t.to_be_bytes());
+        let (ch, queue, body, props) = (ch.clone(), queue.clone(), body.clone(), props.clone());
+        let mut publish: Publish = Box::pin(async move {
+            ch.basic_publish(ShortString::from(""), ShortString::from(queue.as_str()), opts, &body, props).await
+        });
         if args.confirm == 0 {
             // No window to bound what is queued: each publish waits until
             // lapin has written it.
-            let publish =
-                ch.basic_publish(ShortString::from(""), ShortString::from(queue.as_str()), opts, &body, props.clone());
             if publish.await.is_err() {
                 break;
             }
@@ -202,10 +204,6 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
             // to write them. Polled once here, in order, and awaited by the
             // collector, a window's publishes share the IO thread's writes
             // instead of costing a thread hand-off and a `sendto` each.
-            let (ch, queue, body, props) = (ch.clone(), queue.clone(), body.clone(), props.clone());
-            let mut publish: Publish = Box::pin(async move {
-                ch.basic_publish(ShortString::from(""), ShortString::from(queue.as_str()), opts, &body, props).await
-            });
             match futures::poll!(publish.as_mut()) {
                 Poll::Ready(Err(_)) => break,
                 // Written already: the collector must not poll it again.

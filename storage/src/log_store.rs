@@ -48,13 +48,17 @@ struct Recent<E> {
 }
 
 impl<E> Recent<E> {
+    fn new() -> Self {
+        Self { entries: VecDeque::new(), bytes: 0 }
+    }
+
     /// Whether entry `index` comes right after the last one kept.
     fn follows(&self, index: u64) -> bool {
         self.entries.back().is_some_and(|(last, _, _)| last.checked_add(1) == Some(index))
     }
 
     fn push(&mut self, index: u64, size: usize, entry: E) {
-        if self.entries.back().is_some_and(|(last, _, _)| last + 1 != index) {
+        if !self.entries.is_empty() && !self.follows(index) {
             self.clear();
         }
         if size > RECENT_BYTES {
@@ -117,7 +121,7 @@ impl<C: RaftTypeConfig> Clone for LogStore<C> {
 
 impl<C: RaftTypeConfig> LogStore<C> {
     pub fn new(db: NodeDb, group: GroupId) -> Self {
-        Self { db, group, recent: Arc::new(Mutex::new(Recent { entries: VecDeque::new(), bytes: 0 })) }
+        Self { db, group, recent: Arc::new(Mutex::new(Recent::new())) }
     }
 
     fn recent(&self) -> std::sync::MutexGuard<'_, Recent<C::Entry>> {
@@ -382,7 +386,7 @@ mod tests {
     use super::*;
 
     fn recent(indexes: impl IntoIterator<Item = u64>, size: usize) -> Recent<u64> {
-        let mut r = Recent { entries: VecDeque::new(), bytes: 0 };
+        let mut r = Recent::new();
         for i in indexes {
             r.push(i, size, i);
         }
