@@ -1439,6 +1439,12 @@ impl Node {
     }
 }
 
+/// How many messages the enqueues among `replies` stored: a queue that is
+/// full (`x-overflow: reject-publish`) stores a batch's first ones only.
+pub fn stored_count(replies: &[QueueReply]) -> u64 {
+    replies.iter().map(|r| if let QueueReply::Enqueued { count } = r { *count as u64 } else { 0 }).sum()
+}
+
 /// A publish's replies: `Err` if the queue refused any of its messages
 /// (`x-overflow: reject-publish` at `x-max-length`).
 pub fn stored_all(queue: &str, replies: &[QueueReply]) -> Result<(), NodeError> {

@@ -1271,3 +1271,162 @@ async fn a_waiting_consumer_is_served_by_the_entry_that_publishes() {
         before = applied();
     }
 }
+
+/// A client of raw frames: what it sends goes in one write, exactly.
+mod raw {
+    use amq_protocol::frame::{gen_frame, parse_frame, AMQPContentHeader, AMQPFrame};
+    use amq_protocol::protocol::{basic, connection, AMQPClass};
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    pub struct Raw {
+        sock: TcpStream,
+        buf: Vec<u8>,
+    }
+
+    pub fn method(ch: u16, class: AMQPClass) -> AMQPFrame {
+        AMQPFrame::Method(ch, class)
+    }
+
+    pub fn publish(ch: u16, queue: &str, body: &[u8]) -> [AMQPFrame; 3] {
+        let p = basic::Publish { exchange: "".into(), routing_key: queue.into(), mandatory: false, immediate: false };
+        let header = AMQPContentHeader { class_id: 60, body_size: body.len() as u64, properties: Default::default() };
+        [
+            method(ch, AMQPClass::Basic(basic::AMQPMethod::Publish(p))),
+            AMQPFrame::Header(ch, header),
+            AMQPFrame::Body(ch, body.to_vec()),
+        ]
+    }
+
+    impl Raw {
+        /// Connected and opened as guest on the default vhost.
+        pub async fn open(port: u16) -> Self {
+            let sock = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+            let mut r = Raw { sock, buf: Vec::new() };
+            r.sock.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+            assert!(matches!(
+                r.next().await,
+                AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Start(_)))
+            ));
+            let start_ok = connection::StartOk {
+                client_properties: Default::default(),
+                mechanism: "PLAIN".into(),
+                response: "\0guest\0guest".into(),
+                locale: "en_US".into(),
+            };
+            r.send(&[method(0, AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok)))]).await;
+            assert!(matches!(
+                r.next().await,
+                AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Tune(_)))
+            ));
+            let tune_ok = connection::TuneOk { channel_max: 16, frame_max: 131072, heartbeat: 0 };
+            let open = connection::Open { virtual_host: "/".into() };
+            r.send(&[
+                method(0, AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune_ok))),
+                method(0, AMQPClass::Connection(connection::AMQPMethod::Open(open))),
+            ])
+            .await;
+            assert!(matches!(
+                r.next().await,
+                AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)))
+            ));
+            r
+        }
+
+        pub async fn send(&mut self, frames: &[AMQPFrame]) {
+            let mut out = Vec::new();
+            for f in frames {
+                out = cookie_factory::gen(gen_frame(f), out).unwrap().0;
+            }
+            self.sock.write_all(&out).await.unwrap();
+        }
+
+        pub async fn next(&mut self) -> AMQPFrame {
+            loop {
+                match parse_frame(self.buf.as_slice()) {
+                    Ok((rest, frame)) => {
+                        let used = self.buf.len() - rest.len();
+                        self.buf.drain(..used);
+                        return frame;
+                    }
+                    Err(e) if e.is_incomplete() => {}
+                    Err(e) => panic!("malformed frame from the broker: {e:?}"),
+                }
+                let mut chunk = vec![0u8; 64 * 1024];
+                let n = tokio::time::timeout(Duration::from_secs(10), self.sock.read(&mut chunk))
+                    .await
+                    .expect("an answer in time")
+                    .unwrap();
+                assert!(n > 0, "the broker closed the connection");
+                self.buf.extend_from_slice(&chunk[..n]);
+            }
+        }
+    }
+}
+
+/// Publishes that arrive in one read go to the queue together (one batch),
+/// yet each gets its own answer (acked while the queue had room, nacked
+/// after), and whatever the channel does after them (here gets, and a
+/// publish after a get) takes effect after them, in the order sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn publishes_read_together_are_answered_each_and_keep_their_place() {
+    use amq_protocol::frame::AMQPFrame;
+    use amq_protocol::protocol::{basic, channel, confirm, AMQPClass};
+    use raw::method;
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    c.cluster.node(1).set_policy(common::policy("^pipe", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    let conn = c.connect(1).await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(s("x-max-length"), AMQPValue::LongInt(4));
+    args.insert(s("x-overflow"), AMQPValue::LongString("reject-publish".into()));
+    ch.queue_declare(s("pipe"), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
+
+    let mut raw = raw::Raw::open(c.ports[0]).await;
+    let get = || method(1, AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get { queue: "pipe".into(), no_ack: true })));
+    let mut frames = vec![
+        method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
+        method(1, AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait: false }))),
+    ];
+    for i in 0..10 {
+        frames.extend(raw::publish(1, "pipe", format!("q{i}").as_bytes()));
+    }
+    frames.push(get());
+    frames.extend(raw::publish(1, "pipe", b"q10"));
+    frames.push(get());
+    raw.send(&frames).await;
+
+    let mut answers = std::collections::BTreeMap::new();
+    let mut got = Vec::new();
+    while answers.len() < 11 || got.len() < 2 {
+        match raw.next().await {
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a))) => {
+                // `multiple`: every publish not answered yet, up to the tag.
+                let from = if a.multiple { 1 } else { a.delivery_tag };
+                for tag in from..=a.delivery_tag {
+                    answers.entry(tag).or_insert(true);
+                }
+            }
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::Nack(n))) => {
+                assert!(answers.insert(n.delivery_tag, false).is_none(), "publish {} answered twice", n.delivery_tag);
+            }
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::GetOk(_))) => {
+                assert!(matches!(raw.next().await, AMQPFrame::Header(1, _)));
+                match raw.next().await {
+                    AMQPFrame::Body(1, body) => got.push(String::from_utf8(body).unwrap()),
+                    other => panic!("expected a body, got {other:?}"),
+                }
+            }
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::GetEmpty(_))) => got.push("(empty)".to_string()),
+            AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))
+            | AMQPFrame::Method(1, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => {}
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    assert_eq!(got, ["q0", "q1"], "each get sees the publishes sent before it");
+    let want: std::collections::BTreeMap<u64, bool> = (1..=11).map(|tag| (tag, tag <= 4 || tag == 11)).collect();
+    assert_eq!(answers, want, "acked while there was room: the first four, and the one after the get");
+    c.cluster.shutdown().await;
+}

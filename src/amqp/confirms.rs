@@ -7,7 +7,7 @@
 //! one frame answers hundreds of publishes and the client handles one
 //! confirm instead of hundreds.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 
 use amq_protocol::frame::AMQPFrame;
 use amq_protocol::protocol::{basic, AMQPClass};
@@ -16,32 +16,51 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 
-/// A publish awaiting its confirm: its sequence number and a future that
-/// resolves to whether it was stored (ack) or not (nack).
-pub type Pending = (u64, BoxFuture<'static, bool>);
+/// Publishes awaiting their confirm: `count` consecutive sequence numbers
+/// from `first` (the publishes of a channel that went to the queue in one
+/// submit) and a future that resolves to how many of them, from the first,
+/// were stored (acked); the rest are nacked.
+pub struct Pending {
+    pub first: u64,
+    pub count: u64,
+    pub stored: BoxFuture<'static, u64>,
+}
 
-/// The frames that answer one batch of completed publishes, given the seqs
-/// still outstanding after it.
-pub fn frames(done: &mut [(u64, bool)], outstanding: &BTreeSet<u64>, channel: u16) -> Vec<AMQPFrame> {
+/// A completed [`Pending`]: `first..first + count`, of which the first
+/// `stored` are acked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Done {
+    pub first: u64,
+    pub count: u64,
+    pub stored: u64,
+}
+
+/// The frames that answer one batch of completed publishes, given the
+/// lowest seq still outstanding after it (`u64::MAX`: none).
+pub fn frames(done: &mut [Done], low: u64, channel: u16) -> Vec<AMQPFrame> {
     done.sort_unstable();
-    let low = outstanding.first().copied().unwrap_or(u64::MAX);
     let frame = |m| AMQPFrame::Method(channel, AMQPClass::Basic(m));
     let mut out: Vec<AMQPFrame> = done
         .iter()
-        .filter(|(_, ok)| !ok)
-        .map(|(seq, _)| {
-            frame(basic::AMQPMethod::Nack(basic::Nack { delivery_tag: *seq, multiple: false, requeue: false }))
-        })
+        .flat_map(|d| d.first + d.stored..d.first + d.count)
+        .map(|seq| frame(basic::AMQPMethod::Nack(basic::Nack { delivery_tag: seq, multiple: false, requeue: false })))
         .collect();
-    let acked = done.iter().filter(|(_, ok)| *ok).map(|(seq, _)| *seq);
-    let (below, above): (Vec<u64>, Vec<u64>) = acked.partition(|seq| *seq < low);
-    if let Some(&hi) = below.last() {
+    // Outstanding and done ranges never overlap: each acked range lies
+    // wholly below `low` or wholly above it.
+    let acked = |d: &Done| (d.stored > 0).then_some(d.first..d.first + d.stored);
+    let below: Vec<_> = done.iter().filter(|d| d.first < low).filter_map(acked).collect();
+    if let Some(hi) = below.last().map(|r| r.end - 1) {
         // Every seq below `low` is confirmed by now: earlier batches
         // answered the rest, so `multiple` covers exactly these.
-        out.push(frame(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: hi, multiple: below.len() > 1 })));
+        let many = below.iter().map(|r| r.end - r.start).sum::<u64>() > 1;
+        out.push(frame(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: hi, multiple: many })));
     }
     out.extend(
-        above.into_iter().map(|seq| frame(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: seq, multiple: false }))),
+        done.iter()
+            .filter(|d| d.first > low)
+            .filter_map(acked)
+            .flatten()
+            .map(|seq| frame(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: seq, multiple: false }))),
     );
     out
 }
@@ -55,33 +74,36 @@ where
 {
     let (tx, mut rx) = mpsc::unbounded_channel::<Pending>();
     tokio::spawn(async move {
-        let mut waiting: FuturesUnordered<BoxFuture<'static, (u64, bool)>> = FuturesUnordered::new();
-        let mut outstanding = BTreeSet::new();
+        let mut waiting: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
+        // Outstanding ranges: first seq -> count.
+        let mut outstanding = BTreeMap::new();
+        let wait = |p: Pending, outstanding: &mut BTreeMap<u64, u64>| {
+            let (first, count) = (p.first, p.count);
+            outstanding.insert(first, count);
+            p.stored.map(move |stored| Done { first, count, stored: stored.min(count) }).boxed()
+        };
         let mut open = true;
         while open || !waiting.is_empty() {
             tokio::select! {
                 p = rx.recv(), if open => match p {
-                    Some((seq, fut)) => {
-                        outstanding.insert(seq);
-                        waiting.push(fut.map(move |ok| (seq, ok)).boxed());
-                    }
+                    Some(p) => waiting.push(wait(p, &mut outstanding)),
                     None => open = false,
                 },
                 Some(first) = waiting.next(), if !waiting.is_empty() => {
                     // Take every publish registered so far, then everything
                     // already complete: one batch, one write.
-                    while let Ok((seq, fut)) = rx.try_recv() {
-                        outstanding.insert(seq);
-                        waiting.push(fut.map(move |ok| (seq, ok)).boxed());
+                    while let Ok(p) = rx.try_recv() {
+                        waiting.push(wait(p, &mut outstanding));
                     }
                     let mut done = vec![first];
                     while let Some(Some(d)) = waiting.next().now_or_never() {
                         done.push(d);
                     }
-                    for (seq, _) in &done {
-                        outstanding.remove(seq);
+                    for d in &done {
+                        outstanding.remove(&d.first);
                     }
-                    send(frames(&mut done, &outstanding, channel)).await;
+                    let low = outstanding.keys().next().copied().unwrap_or(u64::MAX);
+                    send(frames(&mut done, low, channel)).await;
                 }
             }
         }
@@ -112,15 +134,29 @@ mod tests {
     fn contiguous_acks_coalesce_and_the_rest_go_singly() {
         // 1..=4 done, 5 still waiting, 6 and 7 done: one multiple ack for
         // 1-4, single acks for 6 and 7 (they must not wait for 5).
-        let outstanding = BTreeSet::from([5]);
-        let mut done = vec![(3, true), (1, true), (7, true), (2, true), (4, true), (6, true)];
-        assert_eq!(acks(&frames(&mut done, &outstanding, 1)), [("ack", 4, true), ("ack", 6, false), ("ack", 7, false)]);
+        let one = |seq, ok: bool| Done { first: seq, count: 1, stored: ok as u64 };
+        let mut done = vec![one(3, true), one(1, true), one(7, true), one(2, true), one(4, true), one(6, true)];
+        assert_eq!(acks(&frames(&mut done, 5, 1)), [("ack", 4, true), ("ack", 6, false), ("ack", 7, false)]);
         // A nack goes first and singly; acks around it still coalesce
         // (a multiple ack covers only what is still unconfirmed).
-        let mut done = vec![(8, true), (9, false), (10, true)];
-        assert_eq!(acks(&frames(&mut done, &BTreeSet::new(), 1)), [("nack", 9, false), ("ack", 10, true)]);
+        let mut done = vec![one(8, true), one(9, false), one(10, true)];
+        assert_eq!(acks(&frames(&mut done, u64::MAX, 1)), [("nack", 9, false), ("ack", 10, true)]);
         // One alone is a plain ack.
-        assert_eq!(acks(&frames(&mut [(11, true)], &BTreeSet::new(), 1)), [("ack", 11, false)]);
+        assert_eq!(acks(&frames(&mut [one(11, true)], u64::MAX, 1)), [("ack", 11, false)]);
+    }
+
+    #[test]
+    fn a_range_is_acked_up_to_what_was_stored_and_nacked_after() {
+        // 20..=29 went together, the queue stored the first 7 (then it was
+        // full); 30..=31 are done as well, 32 is still waiting.
+        let mut done = vec![Done { first: 30, count: 2, stored: 2 }, Done { first: 20, count: 10, stored: 7 }];
+        assert_eq!(
+            acks(&frames(&mut done, 32, 1)),
+            [("nack", 27, false), ("nack", 28, false), ("nack", 29, false), ("ack", 31, true)]
+        );
+        // Above a publish still waiting, each stored one is acked singly.
+        let mut done = vec![Done { first: 40, count: 3, stored: 3 }];
+        assert_eq!(acks(&frames(&mut done, 39, 1)), [("ack", 40, false), ("ack", 41, false), ("ack", 42, false)]);
     }
 
     #[tokio::test]
@@ -133,9 +169,10 @@ mod tests {
             }
         });
         let (gate_tx, gate_rx) = tokio::sync::oneshot::channel::<()>();
-        tx.send((1, async { true }.boxed())).unwrap();
-        tx.send((2, async move { gate_rx.await.is_ok() }.boxed())).unwrap();
-        tx.send((3, async { false }.boxed())).unwrap();
+        let p = |first, stored: BoxFuture<'static, u64>| Pending { first, count: 1, stored };
+        tx.send(p(1, async { 1 }.boxed())).unwrap();
+        tx.send(p(2, async move { gate_rx.await.is_ok() as u64 }.boxed())).unwrap();
+        tx.send(p(3, async { 0 }.boxed())).unwrap();
         drop(tx);
         let mut seen = Vec::new();
         let first = out_rx.recv().await.unwrap();

@@ -17,7 +17,7 @@ use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use futures::FutureExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::auth::{self, Grants};
@@ -28,7 +28,7 @@ use super::deliveries::{ConsumerId, Deliveries};
 use crate::error::NodeError;
 use crate::metadata::names::{self, DEFAULT_VHOST};
 use crate::metadata::{Access, ArgValue, Args, Binding, ExchangeKind, ExchangeMeta, QueueArgs};
-use crate::node::{stored_all, DeclareOpts, Node};
+use crate::node::{stored_all, stored_count, DeclareOpts, Node};
 use crate::queue::{Message, QueueCmd};
 
 const PROTOCOL_HEADER: &[u8; 8] = b"AMQP\x00\x00\x09\x01";
@@ -331,9 +331,12 @@ impl Conn {
         // read meanwhile, so TCP pushes back on the publisher.
         let mut held = false;
         loop {
-            // Parse everything buffered before reading more.
+            // Parse everything buffered before reading more; what was parsed
+            // is cut off once, not after every frame (that moved the rest of
+            // the buffer once per frame: 7% of a master's CPU).
+            let mut parsed = 0;
             loop {
-                match codec::parse(&buf) {
+                match codec::parse(&buf[parsed..]) {
                     Parsed::Incomplete => break,
                     Parsed::Invalid(e) => return Err(hard(FRAME_ERROR, format!("malformed frame: {e}"))),
                     Parsed::Frame(frame, used) => {
@@ -349,13 +352,14 @@ impl Conn {
                                 break;
                             }
                         }
-                        buf.drain(..used);
+                        parsed += used;
                         if !self.handle(frame).await? {
                             return Ok(());
                         }
                     }
                 }
             }
+            buf.drain(..parsed);
             if buf.len() > self.frame_max as usize + 1024 {
                 return Err(hard(FRAME_ERROR, "frame exceeds frame_max"));
             }
@@ -528,6 +532,7 @@ impl Conn {
                 tx: None,
                 publish_seq: 0,
                 pending: None,
+                batch: None,
                 deliveries: Arc::new(Deliveries::default()),
                 consumers: HashMap::new(),
                 delivery_gate: Arc::default(),
@@ -580,6 +585,33 @@ struct TxBuffer {
     settles: Vec<(u64, bool, Settle)>,
 }
 
+/// Publishes of one channel to one queue, received back to back. They go
+/// to the queue's master as one command: one submit, one reply, one confirm
+/// wait for them all instead of one each (a third of a master's CPU went to
+/// that per-publish machinery). Sent once the channel has no frame waiting,
+/// before any other method, and when full, so a lone publish waits for
+/// nothing and the channel's operations reach the log in their order.
+struct PublishBatch {
+    queue: String,
+    msgs: Vec<Message>,
+    ttls: Vec<Option<u64>>,
+    bytes: usize,
+    /// Confirm mode: the first one's seq (the others follow it).
+    first_seq: Option<u64>,
+    received: Instant,
+    permits: OwnedSemaphorePermit,
+}
+
+/// Bounds on a [`PublishBatch`], like those on a Raft entry.
+const BATCH_MSGS: usize = 512;
+const BATCH_BYTES: usize = 128 << 10;
+
+impl PublishBatch {
+    fn full(&self) -> bool {
+        self.msgs.len() >= BATCH_MSGS || self.bytes >= BATCH_BYTES
+    }
+}
+
 struct PendingPublish {
     publish: basic::Publish,
     header: Option<AMQPContentHeader>,
@@ -598,6 +630,7 @@ struct Channel {
     tx: Option<TxBuffer>,
     publish_seq: u64,
     pending: Option<PendingPublish>,
+    batch: Option<PublishBatch>,
     deliveries: Arc<Deliveries>,
     consumers: HashMap<String, CancellationToken>,
     /// Held by a consumer while it checks it is still running and queues a
@@ -688,7 +721,11 @@ impl Channel {
                 }
                 continue;
             }
-            match self.frame(frame).await {
+            let result = self.frame(frame).await;
+            if rx.is_empty() || result.is_err() {
+                self.flush_publishes().await;
+            }
+            match result {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(Ok(s)) => {
@@ -712,6 +749,7 @@ impl Channel {
                 }
             }
         }
+        self.flush_publishes().await;
         self.shutdown().await;
     }
 
@@ -746,6 +784,9 @@ impl Channel {
             AMQPFrame::Method(_, class) => {
                 if self.pending.is_some() {
                     return Err(Err(hard(UNEXPECTED_FRAME, "method frame while content was expected")));
+                }
+                if !matches!(class, AMQPClass::Basic(basic::AMQPMethod::Publish(_))) {
+                    self.flush_publishes().await;
                 }
                 self.method(class).await
             }
@@ -1325,9 +1366,9 @@ impl Channel {
         }
     }
 
-    /// Answer publish `seq` once `stored` says whether it was stored; the
-    /// channel's confirm task coalesces the answers (see `confirms`).
-    fn confirm_when(&mut self, seq: u64, stored: futures::future::BoxFuture<'static, bool>) {
+    /// Answer publishes once they are stored (or refused); the channel's
+    /// confirm task coalesces the answers (see `confirms`).
+    fn confirm_when(&mut self, pending: confirms::Pending) {
         let (id, out) = (self.id, self.out.clone());
         let confirms = self.confirms.get_or_insert_with(|| {
             confirms::spawn(id, move |frames| {
@@ -1335,7 +1376,7 @@ impl Channel {
                 async move { out.send(frames).await }
             })
         });
-        let _ = confirms.send((seq, stored));
+        let _ = confirms.send(pending);
     }
 
     async fn publish_complete(&mut self) -> Result<(), Result<Soft, Hard>> {
@@ -1351,6 +1392,11 @@ impl Channel {
         let Some(queues) = self.node.route_fresh(&self.key(&exchange), &routing_key, &headers).await else {
             return Err(self.not_found("exchange", &exchange, 60, 40));
         };
+        let batched = queues.len() == 1 && self.tx.is_none();
+        if !batched || self.batch.as_ref().is_some_and(|b| b.queue != queues[0] || b.full()) {
+            // A batch's seqs are consecutive and its queue is one.
+            self.flush_publishes().await;
+        }
         let seq = if self.confirm {
             self.publish_seq += 1;
             Some(self.publish_seq)
@@ -1376,13 +1422,43 @@ impl Channel {
             if let Some(seq) = seq {
                 // After the return, in order with the other confirms.
                 self.node.metrics().confirmed.inc();
-                self.confirm_when(seq, futures::future::ready(true).boxed());
+                self.confirm_when(confirms::Pending {
+                    first: seq,
+                    count: 1,
+                    stored: futures::future::ready(1).boxed(),
+                });
             }
             return Ok(());
         }
         if let Some(tx) = self.tx.as_mut() {
             for q in queues {
                 tx.publishes.entry(q).or_default().push((msg.clone(), ttl));
+            }
+            return Ok(());
+        }
+        if batched {
+            let permit = match self.in_flight.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    // The batch's own permits may be what is missing.
+                    self.flush_publishes().await;
+                    self.in_flight.clone().acquire_owned().await.expect("semaphore never closed")
+                }
+            };
+            let bytes = msg.body.len() + msg.properties.len();
+            match self.batch.as_mut() {
+                Some(b) => {
+                    b.msgs.push(msg);
+                    b.ttls.push(ttl);
+                    b.bytes += bytes;
+                    b.permits.merge(permit);
+                }
+                None => {
+                    let queue = queues.into_iter().next().expect("one queue");
+                    let (msgs, ttls) = (vec![msg], vec![ttl]);
+                    self.batch =
+                        Some(PublishBatch { queue, msgs, ttls, bytes, first_seq: seq, received, permits: permit });
+                }
             }
             return Ok(());
         }
@@ -1429,12 +1505,62 @@ impl Channel {
             }
         };
         match seq {
-            Some(seq) => self.confirm_when(seq, done.boxed()),
+            Some(seq) => {
+                let stored = done.map(u64::from).boxed();
+                self.confirm_when(confirms::Pending { first: seq, count: 1, stored })
+            }
             None => {
                 tokio::spawn(done);
             }
         }
         Ok(())
+    }
+
+    /// Send the batched publishes (see [`PublishBatch`]) to their queue.
+    async fn flush_publishes(&mut self) {
+        let Some(b) = self.batch.take() else { return };
+        let count = b.msgs.len() as u64;
+        let submitted = self.node.submit(&b.queue, vec![QueueCmd::enqueue(b.msgs, b.ttls)]).await;
+        let (node, queue, first_seq, received, permits) =
+            (self.node.clone(), b.queue, b.first_seq, b.received, b.permits);
+        let done = async move {
+            let result = match submitted {
+                Ok(wait) => wait.await.map(|replies| stored_count(&replies).min(count)),
+                Err(e) => Err(e),
+            };
+            drop(permits);
+            match result {
+                Ok(stored) => {
+                    if first_seq.is_some() {
+                        node.metrics().confirmed.inc_by(stored);
+                        let took = received.elapsed().as_secs_f64();
+                        for _ in 0..stored {
+                            node.metrics().confirm_latency.observe(took);
+                        }
+                    }
+                    if stored < count {
+                        tracing::debug!(%queue, refused = count - stored, "queue full (x-overflow: reject-publish)");
+                    }
+                    stored
+                }
+                Err(e) => {
+                    match (&e, first_seq) {
+                        (NodeError::Refused(_), Some(_)) => {
+                            tracing::debug!(%queue, error = %e, "publish refused; nacking")
+                        }
+                        (_, Some(_)) => tracing::warn!(%queue, error = %e, "publish not confirmed; nacking"),
+                        (_, None) => tracing::warn!(%queue, error = %e, "publish failed (no confirms requested)"),
+                    }
+                    0
+                }
+            }
+        };
+        match first_seq {
+            Some(first) => self.confirm_when(confirms::Pending { first, count, stored: done.boxed() }),
+            None => {
+                tokio::spawn(done);
+            }
+        }
     }
 }
 
