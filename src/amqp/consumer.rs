@@ -95,7 +95,21 @@ impl Consumer {
                     .boxed(),
                 );
             }
-            let Some((claim, want, parked, got)) = gets.next().await else {
+            // Room an ack gives back while gets are in flight is asked for
+            // at once, not when the oldest get completes: with the window
+            // refilled only at completions, a consumer ran at the gets'
+            // round trip (behind big publish entries) and fell behind.
+            let next = if !gets.is_empty() && gets.len() < GETS_IN_FLIGHT && !self.no_ack {
+                let room = self.deliveries.room.notified();
+                tokio::select! {
+                    biased;
+                    next = gets.next() => next,
+                    _ = room => continue,
+                }
+            } else {
+                gets.next().await
+            };
+            let Some((claim, want, parked, got)) = next else {
                 // Nothing asked: wait for room or for messages.
                 if no_room {
                     let notified = self.deliveries.room.notified();
