@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
 use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, queue, tx, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
-use futures::FutureExt;
+use futures::{Future, FutureExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -1484,35 +1484,13 @@ impl Channel {
             }))
             .await;
             drop(permit);
-            match queues.iter().zip(&results).find_map(|(q, r)| r.as_ref().err().map(|e| (q, e))) {
-                None => {
-                    if seq.is_some() {
-                        node.metrics().confirmed.inc();
-                        node.metrics().confirm_latency.observe(received.elapsed().as_secs_f64());
-                    }
-                    true
-                }
-                Some((q, e)) => {
-                    match (e, seq) {
-                        (NodeError::Refused(_), Some(_)) => {
-                            tracing::debug!(queue = %q, error = %e, "publish refused; nacking")
-                        }
-                        (_, Some(_)) => tracing::warn!(queue = %q, error = %e, "publish not confirmed; nacking"),
-                        (_, None) => tracing::warn!(queue = %q, error = %e, "publish failed (no confirms requested)"),
-                    }
-                    false
-                }
+            let failed = queues.iter().zip(results).find_map(|(q, r)| r.err().map(|e| (q, e)));
+            match failed {
+                None => publishes_answered(&node, &queues[0], seq, received, 1, Ok(1)),
+                Some((q, e)) => publishes_answered(&node, q, seq, received, 1, Err(e)),
             }
         };
-        match seq {
-            Some(seq) => {
-                let stored = done.map(u64::from).boxed();
-                self.confirm_when(confirms::Pending { first: seq, count: 1, stored })
-            }
-            None => {
-                tokio::spawn(done);
-            }
-        }
+        self.confirm_or_spawn(seq, 1, done);
         Ok(())
     }
 
@@ -1529,37 +1507,59 @@ impl Channel {
                 Err(e) => Err(e),
             };
             drop(permits);
-            match result {
-                Ok(stored) => {
-                    if first_seq.is_some() {
-                        node.metrics().confirmed.inc_by(stored);
-                        let took = received.elapsed().as_secs_f64();
-                        for _ in 0..stored {
-                            node.metrics().confirm_latency.observe(took);
-                        }
-                    }
-                    if stored < count {
-                        tracing::debug!(%queue, refused = count - stored, "queue full (x-overflow: reject-publish)");
-                    }
-                    stored
-                }
-                Err(e) => {
-                    match (&e, first_seq) {
-                        (NodeError::Refused(_), Some(_)) => {
-                            tracing::debug!(%queue, error = %e, "publish refused; nacking")
-                        }
-                        (_, Some(_)) => tracing::warn!(%queue, error = %e, "publish not confirmed; nacking"),
-                        (_, None) => tracing::warn!(%queue, error = %e, "publish failed (no confirms requested)"),
-                    }
-                    0
-                }
-            }
+            publishes_answered(&node, &queue, first_seq, received, count, result)
         };
+        self.confirm_or_spawn(first_seq, count, done);
+    }
+
+    /// In confirm mode, `count` publishes from `first_seq` are acked as far
+    /// as `done` says they were stored; otherwise `done` just runs.
+    fn confirm_or_spawn(
+        &mut self,
+        first_seq: Option<u64>,
+        count: u64,
+        done: impl Future<Output = u64> + Send + 'static,
+    ) {
         match first_seq {
             Some(first) => self.confirm_when(confirms::Pending { first, count, stored: done.boxed() }),
             None => {
                 tokio::spawn(done);
             }
+        }
+    }
+}
+
+/// Count and log the outcome of `count` publishes from one channel (how
+/// many were stored, or why none was) and answer how many to ack.
+fn publishes_answered(
+    node: &Node,
+    queue: &str,
+    first_seq: Option<u64>,
+    received: Instant,
+    count: u64,
+    result: Result<u64, NodeError>,
+) -> u64 {
+    match result {
+        Ok(stored) => {
+            if first_seq.is_some() {
+                node.metrics().confirmed.inc_by(stored);
+                let took = received.elapsed().as_secs_f64();
+                for _ in 0..stored {
+                    node.metrics().confirm_latency.observe(took);
+                }
+            }
+            if stored < count {
+                tracing::debug!(%queue, refused = count - stored, "queue full (x-overflow: reject-publish)");
+            }
+            stored
+        }
+        Err(e) => {
+            match (&e, first_seq) {
+                (NodeError::Refused(_), Some(_)) => tracing::debug!(%queue, error = %e, "publish refused; nacking"),
+                (_, Some(_)) => tracing::warn!(%queue, error = %e, "publish not confirmed; nacking"),
+                (_, None) => tracing::warn!(%queue, error = %e, "publish failed (no confirms requested)"),
+            }
+            0
         }
     }
 }
