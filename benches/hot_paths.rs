@@ -15,7 +15,7 @@ use mirrorq::amqp::{parse, write_frame, Parsed};
 use mirrorq::metadata::routing::{route, Args, Binding, ExchangeKind, ExchangeMeta};
 use mirrorq::queue::state::QueueState;
 use mirrorq::queue::{Message, QueueCmd};
-use mirrorq_storage::{keys, DbOptions, NodeDb};
+use mirrorq_storage::{DbOptions, NodeDb};
 
 // Same allocator as the `mirrorq` binary.
 #[global_allocator]
@@ -159,13 +159,13 @@ fn storage(c: &mut Criterion) {
     for batch in [1u64, 64] {
         g.throughput(Throughput::Elements(batch));
         let mut i = 0u64;
-        g.bench_function(format!("append {batch} x 1 KiB + flush + fdatasync"), |b| {
+        g.bench_function(format!("append {batch} x 1 KiB + fdatasync"), |b| {
             b.iter(|| {
                 for _ in 0..batch {
-                    db.log_tree().insert(keys::log_key(1, i), value.clone()).unwrap();
+                    db.wal().append(1, &[(i, value.clone())]).unwrap();
                     i += 1;
                 }
-                rt.block_on(db.flusher().sync()).unwrap();
+                rt.block_on(db.flusher().sync_log()).unwrap();
             })
         });
     }

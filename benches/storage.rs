@@ -1,14 +1,14 @@
 //! Synced appends per second: one append per fsync versus group commit.
 //!
 //! `cargo bench --bench storage [-- DIR]` (DIR defaults to a temp dir on the
-//! working directory's disk). Each append is a 1 KiB value in the log tree
-//! made durable by the flusher (`flush` + `fdatasync`), as `LogStore::append`
-//! does.
+//! working directory's disk). Each append is a 1 KiB entry in the
+//! write-ahead log made durable by the flusher (`fdatasync` of the log
+//! segment), as `LogStore::append` does.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mirrorq_storage::{keys, DbOptions, NodeDb};
+use mirrorq_storage::{DbOptions, NodeDb};
 
 const VALUE: usize = 1024;
 
@@ -30,8 +30,8 @@ async fn main() {
     let n = 2000u64;
     let t = Instant::now();
     for i in 0..n {
-        db.log_tree().insert(keys::log_key(1, i), value.clone()).unwrap();
-        db.flusher().sync().await.unwrap();
+        db.wal().append(1, &[(i, value.clone())]).unwrap();
+        db.flusher().sync_log().await.unwrap();
     }
     let serial = n as f64 / t.elapsed().as_secs_f64();
     println!("one append per sync:      {serial:>9.0} appends/s  ({n} appends, 1 KiB)");
@@ -48,8 +48,8 @@ async fn main() {
             tasks.push(tokio::spawn(async move {
                 let mut i = 0u64;
                 while t.elapsed() < dur {
-                    db.log_tree().insert(keys::log_key(100 + w, i), value.clone()).unwrap();
-                    db.flusher().sync().await.unwrap();
+                    db.wal().append(100 + w, &[(i, value.clone())]).unwrap();
+                    db.flusher().sync_log().await.unwrap();
                     i += 1;
                 }
                 i

@@ -270,7 +270,7 @@ impl Node {
             return Err(ServerError::Config("--node-id must be >= 1".into()));
         }
         let started = Instant::now();
-        let db = NodeDb::open(&cfg.data_dir, &DbOptions { cache_bytes: cfg.cache_bytes })?;
+        let db = NodeDb::open(&cfg.data_dir, &DbOptions { cache_bytes: cfg.cache_bytes, ..DbOptions::default() })?;
         tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
         match db.get_node_value(NODE_ID_KEY)? {
             Some(b) => {

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use crate::error::StorageError;
 use crate::flusher::Flusher;
-use crate::keys::group_prefix;
+use crate::keys::{group_prefix, log_key_index, meta_key, META_REWRITE};
+use crate::wal::{RawEntry, Wal};
 use crate::GroupId;
 
 /// Tuning for the sled database.
@@ -18,11 +19,13 @@ pub struct DbOptions {
     /// makes RSS follow queue depth, which is what paging messages to disk is
     /// meant to avoid.
     pub cache_bytes: u64,
+    /// Size at which the write-ahead log moves on to a new segment file.
+    pub wal_segment_bytes: u64,
 }
 
 impl Default for DbOptions {
     fn default() -> Self {
-        Self { cache_bytes: 64 << 20 }
+        Self { cache_bytes: 64 << 20, wal_segment_bytes: crate::wal::SEGMENT_BYTES }
     }
 }
 
@@ -36,7 +39,10 @@ pub struct NodeDb {
 struct Inner {
     path: PathBuf,
     db: sled::Db,
-    /// Raft log entries of every group, key `group | index`.
+    /// Raft log entries of every group.
+    wal: Arc<Wal>,
+    /// Where Raft entries were kept before the write-ahead log, key
+    /// `group | index`; emptied into the log when a data dir is opened.
     log: sled::Tree,
     /// Votes, committed and purged log ids, key `group | tag`.
     raft_meta: sled::Tree,
@@ -87,15 +93,17 @@ impl NodeDb {
         let raft_meta = open_tree("raft_meta")?;
         let sm = open_tree("sm")?;
         let node = open_tree("node")?;
+        let wal = Arc::new(Wal::open(&dir.join("wal"), opts.wal_segment_bytes)?);
         let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
-        let (flusher, flusher_thread) = Flusher::start(db.clone(), &sled_dir, move |e| {
+        let (flusher, flusher_thread) = Flusher::start(db.clone(), &sled_dir, wal.clone(), move |e| {
             let _ = fatal_tx.send(Some(format!("disk sync failed: {e}")));
         })
         .map_err(|source| StorageError::Lock { path: sled_dir.clone(), source })?;
-        Ok(Self {
+        let node_db = Self {
             inner: Arc::new(Inner {
                 path: dir.to_owned(),
                 db,
+                wal,
                 log,
                 raft_meta,
                 sm,
@@ -105,7 +113,100 @@ impl NodeDb {
                 fatal,
                 _lock: lock,
             }),
-        })
+        };
+        node_db.move_sled_log()?;
+        node_db.finish_rewrites()?;
+        Ok(node_db)
+    }
+
+    /// Move entries a data dir from before the write-ahead log kept in sled
+    /// into the log. The log is synced before sled forgets them; a crash in
+    /// between moves them again, to the same indexes, which is harmless.
+    fn move_sled_log(&self) -> Result<(), StorageError> {
+        let log = &self.inner.log;
+        if log.is_empty() {
+            return Ok(());
+        }
+        let mut moved = 0usize;
+        let mut group: Option<(GroupId, Vec<RawEntry>)> = None;
+        for kv in log.iter() {
+            let (k, v) = kv?;
+            let g = u64::from_be_bytes(k[..8].try_into().map_err(|_| StorageError::Redo("log key"))?);
+            let index = log_key_index(&k);
+            match &mut group {
+                Some((cur, entries)) if *cur == g => entries.push((index, v.to_vec())),
+                _ => {
+                    if let Some((cur, entries)) = group.take() {
+                        self.inner.wal.append(cur, &entries)?;
+                    }
+                    group = Some((g, vec![(index, v.to_vec())]));
+                }
+            }
+            moved += 1;
+        }
+        if let Some((cur, entries)) = group {
+            self.inner.wal.append(cur, &entries)?;
+        }
+        self.inner.wal.sync()?;
+        log.clear()?;
+        self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)?;
+        tracing::info!(entries = moved, "moved Raft entries from sled into the write-ahead log");
+        Ok(())
+    }
+
+    /// Finish a [`NodeDb::rewrite_log`] a crash interrupted.
+    fn finish_rewrites(&self) -> Result<(), StorageError> {
+        let pending: Vec<(sled::IVec, sled::IVec)> = self
+            .inner
+            .raft_meta
+            .iter()
+            .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.len() == 9 && k[8] == META_REWRITE))
+            .collect::<Result<_, _>>()?;
+        for (k, v) in pending {
+            let group = u64::from_be_bytes(k[..8].try_into().map_err(|_| StorageError::Redo("meta key"))?);
+            let entries: Vec<RawEntry> = crate::keys::decode(&v, "pending log rewrite")?;
+            self.finish_rewrite(group, &k, &entries)?;
+        }
+        Ok(())
+    }
+
+    fn finish_rewrite(&self, group: GroupId, key: &[u8], entries: &[RawEntry]) -> Result<(), StorageError> {
+        self.inner.wal.rewrite(group, entries)?;
+        self.inner.wal.sync()?;
+        self.inner.raft_meta.remove(key)?;
+        self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)
+    }
+
+    /// Rewrite entries of `group`'s log (in place, or right after its last
+    /// entry), adopt `vote` (encoded, under `vote_key` in the Raft meta
+    /// tree) and set the node-level value `node_kv`, atomically: the three
+    /// are committed together in sled first, with the entries, and the log
+    /// rewritten after; a crash in between finishes the rewrite at the next
+    /// open. Blocks on syncs; only for a group whose Raft is stopped.
+    pub fn rewrite_log(
+        &self,
+        group: GroupId,
+        entries: Vec<RawEntry>,
+        vote_key: &[u8],
+        vote: Vec<u8>,
+        node_kv: (&str, Vec<u8>),
+    ) -> Result<(), StorageError> {
+        use sled::Transactional;
+        let key = meta_key(group, META_REWRITE);
+        let pending = crate::keys::encode(&entries, "pending log rewrite")?;
+        (&self.inner.raft_meta, &self.inner.node)
+            .transaction(|(meta, node)| {
+                meta.insert(&key[..], pending.as_slice())?;
+                meta.insert(vote_key, vote.as_slice())?;
+                node.insert(node_kv.0.as_bytes(), node_kv.1.as_slice())?;
+                Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
+            })
+            .map_err(|e| match e {
+                sled::transaction::TransactionError::Storage(e) => StorageError::Sled(e),
+                sled::transaction::TransactionError::Abort(()) => StorageError::Redo("log rewrite aborted"),
+            })?;
+        self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)?;
+        self.finish_rewrite(group, &key, &entries)
     }
 
     pub fn path(&self) -> &Path {
@@ -114,8 +215,8 @@ impl NodeDb {
     pub fn flusher(&self) -> &Flusher {
         &self.inner.flusher
     }
-    pub fn log_tree(&self) -> &sled::Tree {
-        &self.inner.log
+    pub fn wal(&self) -> &Wal {
+        &self.inner.wal
     }
     pub fn raft_meta_tree(&self) -> &sled::Tree {
         &self.inner.raft_meta
@@ -153,14 +254,16 @@ impl NodeDb {
     /// Does this group have any state on disk?
     pub fn group_exists(&self, group: GroupId) -> Result<bool, StorageError> {
         let p = group_prefix(group);
-        Ok(self.inner.raft_meta.scan_prefix(p).next().transpose()?.is_some()
-            || self.inner.log.scan_prefix(p).next().transpose()?.is_some())
+        Ok(self.inner.raft_meta.scan_prefix(p).next().transpose()?.is_some() || self.inner.wal.has_group(group))
     }
 
     /// Remove everything a group stored (queue deleted, replica moved away).
     pub fn drop_group(&self, group: GroupId) -> Result<(), StorageError> {
         let p = group_prefix(group);
-        for tree in [&self.inner.log, &self.inner.raft_meta, &self.inner.sm] {
+        // The log first, durably: entries without their vote and purge point
+        // would come back as a group of their own.
+        self.inner.wal.drop_group(group)?;
+        for tree in [&self.inner.raft_meta, &self.inner.sm] {
             let mut batch = sled::Batch::default();
             for kv in tree.scan_prefix(p) {
                 batch.remove(kv?.0);
@@ -255,5 +358,70 @@ mod tests {
         }
         let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
         assert_eq!(db.get_node_value("identity").unwrap().as_deref(), Some(&b"node-7"[..]));
+    }
+
+    #[test]
+    fn entries_kept_in_sled_by_an_older_version_move_into_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+            for i in 1..=3u64 {
+                db.inner.log.insert(crate::keys::log_key(7, i), vec![i as u8; 10]).unwrap();
+            }
+            db.inner.log.insert(crate::keys::log_key(2, 9), b"other group".to_vec()).unwrap();
+            db.flusher().sync_blocking().unwrap();
+        }
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        assert_eq!(
+            db.wal().read(7, 0, u64::MAX).unwrap(),
+            (1..=3u64).map(|i| (i, vec![i as u8; 10])).collect::<Vec<_>>()
+        );
+        assert_eq!(db.wal().read(2, 0, u64::MAX).unwrap(), vec![(9, b"other group".to_vec())]);
+        assert!(db.inner.log.is_empty(), "sled no longer holds them");
+        drop(db);
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        assert_eq!(db.wal().bounds(7), Some((1, 3)), "moved once, durably");
+    }
+
+    #[test]
+    fn a_log_rewrite_committed_before_a_crash_is_finished_at_the_next_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let pending = vec![(2u64, b"rewritten".to_vec()), (4, b"appended".to_vec())];
+        {
+            let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+            db.wal().append(5, &[(1, b"a".to_vec()), (2, b"b".to_vec()), (3, b"c".to_vec())]).unwrap();
+            db.flusher().sync_blocking().unwrap();
+            // What `rewrite_log` commits in sled before it touches the log;
+            // the process dies before the log is written.
+            let key = meta_key(5, META_REWRITE);
+            db.inner.raft_meta.insert(key, crate::keys::encode(&pending, "t").unwrap()).unwrap();
+            db.flusher().sync_blocking().unwrap();
+        }
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let want: Vec<(u64, Vec<u8>)> =
+            vec![(1, b"a".to_vec()), (2, b"rewritten".to_vec()), (3, b"c".to_vec()), (4, b"appended".to_vec())];
+        assert_eq!(db.wal().read(5, 0, u64::MAX).unwrap(), want);
+        assert!(db.inner.raft_meta.get(meta_key(5, META_REWRITE)).unwrap().is_none(), "done, not redone");
+        // And the whole call, without a crash.
+        db.rewrite_log(5, vec![(5, b"e".to_vec())], &meta_key(5, b'v'), b"vote".to_vec(), ("epoch.5", b"x".to_vec()))
+            .unwrap();
+        assert_eq!(db.wal().bounds(5), Some((1, 5)));
+        assert_eq!(db.get_node_value("epoch.5").unwrap().as_deref(), Some(&b"x"[..]));
+        assert_eq!(db.inner.raft_meta.get(meta_key(5, b'v')).unwrap().as_deref(), Some(&b"vote"[..]));
+    }
+
+    #[test]
+    fn a_dropped_group_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+            db.wal().append(6, &[(1, b"a".to_vec())]).unwrap();
+            db.inner.raft_meta.insert(meta_key(6, b'v'), b"vote".to_vec()).unwrap();
+            assert!(db.group_exists(6).unwrap());
+            db.drop_group(6).unwrap();
+            assert!(!db.group_exists(6).unwrap());
+        }
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        assert!(!db.group_exists(6).unwrap(), "the drop was durable");
     }
 }

@@ -39,6 +39,8 @@ pub enum StorageError {
     },
     #[error("damaged redo record of a state-machine step: {0}")]
     Redo(&'static str),
+    #[error(transparent)]
+    Wal(#[from] crate::wal::WalError),
     #[error("disk sync failed earlier; the node is stopping (fail-stop)")]
     SyncFailed,
 }

@@ -1,5 +1,6 @@
-//! Group commit: one `flush` + `fdatasync` serves every waiter present at that
-//! moment, across all groups of the node.
+//! Group commit: one `fdatasync` of the write-ahead log serves every waiter
+//! present at that moment, across all groups of the node; sled's `flush` +
+//! `fdatasync` is added to the round when one of them needs sled durable.
 //!
 //! Appenders hand in a completion callback and return at once (openraft only
 //! needs the entries to be *readable* when `append` returns). A dedicated thread
@@ -16,11 +17,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use crate::wal::Wal;
+
 /// Called once with the outcome of the sync that covered the waiter's writes.
 pub type Completion = Box<dyn FnOnce(io::Result<()>) + Send>;
 
 enum Msg {
-    Wait(Completion),
+    /// `sled`: the waiter needs sled's writes durable too, not only the log.
+    Wait(Completion, bool),
     /// Sent when the database is closed: sync what is pending and exit, so the
     /// files are released before `NodeDb`'s drop returns.
     Stop,
@@ -99,11 +103,13 @@ impl Flusher {
     pub fn start(
         db: sled::Db,
         dir: &Path,
+        wal: Arc<Wal>,
         on_fatal: impl Fn(&io::Error) + Send + 'static,
     ) -> io::Result<(Self, std::thread::JoinHandle<()>)> {
         let data_file = File::open(dir.join("db"))?;
         let blobs = dir.join("blobs");
-        Self::with_target(SledTarget { db, data_file, blobs, synced_blobs: HashSet::new() }, on_fatal)
+        let sled = SledTarget { db, data_file, blobs, synced_blobs: HashSet::new() };
+        Self::with_target(NodeTarget { wal, sled }, on_fatal)
     }
 
     /// Start a flusher over any [`SyncTarget`] (tests inject failing ones).
@@ -122,14 +128,26 @@ impl Flusher {
         Ok((Self { tx, failed, stats, held }, thread))
     }
 
-    /// Queue a completion behind the writes already made; it fires after the
-    /// next sync. After a failed sync it fires at once with an error.
+    /// Queue a completion behind the writes already made (log and sled); it
+    /// fires after the next sync. After a failed sync it fires at once with
+    /// an error.
     pub fn submit(&self, done: Completion) {
+        self.send(done, true)
+    }
+
+    /// Like [`Flusher::submit`] for a waiter that needs only the write-ahead
+    /// log durable (a log append): its round syncs sled only if another
+    /// waiter needs it.
+    pub fn submit_log(&self, done: Completion) {
+        self.send(done, false)
+    }
+
+    fn send(&self, done: Completion, sled: bool) {
         if self.failed.load(Ordering::Acquire) {
             done(Err(sync_failed()));
             return;
         }
-        if let Err(mpsc::SendError(Msg::Wait(done))) = self.tx.send(Msg::Wait(done)) {
+        if let Err(mpsc::SendError(Msg::Wait(done, _))) = self.tx.send(Msg::Wait(done, sled)) {
             done(Err(io::Error::other("flusher stopped")));
         }
     }
@@ -138,6 +156,15 @@ impl Flusher {
     pub async fn sync(&self) -> io::Result<()> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.submit(Box::new(move |r| {
+            let _ = tx.send(r);
+        }));
+        rx.await.unwrap_or_else(|_| Err(io::Error::other("flusher stopped")))
+    }
+
+    /// Wait until every log write so far is durable (sled's are not waited for).
+    pub async fn sync_log(&self) -> io::Result<()> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.submit_log(Box::new(move |r| {
             let _ = tx.send(r);
         }));
         rx.await.unwrap_or_else(|_| Err(io::Error::other("flusher stopped")))
@@ -181,8 +208,47 @@ fn sync_failed() -> io::Error {
 
 /// What the flusher makes durable: the seam where tests inject disk failures.
 pub trait SyncTarget: Send + 'static {
-    /// Make every write so far durable.
-    fn sync(&mut self) -> io::Result<()>;
+    /// Make every log write so far durable, and with `sled` every sled write.
+    fn sync(&mut self, sled: bool) -> io::Result<()>;
+}
+
+/// A node's storage: its write-ahead log and its sled database.
+struct NodeTarget {
+    wal: Arc<Wal>,
+    sled: SledTarget,
+}
+
+impl SyncTarget for NodeTarget {
+    fn sync(&mut self, sled: bool) -> io::Result<()> {
+        self.wal.sync().map_err(io::Error::other)?;
+        if sled {
+            self.sled.sync()?;
+        }
+        self.reclaim()
+    }
+}
+
+impl NodeTarget {
+    /// Remove log segments no live entry needs, after moving idle groups'
+    /// entries out of the oldest. Once per segment's worth of writes, so
+    /// the extra syncs cost nothing measurable.
+    fn reclaim(&mut self) -> io::Result<()> {
+        if self.wal.relocate_idle().map_err(io::Error::other)? {
+            self.wal.sync().map_err(io::Error::other)?;
+        }
+        let dead = self.wal.reclaimable();
+        if dead.is_empty() {
+            return Ok(());
+        }
+        // The purge points that killed these entries are sled writes: they
+        // must be durable before the entries are gone.
+        self.sled.sync()?;
+        if let Err(e) = self.wal.remove(&dead) {
+            // Space not given back yet, nothing lost: retried next round.
+            tracing::warn!(error = %e, "could not remove a write-ahead log segment");
+        }
+        Ok(())
+    }
 }
 
 struct SledTarget {
@@ -194,7 +260,7 @@ struct SledTarget {
     synced_blobs: HashSet<std::ffi::OsString>,
 }
 
-impl SyncTarget for SledTarget {
+impl SledTarget {
     fn sync(&mut self) -> io::Result<()> {
         self.db.flush().map_err(io::Error::other)?;
         self.data_file.sync_data()?;
@@ -244,13 +310,20 @@ fn run(
     let mut batch: Vec<Completion> = Vec::with_capacity(256);
     let mut stopping = false;
     while !stopping {
+        let mut sled = false;
         match rx.recv() {
-            Ok(Msg::Wait(first)) => batch.push(first),
+            Ok(Msg::Wait(first, s)) => {
+                batch.push(first);
+                sled |= s;
+            }
             Ok(Msg::Stop) | Err(_) => stopping = true,
         }
         while let Ok(more) = rx.try_recv() {
             match more {
-                Msg::Wait(done) => batch.push(done),
+                Msg::Wait(done, s) => {
+                    batch.push(done);
+                    sled |= s;
+                }
                 Msg::Stop => stopping = true,
             }
         }
@@ -265,7 +338,7 @@ fn run(
         }
         held.wait_released();
         let started = Instant::now();
-        let result = target.sync();
+        let result = target.sync(sled);
         stats.syncs.fetch_add(1, Ordering::Relaxed);
         stats.waiters.fetch_add(batch.len() as u64, Ordering::Relaxed);
         let took = started.elapsed();
@@ -304,7 +377,7 @@ mod tests {
     }
 
     impl SyncTarget for FailAfter {
-        fn sync(&mut self) -> io::Result<()> {
+        fn sync(&mut self, _sled: bool) -> io::Result<()> {
             let n = self.calls.fetch_add(1, Ordering::SeqCst);
             if n < self.ok {
                 Ok(())
@@ -342,7 +415,7 @@ mod tests {
         let calls = Arc::new(AtomicUsize::new(0));
         struct Slow(Arc<AtomicUsize>);
         impl SyncTarget for Slow {
-            fn sync(&mut self) -> io::Result<()> {
+            fn sync(&mut self, _sled: bool) -> io::Result<()> {
                 self.0.fetch_add(1, Ordering::SeqCst);
                 std::thread::sleep(std::time::Duration::from_millis(200));
                 Ok(())
@@ -367,7 +440,7 @@ mod tests {
     fn held_syncs_complete_nothing_until_released() {
         struct Count(Arc<AtomicUsize>);
         impl SyncTarget for Count {
-            fn sync(&mut self) -> io::Result<()> {
+            fn sync(&mut self, _sled: bool) -> io::Result<()> {
                 self.0.fetch_add(1, Ordering::SeqCst);
                 Ok(())
             }
@@ -383,6 +456,28 @@ mod tests {
         drop(held);
         assert!(rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap());
         assert_eq!(calls.load(Ordering::SeqCst), 1);
+        flusher.stop();
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn sled_is_synced_only_in_rounds_with_a_waiter_that_needs_it() {
+        struct Record(mpsc::Sender<bool>);
+        impl SyncTarget for Record {
+            fn sync(&mut self, sled: bool) -> io::Result<()> {
+                self.0.send(sled).unwrap();
+                Ok(())
+            }
+        }
+        let (tx, rounds) = mpsc::channel();
+        let (flusher, thread) = Flusher::with_target(Record(tx), |_| {}).unwrap();
+        let (done_tx, done) = mpsc::channel();
+        let d = done_tx.clone();
+        flusher.submit_log(Box::new(move |r| d.send(r.is_ok()).unwrap()));
+        assert!(done.recv().unwrap());
+        assert!(!rounds.recv().unwrap(), "a log append alone leaves sled be");
+        flusher.sync_blocking().unwrap();
+        assert!(rounds.recv().unwrap(), "an explicit sync covers sled");
         flusher.stop();
         thread.join().unwrap();
     }

@@ -30,6 +30,9 @@ pub fn meta_key(group: GroupId, tag: u8) -> [u8; 9] {
 pub const META_VOTE: u8 = b'v';
 pub const META_COMMITTED: u8 = b'c';
 pub const META_PURGED: u8 = b'p';
+/// Entries of a log rewrite committed but maybe not yet in the log
+/// (see `NodeDb::rewrite_log`).
+pub const META_REWRITE: u8 = b'r';
 
 /// Prefix of everything a group owns in a tree.
 pub fn group_prefix(group: GroupId) -> [u8; 8] {

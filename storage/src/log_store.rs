@@ -1,4 +1,5 @@
-//! openraft's `RaftLogStorage` for one group, over the node's shared sled trees.
+//! openraft's `RaftLogStorage` for one group: entries in the node's
+//! write-ahead log, vote and purge point in sled's `raft_meta` tree.
 
 use std::collections::VecDeque;
 use std::fmt::Debug;
@@ -14,15 +15,15 @@ use openraft::{
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::keys::{self, log_key, meta_key, META_COMMITTED, META_PURGED, META_VOTE};
+use crate::keys::{self, meta_key, META_COMMITTED, META_PURGED, META_VOTE};
 use crate::{GroupId, NodeDb};
 
 type RaftStorageError<C> = openraft::StorageError<<C as RaftTypeConfig>::NodeId>;
 
 /// Bytes of the newest entries a group keeps decoded in memory. Every
 /// entry is read back right after it is written, to apply it and (on a
-/// leader) once per mirror to replicate it; decoding it from sled each time
-/// was 6-9% of a node's CPU. A few entries in flight are all that is read
+/// leader) once per mirror to replicate it; decoding it each time was 6-9%
+/// of a node's CPU. A few entries in flight are all that is read
 /// back, so the bound is small (it holds per group, busy or idle).
 const RECENT_BYTES: usize = 512 << 10;
 
@@ -62,7 +63,7 @@ impl<E> Recent<E> {
             self.clear();
         }
         if size > RECENT_BYTES {
-            // Kept only in sled; nothing after it may be cached without it.
+            // Kept only in the log; nothing after it may be cached without it.
             self.clear();
             return;
         }
@@ -124,6 +125,10 @@ impl<C: RaftTypeConfig> LogStore<C> {
         Self { db, group, recent: Arc::new(Mutex::new(Recent::new())) }
     }
 
+    fn wal(&self) -> &crate::Wal {
+        self.db.wal()
+    }
+
     fn recent(&self) -> std::sync::MutexGuard<'_, Recent<C::Entry>> {
         self.recent.lock().expect("poisoned")
     }
@@ -174,24 +179,30 @@ where
     }
 
     fn last_entry(&self) -> Result<Option<C::Entry>, RaftStorageError<C>> {
-        let range = log_key(self.group, 0)..=log_key(self.group, u64::MAX);
-        match self.db.log_tree().range(range).next_back() {
+        let Some((_, last)) = self.wal().bounds(self.group) else { return Ok(None) };
+        let read =
+            self.wal().read(self.group, last, last).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+        match read.first() {
             None => Ok(None),
-            Some(kv) => {
-                let (_, v) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
-                Self::decode_entry(&v).map(Some)
-            }
+            Some((_, b)) => Self::decode_entry(b).map(Some),
         }
     }
 
-    fn remove_range(&self, from: u64, to_inclusive: u64) -> Result<(), RaftStorageError<C>> {
-        let tree = self.db.log_tree();
-        let mut batch = sled::Batch::default();
-        for kv in tree.range(log_key(self.group, from)..=log_key(self.group, to_inclusive)) {
-            let (k, _) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
-            batch.remove(k);
+    /// Forget the entries up to the recorded purge point. The log replays
+    /// purged entries until their segment is reclaimed; the purge point in
+    /// sled is what says they are gone.
+    fn forget_purged(&self) -> Result<Option<LogId<C::NodeId>>, RaftStorageError<C>> {
+        let purged: Option<LogId<C::NodeId>> = self.read_meta(META_PURGED)?;
+        if let Some(p) = &purged {
+            self.wal().purge(self.group, p.index);
         }
-        tree.apply_batch(batch).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Delete, e))
+        Ok(purged)
+    }
+
+    fn read_entries(&self, start: u64, end: u64) -> Result<Vec<C::Entry>, RaftStorageError<C>> {
+        let read =
+            self.wal().read(self.group, start, end).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+        read.iter().map(|(_, b)| Self::decode_entry(b)).collect()
     }
 }
 
@@ -202,13 +213,8 @@ where
 {
     /// The ids of every entry kept, ascending, read one entry at a time.
     pub fn log_ids(&self) -> Result<Vec<LogId<C::NodeId>>, RaftStorageError<C>> {
-        let range = log_key(self.group, 0)..=log_key(self.group, u64::MAX);
-        let mut out = Vec::new();
-        for kv in self.db.log_tree().range(range) {
-            let (_, v) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
-            out.push(Self::decode_entry(&v)?.get_log_id().clone());
-        }
-        Ok(out)
+        self.forget_purged()?;
+        Ok(self.read_entries(0, u64::MAX)?.iter().map(|e| e.get_log_id().clone()).collect())
     }
 
     /// Re-found the group on this replica's log, outside of Raft: write
@@ -224,30 +230,22 @@ where
         entries: Vec<C::Entry>,
         node_kv: (&str, Vec<u8>),
     ) -> Result<(), RaftStorageError<C>> {
-        use sled::Transactional;
         let wr = |e: &dyn std::fmt::Display| {
             io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, io::Error::other(e.to_string()))
         };
         let mut log_kvs = Vec::with_capacity(entries.len());
         for entry in &entries {
             let bytes = keys::encode(entry, "log entry").map_err(|e| wr(&e))?;
-            log_kvs.push((log_key(self.group, entry.get_log_id().index), bytes));
+            log_kvs.push((entry.get_log_id().index, bytes));
         }
         let vote_bytes = keys::encode(vote, "raft meta").map_err(|e| wr(&e))?;
         let vote_key = meta_key(self.group, META_VOTE);
-        let trees = (self.db.log_tree(), self.db.raft_meta_tree(), self.db.node_tree());
-        trees
-            .transaction(|(log, meta, node)| {
-                for (k, v) in &log_kvs {
-                    log.insert(&k[..], v.as_slice())?;
-                }
-                meta.insert(&vote_key[..], vote_bytes.as_slice())?;
-                node.insert(node_kv.0.as_bytes(), node_kv.1.as_slice())?;
-                Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
-            })
-            .map_err(|e| wr(&format!("{e:?}")))?;
+        let (db, group, kv) = (self.db.clone(), self.group, (node_kv.0.to_owned(), node_kv.1));
         self.recent().clear();
-        self.db.flusher().sync().await.map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
+        tokio::task::spawn_blocking(move || db.rewrite_log(group, log_kvs, &vote_key, vote_bytes, (&kv.0, kv.1)))
+            .await
+            .map_err(|e| wr(&e))?
+            .map_err(|e| wr(&e))
     }
 }
 
@@ -277,12 +275,7 @@ where
         if let Some(hit) = self.recent().get(start, end) {
             return Ok(hit);
         }
-        let mut out = Vec::new();
-        for kv in self.db.log_tree().range(log_key(self.group, start)..=log_key(self.group, end)) {
-            let (_, v) = kv.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
-            out.push(Self::decode_entry(&v)?);
-        }
-        Ok(out)
+        self.read_entries(start, end)
     }
 }
 
@@ -294,7 +287,7 @@ where
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<C>, RaftStorageError<C>> {
-        let last_purged_log_id: Option<LogId<C::NodeId>> = self.read_meta(META_PURGED)?;
+        let last_purged_log_id = self.forget_purged()?;
         let last_log_id = match self.last_entry()? {
             Some(e) => Some(e.get_log_id().clone()),
             None => last_purged_log_id.clone(),
@@ -331,53 +324,46 @@ where
         I: IntoIterator<Item = C::Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        // One insert per entry, in index order, not a sled batch: a batch
-        // seals sled's IO buffer twice (two more device writes, each waited
-        // for by the next flush), which was most of a confirm's latency with
-        // one message in flight. Atomicity is not needed: sled recovers a
-        // prefix of its writes, so a crash keeps a prefix of these entries,
-        // and none was acknowledged before the sync below.
-        let tree = self.db.log_tree();
+        let mut encoded = Vec::new();
+        let mut decoded = Vec::new();
         for entry in entries {
-            let index = entry.get_log_id().index;
             let bytes =
                 keys::encode(&entry, "log entry").map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
-            let size = bytes.len();
-            if let Err(e) = tree.insert(&log_key(self.group, index)[..], bytes) {
-                // What is cached must be what sled has.
-                self.recent().clear();
-                return Err(io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e));
-            }
-            let mut recent = self.recent();
-            // Kept only while it ends at the log's last entry: after a gap
-            // (or at start-up), only if nothing follows this one in sled.
-            if !recent.follows(index) {
-                recent.clear();
-                let next = log_key(self.group, index.saturating_add(1));
-                let after = self.db.log_tree().range(next..=log_key(self.group, u64::MAX)).next().is_some();
-                if after || index == u64::MAX {
-                    continue;
-                }
-            }
+            let index = entry.get_log_id().index;
+            decoded.push((index, bytes.len(), entry));
+            encoded.push((index, bytes));
+        }
+        if let Err(e) = self.wal().append(self.group, &encoded) {
+            // What is cached must be what the log has.
+            self.recent().clear();
+            return Err(io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e));
+        }
+        // Each appended entry is now the log's last one (an append replaces
+        // whatever followed its index), so it may be cached after the one
+        // before it.
+        let mut recent = self.recent();
+        for (index, size, entry) in decoded {
             recent.push(index, size, entry);
         }
+        drop(recent);
         // Readable now; durable (and acknowledged to openraft) after the next
-        // group-commit sync.
-        self.db.flusher().submit(Box::new(move |r: io::Result<()>| callback.log_io_completed(r)));
+        // group-commit sync of the log.
+        self.db.flusher().submit_log(Box::new(move |r: io::Result<()>| callback.log_io_completed(r)));
         Ok(())
     }
 
     async fn truncate(&mut self, log_id: LogId<C::NodeId>) -> Result<(), RaftStorageError<C>> {
         self.recent().drop_from(log_id.index);
-        self.remove_range(log_id.index, u64::MAX)
+        self.wal().truncate(self.group, log_id.index).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Delete, e))
     }
 
     async fn purge(&mut self, log_id: LogId<C::NodeId>) -> Result<(), RaftStorageError<C>> {
-        // Record the purge point first: if we crash half way, the state still
-        // says "everything up to here is gone", which is what openraft expects.
+        // The purge point is the record: the entries' space is reclaimed by
+        // the flusher once sled (with this point) is durable.
         self.write_meta(META_PURGED, &log_id)?;
         self.recent().drop_through(log_id.index);
-        self.remove_range(0, log_id.index)
+        self.wal().purge(self.group, log_id.index);
+        Ok(())
     }
 }
 
@@ -398,7 +384,7 @@ mod tests {
         let mut r = recent(1..=5, 10);
         assert_eq!(r.get(2, 4), Some(vec![2, 3, 4]));
         assert_eq!(r.get(4, u64::MAX), Some(vec![4, 5]), "the rest of the log");
-        assert_eq!(r.get(0, 3), None, "starts before what is kept: read sled");
+        assert_eq!(r.get(0, 3), None, "starts before what is kept: read the log");
         assert_eq!(r.get(6, 9), None);
         // A gap (a log rewritten elsewhere) forgets what came before it.
         r.push(9, 10, 9);
