@@ -150,28 +150,42 @@ fn encode_record(buf: &mut Vec<u8>, kind: u8, group: GroupId, index: u64, payloa
     (start + HEADER) as u64
 }
 
-/// Records of one segment's bytes, and where the valid part ends.
-fn parse(bytes: &[u8]) -> (Vec<Record>, u64) {
+/// Records of one segment file, and where its valid part ends. Streams
+/// the file through one record's worth of memory.
+fn parse(file: &File) -> io::Result<(Vec<Record>, u64)> {
+    let size = file.metadata()?.len();
+    let mut reader = io::BufReader::with_capacity(1 << 20, file);
     let mut out = Vec::new();
-    let mut at = 0usize;
-    while bytes.len() - at >= HEADER {
-        let h = &bytes[at..at + HEADER];
+    let mut at = 0u64;
+    let mut h = [0u8; HEADER];
+    let mut payload = Vec::new();
+    while size - at >= HEADER as u64 {
+        reader.read_exact(&mut h)?;
         let crc = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
         let len = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
-        let end = at + HEADER + len as usize;
-        if end > bytes.len() || crc32fast::hash(&bytes[at + 4..end]) != crc {
+        // A torn header can claim any length: check it against the file
+        // before reading that much.
+        if at + HEADER as u64 + u64::from(len) > size {
+            break;
+        }
+        payload.resize(len as usize, 0);
+        reader.read_exact(&mut payload)?;
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&h[4..]);
+        hasher.update(&payload);
+        if hasher.finalize() != crc {
             break;
         }
         out.push(Record {
             kind: h[8],
             group: u64::from_le_bytes(h[9..17].try_into().expect("8 bytes")),
             index: u64::from_le_bytes(h[17..25].try_into().expect("8 bytes")),
-            offset: (at + HEADER) as u64,
+            offset: at + HEADER as u64,
             len,
         });
-        at = end;
+        at += HEADER as u64 + u64::from(len);
     }
-    (out, at as u64)
+    Ok((out, at))
 }
 
 impl Inner {
@@ -285,16 +299,15 @@ impl Wal {
             Inner { segments: BTreeMap::new(), active: 0, active_len: 0, groups: HashMap::new(), failed: false };
         for (n, &id) in ids.iter().enumerate() {
             let path = seg_path(dir, id);
-            let mut file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err(&path))?;
-            let mut bytes = Vec::new();
-            file.read_to_end(&mut bytes).map_err(io_err(&path))?;
-            let (records, valid) = parse(&bytes);
-            if valid < bytes.len() as u64 {
+            let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err(&path))?;
+            let size = file.metadata().map_err(io_err(&path))?.len();
+            let (records, valid) = parse(&file).map_err(io_err(&path))?;
+            if valid < size {
                 if n + 1 < ids.len() {
                     return Err(WalError::Corrupt { path, offset: valid });
                 }
                 // A torn tail: nothing after it was acknowledged as durable.
-                tracing::warn!(segment = %path.display(), at = valid, dropped = bytes.len() as u64 - valid, "cutting the torn tail of the write-ahead log");
+                tracing::warn!(segment = %path.display(), at = valid, dropped = size - valid, "cutting the torn tail of the write-ahead log");
                 file.set_len(valid).map_err(io_err(&path))?;
                 file.sync_all().map_err(io_err(&path))?;
             }
