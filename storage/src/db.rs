@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::error::StorageError;
 use crate::flusher::Flusher;
-use crate::keys::{group_prefix, log_key_index, meta_key, META_REWRITE};
+use crate::keys::{group_prefix, key_group, log_key_index, meta_key, META_REWRITE};
 use crate::wal::{RawEntry, Wal};
 use crate::GroupId;
 
@@ -127,26 +127,17 @@ impl NodeDb {
         if log.is_empty() {
             return Ok(());
         }
-        let mut moved = 0usize;
-        let mut group: Option<(GroupId, Vec<RawEntry>)> = None;
+        let mut entries: Vec<(GroupId, RawEntry)> = Vec::new();
         for kv in log.iter() {
             let (k, v) = kv?;
-            let g = u64::from_be_bytes(k[..8].try_into().map_err(|_| StorageError::Redo("log key"))?);
-            let index = log_key_index(&k);
-            match &mut group {
-                Some((cur, entries)) if *cur == g => entries.push((index, v.to_vec())),
-                _ => {
-                    if let Some((cur, entries)) = group.take() {
-                        self.inner.wal.append(cur, &entries)?;
-                    }
-                    group = Some((g, vec![(index, v.to_vec())]));
-                }
-            }
-            moved += 1;
+            entries.push((key_group(&k), (log_key_index(&k), v.to_vec())));
         }
-        if let Some((cur, entries)) = group {
-            self.inner.wal.append(cur, &entries)?;
+        // Keys sort by group, then index: one append per group, in order.
+        for run in entries.chunk_by(|a, b| a.0 == b.0) {
+            let group_entries: Vec<RawEntry> = run.iter().map(|(_, e)| e.clone()).collect();
+            self.inner.wal.append(run[0].0, &group_entries)?;
         }
+        let moved = entries.len();
         self.inner.wal.sync()?;
         log.clear()?;
         self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)?;
@@ -163,7 +154,7 @@ impl NodeDb {
             .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.len() == 9 && k[8] == META_REWRITE))
             .collect::<Result<_, _>>()?;
         for (k, v) in pending {
-            let group = u64::from_be_bytes(k[..8].try_into().map_err(|_| StorageError::Redo("meta key"))?);
+            let group = key_group(&k);
             let entries: Vec<RawEntry> = crate::keys::decode(&v, "pending log rewrite")?;
             self.finish_rewrite(group, &k, &entries)?;
         }

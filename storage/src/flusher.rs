@@ -154,19 +154,22 @@ impl Flusher {
 
     /// Wait until everything written so far is durable.
     pub async fn sync(&self) -> io::Result<()> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.submit(Box::new(move |r| {
-            let _ = tx.send(r);
-        }));
-        rx.await.unwrap_or_else(|_| Err(io::Error::other("flusher stopped")))
+        self.wait(true).await
     }
 
     /// Wait until every log write so far is durable (sled's are not waited for).
     pub async fn sync_log(&self) -> io::Result<()> {
+        self.wait(false).await
+    }
+
+    async fn wait(&self, sled: bool) -> io::Result<()> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.submit_log(Box::new(move |r| {
-            let _ = tx.send(r);
-        }));
+        self.send(
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+            sled,
+        );
         rx.await.unwrap_or_else(|_| Err(io::Error::other("flusher stopped")))
     }
 

@@ -12,6 +12,13 @@ pub fn log_key(group: GroupId, index: u64) -> [u8; 16] {
     k
 }
 
+/// Group part of any key (every key starts with its group).
+pub fn key_group(key: &[u8]) -> GroupId {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&key[..8]);
+    u64::from_be_bytes(b)
+}
+
 /// Index part of a log key.
 pub fn log_key_index(key: &[u8]) -> u64 {
     let mut b = [0u8; 8];
@@ -68,5 +75,6 @@ mod tests {
         assert!(log_key(1, u64::MAX) < log_key(2, 0));
         assert!(log_key(1, 255) < log_key(1, 256));
         assert_eq!(log_key_index(&log_key(7, 123456)), 123456);
+        assert_eq!(key_group(&log_key(7, 123456)), 7);
     }
 }

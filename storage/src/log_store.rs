@@ -180,12 +180,7 @@ where
 
     fn last_entry(&self) -> Result<Option<C::Entry>, RaftStorageError<C>> {
         let Some((_, last)) = self.wal().bounds(self.group) else { return Ok(None) };
-        let read =
-            self.wal().read(self.group, last, last).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
-        match read.first() {
-            None => Ok(None),
-            Some((_, b)) => Self::decode_entry(b).map(Some),
-        }
+        Ok(self.read_entries(last, last)?.pop())
     }
 
     /// Forget the entries up to the recorded purge point. The log replays

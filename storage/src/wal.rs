@@ -450,6 +450,7 @@ impl Wal {
     }
 
     /// Groups that have entries.
+    #[cfg(test)]
     pub fn groups(&self) -> Vec<GroupId> {
         self.lock().groups.iter().filter(|(_, g)| !g.locs.is_empty()).map(|(k, _)| *k).collect()
     }
@@ -592,6 +593,7 @@ impl Wal {
     }
 
     /// Number of segment files.
+    #[cfg(test)]
     pub fn segment_count(&self) -> usize {
         self.lock().segments.len()
     }
