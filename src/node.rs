@@ -703,6 +703,12 @@ impl Node {
     /// Publish messages to a queue; resolves once every synchronised replica
     /// has them on disk.
     pub async fn publish(&self, queue: &str, msgs: Vec<Message>) -> Result<(), NodeError> {
+        // Consumers are sent the stored properties as they are.
+        if let Some(bad) = msgs.iter().position(|m| !crate::amqp::valid_properties(&m.properties)) {
+            return Err(NodeError::Invalid(format!(
+                "message {bad}: properties are not an AMQP property list (amqp::encode_properties makes one)"
+            )));
+        }
         let replies = self.queue_op(queue, vec![QueueCmd::Enqueue { msgs }]).await?;
         stored_all(queue, &replies)
     }

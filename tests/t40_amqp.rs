@@ -132,6 +132,18 @@ async fn publish_confirm_and_get_through_other_nodes() {
         assert_eq!(m.delivery.data, format!("{{\"n\":{i}}}").into_bytes());
     }
     assert!(ch3.basic_get(s("orders"), BasicGetOptions { no_ack: true }).await.unwrap().is_none());
+
+    // The library API's messages reach clients with their properties; bytes
+    // that are no property list are refused, not sent on to clients.
+    c.cluster.node(1).publish("orders", vec![common::msg("lib")]).await.unwrap();
+    let m = ch3.basic_get(s("orders"), BasicGetOptions { no_ack: true }).await.unwrap().expect("library message");
+    assert_eq!(m.delivery.data, b"lib");
+    assert_eq!(m.delivery.properties.app_id().as_ref().map(|v| v.as_str()), Some("test"));
+    assert_eq!(*m.delivery.properties.delivery_mode(), Some(2));
+    let bad = mirrorq::Message { properties: vec![1, 2, 3], ..common::msg("bad") };
+    let refused = c.cluster.node(1).publish("orders", vec![common::msg("ok"), bad]).await;
+    assert!(matches!(refused, Err(mirrorq::NodeError::Invalid(ref why)) if why.contains("message 1")), "{refused:?}");
+    assert!(ch3.basic_get(s("orders"), BasicGetOptions { no_ack: true }).await.unwrap().is_none(), "none stored");
     c.cluster.shutdown().await;
 }
 

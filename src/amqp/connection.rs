@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::auth::{self, Grants};
-use super::codec::{self, decode_properties, encode_properties, Parsed};
+use super::codec::{self, encode_properties, Parsed};
 use super::confirms;
 use super::consumer::Consumer;
 use super::deliveries::{ConsumerId, Deliveries};
@@ -82,15 +82,40 @@ pub(super) fn method(ch: u16, class: AMQPClass) -> AMQPFrame {
     AMQPFrame::Method(ch, class)
 }
 
+/// What the connection's writer is handed: frames to encode, or frames
+/// already encoded (message contents, see [`codec::write_content`]).
+pub(super) enum Outgoing {
+    Frames(Vec<AMQPFrame>),
+    Encoded(Vec<u8>),
+}
+
 #[derive(Clone)]
-pub(super) struct Out(mpsc::Sender<Vec<AMQPFrame>>);
+pub(super) struct Out(mpsc::Sender<Outgoing>);
 
 impl Out {
     pub(super) async fn send(&self, frames: Vec<AMQPFrame>) {
-        let _ = self.0.send(frames).await;
+        let _ = self.0.send(Outgoing::Frames(frames)).await;
     }
     pub(super) async fn one(&self, frame: AMQPFrame) {
         self.send(vec![frame]).await;
+    }
+    pub(super) async fn encoded(&self, bytes: Vec<u8>) {
+        let _ = self.0.send(Outgoing::Encoded(bytes)).await;
+    }
+    /// A method with `msg` as its content.
+    pub(super) async fn content(&self, ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) {
+        let mut buf = Vec::with_capacity(msg.body.len() + msg.properties.len() + 128);
+        push_content(&mut buf, ch, class, msg, frame_max);
+        self.encoded(buf).await;
+    }
+}
+
+/// Append a method with `msg` as its content to `buf`.
+pub(super) fn push_content(buf: &mut Vec<u8>, ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) {
+    let start = buf.len();
+    if let Err(e) = codec::write_content(ch, class, &msg.properties, &msg.body, frame_max, buf) {
+        buf.truncate(start);
+        tracing::error!(error = %e, "dropping an unencodable message");
     }
 }
 
@@ -116,18 +141,24 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         node: node.name().to_string(),
         channels: Vec::new(),
     });
-    let (tx, mut rx) = mpsc::channel::<Vec<AMQPFrame>>(1024);
+    let (tx, mut rx) = mpsc::channel::<Outgoing>(1024);
     let out = Out(tx);
     let writer = tokio::spawn(async move {
         let mut buf = Vec::with_capacity(64 * 1024);
-        while let Some(frames) = rx.recv().await {
+        while let Some(first) = rx.recv().await {
             buf.clear();
-            let mut batch = frames;
+            let mut batch = first;
             loop {
-                for f in &batch {
-                    if let Err(e) = codec::write_frame(f, &mut buf) {
-                        tracing::error!(error = %e, "dropping an unencodable frame");
+                match batch {
+                    Outgoing::Frames(frames) => {
+                        for f in &frames {
+                            if let Err(e) = codec::write_frame(f, &mut buf) {
+                                tracing::error!(error = %e, "dropping an unencodable frame");
+                            }
+                        }
                     }
+                    Outgoing::Encoded(bytes) if buf.is_empty() => buf = bytes,
+                    Outgoing::Encoded(bytes) => buf.extend_from_slice(&bytes),
                 }
                 if buf.len() > 256 * 1024 {
                     break;
@@ -1144,7 +1175,7 @@ impl Channel {
                             routing_key: ss(&d.message.routing_key),
                             message_count: remaining as u32,
                         });
-                        self.out.send(content(self.id, AMQPClass::Basic(m), &d.message, self.frame_max)).await;
+                        self.out.content(self.id, AMQPClass::Basic(m), &d.message, self.frame_max).await;
                     }
                 }
                 Ok(true)
@@ -1417,7 +1448,7 @@ impl Channel {
                     exchange: ss(&exchange),
                     routing_key: ss(&routing_key),
                 });
-                self.out.send(content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max)).await;
+                self.out.content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max).await;
             }
             if let Some(seq) = seq {
                 // After the return, in order with the other confirms.
@@ -1632,24 +1663,6 @@ fn rand_id() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(Instant::now().elapsed().as_nanos());
     h.finish()
-}
-
-/// A method followed by its content header and body frames.
-pub(super) fn content(ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) -> Vec<AMQPFrame> {
-    let mut frames = vec![method(ch, class)];
-    frames.push(AMQPFrame::Header(
-        ch,
-        AMQPContentHeader {
-            class_id: 60,
-            body_size: msg.body.len() as u64,
-            properties: decode_properties(&msg.properties),
-        },
-    ));
-    let chunk = (frame_max as usize).saturating_sub(8).max(1);
-    for part in msg.body.chunks(chunk) {
-        frames.push(AMQPFrame::Body(ch, part.to_vec()));
-    }
-    frames
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
 
-use super::connection::{content, method, ss, Out};
+use super::connection::{method, push_content, ss, Out};
 use super::deliveries::{Claim, ConsumerId, Deliveries};
 use crate::error::NodeError;
 use crate::node::Node;
@@ -214,7 +214,8 @@ impl Consumer {
             return Err(msgs);
         }
         self.node.metrics().delivered.inc_by(msgs.len() as u64);
-        let mut frames = Vec::with_capacity(msgs.len() * 3);
+        let size: usize = msgs.iter().map(|d| d.message.body.len() + d.message.properties.len() + 128).sum();
+        let mut buf = Vec::with_capacity(size);
         for d in msgs {
             let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack, Some(self.id));
             let m = basic::AMQPMethod::Deliver(basic::Deliver {
@@ -224,9 +225,9 @@ impl Consumer {
                 exchange: ss(&d.message.exchange),
                 routing_key: ss(&d.message.routing_key),
             });
-            frames.extend(content(self.channel, AMQPClass::Basic(m), &d.message, self.frame_max));
+            push_content(&mut buf, self.channel, AMQPClass::Basic(m), &d.message, self.frame_max);
         }
-        self.out.send(frames).await;
+        self.out.encoded(buf).await;
         Ok(())
     }
 }

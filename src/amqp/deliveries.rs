@@ -49,12 +49,26 @@ struct State {
     /// against the limits so two consumers of one channel cannot both
     /// claim the same room.
     reserved: HashMap<ConsumerId, usize>,
+    /// The queue name the last delivery was assigned from, to share.
+    last_queue: Option<Arc<str>>,
 }
 
 struct Held {
-    queue: String,
+    /// Shared by every message of the queue held here: one allocation
+    /// per queue, not per delivery.
+    queue: Arc<str>,
     qtag: u64,
     by: Option<ConsumerId>,
+}
+
+/// Append `v` to `queue`'s list, allocating its key only the first time.
+fn push_for<T>(map: &mut BTreeMap<String, Vec<T>>, queue: &str, v: T) {
+    match map.get_mut(queue) {
+        Some(list) => list.push(v),
+        None => {
+            map.insert(queue.to_string(), vec![v]);
+        }
+    }
 }
 
 /// Room a consumer holds while its get is in flight.
@@ -119,7 +133,11 @@ impl Deliveries {
         st.next_tag += 1;
         let tag = st.next_tag;
         if track {
-            st.unacked.insert(tag, Held { queue: queue.to_string(), qtag, by });
+            let queue = match &st.last_queue {
+                Some(q) if **q == *queue => q.clone(),
+                _ => st.last_queue.insert(Arc::from(queue)).clone(),
+            };
+            st.unacked.insert(tag, Held { queue, qtag, by });
             if let Some(c) = by {
                 *st.held_by.entry(c).or_default() += 1;
             }
@@ -185,27 +203,28 @@ impl Deliveries {
     /// [`Deliveries::settled`] once the queue has them back.
     pub fn take(&self, tag: u64, multiple: bool, requeued: bool) -> Result<Taken, u64> {
         let mut st = self.state.lock().expect("poisoned");
-        let tags: Vec<u64> = if multiple {
-            st.unacked.keys().copied().filter(|t| tag == 0 || *t <= tag).collect()
-        } else if st.unacked.contains_key(&tag) {
-            vec![tag]
+        let gone: Vec<Held> = if multiple {
+            // Tags are assigned in order: everything up to `tag` is a prefix.
+            let keep = match tag.checked_add(1) {
+                Some(after) if tag > 0 => st.unacked.split_off(&after),
+                _ => BTreeMap::new(),
+            };
+            std::mem::replace(&mut st.unacked, keep).into_values().collect()
         } else {
-            return Err(tag);
+            vec![st.unacked.remove(&tag).ok_or(tag)?]
         };
         let mut taken = Taken::default();
-        for t in tags {
-            if let Some(h) = st.unacked.remove(&t) {
-                if let Some(c) = h.by {
-                    if let Some(n) = st.held_by.get_mut(&c) {
-                        *n = n.saturating_sub(1);
-                    }
+        for h in gone {
+            if let Some(c) = h.by {
+                if let Some(n) = st.held_by.get_mut(&c) {
+                    *n = n.saturating_sub(1);
                 }
-                if requeued {
-                    *st.settling.entry(h.by).or_default() += 1;
-                    taken.holders.entry(h.queue.clone()).or_default().push(h.by);
-                }
-                taken.by_queue.entry(h.queue).or_default().push(h.qtag);
             }
+            if requeued {
+                *st.settling.entry(h.by).or_default() += 1;
+                push_for(&mut taken.holders, &h.queue, h.by);
+            }
+            push_for(&mut taken.by_queue, &h.queue, h.qtag);
         }
         drop(st);
         if !requeued && !taken.by_queue.is_empty() {
@@ -230,7 +249,7 @@ impl Deliveries {
     }
 
     pub fn queues_held(&self) -> BTreeSet<String> {
-        self.state.lock().expect("poisoned").unacked.values().map(|h| h.queue.clone()).collect()
+        self.state.lock().expect("poisoned").unacked.values().map(|h| h.queue.to_string()).collect()
     }
 
     /// The channel closed: its unacked messages go back to their queues

@@ -29,7 +29,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
 
-pub use codec::{decode_properties, encode_properties, expiration_ms, parse, without_expiration, write_frame, Parsed};
+pub use codec::{
+    decode_properties, encode_properties, expiration_ms, parse, valid_properties, without_expiration, write_frame,
+    Parsed,
+};
 pub(crate) use connection::to_args;
 
 /// Accept AMQP connections until `stop` is cancelled. When the node starts

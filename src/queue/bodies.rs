@@ -154,6 +154,14 @@ impl Chunk {
 
 /// The chunk holding `seq`, if this replica has one.
 pub fn find(space: &SmSpace, seq: u64) -> Result<Option<Chunk>, StorageError> {
+    // Reading in seq order (a consumer, a drain) meets each chunk at its
+    // first seq: a point lookup then, cheaper in sled than the reverse scan.
+    if let Some(v) = space.get(&key(seq))? {
+        let c = Chunk::parse(seq, v)?;
+        if c.contains(seq) {
+            return Ok(Some(c));
+        }
+    }
     match space.last_in(&key(0), &key(seq))? {
         Some((k, v)) => {
             let c = Chunk::parse(first_of(&k), v)?;

@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 
 pub mod process;
 
+use amq_protocol::protocol::basic::AMQPProperties;
+use mirrorq::amqp::encode_properties;
 use mirrorq::{Message, Node, NodeConfig, Timing};
 
 pub fn init_tracing() {
@@ -188,7 +190,14 @@ pub async fn publish_retrying(node: &Node, queue: &str, body: Vec<u8>) {
 }
 
 pub fn msg(body: impl Into<Vec<u8>>) -> Message {
-    Message { exchange: String::new(), routing_key: "q".into(), properties: vec![1, 2, 3], body: body.into() }
+    // Some properties set, so they are seen to travel with the message.
+    let props = AMQPProperties::default().with_app_id("test".into()).with_delivery_mode(2);
+    Message {
+        exchange: String::new(),
+        routing_key: "q".into(),
+        properties: encode_properties(&props),
+        body: body.into(),
+    }
 }
 
 /// A queue policy named `ha`.
