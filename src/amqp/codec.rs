@@ -45,6 +45,18 @@ pub fn write_content(
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
     write_frame(&AMQPFrame::Method(ch, class), out)?;
+    write_content_frames(ch, properties, body, frame_max, out)
+}
+
+/// The header and body frames of [`write_content`], after a method frame
+/// already written.
+pub fn write_content_frames(
+    ch: u16,
+    properties: &[u8],
+    body: &[u8],
+    frame_max: u32,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
     // No properties stored: none set, which is a zero flags word.
     let props: &[u8] = if properties.is_empty() { &[0, 0] } else { properties };
     let header_len = 2 + 2 + 8 + props.len();
@@ -62,6 +74,51 @@ pub fn write_content(
     Ok(())
 }
 
+/// `basic.deliver` as a method frame, which a consumer is sent for every
+/// message: amq-protocol's generic encoder, with a string allocated for each
+/// of its three short strings, cost about a tenth of a master's CPU in a
+/// drain. The layout is the spec's (class 60, method 60, consumer-tag,
+/// delivery-tag, redelivered, exchange, routing-key); the tests check it
+/// against amq-protocol's encoding.
+pub fn write_deliver(
+    ch: u16,
+    consumer_tag: &str,
+    delivery_tag: u64,
+    redelivered: bool,
+    exchange: &str,
+    routing_key: &str,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    let (ctag, ex, rk) = (short(consumer_tag), short(exchange), short(routing_key));
+    let len = 4 + 1 + ctag.len() + 8 + 1 + 1 + ex.len() + 1 + rk.len();
+    envelope(out, FRAME_METHOD, ch, len, |out| {
+        out.extend_from_slice(&BASIC_CLASS.to_be_bytes());
+        out.extend_from_slice(&BASIC_DELIVER.to_be_bytes());
+        push_short(out, ctag);
+        out.extend_from_slice(&delivery_tag.to_be_bytes());
+        out.push(redelivered as u8);
+        push_short(out, ex);
+        push_short(out, rk);
+    })
+}
+
+/// At most 255 bytes of `s`, cut at a character boundary, as a short
+/// string must be.
+pub fn short(s: &str) -> &str {
+    let mut end = s.len().min(255);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn push_short(out: &mut Vec<u8>, s: &str) {
+    out.push(s.len() as u8);
+    out.extend_from_slice(s.as_bytes());
+}
+
+const FRAME_METHOD: u8 = 1;
+const BASIC_DELIVER: u16 = 60;
 const FRAME_HEADER: u8 = 2;
 const FRAME_BODY: u8 = 3;
 const FRAME_END: u8 = 0xCE;
@@ -218,6 +275,33 @@ mod tests {
                 .collect();
             assert_eq!(&got, body, "case {i}");
         }
+    }
+
+    #[test]
+    fn deliver_is_encoded_as_amq_protocol_encodes_it() {
+        use amq_protocol::protocol::basic;
+        use amq_protocol::types::ShortString;
+        let long = "é".repeat(200);
+        let cases = [
+            ("ctag", 1u64, false, "", "q"),
+            ("amq.ctag-x", u64::MAX, true, "ex.topic", "a.b.c"),
+            (long.as_str(), 7, false, long.as_str(), long.as_str()),
+        ];
+        for (ctag, tag, redelivered, ex, rk) in cases {
+            let mut ours = Vec::new();
+            write_deliver(9, ctag, tag, redelivered, ex, rk, &mut ours).unwrap();
+            let m = AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+                consumer_tag: ShortString::from(short(ctag)),
+                delivery_tag: tag,
+                redelivered,
+                exchange: ShortString::from(short(ex)),
+                routing_key: ShortString::from(short(rk)),
+            }));
+            let mut theirs = Vec::new();
+            write_frame(&AMQPFrame::Method(9, m), &mut theirs).unwrap();
+            assert_eq!(ours, theirs, "{ctag} {tag}");
+        }
+        assert!(short(&long).len() <= 255 && long.starts_with(short(&long)));
     }
 
     #[test]

@@ -71,11 +71,7 @@ fn hard(code: u16, text: impl Into<String>) -> Hard {
 /// A short string (reply texts, names): at most 255 bytes, so a long
 /// error text is cut at a character boundary rather than panicking.
 pub(super) fn ss(s: &str) -> ShortString {
-    let mut end = s.len().min(255);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    ShortString::from(&s[..end])
+    ShortString::from(codec::short(s))
 }
 
 pub(super) fn method(ch: u16, class: AMQPClass) -> AMQPFrame {

@@ -17,7 +17,8 @@ use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
 
-use super::connection::{method, push_content, ss, Out};
+use super::codec;
+use super::connection::{method, ss, Out};
 use super::deliveries::{Claim, ConsumerId, Deliveries};
 use crate::error::NodeError;
 use crate::node::Node;
@@ -218,14 +219,22 @@ impl Consumer {
         let mut buf = Vec::with_capacity(size);
         for d in msgs {
             let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack, Some(self.id));
-            let m = basic::AMQPMethod::Deliver(basic::Deliver {
-                consumer_tag: ss(&self.tag),
-                delivery_tag: tag,
-                redelivered: d.redelivered,
-                exchange: ss(&d.message.exchange),
-                routing_key: ss(&d.message.routing_key),
-            });
-            push_content(&mut buf, self.channel, AMQPClass::Basic(m), &d.message, self.frame_max);
+            let m = &d.message;
+            let start = buf.len();
+            let written = codec::write_deliver(
+                self.channel,
+                &self.tag,
+                tag,
+                d.redelivered,
+                &m.exchange,
+                &m.routing_key,
+                &mut buf,
+            )
+            .and_then(|()| codec::write_content_frames(self.channel, &m.properties, &m.body, self.frame_max, &mut buf));
+            if let Err(e) = written {
+                buf.truncate(start);
+                tracing::error!(error = %e, "dropping an unencodable delivery");
+            }
         }
         self.out.encoded(buf).await;
         Ok(())
