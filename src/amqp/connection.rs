@@ -101,15 +101,16 @@ impl Out {
     /// A method with `msg` as its content.
     pub(super) async fn content(&self, ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) {
         let mut buf = Vec::with_capacity(msg.body.len() + msg.properties.len() + 128);
-        push_content(&mut buf, ch, class, msg, frame_max);
+        push_frames(&mut buf, |buf| codec::write_content(ch, class, &msg.properties, &msg.body, frame_max, buf));
         self.encoded(buf).await;
     }
 }
 
-/// Append a method with `msg` as its content to `buf`.
-pub(super) fn push_content(buf: &mut Vec<u8>, ch: u16, class: AMQPClass, msg: &Message, frame_max: u32) {
+/// Append what `write` encodes to `buf`, or nothing if it cannot be
+/// encoded (then it is logged and dropped, as the writer drops a frame).
+pub(super) fn push_frames(buf: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>) -> Result<(), String>) {
     let start = buf.len();
-    if let Err(e) = codec::write_content(ch, class, &msg.properties, &msg.body, frame_max, buf) {
+    if let Err(e) = write(buf) {
         buf.truncate(start);
         tracing::error!(error = %e, "dropping an unencodable message");
     }

@@ -18,7 +18,7 @@ use futures::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
 
 use super::codec;
-use super::connection::{method, ss, Out};
+use super::connection::{method, push_frames, ss, Out};
 use super::deliveries::{Claim, ConsumerId, Deliveries};
 use crate::error::NodeError;
 use crate::node::Node;
@@ -220,21 +220,10 @@ impl Consumer {
         for d in msgs {
             let tag = self.deliveries.assign(&self.queue, d.tag, !self.no_ack, Some(self.id));
             let m = &d.message;
-            let start = buf.len();
-            let written = codec::write_deliver(
-                self.channel,
-                &self.tag,
-                tag,
-                d.redelivered,
-                &m.exchange,
-                &m.routing_key,
-                &mut buf,
-            )
-            .and_then(|()| codec::write_content_frames(self.channel, &m.properties, &m.body, self.frame_max, &mut buf));
-            if let Err(e) = written {
-                buf.truncate(start);
-                tracing::error!(error = %e, "dropping an unencodable delivery");
-            }
+            push_frames(&mut buf, |buf| {
+                codec::write_deliver(self.channel, &self.tag, tag, d.redelivered, &m.exchange, &m.routing_key, buf)?;
+                codec::write_content_frames(self.channel, &m.properties, &m.body, self.frame_max, buf)
+            });
         }
         self.out.encoded(buf).await;
         Ok(())
