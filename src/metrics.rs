@@ -117,6 +117,14 @@ pub fn render(node: &Node) -> String {
         },
     );
 
+    let relocated = Counter::<u64>::default();
+    relocated.inc_by(node.db().wal().relocated_bytes());
+    r.register(
+        "mirrorq_wal_relocated_bytes",
+        "Log bytes copied forward because idle queues pinned the oldest log segment (each copy holds every append)",
+        relocated,
+    );
+
     let ready =
         labelled(&mut r, "rabbitmq_queue_messages_ready", "Messages ready to be delivered (queues mastered here)");
     let unacked = labelled(&mut r, "rabbitmq_queue_messages_unacked", "Messages delivered, not yet acknowledged");

@@ -40,6 +40,7 @@ use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{GroupId, LogStore, NodeId, Raft, Request, Response, METADATA_GROUP};
 
 mod catchup;
+mod compaction;
 mod deadletter;
 mod failover;
 mod members;
@@ -64,6 +65,8 @@ pub struct NodeConfig {
     pub timing: Timing,
     /// sled page cache in bytes.
     pub cache_bytes: u64,
+    /// Size at which the write-ahead log moves on to a new segment file.
+    pub wal_segment_bytes: u64,
     /// Message bytes a catching-up mirror fetches per request.
     pub sync_batch_bytes: usize,
     /// Memory use above which publishers are blocked.
@@ -113,6 +116,7 @@ impl NodeConfig {
             join: None,
             timing: Timing::default(),
             cache_bytes: DbOptions::default().cache_bytes,
+            wal_segment_bytes: DbOptions::default().wal_segment_bytes,
             sync_batch_bytes: 1 << 20,
             memory_high_watermark: Watermark::default(),
             disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
@@ -270,7 +274,10 @@ impl Node {
             return Err(ServerError::Config("--node-id must be >= 1".into()));
         }
         let started = Instant::now();
-        let db = NodeDb::open(&cfg.data_dir, &DbOptions { cache_bytes: cfg.cache_bytes, ..DbOptions::default() })?;
+        let db = NodeDb::open(
+            &cfg.data_dir,
+            &DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes },
+        )?;
         tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
         match db.get_node_value(NODE_ID_KEY)? {
             Some(b) => {
@@ -389,6 +396,7 @@ impl Node {
         node.spawn_epoch_watch(news_rx);
         node.spawn_registration();
         node.spawn_fatal_watch();
+        node.spawn_log_compactor();
         tracing::info!(
             id = cfg.node_id,
             %addr,

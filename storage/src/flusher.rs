@@ -39,6 +39,7 @@ pub struct FlusherStats {
     pub waiters: AtomicU64,
     /// Total time spent syncing, in nanoseconds.
     pub sync_nanos: AtomicU64,
+
     /// Syncs by duration: `sync_buckets[i]` counts those up to
     /// `SYNC_BUCKET_BOUNDS[i]` seconds and over the bound before it.
     pub sync_buckets: [AtomicU64; SYNC_BUCKETS],
@@ -236,8 +237,16 @@ impl NodeTarget {
     /// entries out of the oldest. Once per segment's worth of writes, so
     /// the extra syncs cost nothing measurable.
     fn reclaim(&mut self) -> io::Result<()> {
-        if self.wal.relocate_idle().map_err(io::Error::other)? {
+        let started = Instant::now();
+        let moved = self.wal.relocate_idle().map_err(io::Error::other)?;
+        if moved > 0 {
             self.wal.sync().map_err(io::Error::other)?;
+            // Every append on the node waited for this.
+            tracing::info!(
+                bytes = moved,
+                took_ms = started.elapsed().as_millis() as u64,
+                "idle groups' log entries moved to the head of the log"
+            );
         }
         let dead = self.wal.reclaimable();
         if dead.is_empty() {

@@ -45,7 +45,9 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::GroupId;
 
@@ -57,6 +59,15 @@ pub const SEGMENT_BYTES: u64 = 64 << 20;
 
 /// Segments kept before idle groups' entries are moved to the head.
 const MAX_SEGMENTS: usize = 4;
+
+/// Segments from which the groups pinning the oldest are asked to compact
+/// their logs ([`Wal::pinning_oldest`]): before the move at
+/// `MAX_SEGMENTS`, and leaving the newest full segment alone.
+const COMPACT_AT: usize = 3;
+
+/// How long idle groups' entries may keep the oldest segment over the
+/// limit before they are moved (the owner compacts once a second).
+const RELOCATE_AFTER: Duration = Duration::from_secs(5);
 
 const HEADER: usize = 4 + 4 + 1 + 8 + 8;
 
@@ -115,12 +126,19 @@ struct Inner {
     active_len: u64,
     groups: HashMap<GroupId, GroupLog>,
     failed: bool,
+    /// The oldest segment and since when it has been over the limit with
+    /// idle groups' entries in it: they are moved only after
+    /// [`RELOCATE_AFTER`], the owner's compaction having had its chance.
+    crowded: Option<(u64, Instant)>,
 }
 
 /// The node's write-ahead log (see the module docs).
 pub struct Wal {
     dir: PathBuf,
     segment_bytes: u64,
+    relocate_after: Duration,
+    /// Bytes [`Wal::relocate_idle`] has copied since the log was opened.
+    relocated: AtomicU64,
     inner: Mutex<Inner>,
 }
 
@@ -295,8 +313,14 @@ impl Wal {
             }
         }
         ids.sort_unstable();
-        let mut inner =
-            Inner { segments: BTreeMap::new(), active: 0, active_len: 0, groups: HashMap::new(), failed: false };
+        let mut inner = Inner {
+            segments: BTreeMap::new(),
+            active: 0,
+            active_len: 0,
+            groups: HashMap::new(),
+            failed: false,
+            crowded: None,
+        };
         for (n, &id) in ids.iter().enumerate() {
             let path = seg_path(dir, id);
             let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err(&path))?;
@@ -318,7 +342,13 @@ impl Wal {
             inner.active = id;
             inner.active_len = valid;
         }
-        let wal = Self { dir: dir.to_owned(), segment_bytes, inner: Mutex::new(inner) };
+        let wal = Self {
+            dir: dir.to_owned(),
+            segment_bytes,
+            relocate_after: RELOCATE_AFTER,
+            relocated: AtomicU64::new(0),
+            inner: Mutex::new(inner),
+        };
         {
             let mut inner = wal.lock();
             if inner.segments.is_empty() {
@@ -550,17 +580,29 @@ impl Wal {
     /// that still live in the oldest one again at the head, so that it can
     /// go. Only groups that are idle there (none of their entries in the
     /// head segment) are moved; a busy group's old entries are purged soon
-    /// by its own snapshots. Returns whether anything was moved (the caller
-    /// syncs before reclaiming).
-    pub fn relocate_idle(&self) -> Result<bool, WalError> {
+    /// by its own snapshots, an idle one's by its owner's compaction, given
+    /// [`RELOCATE_AFTER`] first. Returns the bytes moved (the caller syncs
+    /// before reclaiming if any).
+    pub fn relocate_idle(&self) -> Result<u64, WalError> {
         let moves: Vec<GroupId> = {
-            let inner = self.lock();
+            let mut inner = self.lock();
             if inner.segments.len() <= MAX_SEGMENTS {
-                return Ok(false);
+                return Ok(0);
             }
-            let Some((&oldest, s)) = inner.segments.iter().next() else { return Ok(false) };
+            let Some((&oldest, s)) = inner.segments.iter().next() else { return Ok(0) };
             if s.live == 0 {
-                return Ok(false);
+                return Ok(0);
+            }
+            match inner.crowded {
+                Some((seg, since)) if seg == oldest => {
+                    if since.elapsed() < self.relocate_after {
+                        return Ok(0);
+                    }
+                }
+                _ => {
+                    inner.crowded = Some((oldest, Instant::now()));
+                    return Ok(0);
+                }
             }
             inner
                 .groups
@@ -571,7 +613,7 @@ impl Wal {
                 .map(|(k, _)| *k)
                 .collect()
         };
-        let mut moved = false;
+        let mut moved = 0u64;
         for group in moves {
             let Some((first, last)) = self.bounds(group) else { continue };
             let entries = self.read(group, first, last)?;
@@ -587,9 +629,49 @@ impl Wal {
             for ((index, bytes), off) in entries.iter().zip(offsets) {
                 inner.put(group, *index, Loc { seg, offset: at + off, len: bytes.len() as u32 });
             }
-            moved = true;
+            moved += buf.len() as u64;
         }
+        self.relocated.fetch_add(moved, Ordering::Relaxed);
         Ok(moved)
+    }
+
+    /// Idle groups (none of their entries in the head segment) with live
+    /// entries in the oldest segment, once the log has [`COMPACT_AT`]
+    /// segments or more. Their owner compacts their logs (a snapshot, then
+    /// a purge), which frees the segment without rewriting anything;
+    /// [`Wal::relocate_idle`] stays the fallback for a group that cannot
+    /// purge (a replica behind it). Busy groups are left to their own
+    /// snapshots: one a second would hold their applies for a sled sync
+    /// each time.
+    pub fn pinning_oldest(&self) -> Vec<GroupId> {
+        let inner = self.lock();
+        if inner.segments.len() < COMPACT_AT {
+            return Vec::new();
+        }
+        let Some((&oldest, s)) = inner.segments.iter().next() else { return Vec::new() };
+        if s.live == 0 {
+            return Vec::new();
+        }
+        inner
+            .groups
+            .iter()
+            .filter(|(_, g)| {
+                g.locs.iter().any(|l| l.seg == oldest) && g.locs.back().is_none_or(|l| l.seg != inner.active)
+            })
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Bytes moved to the head by [`Wal::relocate_idle`] since the log was
+    /// opened: each move held every append of the node.
+    pub fn relocated_bytes(&self) -> u64 {
+        self.relocated.load(Ordering::Relaxed)
+    }
+
+    #[cfg(test)]
+    fn with_relocate_after(mut self, after: Duration) -> Self {
+        self.relocate_after = after;
+        self
     }
 
     /// Number of segment files.
@@ -710,9 +792,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let idle = entries(5, 1..=3, 100);
         {
-            let wal = Wal::open(dir.path(), 1024).unwrap();
+            let wal = Wal::open(dir.path(), 1024).unwrap().with_relocate_after(Duration::from_millis(100));
             wal.append(9, &idle).unwrap();
-            for i in 1..=60u64 {
+            wal.append(1, &[(1, vec![1; 300])]).unwrap();
+            assert_eq!(wal.pinning_oldest(), Vec::<GroupId>::new(), "one segment: nothing to compact");
+            for i in 2..=60u64 {
                 wal.append(1, &[(i, vec![1; 300])]).unwrap();
                 wal.purge(1, i.saturating_sub(2));
             }
@@ -721,7 +805,12 @@ mod tests {
             // oldest segment: nothing can go yet.
             assert!(wal.reclaimable().is_empty());
             assert!(wal.segment_count() > MAX_SEGMENTS);
-            assert!(wal.relocate_idle().unwrap());
+            assert_eq!(wal.pinning_oldest(), vec![9], "its owner is asked to compact it");
+            // The owner gets its chance before anything is copied.
+            assert_eq!(wal.relocate_idle().unwrap(), 0);
+            assert_eq!(wal.relocate_idle().unwrap(), 0);
+            std::thread::sleep(Duration::from_millis(150));
+            assert!(wal.relocate_idle().unwrap() > 300, "three entries of 100 bytes and their headers");
             wal.sync().unwrap();
             let dead = wal.reclaimable();
             assert!(!dead.is_empty());
