@@ -207,6 +207,15 @@ fn parse(file: &File) -> io::Result<(Vec<Record>, u64)> {
 }
 
 impl Inner {
+    /// Groups with live entries in segment `seg` and none in the head.
+    fn idle_in(&self, seg: u64) -> Vec<GroupId> {
+        self.groups
+            .iter()
+            .filter(|(_, g)| g.locs.iter().any(|l| l.seg == seg) && g.locs.back().is_none_or(|l| l.seg != self.active))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
     fn unlive(&mut self, loc: Loc) {
         if let Some(s) = self.segments.get_mut(&loc.seg) {
             s.live -= 1;
@@ -604,14 +613,7 @@ impl Wal {
                     return Ok(0);
                 }
             }
-            inner
-                .groups
-                .iter()
-                .filter(|(_, g)| {
-                    g.locs.iter().any(|l| l.seg == oldest) && g.locs.back().is_none_or(|l| l.seg != inner.active)
-                })
-                .map(|(k, _)| *k)
-                .collect()
+            inner.idle_in(oldest)
         };
         let mut moved = 0u64;
         for group in moves {
@@ -652,14 +654,7 @@ impl Wal {
         if s.live == 0 {
             return Vec::new();
         }
-        inner
-            .groups
-            .iter()
-            .filter(|(_, g)| {
-                g.locs.iter().any(|l| l.seg == oldest) && g.locs.back().is_none_or(|l| l.seg != inner.active)
-            })
-            .map(|(k, _)| *k)
-            .collect()
+        inner.idle_in(oldest)
     }
 
     /// Bytes moved to the head by [`Wal::relocate_idle`] since the log was
