@@ -81,11 +81,11 @@ fn next_step(applied: Option<u64>, snapshot: Option<u64>, purged: Option<u64>, m
     if snapshot.is_none_or(|s| s < applied) {
         return Step::Snapshot;
     }
-    let snapshot = applied;
+    // The snapshot is at `applied` now.
     let upto = match matched {
-        Some(Some(m)) => m.min(snapshot),
+        Some(Some(m)) => m.min(applied),
         Some(None) => return Step::Nothing,
-        None => snapshot,
+        None => applied,
     };
     if purged.is_none_or(|p| p < upto) {
         Step::Purge(upto)

@@ -39,7 +39,6 @@ pub struct FlusherStats {
     pub waiters: AtomicU64,
     /// Total time spent syncing, in nanoseconds.
     pub sync_nanos: AtomicU64,
-
     /// Syncs by duration: `sync_buckets[i]` counts those up to
     /// `SYNC_BUCKET_BOUNDS[i]` seconds and over the bound before it.
     pub sync_buckets: [AtomicU64; SYNC_BUCKETS],
