@@ -61,6 +61,26 @@ start_rabbitmq() {
   ctl 1 set_policy ha-all '^mirrored' '{"ha-mode":"all","ha-sync-mode":"automatic"}' --apply-to queues
 }
 
+# Stop the RabbitMQ nodes and wait for them to exit (SIGTERM: a clean stop).
+stop_rabbitmq() {
+  local pids=() i
+  for i in 1 2 3; do
+    [ -f "$DIR/r$i/pid" ] && pids+=("$(cat "$DIR/r$i/pid")") && rm -f "$DIR/r$i/pid"
+  done
+  [ ${#pids[@]} -gt 0 ] || return 0
+  kill "${pids[@]}" 2>/dev/null || true
+  for _ in $(seq 300); do kill -0 "${pids[@]}" 2>/dev/null || return 0; sleep 0.2; done
+  kill -9 "${pids[@]}" 2>/dev/null || true
+}
+# Each system starts on a quiet machine: the one before has written back
+# what it left in the page cache (RabbitMQ's classic queues do not fsync;
+# the kernel writes their pages out up to 30 s later, into whatever runs
+# then), and its timers are gone.
+quiet() {
+  sync
+  sleep "${QUIET:-5}"
+}
+
 # A server still stopping from an earlier run holds these ports and, while
 # it hands its queues over, answers clients itself: wait for it to go.
 ports_free() {

@@ -59,8 +59,10 @@ matrix() {
 for s in $SYSTEMS; do
   case $s in
     rabbitmq-*) [ -f "$DIR/r1/pid" ] || start_rabbitmq ;;
-    mirrorq) start_mirrorq ;;
+    # RabbitMQ ran with no mirrorq up; mirrorq runs with no RabbitMQ up.
+    mirrorq) stop_rabbitmq; start_mirrorq ;;
   esac
+  quiet
   matrix "$s"
 done
 cleanup
