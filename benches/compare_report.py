@@ -58,7 +58,8 @@ def main(path):
            "command: `benches/compare-rabbitmq.sh` (TIME=10 s per case, one `mirrorq perf` client,",
            "persistent messages, publisher confirms, 1 producer and 1 consumer unless the case says otherwise).",
            "RabbitMQ 3.10.8 (Debian); every server is a 3-node cluster on loopback, queues declared on node 1,",
-           "client on node 1. Confirmed msg/s and confirm p99 (ms); drain: consumed msg/s of a 50,000-message queue",
+           "client on node 1. RabbitMQ is stopped before mirrorq starts, and each system starts after a `sync` and",
+           "a 5 s pause. Confirmed msg/s and confirm p99 (ms); drain: consumed msg/s of a 50,000-message queue",
            "with no publisher. Ratios are mirrorq over RabbitMQ quorum.", "",
            "| case | RabbitMQ mirrored | RabbitMQ quorum | mirrorq | mirrorq / quorum msg/s | p99 mirrored | p99 quorum | p99 mirrorq | mirrorq p99 / quorum p99 |",
            "|---|---|---|---|---|---|---|---|---|"]
