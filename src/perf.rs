@@ -47,6 +47,8 @@ struct Counters {
 /// What every producer and consumer task shares.
 struct Run {
     start: Instant,
+    /// Connecting, declaring and opening channels, before `start`.
+    setup: Duration,
     deadline: Instant,
     counters: Counters,
     confirm_lat: Mutex<Histogram<u64>>,
@@ -84,14 +86,7 @@ pub async fn run(args: PerfArgs) -> Result<(), PerfError> {
     if args.producers == 0 && args.consumers == 0 {
         return Err(PerfError::Invalid("nothing to do: --producers and --consumers are both 0".into()));
     }
-    let start = Instant::now();
-    let run = Arc::new(Run {
-        start,
-        deadline: start + Duration::from_secs(args.time),
-        counters: Counters::default(),
-        confirm_lat: Mutex::new(histogram()),
-        e2e_lat: Mutex::new(histogram()),
-    });
+    let setup_started = Instant::now();
     let setup_conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
     let setup = setup_conn.create_channel().await?;
     let mut qargs = FieldTable::default();
@@ -103,26 +98,32 @@ pub async fn run(args: PerfArgs) -> Result<(), PerfError> {
         setup.queue_declare(ShortString::from(queue_name(&args, i)), durable, qargs.clone()).await?;
     }
     let mut conns = vec![setup_conn];
-    let mut tasks = Vec::new();
-    for i in 0..args.consumers {
+    // Connections first, then the clock: rates are of the run, not of TCP
+    // and AMQP handshakes (reported apart, as `setup_ms`).
+    let mut channels = Vec::new();
+    for _ in 0..args.consumers + args.producers {
         let conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
-        tasks.push(tokio::spawn(consume(
-            run.clone(),
-            conn.create_channel().await?,
-            queue_name(&args, i),
-            args.clone(),
-        )));
+        channels.push(conn.create_channel().await?);
         conns.push(conn);
     }
+    let start = Instant::now();
+    let run = Arc::new(Run {
+        start,
+        setup: start - setup_started,
+        deadline: start + Duration::from_secs(args.time),
+        counters: Counters::default(),
+        confirm_lat: Mutex::new(histogram()),
+        e2e_lat: Mutex::new(histogram()),
+    });
+    let mut tasks = Vec::new();
+    let mut channels = channels.into_iter();
+    for i in 0..args.consumers {
+        let ch = channels.next().expect("one channel per worker");
+        tasks.push(tokio::spawn(consume(run.clone(), ch, queue_name(&args, i), args.clone())));
+    }
     for i in 0..args.producers {
-        let conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
-        tasks.push(tokio::spawn(produce(
-            run.clone(),
-            conn.create_channel().await?,
-            queue_name(&args, i),
-            args.clone(),
-        )));
-        conns.push(conn);
+        let ch = channels.next().expect("one channel per worker");
+        tasks.push(tokio::spawn(produce(run.clone(), ch, queue_name(&args, i), args.clone())));
     }
 
     // Progress, once a second, until the time is up or every task is done.
@@ -328,6 +329,7 @@ fn print_summary(args: &PerfArgs, run: &Run, elapsed: [f64; 2]) {
         "published_per_sec": rate(&c.published, elapsed[PRODUCER]),
         "confirmed_per_sec": rate(&c.confirmed, elapsed[PRODUCER]),
         "nacked": c.nacked.load(Ordering::Relaxed),
+        "setup_ms": run.setup.as_secs_f64() * 1000.0,
         "returned": c.returned.load(Ordering::Relaxed),
         "consumed_per_sec": rate(&c.consumed, elapsed[CONSUMER]),
         "confirm_latency_ms": pct(&cl),
