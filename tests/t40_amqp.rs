@@ -1456,3 +1456,94 @@ async fn publishes_read_together_are_answered_each_and_keep_their_place() {
     assert_eq!(answers, want, "acked while there was room: the first four, and the one after the get");
     c.cluster.shutdown().await;
 }
+
+/// A message requeued with basic.nack is back at the head of the queue for
+/// whatever the channel does next, even when the nack and a basic.consume
+/// arrive in one read: the consumer's first delivery is that message,
+/// marked redelivered (RabbitMQ handles a channel's methods in order).
+///
+/// The nack used to be submitted from a task of its own, which raced the
+/// consumer's first get: `pika_works_unchanged` saw m1 first once under CI
+/// load. In process this test did not lose that race in five runs without
+/// the fix; the order is now kept by submitting in the connection's loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_requeue_is_back_before_a_consume_sent_with_it() {
+    use amq_protocol::frame::AMQPFrame;
+    use amq_protocol::protocol::{basic, channel, AMQPClass};
+    use raw::method;
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    c.cluster.node(1).set_policy(common::policy("^order", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    let conn = c.connect(1).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.queue_declare(s("order"), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    for i in 0..5 {
+        let confirm = ch
+            .basic_publish(
+                s(""),
+                s("order"),
+                BasicPublishOptions::default(),
+                format!("m{i}").as_bytes(),
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap();
+        assert!(confirm.await.unwrap().is_ack());
+    }
+
+    let mut raw = raw::Raw::open(c.ports[0]).await;
+    // Read a content's body after its method frame.
+    async fn body(raw: &mut raw::Raw) -> String {
+        assert!(matches!(raw.next().await, AMQPFrame::Header(1, _)));
+        match raw.next().await {
+            AMQPFrame::Body(1, b) => String::from_utf8(b).unwrap(),
+            other => panic!("expected a body, got {other:?}"),
+        }
+    }
+    raw.send(&[
+        method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
+        method(1, AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get { queue: "order".into(), no_ack: false }))),
+    ])
+    .await;
+    assert!(matches!(raw.next().await, AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))));
+    let tag = match raw.next().await {
+        AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::GetOk(g))) => g.delivery_tag,
+        other => panic!("expected get-ok, got {other:?}"),
+    };
+    assert_eq!(body(&mut raw).await, "m0");
+    // The requeue and the consumer in one write.
+    let nack = basic::Nack { delivery_tag: tag, multiple: false, requeue: true };
+    let qos = basic::Qos { prefetch_count: 10, global: false };
+    let consume = basic::Consume {
+        queue: "order".into(),
+        consumer_tag: "c".into(),
+        no_local: false,
+        no_ack: true,
+        exclusive: false,
+        nowait: false,
+        arguments: Default::default(),
+    };
+    raw.send(&[
+        method(1, AMQPClass::Basic(basic::AMQPMethod::Nack(nack))),
+        method(1, AMQPClass::Basic(basic::AMQPMethod::Qos(qos))),
+        method(1, AMQPClass::Basic(basic::AMQPMethod::Consume(consume))),
+    ])
+    .await;
+    let mut seen = Vec::new();
+    while seen.len() < 5 {
+        match raw.next().await {
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => {
+                seen.push((body(&mut raw).await, d.redelivered));
+            }
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::QosOk(_)))
+            | AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_))) => {}
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    let want: Vec<(String, bool)> = (0..5).map(|i| (format!("m{i}"), i == 0)).collect();
+    assert_eq!(seen, want, "the requeued message first, redelivered; then the rest in order");
+    c.cluster.shutdown().await;
+}

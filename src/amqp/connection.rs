@@ -604,6 +604,15 @@ enum Settle {
     Nack { requeue: bool },
 }
 
+impl Settle {
+    fn cmd(self, tags: Vec<u64>) -> QueueCmd {
+        match self {
+            Settle::Ack => QueueCmd::Ack { tags },
+            Settle::Nack { requeue } => QueueCmd::Nack { tags, requeue },
+        }
+    }
+}
+
 /// A transaction's work, applied at commit: per queue, its publishes and
 /// settlements go to the master as one batch, so they land in one Raft entry.
 #[derive(Default)]
@@ -1299,12 +1308,16 @@ impl Channel {
             self.node.metrics().acknowledged.inc_by(n as u64);
         }
         for (q, tags) in std::mem::take(&mut taken.by_queue) {
-            let (node, deliveries) = (self.node.clone(), self.deliveries.clone());
             let holders = taken.holders(&q);
+            // Submitted here, in the channel's order: a message requeued
+            // before a basic.consume or basic.get on the channel is back
+            // before that takes anything. Only the answer is awaited apart.
+            let submitted = self.node.submit(&q, vec![how.cmd(tags)]).await;
+            let deliveries = self.deliveries.clone();
             tokio::spawn(async move {
-                let r = match how {
-                    Settle::Ack => node.ack(&q, tags).await,
-                    Settle::Nack { requeue } => node.nack(&q, tags, requeue).await,
+                let r = match submitted {
+                    Ok(wait) => wait.await.map(|_| ()),
+                    Err(e) => Err(e),
                 };
                 if let Err(e) = r {
                     tracing::warn!(queue = %q, error = %e, "settling deliveries failed");
@@ -1356,10 +1369,7 @@ impl Channel {
                         self.deliveries.take(tag, multiple, requeued).map_err(|t| Ok(unknown_tag(t, 90, 20)))?;
                     for (q, tags) in std::mem::take(&mut taken.by_queue) {
                         settled.extend(taken.holders(&q));
-                        per_queue.entry(q).or_default().push(match how {
-                            Settle::Ack => QueueCmd::Ack { tags },
-                            Settle::Nack { requeue } => QueueCmd::Nack { tags, requeue },
-                        });
+                        per_queue.entry(q).or_default().push(how.cmd(tags));
                     }
                 }
                 // One batch per queue: it lands in one Raft entry, all or
