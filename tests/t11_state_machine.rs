@@ -15,6 +15,15 @@ fn entry(index: u64, cmds: Vec<QueueCmd>) -> Entry<TypeConfig> {
     }
 }
 
+/// Append `entries` to group `group`'s log, as Raft does before it applies
+/// them: the machine leaves published bodies there until a snapshot.
+fn logged(db: &NodeDb, group: u64, entries: Vec<Entry<TypeConfig>>) -> Vec<Entry<TypeConfig>> {
+    let raw: Vec<(u64, Vec<u8>)> =
+        entries.iter().map(|e| (e.log_id.index, mirrorq_storage::keys::encode(e, "entry").unwrap())).collect();
+    db.wal().append(group, &raw).unwrap();
+    entries
+}
+
 fn msg(b: &str) -> Message {
     Message { exchange: "x".into(), routing_key: "rk".into(), properties: vec![9], body: b.as_bytes().to_vec() }
 }
@@ -36,13 +45,17 @@ fn delivered(r: &Response) -> Vec<(Vec<u8>, bool)> {
 async fn get_sees_publish_from_earlier_entry_in_same_apply() {
     let dir = tempfile::tempdir().unwrap();
     let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, 5), 1).unwrap();
+    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 1).unwrap();
     let out = sm
-        .apply(vec![
-            entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }]),
-            entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }]),
-            entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false }]),
-        ])
+        .apply(logged(
+            &db,
+            5,
+            vec![
+                entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }]),
+                entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }]),
+                entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false }]),
+            ],
+        ))
         .await
         .unwrap();
     assert_eq!(delivered(&out[1]), vec![(b"a".to_vec(), false)]);
@@ -57,21 +70,26 @@ async fn state_survives_reopen() {
     {
         let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
         let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 1).unwrap();
-        sm.apply(vec![
-            entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
-            entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false }]),
-            // tags 0 (a) and 1 (b): requeue b first, then a
-            entry(3, vec![QueueCmd::Nack { tags: vec![1, 0], requeue: true }]),
-        ])
+        sm.apply(logged(
+            &db,
+            5,
+            vec![
+                entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
+                entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false }]),
+                // tags 0 (a) and 1 (b): requeue b first, then a
+                entry(3, vec![QueueCmd::Nack { tags: vec![1, 0], requeue: true }]),
+            ],
+        ))
         .await
         .unwrap();
         db.flusher().sync().await.unwrap();
     }
     let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db, 5), 1).unwrap();
+    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 1).unwrap();
     let (applied, _) = sm.applied_state().await.unwrap();
     assert_eq!(applied.map(|l| l.index), Some(3));
-    let out = sm.apply(vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false }])]).await.unwrap();
+    let get = vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false }])];
+    let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(
         delivered(&out[0]),
         vec![(b"b".to_vec(), true), (b"a".to_vec(), true), (b"c".to_vec(), false)],
@@ -94,21 +112,18 @@ async fn only_the_answering_node_reads_delivered_bodies() {
     let publish = entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }]);
     let get = entry(2, vec![QueueCmd::Get { owner: 2, max: 1, auto_ack: false }]);
 
-    // Node 2, following leader 1 (the entries' proposer), without the body of seq 0.
+    // Node 2, following leader 1 (the entries' proposer), without the
+    // bodies: the entries are not in its log.
     let mut mirror = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 7), 2).unwrap();
     mirror.apply(vec![publish.clone()]).await.unwrap();
-    // Both bodies went into one chunk, keyed by its first seq.
-    let mut chunk_key = vec![b'B'];
-    chunk_key.extend(0u64.to_be_bytes());
-    assert!(db.sm_tree().remove(SmSpace::new(db.clone(), 7).key(&chunk_key)).unwrap().is_some());
     let out = mirror.apply(vec![get.clone()]).await.expect("a mirror applies a get of a body it lacks");
     let Response::Queue(r) = &out[0] else { panic!() };
     assert!(matches!(&r[0], QueueReply::Got { msgs, remaining: 1 } if msgs.is_empty()), "{r:?}");
 
     // Node 1, which proposed them, answers with the body.
-    let mut master = StateMachine::<QueueMachine>::open(SmSpace::new(db, 8), 1).unwrap();
-    master.apply(vec![publish]).await.unwrap();
-    let out = master.apply(vec![get]).await.unwrap();
+    let mut master = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 8), 1).unwrap();
+    master.apply(logged(&db, 8, vec![publish])).await.unwrap();
+    let out = master.apply(logged(&db, 8, vec![get])).await.unwrap();
     assert_eq!(delivered(&out[0]), vec![(b"a".to_vec(), false)]);
 }
 
@@ -185,7 +200,7 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
                     }
                 }
             }
-            let out = sm.apply(vec![entry(index, cmds)]).await.unwrap();
+            let out = sm.apply(logged(&db, 9, vec![entry(index, cmds)])).await.unwrap();
             let Response::Queue(replies) = &out[0] else { panic!() };
             let got: Vec<_> = replies
                 .iter()
@@ -211,6 +226,13 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
                 drop(sm);
                 sm = StateMachine::<QueueMachine>::open(space(), 1).unwrap();
             }
+            if rng.gen_bool(0.1) {
+                // A snapshot copies the held bodies out of the log, which
+                // may go after it: none is left referenced there.
+                use openraft::storage::RaftSnapshotBuilder;
+                sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+                assert!(space().scan(b"R").next().is_none(), "seed {seed}, entry {index}: a body left in the log");
+            }
             if index % 25 == 0 {
                 let mut stored = QueueMachine::stored_messages(&space()).unwrap();
                 stored.sort_by(|a, b| a.body.cmp(&b.body));
@@ -222,14 +244,18 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
         // Drain and settle everything: no chunk, run or state key may stay.
         let last = 301;
         let out = sm
-            .apply(vec![entry(
-                last,
-                vec![
-                    QueueCmd::Release { owner: 1 },
-                    QueueCmd::Release { owner: 2 },
-                    QueueCmd::Get { owner: 3, max: u32::MAX, auto_ack: true },
-                ],
-            )])
+            .apply(logged(
+                &db,
+                9,
+                vec![entry(
+                    last,
+                    vec![
+                        QueueCmd::Release { owner: 1 },
+                        QueueCmd::Release { owner: 2 },
+                        QueueCmd::Get { owner: 3, max: u32::MAX, auto_ack: true },
+                    ],
+                )],
+            ))
             .await
             .unwrap();
         let left = bodies.len();
@@ -237,7 +263,7 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
         drop(sm);
         let sm = StateMachine::<QueueMachine>::open(space(), 1).unwrap();
         drop(sm);
-        let keys: Vec<u8> = space().scan(b"").map(|kv| kv.unwrap().0[0]).filter(|k| b"Bus".contains(k)).collect();
+        let keys: Vec<u8> = space().scan(b"").map(|kv| kv.unwrap().0[0]).filter(|k| b"BRus".contains(k)).collect();
         assert!(keys.is_empty(), "seed {seed}: keys left behind: {:?}", String::from_utf8_lossy(&keys));
     }
 }
@@ -258,25 +284,28 @@ async fn a_step_cut_short_by_a_crash_is_finished_from_its_redo_record() {
         let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
         let space = SmSpace::new(db.clone(), 5);
         let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
-        sm.apply(vec![
-            entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
-            entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false }]),
-        ])
+        sm.apply(logged(
+            &db,
+            5,
+            vec![
+                entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
+                entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false }]),
+            ],
+        ))
         .await
         .unwrap();
         let before = group_keys(&space);
         // One step that adds, rewrites and removes keys: acks a (its chunk
         // stays for b and c), requeues b, publishes d and e.
-        sm.apply(vec![entry(
+        let step = vec![entry(
             3,
             vec![
                 QueueCmd::Ack { tags: vec![0] },
                 QueueCmd::Nack { tags: vec![1], requeue: true },
                 QueueCmd::Enqueue { msgs: vec![msg("d"), msg("e")] },
             ],
-        )])
-        .await
-        .unwrap();
+        )];
+        sm.apply(logged(&db, 5, step)).await.unwrap();
         let after = group_keys(&space);
         assert_ne!(before, after);
         // The crash: of the step's writes only the record survived.
@@ -295,16 +324,66 @@ async fn a_step_cut_short_by_a_crash_is_finished_from_its_redo_record() {
         (before, after)
     };
     let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let space = SmSpace::new(db, 5);
+    let space = SmSpace::new(db.clone(), 5);
     let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
     assert_eq!(group_keys(&space), after, "reopening finished the step");
     assert_ne!(group_keys(&space), before);
     let (applied, _) = sm.applied_state().await.unwrap();
     assert_eq!(applied.map(|l| l.index), Some(3));
-    let out = sm.apply(vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false }])]).await.unwrap();
+    let get = vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false }])];
+    let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(
         delivered(&out[0]),
         vec![(b"b".to_vec(), true), (b"c".to_vec(), false), (b"d".to_vec(), false), (b"e".to_vec(), false)],
         "a acked, b requeued, d and e published: all of step 3"
     );
+}
+
+/// A publish's bodies stay in its log entry: applying it writes a
+/// reference, not the bodies. A restart serves them from the log, and a
+/// snapshot copies the held ones into chunks, after which the log may go.
+#[tokio::test]
+async fn bodies_stay_in_the_log_until_a_snapshot_copies_them() {
+    use openraft::storage::RaftSnapshotBuilder;
+    let prefixes =
+        |space: &SmSpace| -> Vec<u8> { group_keys(space).keys().map(|k| k[0]).filter(|k| b"BR".contains(k)).collect() };
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let space = SmSpace::new(db.clone(), 5);
+        let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+        let publish = vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }])];
+        sm.apply(logged(&db, 5, publish)).await.unwrap();
+        assert_eq!(prefixes(&space), b"R", "one reference, no chunk");
+        let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }])];
+        sm.apply(logged(&db, 5, get)).await.unwrap();
+        db.flusher().sync().await.unwrap();
+    }
+    // As after kill -9: the bodies come back from the log.
+    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+    let space = SmSpace::new(db.clone(), 5);
+    let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+    assert_eq!(prefixes(&space), b"R");
+    let get = vec![entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false }])];
+    let out = sm.apply(logged(&db, 5, get)).await.unwrap();
+    assert_eq!(delivered(&out[0]), vec![(b"b".to_vec(), false)]);
+    let Response::Queue(r) = &out[0] else { panic!() };
+    let QueueReply::Got { msgs, .. } = &r[0] else { panic!("{r:?}") };
+    let tag_b = msgs[0].tag;
+
+    sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    assert_eq!(prefixes(&space), b"B", "the held bodies copied into a chunk, the reference gone");
+    // The log goes: b (unacked) and c are still there, a (consumed) is not.
+    db.wal().purge(5, 3);
+    assert_eq!(space.log_entry(1).unwrap(), None, "the log no longer has the publish");
+    let mut stored: Vec<Vec<u8>> = QueueMachine::stored_messages(&space).unwrap().into_iter().map(|m| m.body).collect();
+    stored.sort();
+    assert_eq!(stored, vec![b"b".to_vec(), b"c".to_vec()]);
+    let requeue_and_get = vec![entry(
+        4,
+        vec![QueueCmd::Nack { tags: vec![tag_b], requeue: true }, QueueCmd::Get { owner: 1, max: 5, auto_ack: true }],
+    )];
+    let out = sm.apply(logged(&db, 5, requeue_and_get)).await.unwrap();
+    assert_eq!(delivered(&out[0]), vec![(b"b".to_vec(), true), (b"c".to_vec(), false)]);
+    assert!(prefixes(&space).is_empty(), "every body consumed: nothing left");
 }

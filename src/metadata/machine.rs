@@ -38,6 +38,7 @@ impl Machine for MetaMachine {
     fn apply(
         &mut self,
         _space: &SmSpace,
+        _index: u64,
         req: &Request,
         _batch: &mut Batch,
         _answering: bool,

@@ -1,25 +1,38 @@
-//! Message bodies on disk: one record ("chunk") per run of consecutive seqs
-//! written together — the publishes of one Raft entry, or one run of bodies
-//! a catching-up mirror fetched.
+//! Message bodies on disk, in one of two places.
 //!
-//! A key per message made sled copy a leaf page for every message published
-//! and again for every message consumed, on every replica: half of a
-//! master's CPU went there. A chunk costs one insert per entry and one
-//! removal once none of its messages is held any more; which messages are
+//! **In the log.** A publish's bodies are already in its Raft entry, synced
+//! on every replica before the confirm. Applying the entry records only a
+//! [`LogRef`] (key `R` + first seq): which entry, and which of its messages
+//! got which seqs. Bodies consumed before the group's next snapshot are never
+//! written again: every body used to be written to the log and again to
+//! sled, and sled rewrote leaves as chunks were removed (a node wrote 2.5-3.5
+//! times the bodies of a drain, and each of those writes slowed the syncs of
+//! confirms on the shared disk).
+//!
+//! **In chunks.** A snapshot lets the log go, so before one is taken the
+//! bodies still held are copied out of the log into chunks (key `B` + first
+//! seq): one record per run of consecutive seqs. So are the bodies a
+//! catching-up mirror fetches, which are in no entry of its log. A chunk is
+//! removed once none of its messages is held any more; which messages are
 //! held is the state machine's knowledge, not the chunk's, so a consumed
 //! message's bytes stay in its chunk until the chunk goes (as in RabbitMQ's
 //! segment files).
 //!
-//! Value layout: `count` (u32 LE), `count + 1` offsets (u32 LE) into the data
-//! that follows, then each message as encoded by [`keys::encode`]. The key is
-//! `B` + the first seq (big-endian), so the chunk holding a seq is the last
-//! chunk key at or below it.
+//! Chunk value layout: `count` (u32 LE), `count + 1` offsets (u32 LE) into
+//! the data that follows, then each message as encoded by [`keys::encode`].
+//! The chunk holding a seq is the last chunk key at or below it; the same
+//! goes for references.
+
+use openraft::EntryPayload;
+use serde::{Deserialize, Serialize};
 
 use mirrorq_storage::{keys, SmSpace, StorageError};
 
 use super::types::Message;
+use crate::raft::types::{Request, TypeConfig};
 
 const PREFIX: u8 = b'B';
+const REF_PREFIX: u8 = b'R';
 
 /// A chunk takes no more messages once it holds this many bytes: sled keeps
 /// large values poorly (a node holding 1M x 1 KiB grew to 1,286 MB of RSS in
@@ -29,6 +42,12 @@ pub const FULL_BYTES: usize = 4 * 1024;
 
 pub fn key(first: u64) -> [u8; 9] {
     let mut k = [PREFIX; 9];
+    k[1..].copy_from_slice(&first.to_be_bytes());
+    k
+}
+
+pub fn ref_key(first: u64) -> [u8; 9] {
+    let mut k = [REF_PREFIX; 9];
     k[1..].copy_from_slice(&first.to_be_bytes());
     k
 }
@@ -152,8 +171,8 @@ impl Chunk {
     }
 }
 
-/// The chunk holding `seq`, if this replica has one.
-pub fn find(space: &SmSpace, seq: u64) -> Result<Option<Chunk>, StorageError> {
+/// The chunk holding `seq`, if this replica has one (references aside).
+pub fn find_chunk(space: &SmSpace, seq: u64) -> Result<Option<Chunk>, StorageError> {
     // Reading in seq order (a consumer, a drain) meets each chunk at its
     // first seq: a point lookup then, cheaper in sled than the reverse scan.
     if let Some(v) = space.get(&key(seq))? {
@@ -171,23 +190,133 @@ pub fn find(space: &SmSpace, seq: u64) -> Result<Option<Chunk>, StorageError> {
     }
 }
 
-/// Every chunk holding a seq in `[start, end)`, in seq order.
+/// The body of `seq` wherever this replica has it: its chunk, or its entry
+/// in the log.
+pub fn find(space: &SmSpace, seq: u64) -> Result<Option<Chunk>, StorageError> {
+    if let Some(c) = find_chunk(space, seq)? {
+        return Ok(Some(c));
+    }
+    match find_ref(space, seq)? {
+        Some((first, r)) => r.resolve(space, first),
+        None => Ok(None),
+    }
+}
+
+/// Every chunk or referenced entry holding a seq in `[start, end)`, in seq
+/// order (references resolved; one whose entry is gone is left out).
 pub fn overlapping(space: &SmSpace, start: u64, end: u64) -> Result<Vec<Chunk>, StorageError> {
     let mut out = Vec::new();
     if start >= end {
         return Ok(out);
     }
-    out.extend(find(space, start)?);
+    out.extend(find_chunk(space, start)?);
     for kv in space.range(&key(start.saturating_add(1)), &key(end)) {
         let (k, v) = kv?;
         out.push(Chunk::parse(first_of(&k), v)?);
     }
+    let mut refs: Vec<(u64, LogRef)> = find_ref(space, start)?.into_iter().collect();
+    for kv in space.range(&ref_key(start.saturating_add(1)), &ref_key(end)) {
+        let (k, v) = kv?;
+        refs.push((first_of(&k), LogRef::decode(&v)?));
+    }
+    for (first, r) in refs {
+        out.extend(r.resolve(space, first)?);
+    }
+    out.sort_by_key(|c| c.first());
     Ok(out)
 }
 
-/// Every chunk of the group.
-pub fn all(space: &SmSpace) -> impl Iterator<Item = Result<Chunk, StorageError>> + '_ {
-    space.scan(&[PREFIX]).map(|kv| kv.and_then(|(k, v)| Chunk::parse(first_of(&k), v)))
+/// Every chunk of the group and every referenced entry still in the log,
+/// in seq order.
+pub fn all(space: &SmSpace) -> Result<Vec<Chunk>, StorageError> {
+    let mut out = Vec::new();
+    for kv in space.scan(&[PREFIX]) {
+        let (k, v) = kv?;
+        out.push(Chunk::parse(first_of(&k), v)?);
+    }
+    for r in all_refs(space) {
+        let (first, r) = r?;
+        out.extend(r.resolve(space, first)?);
+    }
+    out.sort_by_key(|c| c.first());
+    Ok(out)
+}
+
+/// Where the bodies of a run of consecutive seqs are: messages of the
+/// group's log entry `index`, as `(command, first message, count)` runs in
+/// seq order (a command's messages are usually one run).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogRef {
+    pub index: u64,
+    pub runs: Vec<(u32, u32, u32)>,
+}
+
+impl LogRef {
+    pub fn new(index: u64) -> Self {
+        Self { index, runs: Vec::new() }
+    }
+
+    /// Number of seqs it covers.
+    pub fn count(&self) -> u64 {
+        self.runs.iter().map(|r| r.2 as u64).sum()
+    }
+
+    /// The next seq is message `msg` of command `cmd`.
+    pub fn push(&mut self, cmd: u32, msg: u32) {
+        match self.runs.last_mut() {
+            Some((c, first, n)) if *c == cmd && *first + *n == msg => *n += 1,
+            _ => self.runs.push((cmd, msg, 1)),
+        }
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, StorageError> {
+        keys::encode(self, "body reference")
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Self, StorageError> {
+        keys::decode(b, "body reference")
+    }
+
+    /// The bodies, read from the log as a chunk starting at `first`;
+    /// `None` if the log no longer has the entry (a replica that installed a
+    /// snapshot meanwhile: its plan fetches them).
+    pub fn resolve(&self, space: &SmSpace, first: u64) -> Result<Option<Chunk>, StorageError> {
+        let Some(bytes) = space.log_entry(self.index)? else { return Ok(None) };
+        let entry: openraft::Entry<TypeConfig> = keys::decode(&bytes, "log entry")?;
+        let EntryPayload::Normal(Request::Queue(cmds)) = &entry.payload else {
+            return Err(corrupt("referenced log entry holds no queue commands"));
+        };
+        let mut w = ChunkWriter::new(first);
+        for &(cmd, from, n) in &self.runs {
+            let msgs = cmds
+                .get(cmd as usize)
+                .and_then(|c| c.messages())
+                .ok_or_else(|| corrupt("referenced command holds no messages"))?;
+            let run = msgs
+                .get(from as usize..(from + n) as usize)
+                .ok_or_else(|| corrupt("referenced messages out of range"))?;
+            for m in run {
+                w.push(m)?;
+            }
+        }
+        Ok(Some(Chunk::parse(first, w.finish().into())?))
+    }
+}
+
+/// The reference covering `seq`, as stored.
+pub fn find_ref(space: &SmSpace, seq: u64) -> Result<Option<(u64, LogRef)>, StorageError> {
+    match space.last_in(&ref_key(0), &ref_key(seq))? {
+        Some((k, v)) => {
+            let (first, r) = (first_of(&k), LogRef::decode(&v)?);
+            Ok((seq < first + r.count()).then_some((first, r)))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Every stored reference of the group, by first seq.
+pub fn all_refs(space: &SmSpace) -> impl Iterator<Item = Result<(u64, LogRef), StorageError>> + '_ {
+    space.scan(&[REF_PREFIX]).map(|kv| kv.and_then(|(k, v)| Ok((first_of(&k), LogRef::decode(&v)?))))
 }
 
 #[cfg(test)]

@@ -9,8 +9,11 @@
 //!   queue restarts without reading it)
 //! - `u` + tag(8)   a run of messages delivered together, keyed by its first
 //!   tag ([`super::runs`])
+//! - `R` + seq(8)   where in the log the bodies from seq on are (an entry
+//!   applied since the last snapshot; [`super::bodies`])
 //! - `B` + seq(8)   a chunk of message bodies from seq on ([`super::bodies`]),
-//!   read only to deliver; removed once none of its messages is held
+//!   copied out of the log before a snapshot, or fetched; removed once
+//!   none of its messages is held
 //! - `h` + origin(24) an old-epoch entry whose messages were handed back
 //! - `e`            the [`ForkRecord`] of the group's current epoch, if re-formed
 //! - `y`            the catch-up [`Plan`]: bodies this replica still lacks
@@ -19,7 +22,7 @@
 //! - `t` + seq(8)   publish time (ms, master's clock) of the run of messages
 //!   starting at seq; only for queues with a TTL
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
@@ -27,7 +30,7 @@ use tokio::sync::watch;
 
 use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 
-use super::bodies::{self, Chunk, ChunkWriter};
+use super::bodies::{self, Chunk, ChunkWriter, LogRef};
 use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
 use super::runs::Runs;
@@ -122,6 +125,8 @@ pub struct QueueMachine {
     tracked: BTreeSet<u64>,
     /// Where delivered messages are recorded on disk.
     runs: Runs,
+    /// Bodies still only in the log, by first seq (as the `R` keys).
+    refs: BTreeMap<u64, LogRef>,
     /// The chunk read last: a get reads its messages one after another.
     chunk: Option<Chunk>,
 }
@@ -269,8 +274,7 @@ impl QueueMachine {
     fn stored_live(space: &SmSpace) -> Result<Vec<(u64, Message)>, StorageError> {
         let (fresh, tracked) = stored_holdings(space)?;
         let mut out = Vec::new();
-        for c in bodies::all(space) {
-            let c = c?;
+        for c in bodies::all(space)? {
             for seq in (c.first()..c.end()).filter(|s| held_in(&fresh, &tracked, *s, *s + 1)) {
                 out.extend(c.message(seq)?.map(|m| (seq, m)));
             }
@@ -318,7 +322,10 @@ impl QueueMachine {
     /// it yet (such a replica never leads, so the reply is not used).
     fn read_body(&mut self, space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
         if !self.chunk.as_ref().is_some_and(|c| c.contains(seq)) {
-            self.chunk = bodies::find(space, seq)?;
+            self.chunk = match self.ref_of(seq) {
+                Some((first, r)) => r.resolve(space, first)?,
+                None => bodies::find_chunk(space, seq)?,
+            };
         }
         match &self.chunk {
             Some(c) => c.message(seq),
@@ -330,34 +337,66 @@ impl QueueMachine {
         }
     }
 
-    /// End of an entry: store its new messages in chunks, remove chunks
-    /// none of whose messages is held any more, write the changed runs.
+    /// The reference covering `seq`, if its body is still only in the log.
+    fn ref_of(&self, seq: u64) -> Option<(u64, &LogRef)> {
+        let (first, r) = self.refs.range(..=seq).next_back()?;
+        (seq < first + r.count()).then_some((*first, r))
+    }
+
+    /// End of the entry at `index`: reference its new messages' bodies in
+    /// it, drop references and chunks none of whose messages is held any
+    /// more, write the changed runs.
     fn write_entry(
         &mut self,
         space: &SmSpace,
         batch: &mut Batch,
-        inserted: &[(u64, &Message)],
+        index: u64,
+        inserted: &[(u64, u32, u32)],
         removed: &mut [u64],
     ) -> Result<(), StorageError> {
         let fresh = self.fresh();
-        let new = chunks_of(inserted.iter().copied(), |w, m| w.push(m))?;
-        for w in &new {
+        // Runs of consecutive seqs, each one reference.
+        let mut new: Vec<(u64, LogRef)> = Vec::new();
+        for &(seq, cmd, msg) in inserted {
+            match new.last_mut() {
+                Some((first, r)) if *first + r.count() == seq => r.push(cmd, msg),
+                _ => {
+                    let mut r = LogRef::new(index);
+                    r.push(cmd, msg);
+                    new.push((seq, r));
+                }
+            }
+        }
+        let new_ranges: Vec<(u64, u64)> = new.iter().map(|(f, r)| (*f, f + r.count())).collect();
+        for (first, r) in new {
             // Consumed within its own entry (auto-ack, overflow): never written.
-            if held_in(&fresh, &self.tracked, w.first(), w.end()) {
-                batch.insert(space.key(&bodies::key(w.first())), w.finish());
+            if held_in(&fresh, &self.tracked, first, first + r.count()) {
+                batch.insert(space.key(&bodies::ref_key(first)), r.encode()?);
+                self.refs.insert(first, r);
             }
         }
         removed.sort_unstable();
         let mut checked: Option<(u64, u64)> = None;
         for &seq in removed.iter() {
             if checked.is_some_and(|(start, end)| (start..end).contains(&seq))
-                || new.iter().any(|w| (w.first()..w.end()).contains(&seq))
+                || new_ranges.iter().any(|(start, end)| (*start..*end).contains(&seq))
             {
+                continue;
+            }
+            if let Some((first, end)) = self.ref_of(seq).map(|(f, r)| (f, f + r.count())) {
+                checked = Some((first, end));
+                if !held_in(&fresh, &self.tracked, first, end) {
+                    batch.remove(space.key(&bodies::ref_key(first)));
+                    self.refs.remove(&first);
+                    if self.chunk.as_ref().is_some_and(|k| k.first() == first) {
+                        self.chunk = None;
+                    }
+                }
                 continue;
             }
             let chunk = match self.chunk.as_ref().filter(|c| c.contains(seq)) {
                 Some(c) => Some(c.clone()),
-                None => bodies::find(space, seq)?,
+                None => bodies::find_chunk(space, seq)?,
             };
             // No chunk: a body this replica never fetched.
             let Some(c) = chunk else { continue };
@@ -370,6 +409,35 @@ impl QueueMachine {
             }
         }
         self.runs.write(space, batch)
+    }
+
+    /// Copy the held bodies that are still only in the log into chunks, and
+    /// drop their references: the log may go after this. Atomic: a crash
+    /// leaves either the references or the chunks.
+    fn spill(space: &SmSpace, refs: Vec<(u64, LogRef)>, keep: impl Fn(u64) -> bool) -> Result<u64, StorageError> {
+        let mut batch = Batch::default();
+        let mut copied = 0u64;
+        for (first, r) in refs {
+            batch.remove(space.key(&bodies::ref_key(first)));
+            let Some(c) = r.resolve(space, first)? else {
+                // Only after a snapshot was installed here: the plan fetches them.
+                continue;
+            };
+            let held: Vec<(u64, &[u8])> = (c.first()..c.end())
+                .filter(|s| keep(*s))
+                .map(|s| Ok((s, c.encoded(s)?.expect("seq within the chunk"))))
+                .collect::<Result<_, StorageError>>()?;
+            let chunks = chunks_of(held, |w, body| {
+                w.push_encoded(body);
+                Ok(())
+            })?;
+            for w in chunks {
+                copied += w.end() - w.first();
+                batch.insert(space.key(&bodies::key(w.first())), w.finish());
+            }
+        }
+        space.apply(batch)?;
+        Ok(copied)
     }
 }
 
@@ -407,12 +475,14 @@ impl Machine for QueueMachine {
         let plan = space.get(PLAN)?.map(|b| keys::decode::<Plan>(&b, "catch-up plan")).transpose()?;
         let (plan, _) = watch::channel(plan);
         let tracked = state.tracked_seqs();
-        Ok(Self { state, stats, plan, tracked, runs, chunk: None })
+        let refs = bodies::all_refs(space).collect::<Result<_, _>>()?;
+        Ok(Self { state, stats, plan, tracked, runs, refs, chunk: None })
     }
 
     fn apply(
         &mut self,
         space: &SmSpace,
+        index: u64,
         req: &Request,
         batch: &mut Batch,
         answering: bool,
@@ -425,12 +495,12 @@ impl Machine for QueueMachine {
         // Bodies inserted by this apply call are not in sled until the batch
         // is applied; a get in the same entry reads them from here.
         let mut fresh: HashMap<u64, &Message> = HashMap::new();
-        let mut inserted: Vec<(u64, &Message)> = Vec::new();
+        let mut inserted: Vec<(u64, u32, u32)> = Vec::new();
         let mut removed: Vec<u64> = Vec::new();
         let mut dead: Vec<(Message, DeathReason)> = Vec::new();
         self.state.begin_entry();
         self.runs.begin_entry();
-        for cmd in cmds.iter() {
+        for (cmd_at, cmd) in cmds.iter().enumerate() {
             if let QueueCmd::Fork(record) = cmd {
                 batch.insert(space.key(FORK), keys::encode(record, "fork record")?);
             }
@@ -441,7 +511,7 @@ impl Machine for QueueMachine {
                     Change::Insert { seq, batch_index } => {
                         let Some(msgs) = cmd.messages() else { unreachable!("insert without messages") };
                         let m = &msgs[batch_index];
-                        inserted.push((seq, m));
+                        inserted.push((seq, cmd_at as u32, batch_index as u32));
                         fresh.insert(seq, m);
                     }
                     Change::Handed { origin } => {
@@ -503,7 +573,7 @@ impl Machine for QueueMachine {
             }
             replies.push(reply);
         }
-        self.write_entry(space, batch, &inserted, &mut removed)?;
+        self.write_entry(space, batch, index, &inserted, &mut removed)?;
         // The entry's dead letters go to its stamp's reply, which only the
         // master's proposer reads.
         if let Some(QueueReply::DeadLetters { msgs }) = replies.first_mut() {
@@ -518,7 +588,21 @@ impl Machine for QueueMachine {
         Ok(())
     }
 
-    const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[b"B"];
+    const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[b"B", b"R"];
+
+    fn before_snapshot(&mut self, space: &SmSpace) -> Result<(), StorageError> {
+        if self.refs.is_empty() {
+            return Ok(());
+        }
+        let refs = std::mem::take(&mut self.refs).into_iter().collect();
+        let (fresh, tracked) = (self.fresh(), &self.tracked);
+        let copied = Self::spill(space, refs, |s| held_in(&fresh, tracked, s, s + 1))?;
+        // The chunk read last may be an entry's, with other bounds than the
+        // chunks just written: removals must find those.
+        self.chunk = None;
+        tracing::trace!(copied, "bodies copied out of the log before a snapshot");
+        Ok(())
+    }
 
     fn dump(&self, space: &SmSpace) -> Result<Vec<u8>, StorageError> {
         let fork = Self::fork_record(space)?;
@@ -560,9 +644,13 @@ impl Machine for QueueMachine {
         for (seq, st) in &d.states {
             batch.insert(space.key(&state_key(*seq)), keys::encode(st, "message state")?);
         }
+        // Bodies this replica has in its log go into chunks first: the
+        // install lets the log go. Which are held is sorted out below.
+        let refs = bodies::all_refs(space).collect::<Result<_, _>>()?;
+        Self::spill(space, refs, |_| true)?;
+        self.refs.clear();
         let mut present = BTreeSet::new();
-        for c in bodies::all(space) {
-            let c = c?;
+        for c in bodies::all(space)? {
             if held_in(&fresh, &tracked, c.first(), c.end()) {
                 present.extend((c.first()..c.end()).filter(|s| held_in(&fresh, &tracked, *s, *s + 1)));
             } else {

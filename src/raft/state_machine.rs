@@ -29,12 +29,14 @@ type RaftStorageError = openraft::StorageError<NodeId>;
 pub trait Machine: Send + Sync + Sized + 'static {
     /// Load the state written by earlier applies (empty space: initial state).
     fn load(space: &SmSpace) -> Result<Self, StorageError>;
-    /// Apply one request; writes go into `batch` (keys from `space.key`).
+    /// Apply one request, the entry at `index` of the group's log; writes
+    /// go into `batch` (keys from `space.key`).
     /// `answering`: this node proposed the entry, so its reply reaches a
     /// client; elsewhere the reply is dropped and need not be filled in.
     fn apply(
         &mut self,
         space: &SmSpace,
+        index: u64,
         req: &Request,
         batch: &mut Batch,
         answering: bool,
@@ -42,6 +44,12 @@ pub trait Machine: Send + Sync + Sized + 'static {
     /// Add aggregate state to the batch that ends an apply call; announce the
     /// new state to watchers.
     fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError>;
+    /// Called before a snapshot of the applied state is taken, after which
+    /// the log up to it may be purged: whatever the state still reads from
+    /// applied entries must be copied out of the log now.
+    fn before_snapshot(&mut self, _space: &SmSpace) -> Result<(), StorageError> {
+        Ok(())
+    }
     /// Group-relative key prefixes an installed snapshot leaves in place
     /// for [`Machine::restore`] to sort out (the rest is cleared first).
     const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[];
@@ -184,7 +192,11 @@ impl<M: Machine> Inner<M> {
 
 impl<M: Machine> RaftSnapshotBuilder<TypeConfig> for StateMachine<M> {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, RaftStorageError> {
-        let inner = self.inner.lock().await;
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
+        let err = |e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e);
+        inner.forget_redo().map_err(err)?;
+        inner.machine.before_snapshot(&inner.space).map_err(err)?;
         // Everything applied so far becomes durable; only then may openraft
         // purge the log entries it came from.
         inner.space.sync().await.map_err(|e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
@@ -226,7 +238,13 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
                 EntryPayload::Blank => Response::None,
                 EntryPayload::Normal(req) => inner
                     .machine
-                    .apply(&inner.space, req, &mut batch, entry.log_id.leader_id.node_id == self.node)
+                    .apply(
+                        &inner.space,
+                        entry.log_id.index,
+                        req,
+                        &mut batch,
+                        entry.log_id.leader_id.node_id == self.node,
+                    )
                     .map_err(|e| sto(ErrorSubject::Apply(entry.log_id), ErrorVerb::Write, e))?,
                 EntryPayload::Membership(m) => {
                     inner.applied.membership = StoredMembership::new(Some(entry.log_id), m.clone());

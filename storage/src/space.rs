@@ -14,12 +14,21 @@ use crate::{GroupId, NodeDb, StorageError};
 #[derive(Clone)]
 pub struct SmSpace {
     db: NodeDb,
+    group: GroupId,
     prefix: [u8; 8],
 }
 
 impl SmSpace {
     pub fn new(db: NodeDb, group: GroupId) -> Self {
-        Self { db, prefix: group_prefix(group) }
+        Self { db, group, prefix: group_prefix(group) }
+    }
+
+    /// The encoded entry at `index` of the group's log, if the log still
+    /// has it. A state machine may leave what an applied entry carries in
+    /// the log rather than copy it (message bodies), as long as it copies
+    /// it before a snapshot lets the log go.
+    pub fn log_entry(&self, index: u64) -> Result<Option<Vec<u8>>, StorageError> {
+        Ok(self.db.wal().read(self.group, index, index)?.pop().map(|(_, bytes)| bytes))
     }
 
     /// Full key for a group-relative key.
