@@ -249,11 +249,13 @@ pub fn all(space: &SmSpace) -> Result<Vec<Chunk>, StorageError> {
 pub struct LogRef {
     pub index: u64,
     pub runs: Vec<(u32, u32, u32)>,
+    /// Bytes of the messages, roughly as a chunk would hold them.
+    pub bytes: u64,
 }
 
 impl LogRef {
     pub fn new(index: u64) -> Self {
-        Self { index, runs: Vec::new() }
+        Self { index, runs: Vec::new(), bytes: 0 }
     }
 
     /// Number of seqs it covers.
@@ -261,8 +263,9 @@ impl LogRef {
         self.runs.iter().map(|r| r.2 as u64).sum()
     }
 
-    /// The next seq is message `msg` of command `cmd`.
-    pub fn push(&mut self, cmd: u32, msg: u32) {
+    /// The next seq is message `msg` of command `cmd`, of `bytes`.
+    pub fn push(&mut self, cmd: u32, msg: u32, bytes: u64) {
+        self.bytes += bytes;
         match self.runs.last_mut() {
             Some((c, first, n)) if *c == cmd && *first + *n == msg => *n += 1,
             _ => self.runs.push((cmd, msg, 1)),
