@@ -412,3 +412,27 @@ async fn a_backlog_past_its_bound_moves_out_of_the_log_as_it_grows() {
     let got: Vec<Vec<u8>> = delivered(&out[0]).into_iter().map(|(b, _)| b).collect();
     assert_eq!(got, (1..=24u64).map(|i| big(i).body).collect::<Vec<_>>());
 }
+
+/// openraft takes the current state for its snapshot (at start-up, and to
+/// send it to a replica) and may purge the log up to it: the bodies that
+/// state still reads from the log are copied out first.
+#[tokio::test]
+async fn the_current_snapshot_copies_bodies_out_of_the_log() {
+    use openraft::storage::RaftSnapshotBuilder;
+    let dir = tempfile::tempdir().unwrap();
+    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+    let space = SmSpace::new(db.clone(), 5);
+    let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+    sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    let publish = vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }])];
+    sm.apply(logged(&db, 5, publish)).await.unwrap();
+    let snap = sm.get_current_snapshot().await.unwrap().expect("a snapshot was built");
+    let upto = snap.meta.last_log_id.expect("covers the publish").index;
+    assert_eq!(upto, 1);
+    db.wal().purge(5, upto);
+    let bodies: Vec<Vec<u8>> = QueueMachine::stored_messages(&space).unwrap().into_iter().map(|m| m.body).collect();
+    assert_eq!(bodies, vec![b"a".to_vec(), b"b".to_vec()]);
+    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 5, auto_ack: true }])];
+    let out = sm.apply(logged(&db, 5, get)).await.unwrap();
+    assert_eq!(delivered(&out[0]), vec![(b"a".to_vec(), false), (b"b".to_vec(), false)]);
+}

@@ -203,16 +203,17 @@ pub fn find(space: &SmSpace, seq: u64) -> Result<Option<Chunk>, StorageError> {
 }
 
 /// Every chunk or referenced entry holding a seq in `[start, end)`, in seq
-/// order (references resolved; one whose entry is gone is left out).
+/// order, each seq in one of them (references resolved).
+///
+/// Read without the state machine's lock (a mirror's catch-up), so bodies
+/// may move from the log into chunks meanwhile. References are read first:
+/// a body moved before they are read is in a chunk when chunks are read,
+/// one moved after was resolved already (or, its entry purged that fast,
+/// is in a chunk by then too). A body seen in both places is kept once.
 pub fn overlapping(space: &SmSpace, start: u64, end: u64) -> Result<Vec<Chunk>, StorageError> {
     let mut out = Vec::new();
     if start >= end {
         return Ok(out);
-    }
-    out.extend(find_chunk(space, start)?);
-    for kv in space.range(&key(start.saturating_add(1)), &key(end)) {
-        let (k, v) = kv?;
-        out.push(Chunk::parse(first_of(&k), v)?);
     }
     let mut refs: Vec<(u64, LogRef)> = find_ref(space, start)?.into_iter().collect();
     for kv in space.range(&ref_key(start.saturating_add(1)), &ref_key(end)) {
@@ -222,24 +223,44 @@ pub fn overlapping(space: &SmSpace, start: u64, end: u64) -> Result<Vec<Chunk>, 
     for (first, r) in refs {
         out.extend(r.resolve(space, first)?);
     }
-    out.sort_by_key(|c| c.first());
-    Ok(out)
-}
-
-/// Every chunk of the group and every referenced entry still in the log,
-/// in seq order.
-pub fn all(space: &SmSpace) -> Result<Vec<Chunk>, StorageError> {
-    let mut out = Vec::new();
-    for kv in space.scan(&[PREFIX]) {
+    out.extend(find_chunk(space, start)?);
+    for kv in space.range(&key(start.saturating_add(1)), &key(end)) {
         let (k, v) = kv?;
         out.push(Chunk::parse(first_of(&k), v)?);
     }
+    Ok(disjoint(out))
+}
+
+/// Every chunk of the group and every referenced entry still in the log,
+/// in seq order, each seq in one of them (read in the order
+/// [`overlapping`] explains).
+pub fn all(space: &SmSpace) -> Result<Vec<Chunk>, StorageError> {
+    let mut out = Vec::new();
     for r in all_refs(space) {
         let (first, r) = r?;
         out.extend(r.resolve(space, first)?);
     }
-    out.sort_by_key(|c| c.first());
-    Ok(out)
+    for kv in space.scan(&[PREFIX]) {
+        let (k, v) = kv?;
+        out.push(Chunk::parse(first_of(&k), v)?);
+    }
+    Ok(disjoint(out))
+}
+
+/// In seq order, without a chunk whose seqs an earlier one holds: a body
+/// copied out of the log while being read shows up twice (an entry's
+/// chunk, then the held part of it), with the same bytes.
+fn disjoint(mut chunks: Vec<Chunk>) -> Vec<Chunk> {
+    // The larger first: the copy of a whole entry covers its parts.
+    chunks.sort_by_key(|c| (c.first(), std::cmp::Reverse(c.end())));
+    let mut out: Vec<Chunk> = Vec::with_capacity(chunks.len());
+    for c in chunks {
+        if out.last().is_some_and(|p| p.end() > c.first()) {
+            continue;
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Where the bodies of a run of consecutive seqs are: messages of the
@@ -345,6 +366,22 @@ mod tests {
         assert_eq!(c.message(42).unwrap(), Some(msg("ccc")));
         assert_eq!(c.message(43).unwrap(), None);
         assert_eq!(c.message(39).unwrap(), None);
+    }
+
+    #[test]
+    fn a_body_seen_in_the_log_and_in_a_chunk_is_kept_once() {
+        let chunk = |first: u64, n: u64| {
+            let mut w = ChunkWriter::new(first);
+            for i in 0..n {
+                w.push(&msg(&format!("m{}", first + i))).unwrap();
+            }
+            Chunk::parse(first, w.finish().into()).unwrap()
+        };
+        // An entry's messages 10..20 read from the log, its held parts
+        // copied into chunks meanwhile, and the next entry's chunk.
+        let got = disjoint(vec![chunk(16, 4), chunk(20, 5), chunk(12, 2), chunk(10, 10)]);
+        let bounds: Vec<(u64, u64)> = got.iter().map(|c| (c.first(), c.end())).collect();
+        assert_eq!(bounds, vec![(10, 20), (20, 25)]);
     }
 
     #[test]

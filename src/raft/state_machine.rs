@@ -302,13 +302,19 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, RaftStorageError> {
-        let inner = self.inner.lock().await;
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
         let err = |e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Read, e);
         if inner.space.get(SNAPSHOT_KEY).map_err(err)?.is_none() {
             return Ok(None);
         }
         // The current state is at least as new as the last built snapshot and
-        // consistent with `applied` (we hold the lock), so send that.
+        // consistent with `applied` (we hold the lock), so send that. openraft
+        // takes its id for the snapshot's (at start-up too) and may purge the
+        // log up to it: what the state still reads from the log is copied
+        // out first.
+        inner.forget_redo().map_err(err)?;
+        inner.machine.before_snapshot(&inner.space).map_err(err)?;
         let data = if self.transfer.load(Ordering::Acquire) {
             inner.machine.dump(&inner.space).map_err(err)?
         } else {
