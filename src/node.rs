@@ -310,7 +310,7 @@ impl Node {
             election_timeout_max: t.election_max.as_millis() as u64,
             install_snapshot_timeout: 10_000,
             max_payload_entries: 64,
-            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(1024),
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(crate::raft::state_machine::SNAPSHOT_EVERY),
             max_in_snapshot_log_to_keep: 256,
             ..Default::default()
         }

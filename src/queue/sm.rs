@@ -36,16 +36,25 @@ use super::epoch::ForkRecord;
 use super::runs::Runs;
 use super::state::{Change, Counters, QueueState};
 use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
-use crate::raft::state_machine::Machine;
+use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
 use crate::raft::types::{Request, Response};
 
 const COUNTERS: &[u8] = b"c";
 
 /// Bytes of bodies a queue leaves in the log at most; past it, the oldest
-/// are copied into chunks as entries are applied. A snapshot copies what is
-/// left there at once, holding the queue's applies meanwhile: this bounds
-/// that pause (all of a 4 KiB x 1000 run's backlog made 3-5 s of it).
-const MAX_IN_LOG_BYTES: u64 = 16 << 20;
+/// are copied into chunks as entries are applied.
+const MAX_IN_LOG_BYTES: u64 = 64 << 20;
+
+/// A snapshot copies what is left in the log at once, holding the queue's
+/// applies meanwhile (all of a 4 KiB x 1000 run's backlog made 3-5 s of
+/// it). So over the second half of the entries between two snapshots the
+/// bound falls to nothing, and the oldest bodies are copied a little with
+/// each entry instead.
+fn in_log_allowed(since_snapshot: u64) -> u64 {
+    let half = SNAPSHOT_EVERY / 2;
+    let left = SNAPSHOT_EVERY.saturating_sub(since_snapshot).min(half);
+    MAX_IN_LOG_BYTES / half * left
+}
 const FORK: &[u8] = b"e";
 const PLAN: &[u8] = b"y";
 
@@ -135,6 +144,10 @@ pub struct QueueMachine {
     refs: BTreeMap<u64, LogRef>,
     /// Their bytes.
     in_log: u64,
+    /// Index of the entry applied last, and of the last one before a
+    /// snapshot (since this process started: the first entry applied).
+    applied: u64,
+    snapshot_at: Option<u64>,
     /// The chunk read last: a get reads its messages one after another.
     chunk: Option<Chunk>,
 }
@@ -417,9 +430,12 @@ impl QueueMachine {
                 }
             }
         }
-        if self.in_log > MAX_IN_LOG_BYTES {
+        self.applied = index;
+        let since = *self.snapshot_at.get_or_insert(index);
+        let allowed = in_log_allowed(index.saturating_sub(since));
+        if self.in_log > allowed {
             let mut oldest = Vec::new();
-            while self.in_log > MAX_IN_LOG_BYTES {
+            while self.in_log > allowed {
                 let Some((first, r)) = self.refs.pop_first() else { break };
                 self.in_log -= r.bytes;
                 oldest.push((first, r));
@@ -508,7 +524,7 @@ impl Machine for QueueMachine {
         let tracked = state.tracked_seqs();
         let refs: BTreeMap<u64, LogRef> = bodies::all_refs(space).collect::<Result<_, _>>()?;
         let in_log = refs.values().map(|r| r.bytes).sum();
-        Ok(Self { state, stats, plan, tracked, runs, refs, in_log, chunk: None })
+        Ok(Self { state, stats, plan, tracked, runs, refs, in_log, applied: 0, snapshot_at: None, chunk: None })
     }
 
     fn apply(
@@ -625,6 +641,7 @@ impl Machine for QueueMachine {
     const KEEP_ON_INSTALL: &'static [&'static [u8]] = &[b"B", b"R"];
 
     fn before_snapshot(&mut self, space: &SmSpace) -> Result<(), StorageError> {
+        self.snapshot_at = (self.applied > 0).then_some(self.applied);
         if self.refs.is_empty() {
             return Ok(());
         }
@@ -706,5 +723,21 @@ impl Machine for QueueMachine {
         self.chunk = None;
         self.plan.send_replace(plan);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bound_on_bodies_in_the_log_falls_to_nothing_before_a_snapshot() {
+        let half = SNAPSHOT_EVERY / 2;
+        assert_eq!(in_log_allowed(0), MAX_IN_LOG_BYTES);
+        assert_eq!(in_log_allowed(half), MAX_IN_LOG_BYTES);
+        assert_eq!(in_log_allowed(half + half / 2), MAX_IN_LOG_BYTES / 2);
+        assert!(in_log_allowed(SNAPSHOT_EVERY - 1) <= MAX_IN_LOG_BYTES / half);
+        assert_eq!(in_log_allowed(SNAPSHOT_EVERY), 0);
+        assert_eq!(in_log_allowed(10 * SNAPSHOT_EVERY), 0, "a snapshot is late: copy as entries come");
     }
 }

@@ -60,6 +60,9 @@ pub trait Machine: Send + Sync + Sized + 'static {
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError>;
 }
 
+/// openraft builds a snapshot every this many entries (`SnapshotPolicy`).
+pub const SNAPSHOT_EVERY: u64 = 1024;
+
 const APPLIED_KEY: &[u8] = b"_applied";
 const SNAPSHOT_KEY: &[u8] = b"_snapshot";
 
