@@ -40,6 +40,8 @@ use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
 use crate::raft::types::{Request, Response};
 
 const COUNTERS: &[u8] = b"c";
+const FORK: &[u8] = b"e";
+const PLAN: &[u8] = b"y";
 
 /// Bytes of bodies a queue leaves in the log at most; past it, the oldest
 /// are copied into chunks as entries are applied. 64 MiB made 4 KiB x 1000
@@ -59,8 +61,6 @@ fn in_log_allowed(since_snapshot: u64) -> u64 {
     let left = SNAPSHOT_EVERY.saturating_sub(since_snapshot).min(half);
     MAX_IN_LOG_BYTES / half * left
 }
-const FORK: &[u8] = b"e";
-const PLAN: &[u8] = b"y";
 
 fn state_key(seq: u64) -> [u8; 9] {
     let mut k = [b's'; 9];
