@@ -34,6 +34,9 @@ pub struct Metrics {
     pub acknowledged: Counter,
     /// Time from a publish's last frame to its confirm.
     pub confirm_latency: Histogram,
+    /// AppendEntries calls (entries or heartbeats) this node's replicas
+    /// were sent by their leaders, every group together.
+    pub appends_received: Counter,
 }
 
 impl Default for Metrics {
@@ -45,6 +48,7 @@ impl Default for Metrics {
             acknowledged: Counter::default(),
             // 0.25 ms .. about 4 s.
             confirm_latency: Histogram::new(exponential_buckets(0.00025, 2.0, 15)),
+            appends_received: Counter::default(),
         }
     }
 }
@@ -99,6 +103,11 @@ pub fn render(node: &Node) -> String {
         "mirrorq_confirm_latency_seconds",
         "Time from a publish to its confirm (every synchronised replica fsync'd)",
         m.confirm_latency.clone(),
+    );
+    r.register(
+        "mirrorq_raft_appends_received",
+        "AppendEntries calls (entries or heartbeats) received from leaders, every group of this node",
+        m.appends_received.clone(),
     );
 
     let stats = node.db().flusher().stats();

@@ -208,7 +208,8 @@ struct Inner {
     addr: String,
     db: NodeDb,
     transport: Arc<Transport>,
-    raft_config: Arc<openraft::Config>,
+    /// openraft's settings for queue groups (the metadata group's differ).
+    queue_raft_config: Arc<openraft::Config>,
     timing: Timing,
     catch_up_bytes: usize,
     meta_raft: Raft,
@@ -316,6 +317,14 @@ impl Node {
         }
         .validate()
         .map_err(|e| ServerError::Config(e.to_string()))?;
+        // A queue's mirrors learn a commit index with the next entry (or the
+        // next heartbeat) instead of in a round trip of its own: a confirm
+        // waits for every replica's append, never for a mirror's apply, and
+        // at one message in flight that extra round trip held the next
+        // entry back (openraft sends one AppendEntries at a time per mirror).
+        // The metadata group keeps telling commits at once: every node
+        // routes from its own applied copy of the metadata.
+        let queue_raft_config = Arc::new(openraft::Config { commit_rides_on_next_append: true, ..raft_config.clone() });
         let raft_config = Arc::new(raft_config);
         let transport = Arc::new(Transport::new());
         let (news, news_rx) = mpsc::unbounded_channel();
@@ -346,7 +355,7 @@ impl Node {
             addr: addr.clone(),
             db: db.clone(),
             transport,
-            raft_config,
+            queue_raft_config,
             timing: cfg.timing.clone(),
             catch_up_bytes: cfg.sync_batch_bytes.max(1),
             meta_raft: meta_raft.clone(),
@@ -1370,7 +1379,7 @@ impl Node {
         let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
         let raft = Raft::new(
             self.id(),
-            self.inner.raft_config.clone(),
+            self.inner.queue_raft_config.clone(),
             NetworkFactory {
                 group: q.group,
                 epoch,
@@ -1601,7 +1610,10 @@ impl Inner {
     async fn handle(self: Arc<Self>, req: RpcRequest) -> RpcResponse {
         match req {
             RpcRequest::Append { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
-                Ok(r) => RpcResponse::Append(r.append_entries(req).await),
+                Ok(r) => {
+                    self.metrics.appends_received.inc();
+                    RpcResponse::Append(r.append_entries(req).await)
+                }
                 Err(refusal) => refusal,
             },
             RpcRequest::Vote { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {

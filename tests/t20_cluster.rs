@@ -209,6 +209,45 @@ async fn mirrors_sync_an_entry_while_the_master_syncs_it_and_the_confirm_waits_f
     c.shutdown().await;
 }
 
+/// With one message in flight a mirror is sent one AppendEntries per
+/// message: the new commit index rides on the next entry (or the next
+/// heartbeat) instead of a round trip of its own, which the next entry
+/// would wait behind. A mirror that is sent nothing more still learns the
+/// last commit and applies it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_mirror_is_sent_one_append_per_entry_and_still_learns_the_last_commit() {
+    init_tracing();
+    let (c, master, mirrors) = cluster_with_queue("q9").await;
+    let heartbeat = fast_timing(Duration::from_secs(60)).heartbeat;
+    let received = |id: u64| c.node(id).metrics().appends_received.get();
+    let before: Vec<u64> = mirrors.iter().map(|id| received(*id)).collect();
+    let started = std::time::Instant::now();
+    const N: u64 = 40;
+    for i in 0..N {
+        c.node(master).publish("q9", vec![msg(format!("m{i}"))]).await.unwrap();
+    }
+    let elapsed = started.elapsed();
+    // Heartbeats of both groups (metadata and q9) may come on top.
+    let heartbeats = 2 * (elapsed.as_millis() as u64 / heartbeat.as_millis() as u64 + 2);
+    for (id, before) in mirrors.iter().zip(before) {
+        let got = received(*id) - before;
+        assert!(
+            got >= N && got <= N + heartbeats,
+            "mirror {id} was sent {got} appends for {N} entries in {elapsed:?} (a commit round trip each: about {})",
+            2 * N
+        );
+    }
+    let last = c.node(master).queue_raft("q9").unwrap().metrics().borrow().last_log_index;
+    for id in &mirrors {
+        let raft = c.node(*id).queue_raft("q9").unwrap();
+        wait_until(Duration::from_secs(5), "the mirror applies the last entry", || {
+            raft.metrics().borrow().last_applied.map(|l| l.index) >= last
+        })
+        .await;
+    }
+    c.shutdown().await;
+}
+
 /// A mirror that stays unreachable longer than the sync timeout stops
 /// counting as synchronised, so confirms go on without it; once reachable
 /// again it catches up and is synchronised again.

@@ -228,6 +228,23 @@ pub struct Config {
            default_missing_value = "true"
     )]
     pub enable_elect: bool,
+
+    /// mirrorq patch: a leader does not send a dedicated AppendEntries to
+    /// tell followers a new commit index; it rides on the next
+    /// AppendEntries with entries, or on the next periodic heartbeat.
+    ///
+    /// A follower sending no other entry learns of a commit one heartbeat
+    /// interval later (its state machine applies later); nothing else
+    /// changes. Saves each follower a round trip per commit, and the next
+    /// entry does not wait behind it (one RPC in flight per follower).
+    #[clap(long,
+           default_value_t = false,
+           action = clap::ArgAction::Set,
+           num_args = 0..=1,
+           default_missing_value = "true"
+    )]
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub commit_rides_on_next_append: bool,
 }
 
 /// Updatable config for a raft runtime.

@@ -680,7 +680,8 @@ where
                 self.committed = c;
 
                 // If there is no action, fill in an heartbeat action to send committed index.
-                if self.next_action.is_none() {
+                // mirrorq patch: unless the commit index is to ride on the next append.
+                if self.next_action.is_none() && !self.config.commit_rides_on_next_append {
                     self.next_action = Some(Data::new_heartbeat());
                 }
             }
