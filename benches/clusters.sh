@@ -96,7 +96,7 @@ start_mirrorq() {
   for _ in $(seq 150); do ports_free && break; sleep 0.2; done
   ports_free || { echo "mirrorq ports 5691-5693 / 15691-15693 / 26691-26693 still in use" >&2; return 1; }
   for i in 1 2 3; do
-    MIRRORQ_LOG=warn "$BIN" serve --node-id $i --data-dir "$DIR/m$i" --raft-listen 127.0.0.1:2669$i \
+    MIRRORQ_LOG=${MIRRORQ_LOG:-warn} "$BIN" serve --node-id $i --data-dir "$DIR/m$i" --raft-listen 127.0.0.1:2669$i \
       --amqp-listen 127.0.0.1:569$i --http-listen 127.0.0.1:1569$i --cluster $c "${workers[@]}" 2>"$DIR/m$i.log" &
     echo $! > "$DIR/m$i.pid"
   done

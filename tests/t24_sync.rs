@@ -165,7 +165,15 @@ async fn manual_mirror_gets_only_new_messages_until_sync_which_runs_while_the_qu
     );
 
     // The mirror now holds what the master holds, and can take over with it.
+    // It learns the last commit with the next append or heartbeat, so its
+    // state is compared once it has applied the master's last entry.
     let (ready, _) = c.node(1).status("man-q").await.unwrap();
+    let last = c.node(master).queue_raft("man-q").unwrap().metrics().borrow().last_applied.map(|l| l.index);
+    let mirror_raft = c.node(mirror).queue_raft("man-q").unwrap();
+    wait_until(Duration::from_secs(5), "the mirror applies the master's last entry", || {
+        mirror_raft.metrics().borrow().last_applied.map(|l| l.index) >= last
+    })
+    .await;
     assert_eq!(m.local_stored_count("man-q").unwrap() as u64, ready);
     let mut c = c;
     c.crash(master).await;
