@@ -8,6 +8,15 @@ use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 use openraft::storage::RaftStateMachine;
 use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
 
+/// The node database in `dir` and the queue machine of group 5 over it
+/// (opened again, it is what a restart after kill -9 finds).
+fn open_queue(dir: &std::path::Path) -> (NodeDb, SmSpace, StateMachine<QueueMachine>) {
+    let db = NodeDb::open(dir, &DbOptions::default()).unwrap();
+    let space = SmSpace::new(db.clone(), 5);
+    let sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+    (db, space, sm)
+}
+
 fn entry(index: u64, cmds: Vec<QueueCmd>) -> Entry<TypeConfig> {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
@@ -44,8 +53,7 @@ fn delivered(r: &Response) -> Vec<(Vec<u8>, bool)> {
 #[tokio::test]
 async fn get_sees_publish_from_earlier_entry_in_same_apply() {
     let dir = tempfile::tempdir().unwrap();
-    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 1).unwrap();
+    let (db, _space, mut sm) = open_queue(dir.path());
     let out = sm
         .apply(logged(
             &db,
@@ -68,8 +76,7 @@ async fn get_sees_publish_from_earlier_entry_in_same_apply() {
 async fn state_survives_reopen() {
     let dir = tempfile::tempdir().unwrap();
     {
-        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-        let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 1).unwrap();
+        let (db, _space, mut sm) = open_queue(dir.path());
         sm.apply(logged(
             &db,
             5,
@@ -84,8 +91,7 @@ async fn state_survives_reopen() {
         .unwrap();
         db.flusher().sync().await.unwrap();
     }
-    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 1).unwrap();
+    let (db, _space, mut sm) = open_queue(dir.path());
     let (applied, _) = sm.applied_state().await.unwrap();
     assert_eq!(applied.map(|l| l.index), Some(3));
     let get = vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false }])];
@@ -281,9 +287,7 @@ fn group_keys(space: &SmSpace) -> std::collections::BTreeMap<Vec<u8>, Vec<u8>> {
 async fn a_step_cut_short_by_a_crash_is_finished_from_its_redo_record() {
     let dir = tempfile::tempdir().unwrap();
     let (before, after) = {
-        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-        let space = SmSpace::new(db.clone(), 5);
-        let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+        let (db, space, mut sm) = open_queue(dir.path());
         sm.apply(logged(
             &db,
             5,
@@ -323,9 +327,7 @@ async fn a_step_cut_short_by_a_crash_is_finished_from_its_redo_record() {
         db.flusher().sync().await.unwrap();
         (before, after)
     };
-    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let space = SmSpace::new(db.clone(), 5);
-    let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+    let (db, space, mut sm) = open_queue(dir.path());
     assert_eq!(group_keys(&space), after, "reopening finished the step");
     assert_ne!(group_keys(&space), before);
     let (applied, _) = sm.applied_state().await.unwrap();
@@ -349,9 +351,7 @@ async fn bodies_stay_in_the_log_until_a_snapshot_copies_them() {
         |space: &SmSpace| -> Vec<u8> { group_keys(space).keys().map(|k| k[0]).filter(|k| b"BR".contains(k)).collect() };
     let dir = tempfile::tempdir().unwrap();
     {
-        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-        let space = SmSpace::new(db.clone(), 5);
-        let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+        let (db, space, mut sm) = open_queue(dir.path());
         let publish = vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }])];
         sm.apply(logged(&db, 5, publish)).await.unwrap();
         assert_eq!(prefixes(&space), b"R", "one reference, no chunk");
@@ -360,9 +360,7 @@ async fn bodies_stay_in_the_log_until_a_snapshot_copies_them() {
         db.flusher().sync().await.unwrap();
     }
     // As after kill -9: the bodies come back from the log.
-    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let space = SmSpace::new(db.clone(), 5);
-    let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+    let (db, space, mut sm) = open_queue(dir.path());
     assert_eq!(prefixes(&space), b"R");
     let get = vec![entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false }])];
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
@@ -394,9 +392,7 @@ async fn bodies_stay_in_the_log_until_a_snapshot_copies_them() {
 #[tokio::test]
 async fn a_backlog_past_its_bound_moves_out_of_the_log_as_it_grows() {
     let dir = tempfile::tempdir().unwrap();
-    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let space = SmSpace::new(db.clone(), 5);
-    let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+    let (db, space, mut sm) = open_queue(dir.path());
     let big = |i: u64| msg(&format!("{i:04}{}", "x".repeat(1 << 20)));
     for i in 1..=24u64 {
         let publish = vec![entry(i, vec![QueueCmd::Enqueue { msgs: vec![big(i)] }])];
@@ -420,9 +416,7 @@ async fn a_backlog_past_its_bound_moves_out_of_the_log_as_it_grows() {
 async fn the_current_snapshot_copies_bodies_out_of_the_log() {
     use openraft::storage::RaftSnapshotBuilder;
     let dir = tempfile::tempdir().unwrap();
-    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let space = SmSpace::new(db.clone(), 5);
-    let mut sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
+    let (db, space, mut sm) = open_queue(dir.path());
     sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
     let publish = vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }])];
     sm.apply(logged(&db, 5, publish)).await.unwrap();
