@@ -1,0 +1,96 @@
+//! The disk's floor under a confirm at one message in flight: three replicas
+//! on one machine, each appending a small record and `fdatasync`ing it at the
+//! same moment, as the master and both mirrors do for every message.
+//!
+//! `cargo bench --bench disk_floor [-- DIR [ROUNDS]]` (DIR defaults to a
+//! temp dir on the working directory's disk; 3000 rounds). Each writer has
+//! its own preallocated file, as each node has its own write-ahead log
+//! segment. Per round it reports when the *first*, the *second* (a Raft
+//! majority: what a RabbitMQ quorum queue's confirm waits for) and the
+//! *last* (every replica: what a mirrorq confirm waits for) sync returned.
+//! No network, no Raft, no client: whatever a broker adds comes on top.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+
+const RECORD: usize = 200;
+const FILE_BYTES: u64 = 64 << 20;
+
+fn preallocated(path: &std::path::Path) -> File {
+    let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).unwrap();
+    // SAFETY: plain syscall on a descriptor `f` keeps open.
+    let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, FILE_BYTES as libc::off_t) };
+    assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+    f.sync_all().unwrap();
+    f
+}
+
+/// `writers` threads append and sync together `rounds` times; per round,
+/// the time from the start until the k-th sync returned, for each k.
+fn run(dir: &std::path::Path, writers: usize, rounds: usize) -> Vec<Histogram<u64>> {
+    let start = Arc::new(Barrier::new(writers + 1));
+    let (tx, rx) = std::sync::mpsc::channel::<Instant>();
+    let threads: Vec<_> = (0..writers)
+        .map(|w| {
+            let file = preallocated(&dir.join(format!("replica-{w}")));
+            let (start, tx) = (start.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let record = [0x5au8; RECORD];
+                for r in 0..rounds {
+                    start.wait();
+                    file.write_all_at(&record, (r * RECORD) as u64 % FILE_BYTES).unwrap();
+                    file.sync_data().unwrap();
+                    tx.send(Instant::now()).unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut hists: Vec<Histogram<u64>> = (0..writers).map(|_| Histogram::new(3).unwrap()).collect();
+    for _ in 0..rounds {
+        start.wait();
+        let began = Instant::now();
+        let mut done: Vec<Duration> = (0..writers).map(|_| rx.recv().unwrap() - began).collect();
+        done.sort();
+        for (k, d) in done.iter().enumerate() {
+            hists[k].record(d.as_micros() as u64).unwrap();
+        }
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    hists
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let dir = match args.first() {
+        Some(b) => tempfile::tempdir_in(b).unwrap(),
+        None => tempfile::tempdir_in(".").unwrap(),
+    };
+    let rounds: usize = args.get(1).and_then(|r| r.parse().ok()).unwrap_or(3000);
+    let ms = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    println!("{RECORD} B append + fdatasync per writer, writers starting together, {rounds} rounds");
+    for writers in 1..=3 {
+        let hists = run(dir.path(), writers, rounds);
+        for (k, h) in hists.iter().enumerate() {
+            let what = match (writers, k + 1) {
+                (1, _) => "the sync",
+                (_, n) if n == writers => "all syncs",
+                (_, 1) => "first sync",
+                _ => "second sync (majority of 3)",
+            };
+            println!(
+                "  {writers} writer(s), {what:<28} p50 {:>6.3} ms  p90 {:>6.3} ms  p99 {:>6.3} ms  -> at most {:>5.0} rounds/s at p50",
+                ms(h, 0.5),
+                ms(h, 0.9),
+                ms(h, 0.99),
+                1000.0 / ms(h, 0.5)
+            );
+        }
+    }
+}
