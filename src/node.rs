@@ -30,7 +30,7 @@ use crate::metadata::{
 use crate::metrics::Metrics;
 use crate::queue::catchup::{Plan, SyncProgress};
 use crate::queue::epoch::Epoch;
-use crate::queue::proposer::{Answer, Proposer};
+use crate::queue::proposer::{Answer, Lane, Proposer};
 use crate::queue::sync::{self, SyncState};
 use crate::queue::{Delivery, Message, QueueCmd, QueueMachine, QueueReply, QueueStats};
 use crate::raft::network::{CallError, EpochNews, NetworkFactory, Transport};
@@ -746,8 +746,24 @@ impl Node {
         max: u32,
         auto_ack: bool,
     ) -> Result<Vec<Delivery>, NodeError> {
-        match self.queue_op_parked(queue, vec![QueueCmd::Get { owner, max, auto_ack }], true).await?.pop() {
+        match self.queue_op_in(queue, vec![QueueCmd::Get { owner, max, auto_ack }], Lane::Parked).await?.pop() {
             Some(QueueReply::Got { msgs, .. }) => Ok(msgs),
+            other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// A consumer's get of messages known to be ready: it goes into the
+    /// master's next entry ahead of publishes waiting there ([`Lane::Consumer`]).
+    /// Also answers how many ready messages remain.
+    pub async fn consumer_fetch(
+        &self,
+        queue: &str,
+        owner: u64,
+        max: u32,
+        auto_ack: bool,
+    ) -> Result<(Vec<Delivery>, u64), NodeError> {
+        match self.queue_op_in(queue, vec![QueueCmd::Get { owner, max, auto_ack }], Lane::Consumer).await?.pop() {
+            Some(QueueReply::Got { msgs, remaining }) => Ok((msgs, remaining)),
             other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
         }
     }
@@ -850,27 +866,33 @@ impl Node {
     /// channel's publishes, while their confirms are awaited concurrently.
     /// Only a change of master between start and commit can reorder them.
     pub async fn submit(&self, queue: &str, cmds: Vec<QueueCmd>) -> Result<Submitted, NodeError> {
+        self.submit_in(queue, cmds, Lane::Arrival).await
+    }
+
+    /// [`Node::submit`] in `lane` at the master: [`Lane::Consumer`] for a
+    /// consumer's settlements, which need not wait behind queued publishes.
+    pub async fn submit_in(&self, queue: &str, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Submitted, NodeError> {
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.to_string()))?;
         let target = self.leader_guess(&q);
         let fast: Option<Result<Answer, NodeError>> =
-            if target == self.id() { Some(self.inner.local_enqueue(q.group, cmds.clone(), false).await) } else { None };
+            if target == self.id() { Some(self.inner.local_enqueue(q.group, cmds.clone(), lane).await) } else { None };
         let node = self.clone();
         let queue = queue.to_string();
         match fast {
             Some(Ok(answer)) => Ok(Box::pin(async move {
                 match answer.await.unwrap_or(Err(NodeError::Stopped)) {
-                    Err(NodeError::NotLeader { .. }) => node.queue_op(&queue, cmds).await,
+                    Err(NodeError::NotLeader { .. }) => node.queue_op_in(&queue, cmds, lane).await,
                     other => other,
                 }
             })),
-            Some(Err(_)) => Ok(Box::pin(async move { node.queue_op(&queue, cmds).await })),
+            Some(Err(_)) => Ok(Box::pin(async move { node.queue_op_in(&queue, cmds, lane).await })),
             None => {
                 let addr =
                     if self.inner.transport.control.is_blocked(target) { None } else { self.inner.addr_of(target) };
                 let Some(addr) = addr else {
-                    return Ok(Box::pin(async move { node.queue_op(&queue, cmds).await }));
+                    return Ok(Box::pin(async move { node.queue_op_in(&queue, cmds, lane).await }));
                 };
-                let req = RpcRequest::Queue { group: q.group, cmds, park: false };
+                let req = RpcRequest::Queue { group: q.group, cmds, lane };
                 match self.inner.transport.start_call(&addr, &req).await {
                     Ok(rx) => {
                         let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
@@ -878,7 +900,7 @@ impl Node {
                         Ok(Box::pin(async move {
                             match tokio::time::timeout(timeout, rx).await {
                                 Ok(Ok(RpcResponse::Queue(Err(NodeError::NotLeader { .. })))) => {
-                                    node.queue_op(&queue, cmds).await
+                                    node.queue_op_in(&queue, cmds, lane).await
                                 }
                                 Ok(Ok(RpcResponse::Queue(r))) => r,
                                 Ok(Ok(other)) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
@@ -889,7 +911,7 @@ impl Node {
                     }
                     Err(_) => {
                         let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
-                        Ok(Box::pin(async move { node.queue_op(&queue, cmds).await }))
+                        Ok(Box::pin(async move { node.queue_op_in(&queue, cmds, lane).await }))
                     }
                 }
             }
@@ -898,26 +920,20 @@ impl Node {
 
     /// Run queue operations at the queue's master, wherever it is.
     pub async fn queue_op(&self, queue: &str, cmds: Vec<QueueCmd>) -> Result<Vec<QueueReply>, NodeError> {
-        self.queue_op_parked(queue, cmds, false).await
+        self.queue_op_in(queue, cmds, Lane::Arrival).await
     }
 
-    /// [`Node::queue_op`]; with `park`, the master may hold the operations
-    /// (consumer gets) for its next entry (`Proposer::enqueue_parked`).
-    async fn queue_op_parked(
-        &self,
-        queue: &str,
-        cmds: Vec<QueueCmd>,
-        park: bool,
-    ) -> Result<Vec<QueueReply>, NodeError> {
+    /// [`Node::queue_op`] in `lane` at the master ([`Lane`]).
+    async fn queue_op_in(&self, queue: &str, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Vec<QueueReply>, NodeError> {
         let deadline = Instant::now() + self.inner.timing.op_timeout;
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.to_string()))?;
         let mut target = self.leader_guess(&q);
         let mut attempt = 0usize;
         loop {
             let result = if target == self.id() {
-                self.inner.local_queue_op(q.group, cmds.clone(), park).await
+                self.inner.local_queue_op(q.group, cmds.clone(), lane).await
             } else {
-                let req = RpcRequest::Queue { group: q.group, cmds: cmds.clone(), park };
+                let req = RpcRequest::Queue { group: q.group, cmds: cmds.clone(), lane };
                 match self.inner.call(target, &req, deadline).await {
                     Ok(RpcResponse::Queue(r)) => r,
                     Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
@@ -1534,18 +1550,17 @@ impl Inner {
         &self,
         group: GroupId,
         cmds: Vec<QueueCmd>,
-        park: bool,
+        lane: Lane,
     ) -> Result<Vec<QueueReply>, NodeError> {
-        self.local_enqueue(group, cmds, park).await?.await.unwrap_or(Err(NodeError::Stopped))
+        self.local_enqueue(group, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped))
     }
 
     /// Put operations in this node's proposer for `group`, in call order
-    /// (`park`: see `Proposer::enqueue_parked`).
-    async fn local_enqueue(&self, group: GroupId, cmds: Vec<QueueCmd>, park: bool) -> Result<Answer, NodeError> {
+    /// within their lane ([`Lane`]).
+    async fn local_enqueue(&self, group: GroupId, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned();
         match g {
-            Some(g) if park => g.proposer.enqueue_parked(cmds).await,
-            Some(g) => g.proposer.enqueue(cmds).await,
+            Some(g) => g.proposer.enqueue_in(cmds, lane).await,
             None => Err(NodeError::NotLeader { leader: None }),
         }
     }
@@ -1594,8 +1609,8 @@ impl Inner {
 
 impl RpcHandler for Inner {
     async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion {
-        if let RpcRequest::Queue { group, cmds, park } = req {
-            return match self.local_enqueue(group, cmds, park).await {
+        if let RpcRequest::Queue { group, cmds, lane } = req {
+            return match self.local_enqueue(group, cmds, lane).await {
                 Ok(answer) => {
                     Box::pin(async move { RpcResponse::Queue(answer.await.unwrap_or(Err(NodeError::Stopped))) })
                 }
@@ -1631,7 +1646,7 @@ impl Inner {
                     Some(g) if g.epoch == epoch => {
                         let cmds =
                             batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
-                        RpcResponse::Queue(self.local_queue_op(group, cmds, false).await)
+                        RpcResponse::Queue(self.local_queue_op(group, cmds, Lane::Arrival).await)
                     }
                     // The epoch moved on again: the sender must heal into this one.
                     Some(g) if g.epoch > epoch => RpcResponse::NewerEpoch(g.epoch),
@@ -1683,7 +1698,7 @@ impl Inner {
                 }
                 RpcResponse::Done
             }
-            RpcRequest::Queue { group, cmds, park } => RpcResponse::Queue(self.local_queue_op(group, cmds, park).await),
+            RpcRequest::Queue { group, cmds, lane } => RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await),
             RpcRequest::Clients => {
                 let (c, k) = self.clients.snapshot();
                 RpcResponse::Clients(c, k)

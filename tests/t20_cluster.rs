@@ -209,6 +209,61 @@ async fn mirrors_sync_an_entry_while_the_master_syncs_it_and_the_confirm_waits_f
     c.shutdown().await;
 }
 
+/// A consumer's get goes into the master's next entry ahead of publishes
+/// already waiting for one, while a plain get (AMQP `basic.get`) keeps its
+/// place behind them. With two entries stuck in flight (the master's syncs
+/// held), five publishes are queued at the master, then a consumer get and
+/// a plain get: the consumer get takes only what was published before
+/// them, the plain get what the five published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumers_get_goes_ahead_of_publishes_waiting_at_the_master() {
+    init_tracing();
+    let (c, master, _) = cluster_with_queue("q-lane").await;
+    let node = c.node(master).clone();
+    let raft = node.queue_raft("q-lane").unwrap();
+    let last = || raft.metrics().borrow().last_log_index.unwrap_or(0);
+
+    let held = node.db().flusher().hold_syncs();
+    // Two publishes, each in an entry of its own: both in-flight slots taken.
+    let mut confirms = Vec::new();
+    for body in ["a", "b"] {
+        let before = last();
+        let started = node.submit("q-lane", vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg(body)] }]).await.unwrap();
+        confirms.push(tokio::spawn(started));
+        wait_until(Duration::from_secs(5), "the publish is in an entry", || last() > before).await;
+    }
+    // Five more wait at the master for a slot, in arrival order.
+    for i in 0..5 {
+        let cmds = vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg(format!("c{i}"))] }];
+        confirms.push(tokio::spawn(node.submit("q-lane", cmds).await.unwrap()));
+    }
+    let consumer = {
+        let node = node.clone();
+        tokio::spawn(async move { node.consumer_fetch("q-lane", 7, 100, false).await })
+    };
+    // Started after the consumer get (it is in the proposer when this one is).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let plain = {
+        let node = node.clone();
+        tokio::spawn(async move { node.fetch("q-lane", 8, 100, false).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(held);
+
+    for confirm in confirms {
+        tokio::time::timeout(Duration::from_secs(10), confirm).await.expect("confirmed").unwrap().unwrap();
+    }
+    let (got, _) = consumer.await.unwrap().unwrap();
+    let got: BTreeSet<Vec<u8>> = got.iter().map(|d| d.message.body.clone()).collect();
+    let want: BTreeSet<Vec<u8>> = ["warm-up", "a", "b"].iter().map(|b| b.as_bytes().to_vec()).collect();
+    assert_eq!(got, want, "the consumer get waited behind publishes queued before it");
+    let (plain, _) = plain.await.unwrap().unwrap();
+    let plain: BTreeSet<Vec<u8>> = plain.iter().map(|d| d.message.body.clone()).collect();
+    let five: BTreeSet<Vec<u8>> = (0..5).map(|i| format!("c{i}").into_bytes()).collect();
+    assert_eq!(plain, five, "a plain get must see the publishes queued before it");
+    c.shutdown().await;
+}
+
 /// With one message in flight a mirror is sent one AppendEntries per
 /// message: the new commit index rides on the next entry (or the next
 /// heartbeat) instead of a round trip of its own, which the next entry

@@ -29,6 +29,7 @@ use crate::error::NodeError;
 use crate::metadata::names::{self, DEFAULT_VHOST};
 use crate::metadata::{Access, ArgValue, Args, Binding, ExchangeKind, ExchangeMeta, QueueArgs};
 use crate::node::{stored_all, stored_count, DeclareOpts, Node};
+use crate::queue::proposer::Lane;
 use crate::queue::{Message, QueueCmd};
 
 const PROTOCOL_HEADER: &[u8; 8] = b"AMQP\x00\x00\x09\x01";
@@ -1311,8 +1312,10 @@ impl Channel {
             let holders = taken.holders(&q);
             // Submitted here, in the channel's order: a message requeued
             // before a basic.consume or basic.get on the channel is back
-            // before that takes anything. Only the answer is awaited apart.
-            let submitted = self.node.submit(&q, vec![how.cmd(tags)]).await;
+            // before that takes anything (the consumer lane goes first into
+            // an entry, and a get comes after). Only the answer is awaited
+            // apart.
+            let submitted = self.node.submit_in(&q, vec![how.cmd(tags)], Lane::Consumer).await;
             let deliveries = self.deliveries.clone();
             tokio::spawn(async move {
                 let r = match submitted {

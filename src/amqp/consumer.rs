@@ -89,7 +89,7 @@ impl Consumer {
                         let got = if park {
                             node.consumer_get(&queue, owner, want, no_ack).await
                         } else {
-                            node.get(&queue, owner, want, no_ack).await
+                            node.consumer_fetch(&queue, owner, want, no_ack).await.map(|(msgs, _)| msgs)
                         };
                         (claim, want, park, got)
                     }

@@ -6,11 +6,18 @@
 //! publish would cap a queue at the disk's sync rate. Instead, everything
 //! that arrives while earlier entries are in flight goes into the next entry
 //! together: the busier the queue, the bigger the entries.
+//!
+//! Consumers' gets and settlements have a lane of their own that goes first
+//! into each entry. In arrival order they waited behind every publish queued
+//! before them: with 1000 publishes of 4 KiB in flight that is a dozen
+//! entries, so a consumer asked for messages (and gave its prefetch back)
+//! once per dozen entries and fell behind its publisher while the queue grew.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use openraft::error::ClientWriteError;
+use serde::{Deserialize, Serialize};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -40,6 +47,22 @@ struct Pending {
     park: bool,
 }
 
+/// Where operations wait for their entry at the master.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Lane {
+    /// In arrival order: publishes, `basic.get` (which must see its own
+    /// channel's earlier publishes), everything that orders with them.
+    Arrival,
+    /// A consumer's get that may wait for the next entry when nothing is
+    /// ready ([`Proposer::enqueue_parked`]); it is in the consumer lane.
+    Parked,
+    /// Consumers' gets and settlements (ack, nack, reject): into the next
+    /// entry ahead of whatever waits in arrival order, in their own order.
+    /// Nothing in them depends on a publish still waiting: a consumer's get
+    /// takes what is ready, a settlement names delivered messages.
+    Consumer,
+}
+
 /// How long a parked get waits for an entry or a ready message before it is
 /// answered empty (without an entry: an empty get changes nothing).
 const PARK_MAX: Duration = Duration::from_millis(200);
@@ -57,12 +80,40 @@ pub type DeadLetterSlot = tokio::sync::oneshot::Sender<Vec<(Message, DeathReason
 #[derive(Clone)]
 pub struct Proposer {
     tx: mpsc::Sender<Pending>,
+    /// The consumer lane ([`Lane::Consumer`]).
+    consumer_tx: mpsc::Sender<Pending>,
     /// `ha-min-synchronised` (0: none), set from the effective policy.
     min_sync: Arc<AtomicUsize>,
     /// TTL, max length, dead-lettering: stamped on every entry when set.
     limits: Arc<watch::Sender<Limits>>,
     /// In-flight entry slots; holding all of them stops new entries.
     slots: Arc<Semaphore>,
+}
+
+/// The operations of the next entry, and whether it has reached the caps.
+#[derive(Default)]
+struct Batch {
+    pending: Vec<Pending>,
+    cmds: usize,
+    bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, p: Pending) {
+        self.cmds += p.cmds.len();
+        self.bytes += approx_size(&p.cmds);
+        self.pending.push(p);
+    }
+
+    fn extend(&mut self, p: Option<Pending>) {
+        if let Some(p) = p {
+            self.push(p);
+        }
+    }
+
+    fn full(&self) -> bool {
+        self.cmds >= MAX_CMDS || self.bytes >= MAX_BYTES
+    }
 }
 
 fn approx_size(cmds: &[QueueCmd]) -> usize {
@@ -85,6 +136,7 @@ impl Proposer {
         stop: CancellationToken,
     ) -> Self {
         let (tx, mut rx) = mpsc::channel::<Pending>(65536);
+        let (consumer_tx, mut consumer_rx) = mpsc::channel::<Pending>(65536);
         let min_sync = Arc::new(AtomicUsize::new(0));
         let min = min_sync.clone();
         let limits = Arc::new(watch::Sender::new(Limits::default()));
@@ -98,18 +150,24 @@ impl Proposer {
                 // Work first, then a slot: an idle proposer holds no slot,
                 // so `hold` takes them all at once.
                 let first = tokio::select! {
+                    biased;
                     _ = stop.cancelled() => {
                         parked.refuse();
+                        refuse_waiting(&mut consumer_rx);
                         return refuse_waiting(&mut rx);
                     }
-                    p = rx.recv() => match p {
+                    p = consumer_rx.recv() => match p {
                         // Only the leader parks: elsewhere the get goes on
                         // to be refused, so its caller finds the master.
                         Some(p) if p.park && stats.borrow().ready == 0 && raft.metrics().borrow().state.is_leader() => {
                             parked.push(p);
                             continue;
                         }
-                        Some(p) => Some(p),
+                        Some(p) => Some((p, Lane::Consumer)),
+                        None => return,
+                    },
+                    p = rx.recv() => match p {
+                        Some(p) => Some((p, Lane::Arrival)),
                         None => return,
                     },
                     // Something became ready that no entry of theirs took:
@@ -127,34 +185,47 @@ impl Proposer {
                 };
                 let permit = tokio::select! {
                     _ = stop.cancelled() => {
-                        if let Some(first) = first {
+                        if let Some((first, _)) = first {
                             let _ = first.reply.send(Err(NodeError::NotLeader { leader: None }));
                         }
                         parked.refuse();
+                        refuse_waiting(&mut consumer_rx);
                         return refuse_waiting(&mut rx);
                     }
                     p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
                 };
-                let mut batch: Vec<Pending> = first.into_iter().collect();
-                let (mut n, mut bytes) =
-                    batch.iter().fold((0, 0), |(n, b), p| (n + p.cmds.len(), b + approx_size(&p.cmds)));
-                while n < MAX_CMDS && bytes < MAX_BYTES {
-                    match rx.try_recv() {
+                // The consumer lane first, then arrival order: an arrival
+                // that was waiting for this slot goes after the consumer lane
+                // too, so nothing waits behind more than one entry's worth.
+                let (mut consumer_first, mut arrival_first) = (None, None);
+                match first {
+                    Some((p, Lane::Consumer)) => consumer_first = Some(p),
+                    Some((p, _)) => arrival_first = Some(p),
+                    None => {}
+                }
+                let mut batch = Batch::default();
+                batch.extend(consumer_first);
+                while !batch.full() {
+                    match consumer_rx.try_recv() {
                         Ok(p) if p.park => parked.push(p),
-                        Ok(p) => {
-                            n += p.cmds.len();
-                            bytes += approx_size(&p.cmds);
-                            batch.push(p);
-                        }
+                        Ok(p) => batch.push(p),
                         Err(_) => break,
                     }
                 }
+                batch.extend(arrival_first);
+                while !batch.full() {
+                    match rx.try_recv() {
+                        Ok(p) => batch.push(p),
+                        Err(_) => break,
+                    }
+                }
+                let mut batch = batch.pending;
                 // Parked gets go last, so they take what this entry publishes.
                 batch.extend(parked.take());
                 if batch.is_empty() {
                     continue;
                 }
-                // Hand the entry to Raft here, in arrival order (that fixes
+                // Hand the entry to Raft here, in this order (that fixes
                 // its place in the log); wait for commit and confirm elsewhere.
                 let (mut cmds, waiters, needs_confirm) = flatten(batch);
                 let limits = *task_limits.borrow();
@@ -173,7 +244,7 @@ impl Proposer {
                 }
             }
         });
-        Self { tx, min_sync, limits, slots }
+        Self { tx, consumer_tx, min_sync, limits, slots }
     }
 
     /// The limits the queue's arguments and policy give it now.
@@ -208,7 +279,12 @@ impl Proposer {
     /// fixes their order in the log); the receiver answers after commit (and
     /// confirm, for publishes).
     pub async fn enqueue(&self, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
-        self.send(cmds, false).await
+        self.send(cmds, Lane::Arrival).await
+    }
+
+    /// Queue operations in `lane` (see [`Lane`]).
+    pub async fn enqueue_in(&self, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
+        self.send(cmds, lane).await
     }
 
     /// A consumer's gets (`cmds`, gets only). With messages ready they go in
@@ -219,12 +295,17 @@ impl Proposer {
     /// proposed and nothing becomes ready within [`PARK_MAX`], they are
     /// answered empty, as a get of an empty queue would be.
     pub async fn enqueue_parked(&self, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
-        self.send(cmds, true).await
+        self.send(cmds, Lane::Parked).await
     }
 
-    async fn send(&self, cmds: Vec<QueueCmd>, park: bool) -> Result<Answer, NodeError> {
+    async fn send(&self, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Pending { cmds, reply, park }).await.map_err(|_| NodeError::Stopped)?;
+        let (tx, park) = match lane {
+            Lane::Arrival => (&self.tx, false),
+            Lane::Parked => (&self.consumer_tx, true),
+            Lane::Consumer => (&self.consumer_tx, false),
+        };
+        tx.send(Pending { cmds, reply, park }).await.map_err(|_| NodeError::Stopped)?;
         Ok(rx)
     }
 }

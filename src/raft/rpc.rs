@@ -14,6 +14,7 @@ use crate::error::NodeError;
 use crate::metadata::{MetaCmd, MetaReply};
 use crate::queue::catchup::SyncProgress;
 use crate::queue::epoch::{Epoch, ForkRecord};
+use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
 
 /// Largest frame accepted on the node link.
@@ -50,8 +51,9 @@ pub enum RpcRequest {
     Queue {
         group: GroupId,
         cmds: Vec<QueueCmd>,
-        /// Consumer gets that may wait for the master's next entry.
-        park: bool,
+        /// Where they wait at the master (consumers' gets and settlements
+        /// go ahead of queued publishes).
+        lane: Lane,
     },
     /// The members (voters and learners) of `group` as the receiver's replica
     /// sees them; `None` if it hosts none. A replica moved away asks this to
