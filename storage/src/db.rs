@@ -341,6 +341,31 @@ mod tests {
     }
 
     #[test]
+    fn dead_log_segments_go_after_a_sync_and_the_live_entries_stay() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = DbOptions { wal_segment_bytes: 4096, ..DbOptions::default() };
+        let db = NodeDb::open(dir.path(), &opts).unwrap();
+        for i in 1..=40u64 {
+            db.wal().append(1, &[(i, vec![7; 500])]).unwrap();
+        }
+        let files = || std::fs::read_dir(dir.path().join("wal")).unwrap().count();
+        let before = files();
+        assert!(before > 4, "small segments: the log moved on ({before} files)");
+        db.wal().purge(1, 35);
+        // The round's reclaim drops the dead segments from the log at once
+        // and unlinks their files on a thread of its own.
+        db.flusher().sync_blocking().unwrap();
+        assert!(db.wal().segment_count() < before);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while files() != db.wal().segment_count() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(files(), db.wal().segment_count(), "a dead segment's file was left behind");
+        let live: Vec<u64> = db.wal().read(1, 36, 40).unwrap().into_iter().map(|(i, _)| i).collect();
+        assert_eq!(live, vec![36, 37, 38, 39, 40]);
+    }
+
+    #[test]
     fn node_values_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
         {

@@ -109,7 +109,7 @@ impl Flusher {
         let data_file = File::open(dir.join("db"))?;
         let blobs = dir.join("blobs");
         let sled = SledTarget { db, data_file, blobs, synced_blobs: HashSet::new() };
-        Self::with_target(NodeTarget { wal, sled }, on_fatal)
+        Self::with_target(NodeTarget { wal, sled, remover: None }, on_fatal)
     }
 
     /// Start a flusher over any [`SyncTarget`] (tests inject failing ones).
@@ -219,6 +219,10 @@ pub trait SyncTarget: Send + 'static {
 struct NodeTarget {
     wal: Arc<Wal>,
     sled: SledTarget,
+    /// Unlinks dead segments' files, in the order they are sent (started
+    /// with the first; it ends when this target is dropped, after the
+    /// files already sent).
+    remover: Option<mpsc::Sender<Vec<PathBuf>>>,
 }
 
 impl SyncTarget for NodeTarget {
@@ -254,11 +258,39 @@ impl NodeTarget {
         // The purge points that killed these entries are sled writes: they
         // must be durable before the entries are gone.
         self.sled.sync()?;
-        if let Err(e) = self.wal.remove(&dead) {
-            // Space not given back yet, nothing lost: retried next round.
-            tracing::warn!(error = %e, "could not remove a write-ahead log segment");
+        let files = self.wal.forget(&dead);
+        // Unlinking a full segment costs the file system 30-60 ms (its
+        // extents, its cached pages), and every append on the node waits
+        // for this thread: at 4 KiB x 1000 rounds of 108-183 ms, one per
+        // few snapshots. The files go on a thread of their own, one thread
+        // so that they still go oldest first (a crash never leaves an older
+        // segment without a newer one that may hold the truncation or drop
+        // record killing its entries).
+        if self.remover.is_none() {
+            let (tx, rx) = mpsc::channel::<Vec<PathBuf>>();
+            let spawned = std::thread::Builder::new()
+                .name("mirrorq-wal-rm".into())
+                .spawn(move || rx.iter().for_each(|files| unlink_all(&files)));
+            self.remover = spawned.ok().map(|_| tx);
+        }
+        match &self.remover {
+            Some(tx) => {
+                if let Err(mpsc::SendError(files)) = tx.send(files) {
+                    unlink_all(&files);
+                }
+            }
+            None => unlink_all(&files),
         }
         Ok(())
+    }
+}
+
+fn unlink_all(files: &[PathBuf]) {
+    for f in files {
+        if let Err(e) = crate::wal::unlink(f) {
+            // Space not given back until the next start, nothing lost.
+            tracing::warn!(error = %e, file = %f.display(), "could not remove a write-ahead log segment");
+        }
     }
 }
 

@@ -174,6 +174,14 @@ fn preallocate(file: &File, len: u64) {
     }
 }
 
+/// Remove a segment's file; one already gone is fine.
+pub fn unlink(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// Whether the `len` bytes at `at` are zeros, as reserved space reads.
 fn zeros_at(file: &File, at: u64, len: u64) -> io::Result<bool> {
     let mut buf = vec![0u8; len as usize];
@@ -606,22 +614,26 @@ impl Wal {
     /// Remove segments [`Wal::reclaimable`] named (they stay dead: nothing
     /// is written to a segment but the head).
     pub fn remove(&self, ids: &[u64]) -> Result<(), WalError> {
-        for id in ids {
-            let path = seg_path(&self.dir, *id);
-            let removed = {
-                let mut inner = self.lock();
-                let dead = inner.segments.get(id).is_some_and(|s| s.live == 0) && *id != inner.active;
-                dead && inner.segments.remove(id).is_some()
-            };
-            if removed {
-                match std::fs::remove_file(&path) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(self.io_err(e)),
-                }
-            }
+        for path in self.forget(ids) {
+            unlink(&path).map_err(|e| self.io_err(e))?;
         }
         Ok(())
+    }
+
+    /// Drop the dead segments among `ids` from the log and answer their
+    /// files, for the caller to unlink ([`unlink`]) when it suits it. A
+    /// file left behind (a crash before the unlink) holds only dead
+    /// entries: it is read back and reclaimed again.
+    pub fn forget(&self, ids: &[u64]) -> Vec<PathBuf> {
+        let mut inner = self.lock();
+        let mut paths = Vec::new();
+        for id in ids {
+            let dead = inner.segments.get(id).is_some_and(|s| s.live == 0) && *id != inner.active;
+            if dead && inner.segments.remove(id).is_some() {
+                paths.push(seg_path(&self.dir, *id));
+            }
+        }
+        paths
     }
 
     /// When there are too many segments, write the entries of the groups
