@@ -264,6 +264,47 @@ async fn a_consumers_get_goes_ahead_of_publishes_waiting_at_the_master() {
     c.shutdown().await;
 }
 
+/// The consumer lane takes at most half an entry: with more consumer gets
+/// waiting than that, a publish queued behind them still goes into the next
+/// entry, and a get of the entry after it takes its message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn publishes_go_on_behind_a_flood_of_consumer_gets() {
+    init_tracing();
+    let (c, master, _) = cluster_with_queue("q-flood").await;
+    let node = c.node(master).clone();
+    let raft = node.queue_raft("q-flood").unwrap();
+    let last = || raft.metrics().borrow().last_log_index.unwrap_or(0);
+
+    let held = node.db().flusher().hold_syncs();
+    for body in ["a", "b"] {
+        let before = last();
+        let started = node.submit("q-flood", vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg(body)] }]).await.unwrap();
+        tokio::spawn(started);
+        wait_until(Duration::from_secs(5), "the publish is in an entry", || last() > before).await;
+    }
+    // More consumer gets than half an entry's 4,096 commands.
+    let gets: Vec<_> = (0..2100u64)
+        .map(|owner| {
+            let node = node.clone();
+            tokio::spawn(async move { node.consumer_fetch("q-flood", owner, 1, false).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let publish = node.submit("q-flood", vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg("late")] }]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(held);
+
+    tokio::time::timeout(Duration::from_secs(20), publish).await.expect("confirmed").unwrap();
+    let mut got = BTreeSet::new();
+    for g in gets {
+        let (msgs, _) = tokio::time::timeout(Duration::from_secs(20), g).await.expect("answered").unwrap().unwrap();
+        got.extend(msgs.into_iter().map(|d| d.message.body));
+    }
+    let want: BTreeSet<Vec<u8>> = ["warm-up", "a", "b", "late"].iter().map(|b| b.as_bytes().to_vec()).collect();
+    assert_eq!(got, want, "the publish waited behind every consumer get");
+    c.shutdown().await;
+}
+
 /// With one message in flight a mirror is sent one AppendEntries per
 /// message: the new commit index rides on the next entry (or the next
 /// heartbeat) instead of a round trip of its own, which the next entry

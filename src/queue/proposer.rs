@@ -34,6 +34,9 @@ const MAX_IN_FLIGHT: usize = 2;
 /// Caps on one entry, to bound memory and the time to replicate it.
 const MAX_CMDS: usize = 4096;
 const MAX_BYTES: usize = 256 << 10;
+/// The consumer lane fills at most this many commands of an entry, so
+/// publishes go on however many consumers a queue has.
+const MAX_CONSUMER_CMDS: usize = MAX_CMDS / 2;
 
 type Reply = oneshot::Sender<Result<Vec<QueueReply>, NodeError>>;
 /// Where the replies of enqueued operations arrive.
@@ -205,7 +208,7 @@ impl Proposer {
                 }
                 let mut batch = Batch::default();
                 batch.extend(consumer_first);
-                while !batch.full() {
+                while !batch.full() && batch.cmds < MAX_CONSUMER_CMDS {
                     match consumer_rx.try_recv() {
                         Ok(p) if p.park => parked.push(p),
                         Ok(p) => batch.push(p),
