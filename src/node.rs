@@ -738,7 +738,7 @@ impl Node {
 
     /// A consumer's get: with nothing ready at the master it waits there
     /// (briefly) for the next entry and takes what that entry publishes
-    /// (`Proposer::enqueue_parked`); answers empty if nothing came.
+    /// (`proposer::Lane::Parked`); answers empty if nothing came.
     pub async fn consumer_get(
         &self,
         queue: &str,
@@ -746,10 +746,7 @@ impl Node {
         max: u32,
         auto_ack: bool,
     ) -> Result<Vec<Delivery>, NodeError> {
-        match self.queue_op_in(queue, vec![QueueCmd::Get { owner, max, auto_ack }], Lane::Parked).await?.pop() {
-            Some(QueueReply::Got { msgs, .. }) => Ok(msgs),
-            other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-        }
+        self.fetch_in(queue, owner, max, auto_ack, Lane::Parked).await.map(|(msgs, _)| msgs)
     }
 
     /// A consumer's get of messages known to be ready: it goes into the
@@ -762,10 +759,7 @@ impl Node {
         max: u32,
         auto_ack: bool,
     ) -> Result<(Vec<Delivery>, u64), NodeError> {
-        match self.queue_op_in(queue, vec![QueueCmd::Get { owner, max, auto_ack }], Lane::Consumer).await?.pop() {
-            Some(QueueReply::Got { msgs, remaining }) => Ok((msgs, remaining)),
-            other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-        }
+        self.fetch_in(queue, owner, max, auto_ack, Lane::Consumer).await
     }
 
     /// [`Node::get`], also answering how many ready messages remain.
@@ -776,7 +770,18 @@ impl Node {
         max: u32,
         auto_ack: bool,
     ) -> Result<(Vec<Delivery>, u64), NodeError> {
-        match self.queue_op(queue, vec![QueueCmd::Get { owner, max, auto_ack }]).await?.pop() {
+        self.fetch_in(queue, owner, max, auto_ack, Lane::Arrival).await
+    }
+
+    async fn fetch_in(
+        &self,
+        queue: &str,
+        owner: u64,
+        max: u32,
+        auto_ack: bool,
+        lane: Lane,
+    ) -> Result<(Vec<Delivery>, u64), NodeError> {
+        match self.queue_op_in(queue, vec![QueueCmd::Get { owner, max, auto_ack }], lane).await?.pop() {
             Some(QueueReply::Got { msgs, remaining }) => Ok((msgs, remaining)),
             other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
         }
@@ -1560,7 +1565,7 @@ impl Inner {
     async fn local_enqueue(&self, group: GroupId, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned();
         match g {
-            Some(g) => g.proposer.enqueue_in(cmds, lane).await,
+            Some(g) => g.proposer.enqueue(cmds, lane).await,
             None => Err(NodeError::NotLeader { leader: None }),
         }
     }

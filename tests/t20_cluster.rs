@@ -34,6 +34,35 @@ async fn comes_to_hold(node: &mirrorq::Node, queue: &str, body: &[u8]) -> bool {
     false
 }
 
+/// Hold `node`'s disk syncs and publish "a" and "b" to `queue`, each in an
+/// entry of its own: both of the master's in-flight slots are taken and
+/// whatever comes next waits in its proposer until the guard drops. The
+/// publishes' confirms come after that.
+async fn fill_the_slots(
+    node: &mirrorq::Node,
+    queue: &str,
+) -> (
+    mirrorq_storage::flusher::SyncsHeld,
+    Vec<tokio::task::JoinHandle<Result<Vec<mirrorq::QueueReply>, mirrorq::NodeError>>>,
+) {
+    let raft = node.queue_raft(queue).unwrap();
+    let last = || raft.metrics().borrow().last_log_index.unwrap_or(0);
+    let held = node.db().flusher().hold_syncs();
+    let mut confirms = Vec::new();
+    for body in ["a", "b"] {
+        let before = last();
+        let started = node.submit(queue, vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg(body)] }]).await.unwrap();
+        confirms.push(tokio::spawn(started));
+        wait_until(Duration::from_secs(5), "the publish is in an entry", || last() > before).await;
+    }
+    (held, confirms)
+}
+
+/// The bodies of what a get delivered.
+fn delivered(deliveries: &[mirrorq::Delivery]) -> BTreeSet<Vec<u8>> {
+    deliveries.iter().map(|d| d.message.body.clone()).collect()
+}
+
 /// Every confirmed publish is on the disk of all three replicas at the moment
 /// its confirm arrives, and ends up in every replica's applied state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -220,18 +249,7 @@ async fn a_consumers_get_goes_ahead_of_publishes_waiting_at_the_master() {
     init_tracing();
     let (c, master, _) = cluster_with_queue("q-lane").await;
     let node = c.node(master).clone();
-    let raft = node.queue_raft("q-lane").unwrap();
-    let last = || raft.metrics().borrow().last_log_index.unwrap_or(0);
-
-    let held = node.db().flusher().hold_syncs();
-    // Two publishes, each in an entry of its own: both in-flight slots taken.
-    let mut confirms = Vec::new();
-    for body in ["a", "b"] {
-        let before = last();
-        let started = node.submit("q-lane", vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg(body)] }]).await.unwrap();
-        confirms.push(tokio::spawn(started));
-        wait_until(Duration::from_secs(5), "the publish is in an entry", || last() > before).await;
-    }
+    let (held, mut confirms) = fill_the_slots(&node, "q-lane").await;
     // Five more wait at the master for a slot, in arrival order.
     for i in 0..5 {
         let cmds = vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg(format!("c{i}"))] }];
@@ -253,12 +271,10 @@ async fn a_consumers_get_goes_ahead_of_publishes_waiting_at_the_master() {
     for confirm in confirms {
         tokio::time::timeout(Duration::from_secs(10), confirm).await.expect("confirmed").unwrap().unwrap();
     }
-    let (got, _) = consumer.await.unwrap().unwrap();
-    let got: BTreeSet<Vec<u8>> = got.iter().map(|d| d.message.body.clone()).collect();
+    let got = delivered(&consumer.await.unwrap().unwrap().0);
     let want: BTreeSet<Vec<u8>> = ["warm-up", "a", "b"].iter().map(|b| b.as_bytes().to_vec()).collect();
     assert_eq!(got, want, "the consumer get waited behind publishes queued before it");
-    let (plain, _) = plain.await.unwrap().unwrap();
-    let plain: BTreeSet<Vec<u8>> = plain.iter().map(|d| d.message.body.clone()).collect();
+    let plain = delivered(&plain.await.unwrap().unwrap().0);
     let five: BTreeSet<Vec<u8>> = (0..5).map(|i| format!("c{i}").into_bytes()).collect();
     assert_eq!(plain, five, "a plain get must see the publishes queued before it");
     c.shutdown().await;
@@ -272,16 +288,7 @@ async fn publishes_go_on_behind_a_flood_of_consumer_gets() {
     init_tracing();
     let (c, master, _) = cluster_with_queue("q-flood").await;
     let node = c.node(master).clone();
-    let raft = node.queue_raft("q-flood").unwrap();
-    let last = || raft.metrics().borrow().last_log_index.unwrap_or(0);
-
-    let held = node.db().flusher().hold_syncs();
-    for body in ["a", "b"] {
-        let before = last();
-        let started = node.submit("q-flood", vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg(body)] }]).await.unwrap();
-        tokio::spawn(started);
-        wait_until(Duration::from_secs(5), "the publish is in an entry", || last() > before).await;
-    }
+    let (held, _confirms) = fill_the_slots(&node, "q-flood").await;
     // More consumer gets than half an entry's 4,096 commands.
     let gets: Vec<_> = (0..2100u64)
         .map(|owner| {

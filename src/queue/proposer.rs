@@ -46,7 +46,7 @@ struct Pending {
     cmds: Vec<QueueCmd>,
     reply: Reply,
     /// A consumer's get on a queue with nothing ready: held until an
-    /// entry is proposed, and put at its end (see [`Proposer::enqueue_parked`]).
+    /// entry is proposed, and put at its end (see [`Lane::Parked`]).
     park: bool,
 }
 
@@ -56,8 +56,14 @@ pub enum Lane {
     /// In arrival order: publishes, `basic.get` (which must see its own
     /// channel's earlier publishes), everything that orders with them.
     Arrival,
-    /// A consumer's get that may wait for the next entry when nothing is
-    /// ready ([`Proposer::enqueue_parked`]); it is in the consumer lane.
+    /// A consumer's gets (gets only), in the consumer lane. With messages
+    /// ready they go in the next entry like any operation. With none, they
+    /// wait for the next entry proposed (a publish, most likely) and go at
+    /// its end, so a message published to a waiting consumer is delivered
+    /// by the entry that publishes it: one Raft round trip instead of two.
+    /// If nothing is proposed and nothing becomes ready within
+    /// [`PARK_MAX`], they are answered empty, as a get of an empty queue
+    /// would be.
     Parked,
     /// Consumers' gets and settlements (ack, nack, reject): into the next
     /// entry ahead of whatever waits in arrival order, in their own order.
@@ -154,11 +160,7 @@ impl Proposer {
                 // so `hold` takes them all at once.
                 let first = tokio::select! {
                     biased;
-                    _ = stop.cancelled() => {
-                        parked.refuse();
-                        refuse_waiting(&mut consumer_rx);
-                        return refuse_waiting(&mut rx);
-                    }
+                    _ = stop.cancelled() => return refuse_all(&mut parked, &mut consumer_rx, &mut rx),
                     p = consumer_rx.recv() => match p {
                         // Only the leader parks: elsewhere the get goes on
                         // to be refused, so its caller finds the master.
@@ -191,9 +193,7 @@ impl Proposer {
                         if let Some((first, _)) = first {
                             let _ = first.reply.send(Err(NodeError::NotLeader { leader: None }));
                         }
-                        parked.refuse();
-                        refuse_waiting(&mut consumer_rx);
-                        return refuse_waiting(&mut rx);
+                        return refuse_all(&mut parked, &mut consumer_rx, &mut rx);
                     }
                     p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
                 };
@@ -275,33 +275,13 @@ impl Proposer {
 
     /// Submit operations; resolves with their replies in order.
     pub async fn submit(&self, cmds: Vec<QueueCmd>) -> Result<Vec<QueueReply>, NodeError> {
-        self.enqueue(cmds).await?.await.map_err(|_| NodeError::Stopped)?
+        self.enqueue(cmds, Lane::Arrival).await?.await.map_err(|_| NodeError::Stopped)?
     }
 
-    /// Queue operations behind everything enqueued before (this is what
-    /// fixes their order in the log); the receiver answers after commit (and
-    /// confirm, for publishes).
-    pub async fn enqueue(&self, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
-        self.send(cmds, Lane::Arrival).await
-    }
-
-    /// Queue operations in `lane` (see [`Lane`]).
-    pub async fn enqueue_in(&self, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
-        self.send(cmds, lane).await
-    }
-
-    /// A consumer's gets (`cmds`, gets only). With messages ready they go in
-    /// the next entry like any operation. With none, they wait for the next
-    /// entry proposed (a publish, most likely) and go at its end, so a
-    /// message published to a waiting consumer is delivered by the entry that
-    /// publishes it: one Raft round trip instead of two. If nothing is
-    /// proposed and nothing becomes ready within [`PARK_MAX`], they are
-    /// answered empty, as a get of an empty queue would be.
-    pub async fn enqueue_parked(&self, cmds: Vec<QueueCmd>) -> Result<Answer, NodeError> {
-        self.send(cmds, Lane::Parked).await
-    }
-
-    async fn send(&self, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
+    /// Queue operations in `lane` behind everything enqueued there before
+    /// (this is what fixes their order in the log; see [`Lane`]); the
+    /// receiver answers after commit (and confirm, for publishes).
+    pub async fn enqueue(&self, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
         let (reply, rx) = oneshot::channel();
         let (tx, park) = match lane {
             Lane::Arrival => (&self.tx, false),
@@ -312,7 +292,6 @@ impl Proposer {
         Ok(rx)
     }
 }
-
 /// Parked consumer gets and when the oldest must be answered.
 #[derive(Default)]
 struct Parked {
@@ -366,6 +345,13 @@ fn refuse_waiting(rx: &mut mpsc::Receiver<Pending>) {
     while let Ok(p) = rx.try_recv() {
         let _ = p.reply.send(Err(NodeError::NotLeader { leader: None }));
     }
+}
+
+/// The group stopped here: everything parked or waiting in either lane.
+fn refuse_all(parked: &mut Parked, consumer_rx: &mut mpsc::Receiver<Pending>, rx: &mut mpsc::Receiver<Pending>) {
+    parked.refuse();
+    refuse_waiting(consumer_rx);
+    refuse_waiting(rx);
 }
 
 /// Per submitter: how many commands, whether any of them is a publish

@@ -109,7 +109,11 @@ impl Flusher {
         let data_file = File::open(dir.join("db"))?;
         let blobs = dir.join("blobs");
         let sled = SledTarget { db, data_file, blobs, synced_blobs: HashSet::new() };
-        Self::with_target(NodeTarget { wal, sled, remover: None }, on_fatal)
+        let (remover, files) = mpsc::channel::<Vec<PathBuf>>();
+        std::thread::Builder::new()
+            .name("mirrorq-wal-rm".into())
+            .spawn(move || files.iter().for_each(|batch| unlink_all(&batch)))?;
+        Self::with_target(NodeTarget { wal, sled, remover }, on_fatal)
     }
 
     /// Start a flusher over any [`SyncTarget`] (tests inject failing ones).
@@ -219,10 +223,10 @@ pub trait SyncTarget: Send + 'static {
 struct NodeTarget {
     wal: Arc<Wal>,
     sled: SledTarget,
-    /// Unlinks dead segments' files, in the order they are sent (started
-    /// with the first; it ends when this target is dropped, after the
-    /// files already sent).
-    remover: Option<mpsc::Sender<Vec<PathBuf>>>,
+    /// To the thread that unlinks dead segments' files, in the order they
+    /// are sent (it ends when this target is dropped, after the files
+    /// already sent).
+    remover: mpsc::Sender<Vec<PathBuf>>,
 }
 
 impl SyncTarget for NodeTarget {
@@ -266,20 +270,8 @@ impl NodeTarget {
         // so that they still go oldest first (a crash never leaves an older
         // segment without a newer one that may hold the truncation or drop
         // record killing its entries).
-        if self.remover.is_none() {
-            let (tx, rx) = mpsc::channel::<Vec<PathBuf>>();
-            let spawned = std::thread::Builder::new()
-                .name("mirrorq-wal-rm".into())
-                .spawn(move || rx.iter().for_each(|files| unlink_all(&files)));
-            self.remover = spawned.ok().map(|_| tx);
-        }
-        match &self.remover {
-            Some(tx) => {
-                if let Err(mpsc::SendError(files)) = tx.send(files) {
-                    unlink_all(&files);
-                }
-            }
-            None => unlink_all(&files),
+        if let Err(mpsc::SendError(files)) = self.remover.send(files) {
+            unlink_all(&files);
         }
         Ok(())
     }

@@ -612,7 +612,9 @@ impl Wal {
     }
 
     /// Remove segments [`Wal::reclaimable`] named (they stay dead: nothing
-    /// is written to a segment but the head).
+    /// is written to a segment but the head), there and then. The node's
+    /// flusher forgets them instead and unlinks them elsewhere.
+    #[cfg(test)]
     pub fn remove(&self, ids: &[u64]) -> Result<(), WalError> {
         for path in self.forget(ids) {
             unlink(&path).map_err(|e| self.io_err(e))?;
