@@ -26,23 +26,45 @@ use hdrhistogram::Histogram;
 const RECORD: usize = 200;
 const FILE_BYTES: u64 = 64 << 20;
 
-fn preallocated(path: &std::path::Path) -> File {
+/// How a writer's file gets its blocks before the appends.
+#[derive(Clone, Copy, Debug)]
+enum Fill {
+    /// `fallocate`: blocks reserved as unwritten extents; the first write to
+    /// each block changes the extent tree, which `fdatasync` must commit
+    /// through the file system's journal.
+    Fallocated,
+    /// Zeros written and synced beforehand: appends overwrite blocks that
+    /// are already written, and `fdatasync` has no metadata to commit.
+    Written,
+}
+
+fn preallocated(path: &std::path::Path, fill: Fill) -> File {
     let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).unwrap();
-    // SAFETY: plain syscall on a descriptor `f` keeps open.
-    let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, FILE_BYTES as libc::off_t) };
-    assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+    match fill {
+        Fill::Fallocated => {
+            // SAFETY: plain syscall on a descriptor `f` keeps open.
+            let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, FILE_BYTES as libc::off_t) };
+            assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+        }
+        Fill::Written => {
+            let zeros = vec![0u8; 1 << 20];
+            for at in (0..FILE_BYTES).step_by(zeros.len()) {
+                f.write_all_at(&zeros, at).unwrap();
+            }
+        }
+    }
     f.sync_all().unwrap();
     f
 }
 
 /// `writers` threads append and sync together `rounds` times; per round,
 /// the time from the start until the k-th sync returned, for each k.
-fn run(dir: &std::path::Path, writers: usize, rounds: usize) -> Vec<Histogram<u64>> {
+fn run(dir: &std::path::Path, fill: Fill, writers: usize, rounds: usize) -> Vec<Histogram<u64>> {
     let start = Arc::new(Barrier::new(writers + 1));
     let (tx, rx) = std::sync::mpsc::channel::<Instant>();
     let threads: Vec<_> = (0..writers)
         .map(|w| {
-            let file = preallocated(&dir.join(format!("replica-{w}")));
+            let file = preallocated(&dir.join(format!("replica-{w}")), fill);
             let (start, tx) = (start.clone(), tx.clone());
             std::thread::spawn(move || {
                 let record = [0x5au8; RECORD];
@@ -73,27 +95,47 @@ fn run(dir: &std::path::Path, writers: usize, rounds: usize) -> Vec<Histogram<u6
 
 /// `writers` threads each append `chunk` bytes and sync, for `secs`; bytes
 /// made durable per second, all writers together.
-fn bandwidth(dir: &std::path::Path, writers: usize, chunk: usize, secs: u64) -> f64 {
+fn bandwidth(dir: &std::path::Path, fill: Fill, writers: usize, chunk: usize, secs: u64) -> (f64, Histogram<u64>) {
     let until = Instant::now() + Duration::from_secs(secs);
     let threads: Vec<_> = (0..writers)
         .map(|w| {
-            let file = preallocated(&dir.join(format!("stream-{w}")));
+            let file = preallocated(&dir.join(format!("stream-{w}")), fill);
             std::thread::spawn(move || {
                 let data = vec![0x5au8; chunk];
                 let mut at = 0u64;
                 let mut written = 0u64;
+                let mut lat = Histogram::<u64>::new(3).unwrap();
                 while Instant::now() < until {
                     file.write_all_at(&data, at).unwrap();
+                    let t = Instant::now();
                     file.sync_data().unwrap();
-                    at = (at + chunk as u64) % (FILE_BYTES - chunk as u64);
+                    lat.record(t.elapsed().as_micros() as u64).unwrap();
+                    at += chunk as u64;
+                    if at + chunk as u64 > FILE_BYTES {
+                        // The next segment: a fresh reservation, or the
+                        // same written blocks again (a recycled segment).
+                        at = 0;
+                        if let Fill::Fallocated = fill {
+                            file.set_len(0).unwrap();
+                            // SAFETY: plain syscall on a descriptor `file` keeps open.
+                            let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, FILE_BYTES as libc::off_t) };
+                            assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+                        }
+                    }
                     written += chunk as u64;
                 }
-                written
+                (written, lat)
             })
         })
         .collect();
-    let total: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
-    total as f64 / secs as f64
+    let mut all = Histogram::<u64>::new(3).unwrap();
+    let mut total = 0u64;
+    for t in threads {
+        let (w, lat) = t.join().unwrap();
+        total += w;
+        all.add(lat).unwrap();
+    }
+    (total as f64 / secs as f64, all)
 }
 
 fn main() {
@@ -104,29 +146,39 @@ fn main() {
     };
     let rounds: usize = args.get(1).and_then(|r| r.parse().ok()).unwrap_or(3000);
     let ms = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
-    println!("{RECORD} B append + fdatasync per writer, writers starting together, {rounds} rounds");
-    for writers in 1..=3 {
-        let hists = run(dir.path(), writers, rounds);
-        for (k, h) in hists.iter().enumerate() {
-            let what = match (writers, k + 1) {
-                (1, _) => "the sync",
-                (_, n) if n == writers => "all syncs",
-                (_, 1) => "first sync",
-                _ => "second sync (majority of 3)",
-            };
+    for fill in [Fill::Fallocated, Fill::Written] {
+        println!(
+            "{fill:?} files: {RECORD} B append + fdatasync per writer, writers starting together, {rounds} rounds"
+        );
+        for writers in 1..=3 {
+            let hists = run(dir.path(), fill, writers, rounds);
+            for (k, h) in hists.iter().enumerate() {
+                let what = match (writers, k + 1) {
+                    (1, _) => "the sync",
+                    (_, n) if n == writers => "all syncs",
+                    (_, 1) => "first sync",
+                    _ => "second sync (majority of 3)",
+                };
+                println!(
+                    "  {writers} writer(s), {what:<28} p50 {:>6.3} ms  p90 {:>6.3} ms  p99 {:>6.3} ms  -> at most {:>5.0} rounds/s at p50",
+                    ms(h, 0.5),
+                    ms(h, 0.9),
+                    ms(h, 0.99),
+                    1000.0 / ms(h, 0.5)
+                );
+            }
+        }
+        for chunk in [32 << 10, 256 << 10] {
+            let (mb, lat) = bandwidth(dir.path(), fill, 3, chunk, 5);
+            // A 4 KiB message is about 4.2 KB in a replica's log record.
             println!(
-                "  {writers} writer(s), {what:<28} p50 {:>6.3} ms  p90 {:>6.3} ms  p99 {:>6.3} ms  -> at most {:>5.0} rounds/s at p50",
-                ms(h, 0.5),
-                ms(h, 0.9),
-                ms(h, 0.99),
-                1000.0 / ms(h, 0.5)
+                "  3 writers, {} KiB appends + fdatasync: {:.0} MB/s in all, sync p50 {:.3} ms p99 {:.3} ms -> at most {:.0} msg/s of 4 KiB with every replica writing each body once",
+                chunk >> 10,
+                mb / 1e6,
+                ms(&lat, 0.5),
+                ms(&lat, 0.99),
+                mb / (3.0 * 4200.0)
             );
         }
     }
-    let mb = bandwidth(dir.path(), 3, 256 << 10, 5) / 1e6;
-    // A 4 KiB message is about 4.2 KB in a replica's log record.
-    println!(
-        "  3 writers, 256 KiB appends + fdatasync: {mb:.0} MB/s in all -> at most {:.0} msg/s of 4 KiB with every replica writing each body once",
-        mb * 1e6 / (3.0 * 4200.0)
-    );
 }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use crate::wal::Wal;
+use crate::wal::{Retired, Wal};
 
 /// Called once with the outcome of the sync that covered the waiter's writes.
 pub type Completion = Box<dyn FnOnce(io::Result<()>) + Send>;
@@ -109,10 +109,11 @@ impl Flusher {
         let data_file = File::open(dir.join("db"))?;
         let blobs = dir.join("blobs");
         let sled = SledTarget { db, data_file, blobs, synced_blobs: HashSet::new() };
-        let (remover, files) = mpsc::channel::<Vec<PathBuf>>();
+        let (remover, files) = mpsc::channel::<Vec<Retired>>();
+        let log = wal.clone();
         std::thread::Builder::new()
             .name("mirrorq-wal-rm".into())
-            .spawn(move || files.iter().for_each(|batch| unlink_all(&batch)))?;
+            .spawn(move || files.iter().for_each(|batch| log.retire(batch)))?;
         Self::with_target(NodeTarget { wal, sled, remover }, on_fatal)
     }
 
@@ -223,10 +224,10 @@ pub trait SyncTarget: Send + 'static {
 struct NodeTarget {
     wal: Arc<Wal>,
     sled: SledTarget,
-    /// To the thread that unlinks dead segments' files, in the order they
-    /// are sent (it ends when this target is dropped, after the files
-    /// already sent).
-    remover: mpsc::Sender<Vec<PathBuf>>,
+    /// To the thread that recycles or unlinks dead segments' files, in the
+    /// order they are sent (it ends when this target is dropped, after the
+    /// files already sent).
+    remover: mpsc::Sender<Vec<Retired>>,
 }
 
 impl SyncTarget for NodeTarget {
@@ -267,22 +268,11 @@ impl NodeTarget {
         // extents, its cached pages), and every append on the node waits
         // for this thread: at 4 KiB x 1000 rounds of 108-183 ms, one per
         // few snapshots. The files go on a thread of their own, one thread
-        // so that they still go oldest first (a crash never leaves an older
-        // segment without a newer one that may hold the truncation or drop
-        // record killing its entries).
+        // so that they still go oldest first (`Wal::retire`).
         if let Err(mpsc::SendError(files)) = self.remover.send(files) {
-            unlink_all(&files);
+            self.wal.retire(files);
         }
         Ok(())
-    }
-}
-
-fn unlink_all(files: &[PathBuf]) {
-    for f in files {
-        if let Err(e) = crate::wal::unlink(f) {
-            // Space not given back until the next start, nothing lost.
-            tracing::warn!(error = %e, file = %f.display(), "could not remove a write-ahead log segment");
-        }
     }
 }
 
