@@ -284,3 +284,31 @@ async fn a_re_formed_replica_restarts_as_master_of_its_epoch() {
     assert_eq!(n3.queue_members("q").unwrap(), BTreeSet::from([3]));
     c.shutdown().await;
 }
+
+/// The master is lost before its most senior mirror ever received the
+/// queue's log (that mirror was down when the queue was declared and came
+/// back after the master died). Knowing no members of the group, it cannot
+/// stand for election; the next mirror, synchronised, must not wait on it
+/// for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_senior_mirror_without_the_log_does_not_keep_the_queue_without_a_master() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.crash(1).await;
+    let q = c.node(3).declare_queue("lost-senior", vec![3, 1, 2]).await.unwrap();
+    assert_eq!(q.replicas, vec![3, 1, 2], "node 1 is senior to node 2");
+    publish_retrying(c.node(3), "lost-senior", b"kept".to_vec()).await;
+    wait_until(Duration::from_secs(10), "node 2 applied it", || {
+        c.node(2).queue_info("lost-senior").is_ok_and(|i| i.ready == 1)
+    })
+    .await;
+
+    tracing::info!("--- the master crashes; the senior mirror comes back with nothing");
+    c.crash(3).await;
+    c.restart(1).await;
+    wait_until(Duration::from_secs(30), "node 2 masters the queue", || c.node(2).is_master("lost-senior")).await;
+    let got = c.node(2).get("lost-senior", 1, 10, true).await.unwrap();
+    let bodies: Vec<String> = got.into_iter().map(|d| String::from_utf8(d.message.body).unwrap()).collect();
+    assert_eq!(bodies, vec!["kept"]);
+    c.shutdown().await;
+}

@@ -230,9 +230,15 @@ impl Node {
             // no one has won after a while, everyone may stand again: a
             // lagging senior must not keep the queue without a master.
             if m.state != ServerState::Leader && !self.inner.leaving.load(Ordering::Acquire) {
+                // Leaderless also while the last master known is out of
+                // reach: a senior replica that never received the group's
+                // log (it was down when the queue was declared) knows no
+                // members and never stands, and a synchronised mirror
+                // deferring to it would leave the queue without a master
+                // until the old one came back.
                 let leaderless_since = {
                     let mut l = g.leaderless_since.lock().expect("poisoned");
-                    match m.current_leader {
+                    match m.current_leader.filter(|leader| *leader == self.id() || reach.contains(leader)) {
                         Some(_) => *l = None,
                         None => {
                             l.get_or_insert(now);
