@@ -295,7 +295,18 @@ async fn a_senior_mirror_without_the_log_does_not_keep_the_queue_without_a_maste
     init_tracing();
     let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
     c.crash(1).await;
-    let q = c.node(3).declare_queue("lost-senior", vec![3, 1, 2]).await.unwrap();
+    // Node 1 may have led the metadata group: retry while it re-elects.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let q = loop {
+        match c.node(3).declare_queue("lost-senior", vec![3, 1, 2]).await {
+            Ok(q) => break q,
+            Err(e) if std::time::Instant::now() < deadline => {
+                tracing::info!(error = %e, "declare retry");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("declare failed: {e}"),
+        }
+    };
     assert_eq!(q.replicas, vec![3, 1, 2], "node 1 is senior to node 2");
     publish_retrying(c.node(3), "lost-senior", b"kept".to_vec()).await;
     wait_until(Duration::from_secs(10), "node 2 applied it", || {
