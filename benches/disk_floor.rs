@@ -38,14 +38,17 @@ enum Fill {
     Written,
 }
 
+/// Reserve the file's blocks, unwritten.
+fn reserve(f: &File) {
+    // SAFETY: plain syscall on a descriptor `f` keeps open.
+    let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, FILE_BYTES as libc::off_t) };
+    assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+}
+
 fn preallocated(path: &std::path::Path, fill: Fill) -> File {
     let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).unwrap();
     match fill {
-        Fill::Fallocated => {
-            // SAFETY: plain syscall on a descriptor `f` keeps open.
-            let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, FILE_BYTES as libc::off_t) };
-            assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
-        }
+        Fill::Fallocated => reserve(&f),
         Fill::Written => {
             let zeros = vec![0u8; 1 << 20];
             for at in (0..FILE_BYTES).step_by(zeros.len()) {
@@ -117,9 +120,7 @@ fn bandwidth(dir: &std::path::Path, fill: Fill, writers: usize, chunk: usize, se
                         at = 0;
                         if let Fill::Fallocated = fill {
                             file.set_len(0).unwrap();
-                            // SAFETY: plain syscall on a descriptor `file` keeps open.
-                            let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, FILE_BYTES as libc::off_t) };
-                            assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+                            reserve(&file);
                         }
                     }
                     written += chunk as u64;

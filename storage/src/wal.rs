@@ -180,6 +180,7 @@ struct Spare {
 /// A segment dropped from the log by [`Wal::forget`], its file not yet
 /// recycled or removed ([`Wal::retire`]).
 pub struct Retired {
+    id: u64,
     path: PathBuf,
     file: Arc<File>,
 }
@@ -780,7 +781,7 @@ impl Wal {
             let dead = inner.segments.get(id).is_some_and(|s| s.live == 0) && *id != inner.active;
             if dead {
                 if let Some(s) = inner.segments.remove(id) {
-                    out.push(Retired { path: s.path, file: s.file });
+                    out.push(Retired { id: *id, path: s.path, file: s.file });
                 }
             }
         }
@@ -795,15 +796,10 @@ impl Wal {
     /// for a full segment (unlinking one took 30-60 ms), so the node does
     /// this on a thread of its own.
     pub fn retire(&self, files: Vec<Retired>) {
-        for Retired { path, file } in files {
-            let id = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| n.split_once('.'))
-                .and_then(|(hex, _)| u64::from_str_radix(hex, 16).ok());
+        for Retired { id, path, file } in files {
             // Only the remover adds spares, so the count cannot grow between
             // this check and the push.
-            if let Some(id) = id.filter(|_| self.lock().spares.len() < MAX_SPARES) {
+            if self.lock().spares.len() < MAX_SPARES {
                 let spare = spare_path(&self.dir, id);
                 match std::fs::rename(&path, &spare) {
                     Ok(()) => {
@@ -990,6 +986,21 @@ mod tests {
         assert_eq!(wal.groups(), vec![1]);
     }
 
+    /// Append each entry on its own, so that small segments fill and the
+    /// log moves on between them.
+    fn append_each(wal: &Wal, group: GroupId, es: &[(u64, Vec<u8>)]) {
+        for e in es {
+            wal.append(group, std::slice::from_ref(e)).unwrap();
+        }
+    }
+
+    /// A log in `dir` holding `es` of group 1, synced and closed.
+    fn written(dir: &Path, segment_bytes: u64, es: &[(u64, Vec<u8>)]) {
+        let wal = Wal::open(dir, segment_bytes).unwrap();
+        wal.append(1, es).unwrap();
+        wal.sync().unwrap();
+    }
+
     fn inode(path: &Path) -> u64 {
         use std::os::unix::fs::MetadataExt;
         std::fs::metadata(path).unwrap().ino()
@@ -1055,9 +1066,7 @@ mod tests {
         let two = entries(2, 1..=10, 500);
         {
             let wal = Wal::open(dir.path(), 4096).unwrap();
-            for e in &one {
-                wal.append(1, std::slice::from_ref(e)).unwrap();
-            }
+            append_each(&wal, 1, &one);
             wal.sync().unwrap();
             wal.purge(1, 35);
             let dead = wal.reclaimable();
@@ -1072,9 +1081,7 @@ mod tests {
             let spare_inodes: Vec<u64> = spares.iter().map(|p| inode(p)).collect();
             assert_eq!(spare_inodes, inodes[..MAX_SPARES].to_vec());
             // The next segments are the spares, renamed.
-            for e in &two {
-                wal.append(2, std::slice::from_ref(e)).unwrap();
-            }
+            append_each(&wal, 2, &two);
             wal.sync().unwrap();
             assert_eq!(files_with(dir.path(), "spare").len(), MAX_SPARES - 2);
             let heads: Vec<u64> = files_with(dir.path(), "wal").iter().map(|p| inode(p)).collect();
@@ -1093,12 +1100,7 @@ mod tests {
     fn a_dead_segment_still_being_read_is_not_reused() {
         let dir = tempfile::tempdir().unwrap();
         let wal = Wal::open(dir.path(), 4096).unwrap();
-        let each = |group, es: Vec<(u64, Vec<u8>)>| {
-            for e in &es {
-                wal.append(group, std::slice::from_ref(e)).unwrap();
-            }
-        };
-        each(1, entries(1, 1..=10, 500));
+        append_each(&wal, 1, &entries(1, 1..=10, 500));
         wal.purge(1, 7);
         let dead = wal.reclaimable();
         assert!(!dead.is_empty());
@@ -1106,12 +1108,12 @@ mod tests {
         let reading = wal.lock().segments[&dead[0]].file.clone();
         let held = inode(&seg_path(dir.path(), dead[0]));
         wal.remove(&dead).unwrap();
-        each(2, entries(2, 1..=30, 500));
+        append_each(&wal, 2, &entries(2, 1..=30, 500));
         let heads: Vec<u64> = files_with(dir.path(), "wal").iter().map(|p| inode(p)).collect();
         assert!(!heads.contains(&held), "a file a reader holds was written over");
         assert_eq!(files_with(dir.path(), "spare").len(), 1, "it waits as a spare");
         drop(reading);
-        each(2, entries(2, 31..=40, 500));
+        append_each(&wal, 2, &entries(2, 31..=40, 500));
         assert!(files_with(dir.path(), "spare").is_empty());
         let heads: Vec<u64> = files_with(dir.path(), "wal").iter().map(|p| inode(p)).collect();
         assert!(heads.contains(&held), "once let go it is reused");
@@ -1123,11 +1125,7 @@ mod tests {
     fn records_after_a_torn_one_stay_out_even_when_the_log_writes_over_it() {
         let dir = tempfile::tempdir().unwrap();
         let a = entries(1, 1..=5, 100);
-        {
-            let wal = Wal::open(dir.path(), 1 << 20).unwrap();
-            wal.append(1, &a).unwrap();
-            wal.sync().unwrap();
-        }
+        written(dir.path(), 1 << 20, &a);
         let seg = seg_path(dir.path(), 1);
         let f = OpenOptions::new().write(true).open(&seg).unwrap();
         // Entry 3's block never made it; 4 and 5 did.
@@ -1151,9 +1149,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let wal = Wal::open(dir.path(), 1024).unwrap();
-            for e in &entries(1, 1..=6, 300) {
-                wal.append(1, std::slice::from_ref(e)).unwrap();
-            }
+            append_each(&wal, 1, &entries(1, 1..=6, 300));
             wal.sync().unwrap();
         }
         let seg = seg_path(dir.path(), 1);
@@ -1204,11 +1200,7 @@ mod tests {
     fn a_torn_tail_is_sealed_off_and_damage_before_it_refused() {
         let dir = tempfile::tempdir().unwrap();
         let a = entries(1, 1..=5, 100);
-        {
-            let wal = Wal::open(dir.path(), 1 << 20).unwrap();
-            wal.append(1, &a).unwrap();
-            wal.sync().unwrap();
-        }
+        written(dir.path(), 1 << 20, &a);
         let seg = seg_path(dir.path(), 1);
         let whole = (a.len() * (HEADER + 100)) as u64;
         // Half a record written when the power went: the rest of its
