@@ -135,6 +135,15 @@ pub struct PerfArgs {
     /// (round robin); 1: the queue `QUEUE` alone.
     #[arg(long, default_value_t = 1)]
     pub queues: u32,
+    /// Publish to this exchange (default: the default exchange). It must
+    /// exist; nothing is declared or bound for it.
+    #[arg(long, default_value = "")]
+    pub exchange: String,
+    /// Publish with this routing key (default: the producer's queue name).
+    /// A key nothing is bound to measures the client and the front end
+    /// alone: an unroutable message is confirmed at once.
+    #[arg(long)]
+    pub routing_key: Option<String>,
     /// Each producer stops after N messages (0: until --time).
     #[arg(long, default_value_t = 0)]
     pub pmessages: u64,

@@ -177,6 +177,8 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
     let opts = BasicPublishOptions { mandatory: args.mandatory, ..Default::default() };
     let mut body = vec![b'x'; args.size];
     let mut sent = 0u64;
+    let exchange = ShortString::from(args.exchange.as_str());
+    let key = ShortString::from(args.routing_key.as_deref().unwrap_or(&queue));
     let (confirms, rx) = tokio::sync::mpsc::unbounded_channel::<Confirm>();
     let collector = tokio::spawn(collect_confirms(run.clone(), rx));
     while Instant::now() < run.deadline && (args.pmessages == 0 || sent < args.pmessages) {
@@ -189,16 +191,27 @@ async fn produce(run: Arc<Run>, ch: lapin::Channel, queue: String, args: PerfArg
         let Ok(Ok(permit)) = tokio::time::timeout(run.left(), window.clone().acquire_owned()).await else { break };
         let t = run.micros();
         body[..8].copy_from_slice(&t.to_be_bytes());
-        let (ch, queue, body, props) = (ch.clone(), queue.clone(), body.clone(), props.clone());
-        let mut publish: Publish = Box::pin(async move {
-            ch.basic_publish(ShortString::from(""), ShortString::from(queue.as_str()), opts, &body, props).await
-        });
+        let (ch, exchange, key, body, props) = (ch.clone(), exchange.clone(), key.clone(), body.clone(), props.clone());
+        let mut publish: Publish = Box::pin(async move { ch.basic_publish(exchange, key, opts, &body, props).await });
         if args.confirm == 0 {
             // No window to bound what is queued: each publish waits until
             // lapin has written it.
             if publish.await.is_err() {
                 break;
             }
+        } else if args.confirm == 1 {
+            // One in flight: nothing to overlap, so the confirm is awaited
+            // here rather than handed to the collector, one task hand-off
+            // fewer per message (each a thread wake-up on a multi-thread
+            // runtime), as PerfTest's publisher waits on its own thread.
+            let outcome = match publish.await {
+                Ok(pc) => pc.await,
+                Err(e) => Err(e),
+            };
+            if !record_confirm(&run, t, outcome) {
+                break;
+            }
+            drop(permit);
         } else {
             // lapin queues a publish's frames (and numbers it for confirms)
             // when its future is first polled, then waits for its IO thread
@@ -250,20 +263,32 @@ async fn collect_confirms(run: Arc<Run>, mut rx: tokio::sync::mpsc::UnboundedRec
                 None => open = false,
             },
             Some((t, outcome, permit)) = waiting.next(), if !waiting.is_empty() => {
-                match outcome {
-                    Ok(c) if c.is_ack() => {
-                        if c.take_message().is_some() {
-                            run.counters.returned.fetch_add(1, Ordering::Relaxed);
-                        }
-                        run.counters.confirmed.fetch_add(1, Ordering::Relaxed);
-                        let _ = run.confirm_lat.lock().expect("poisoned").record(run.micros().saturating_sub(t).max(1));
-                    }
-                    _ => {
-                        run.counters.nacked.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                record_confirm(&run, t, outcome);
                 drop(permit);
             }
+        }
+    }
+}
+
+/// Count a publish's outcome, and its latency if confirmed; false when the
+/// channel failed (a nack is an answer, not a failure).
+fn record_confirm(run: &Run, sent_at: u64, outcome: lapin::Result<lapin::Confirmation>) -> bool {
+    match outcome {
+        Ok(c) if c.is_ack() => {
+            if c.take_message().is_some() {
+                run.counters.returned.fetch_add(1, Ordering::Relaxed);
+            }
+            run.counters.confirmed.fetch_add(1, Ordering::Relaxed);
+            let _ = run.confirm_lat.lock().expect("poisoned").record(run.micros().saturating_sub(sent_at).max(1));
+            true
+        }
+        Ok(_) => {
+            run.counters.nacked.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+        Err(_) => {
+            run.counters.nacked.fetch_add(1, Ordering::Relaxed);
+            false
         }
     }
 }

@@ -44,6 +44,33 @@ async fn perf_runs_and_reports() {
     // close-ok, so lapin does not report a broken connection.
     let stderr = String::from_utf8_lossy(&counted.stderr);
     assert!(!stderr.contains("ERROR"), "{stderr}");
+    // A routing key nothing is bound to, and an exchange the queue is not
+    // bound to: one in flight, mandatory, so each message comes back
+    // returned and confirmed, and none reaches the queue.
+    for route in [["--routing-key", "nowhere"], ["--exchange", "amq.direct"]] {
+        let out = std::process::Command::new(process::binary())
+            .args(["perf", "--uri", &uri, "--time", "60", "--consumers", "0", "--pmessages", "40"])
+            .args(["--confirm", "1", "--mandatory", "--queue", "perf-unrouted", "--json"])
+            .args(route)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "perf {route:?} failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+        assert_eq!(
+            (v["published"].as_u64(), v["confirmed"].as_u64(), v["returned"].as_u64()),
+            (Some(40), Some(40), Some(40)),
+            "{route:?}: {v}"
+        );
+    }
+    // guest:guest
+    let url = format!("http://127.0.0.1:{}/api/queues/%2F/perf-unrouted", node.http_port.unwrap());
+    let depth: serde_json::Value = tokio::task::spawn_blocking(move || {
+        ureq::get(&url).set("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=").call().unwrap().into_json().unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(depth["messages"], 0, "{depth}");
     // Bad input is a clear error and a non-zero exit.
     let bad =
         std::process::Command::new(process::binary()).args(["perf", "--uri", &uri, "--size", "4"]).output().unwrap();
