@@ -5,19 +5,22 @@ mod common;
 
 use common::process;
 
+/// Run `mirrorq perf ARGS --json`; it must succeed. Answers its summary
+/// and its standard error.
+fn perf(args: &[&str]) -> (serde_json::Value, String) {
+    let out = std::process::Command::new(process::binary()).arg("perf").args(args).arg("--json").output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "perf {args:?} failed: {stdout}\n{stderr}");
+    (serde_json::from_str(stdout.trim()).expect("one JSON line"), stderr.into_owned())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn perf_runs_and_reports() {
     let root = tempfile::tempdir().unwrap();
     let node = process::single(root.path()).await;
     let amqp_port = node.amqp_port.unwrap();
     let uri = format!("amqp://guest:guest@127.0.0.1:{amqp_port}/%2f");
-    let out = std::process::Command::new(process::binary())
-        .args(["perf", "--uri", &uri, "--time", "2", "--size", "64", "--confirm", "50", "--json"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "perf failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let (v, _) = perf(&["--uri", &uri, "--time", "2", "--size", "64", "--confirm", "50"]);
     assert!(v["confirmed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["consumed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
     assert_eq!(v["nacked"], 0, "{v}");
@@ -26,14 +29,25 @@ async fn perf_runs_and_reports() {
     assert!(v["confirm_latency_ms"]["p99"].as_f64().unwrap() >= v["confirm_latency_ms"]["p50"].as_f64().unwrap());
     // Message counts and several queues: 2 producers x 150 over 2 queues,
     // each consumer stops after its 150; every message confirmed and consumed.
-    let counted = std::process::Command::new(process::binary())
-        .args(["perf", "--uri", &uri, "--time", "60", "--producers", "2", "--consumers", "2", "--queues", "2"])
-        .args(["--pmessages", "150", "--cmessages", "150", "--confirm", "20", "--mandatory", "--json"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&counted.stdout);
-    assert!(counted.status.success(), "perf failed: {stdout}\n{}", String::from_utf8_lossy(&counted.stderr));
-    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    let (v, stderr) = perf(&[
+        "--uri",
+        &uri,
+        "--time",
+        "60",
+        "--producers",
+        "2",
+        "--consumers",
+        "2",
+        "--queues",
+        "2",
+        "--pmessages",
+        "150",
+        "--cmessages",
+        "150",
+        "--confirm",
+        "20",
+        "--mandatory",
+    ]);
     assert_eq!(
         (v["published"].as_u64(), v["confirmed"].as_u64(), v["consumed"].as_u64()),
         (Some(300), Some(300), Some(300)),
@@ -42,25 +56,32 @@ async fn perf_runs_and_reports() {
     assert_eq!(v["returned"], 0, "every queue exists: nothing returned");
     // Closing is clean: the server lets the client close the socket after
     // close-ok, so lapin does not report a broken connection.
-    let stderr = String::from_utf8_lossy(&counted.stderr);
     assert!(!stderr.contains("ERROR"), "{stderr}");
     // A routing key nothing is bound to, and an exchange the queue is not
     // bound to: one in flight, mandatory, so each message comes back
     // returned and confirmed, and none reaches the queue.
-    for route in [["--routing-key", "nowhere"], ["--exchange", "amq.direct"]] {
-        let out = std::process::Command::new(process::binary())
-            .args(["perf", "--uri", &uri, "--time", "60", "--consumers", "0", "--pmessages", "40"])
-            .args(["--confirm", "1", "--mandatory", "--queue", "perf-unrouted", "--json"])
-            .args(route)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "perf {route:?} failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-        let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    for [flag, route] in [["--routing-key", "nowhere"], ["--exchange", "amq.direct"]] {
+        let (v, _) = perf(&[
+            "--uri",
+            &uri,
+            "--time",
+            "60",
+            "--consumers",
+            "0",
+            "--pmessages",
+            "40",
+            "--confirm",
+            "1",
+            "--mandatory",
+            "--queue",
+            "perf-unrouted",
+            flag,
+            route,
+        ]);
         assert_eq!(
             (v["published"].as_u64(), v["confirmed"].as_u64(), v["returned"].as_u64()),
             (Some(40), Some(40), Some(40)),
-            "{route:?}: {v}"
+            "{flag} {route}: {v}"
         );
     }
     // guest:guest
