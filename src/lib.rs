@@ -40,6 +40,7 @@ pub mod http;
 pub mod metadata;
 pub mod metrics;
 pub mod node;
+pub mod owners;
 pub mod perf;
 pub mod queue;
 pub mod raft;

@@ -37,6 +37,9 @@ pub struct Metrics {
     /// AppendEntries calls (entries or heartbeats) this node's replicas
     /// were sent by their leaders, every group together.
     pub appends_received: Counter,
+    /// Unacked messages given back because their holder (a channel, or
+    /// every channel of a node) was gone.
+    pub released_of_gone: Counter,
 }
 
 impl Default for Metrics {
@@ -49,6 +52,7 @@ impl Default for Metrics {
             // 0.25 ms .. about 4 s.
             confirm_latency: Histogram::new(exponential_buckets(0.00025, 2.0, 15)),
             appends_received: Counter::default(),
+            released_of_gone: Counter::default(),
         }
     }
 }
@@ -99,6 +103,11 @@ pub fn render(node: &Node) -> String {
     r.register("rabbitmq_global_messages_confirmed", "Messages confirmed to publishers", m.confirmed.clone());
     r.register("rabbitmq_global_messages_delivered", "Messages delivered to consumers", m.delivered.clone());
     r.register("rabbitmq_global_messages_acknowledged", "Messages acknowledged by consumers", m.acknowledged.clone());
+    r.register(
+        "mirrorq_released_of_gone_owners",
+        "Unacked messages requeued because the channel or node holding them was gone",
+        m.released_of_gone.clone(),
+    );
     r.register(
         "mirrorq_confirm_latency_seconds",
         "Time from a publish to its confirm (every synchronised replica fsync'd)",

@@ -28,6 +28,7 @@ use crate::metadata::{
     routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, Policy, QueueMeta,
 };
 use crate::metrics::Metrics;
+use crate::owners::Owners;
 use crate::queue::catchup::{Plan, SyncProgress};
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::{Answer, Lane, Proposer};
@@ -44,6 +45,7 @@ mod compaction;
 mod deadletter;
 mod failover;
 mod members;
+mod reaper;
 mod rebalance;
 
 /// Everything a node needs to start.
@@ -219,6 +221,8 @@ struct Inner {
     hints: Mutex<HashMap<GroupId, NodeId>>,
     /// AMQP clients connected here.
     clients: Arc<Clients>,
+    /// Who may hold unacked messages from here, and which of them live.
+    owners: Arc<Owners>,
     /// Memory and disk alarms, which block publishers.
     alarms: Arc<Alarms>,
     /// What the front ends count, for `/metrics`.
@@ -253,6 +257,7 @@ pub struct Node {
 }
 
 const NODE_ID_KEY: &str = "node_id";
+const INCARNATION_KEY: &str = "incarnation";
 
 /// A learner this close to the end of the master's log may become a voter.
 const CATCH_UP_SLACK: u64 = 64;
@@ -289,6 +294,13 @@ impl Node {
             }
             None => db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?,
         }
+
+        // A new life: owners of unacked messages made before are dead.
+        let incarnation = match db.get_node_value(INCARNATION_KEY)? {
+            Some(b) => u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8])).wrapping_add(1),
+            None => 1,
+        };
+        db.put_node_value(INCARNATION_KEY, &incarnation.to_be_bytes())?;
 
         let listen_err = |source| ServerError::Listen { addr: cfg.raft_listen.clone(), source };
         let listener = match bound {
@@ -363,6 +375,7 @@ impl Node {
             groups: RwLock::new(HashMap::new()),
             hints: Mutex::new(HashMap::new()),
             clients: Arc::default(),
+            owners: Arc::new(Owners::new(cfg.node_id, incarnation)),
             alarms: Arc::new(Alarms::new(&cfg.data_dir, cfg.memory_high_watermark, cfg.disk_free_limit)),
             metrics: Metrics::default(),
             news,
@@ -406,6 +419,7 @@ impl Node {
         node.spawn_registration();
         node.spawn_fatal_watch();
         node.spawn_log_compactor();
+        node.spawn_reaper();
         tracing::info!(
             id = cfg.node_id,
             %addr,
@@ -621,6 +635,11 @@ impl Node {
                 })
             })
             .collect()
+    }
+
+    /// Owners of deliveries made on this node.
+    pub fn owners(&self) -> &Arc<Owners> {
+        &self.inner.owners
     }
 
     pub fn clients(&self) -> &Arc<Clients> {
@@ -1708,6 +1727,7 @@ impl Inner {
                 let (c, k) = self.clients.snapshot();
                 RpcResponse::Clients(c, k)
             }
+            RpcRequest::Owners { owners } => RpcResponse::Owners(self.owners.alive_of(&owners)),
             RpcRequest::Readings => RpcResponse::Readings(self.alarms.readings()),
             RpcRequest::MetaIndex => {
                 let m = self.meta_raft.metrics().borrow().clone();

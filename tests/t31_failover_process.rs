@@ -469,3 +469,148 @@ async fn graceful_stop_hands_mastership_to_the_senior_mirror() {
         n.assert_no_panic();
     }
 }
+
+/// Publish `n` persistent messages `m0..` to `queue` through `node`, each confirmed.
+async fn publish_confirmed(node: &ProcNode, queue: &str, n: usize) {
+    let conn = amqp(node).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    for i in 0..n {
+        let body = format!("m{i}");
+        let confirm = ch
+            .basic_publish(
+                s(""),
+                s(queue),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack(), "message {i} not confirmed");
+    }
+}
+
+/// A consumer on `node` (prefetch `prefetch`, manual acks) that takes
+/// `prefetch` messages and never acks them. Its connection, channel and
+/// consumer are returned: lapin closes a channel that is dropped, which
+/// would give the deliveries back.
+async fn hold_unacked(node: &ProcNode, queue: &str, prefetch: u16) -> (Connection, lapin::Channel, lapin::Consumer) {
+    use futures::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+    let conn = amqp(node).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(prefetch, BasicQosOptions::default()).await.unwrap();
+    let mut consumer =
+        ch.basic_consume(s(queue), s("holder"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    for _ in 0..prefetch {
+        let d = tokio::time::timeout(Duration::from_secs(20), consumer.next()).await;
+        d.expect("a delivery in time").expect("consumer open").expect("a delivery");
+    }
+    (conn, ch, consumer)
+}
+
+/// Wait until `node` shows the queue with `ready` ready and no unacked
+/// messages; how long that took.
+async fn wait_all_ready(node: &ProcNode, queue: &str, ready: u64, since: Instant) -> Duration {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, q) = http(node, "GET", &format!("/api/queues/%2F/{queue}"), None).await;
+        if status == 200
+            && q["messages_ready"].as_u64() == Some(ready)
+            && q["messages_unacknowledged"].as_u64() == Some(0)
+        {
+            return since.elapsed();
+        }
+        assert!(Instant::now() < deadline, "unacked messages never came back: {status} {q}\n{}", node.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Take every message of `queue` on `node` with auto-ack; their bodies.
+async fn drain(node: &ProcNode, queue: &str) -> Vec<String> {
+    let conn = amqp(node).await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut out = Vec::new();
+    while let Some(m) = ch.basic_get(s(queue), BasicGetOptions { no_ack: true }).await.unwrap() {
+        out.push(String::from_utf8(m.delivery.data).unwrap());
+    }
+    out
+}
+
+fn all_of(n: usize) -> BTreeSet<String> {
+    (0..n).map(|i| format!("m{i}")).collect()
+}
+
+/// A consumer on a mirror's node holds 20 unacked messages when its node
+/// is killed: the master gives them back (RabbitMQ did in 4 s here), and
+/// nothing is lost or doubled when the node returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_consumers_unacked_messages_come_back_when_its_node_dies() {
+    init_tracing();
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = start_cluster(root.path()).await;
+    ha_all_policy(&nodes[0]).await;
+    let conn = amqp(&nodes[0]).await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(s("x-queue-master-locator"), lapin::types::AMQPValue::LongString("client-local".into()));
+    ch.queue_declare(s("ha-held"), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
+    let q = wait_mirrored(&nodes[0], "ha-held", 0).await;
+    assert_eq!(node_id(&q["node"]), 1, "declared client-local on node 1: {q}");
+    publish_confirmed(&nodes[0], "ha-held", 60).await;
+
+    let held = hold_unacked(&nodes[1], "ha-held", 20).await;
+    let (_, q) = http(&nodes[0], "GET", "/api/queues/%2F/ha-held", None).await;
+    assert_eq!(q["messages_unacknowledged"].as_u64(), Some(20), "{q}");
+
+    tracing::info!("--- SIGKILL node 2, whose consumer holds 20 unacked messages");
+    nodes[1].kill9();
+    let after = wait_all_ready(&nodes[0], "ha-held", 60, Instant::now()).await;
+    tracing::info!(after_ms = after.as_millis() as u64, "the dead consumer's messages are ready again");
+    drop(held);
+
+    nodes[1].start();
+    nodes[1].wait_serving().await;
+    wait_mirrored(&nodes[0], "ha-held", 60).await;
+    let got = drain(&nodes[2], "ha-held").await;
+    assert_eq!(got.len(), 60, "each message once: {got:?}");
+    assert_eq!(got.into_iter().collect::<BTreeSet<_>>(), all_of(60));
+    for n in &nodes {
+        n.assert_no_panic();
+    }
+}
+
+/// The consumer sits on the master's node and that node dies: the new
+/// master gives its unacked messages back (RabbitMQ did in 10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_on_the_dead_masters_node_has_its_messages_given_back_by_the_new_master() {
+    init_tracing();
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = start_cluster(root.path()).await;
+    ha_all_policy(&nodes[0]).await;
+    let conn = amqp(&nodes[0]).await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(s("x-queue-master-locator"), lapin::types::AMQPValue::LongString("client-local".into()));
+    ch.queue_declare(s("ha-held-m"), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
+    let q = wait_mirrored(&nodes[0], "ha-held-m", 0).await;
+    assert_eq!(node_id(&q["node"]), 1, "declared client-local on node 1: {q}");
+    publish_confirmed(&nodes[0], "ha-held-m", 60).await;
+    let held = hold_unacked(&nodes[0], "ha-held-m", 20).await;
+    wait_mirrored(&nodes[2], "ha-held-m", 60).await;
+
+    tracing::info!("--- SIGKILL node 1: the master, and the consumer's node");
+    drop(conn);
+    nodes[0].kill9();
+    let after = wait_all_ready(&nodes[2], "ha-held-m", 60, Instant::now()).await;
+    tracing::info!(after_ms = after.as_millis() as u64, "the new master gave the messages back");
+    drop(held);
+    let got = drain(&nodes[2], "ha-held-m").await;
+    assert_eq!(got.into_iter().collect::<BTreeSet<_>>(), all_of(60));
+    for n in &nodes[1..] {
+        n.assert_no_panic();
+    }
+}

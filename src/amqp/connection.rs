@@ -553,7 +553,7 @@ impl Conn {
             let closed = CancellationToken::new();
             let chan = Channel {
                 id: ch,
-                owner: (self.conn_id << 16) | ch as u64,
+                owner: self.node.owners().new_owner(),
                 node: self.node.clone(),
                 out: self.out.clone(),
                 frame_max: self.frame_max,
@@ -814,6 +814,9 @@ impl Channel {
                 }
             });
         }
+        // Whatever this release misses (a get that was still on its way,
+        // a master that changed meanwhile) the masters' reapers give back.
+        self.node.owners().gone(self.owner);
     }
 
     /// `Ok(false)`: the channel is closed.
@@ -1237,6 +1240,7 @@ impl Channel {
                     queue,
                     no_ack: c.no_ack,
                     owner: self.owner,
+                    connection: self.conn_id,
                     node: self.node.clone(),
                     out: self.out.clone(),
                     deliveries: self.deliveries.clone(),

@@ -43,6 +43,8 @@ pub(super) struct Consumer {
     pub queue: String,
     pub no_ack: bool,
     pub owner: u64,
+    /// Its connection's id.
+    pub connection: u64,
     pub node: Node,
     pub out: Out,
     pub deliveries: Arc<Deliveries>,
@@ -164,7 +166,7 @@ impl Consumer {
                         drop(gate);
                         return self.give_back(gets).await;
                     }
-                    self.node.clients().stopped_consuming(self.owner >> 16, self.channel, &self.tag);
+                    self.node.clients().stopped_consuming(self.connection, self.channel, &self.tag);
                     self.out
                         .one(method(
                             self.channel,

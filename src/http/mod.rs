@@ -530,7 +530,10 @@ async fn get_messages(
         Some(other) => return Err(ApiError::bad_request(format!("unknown encoding '{other}'"))),
     };
     node.find_queue(&name).await?;
-    let (msgs, remaining) = node.fetch(&name, 0, count.min(10_000) as u32, !requeue).await?;
+    // Its own owner: if this node dies before the requeue below, the
+    // master's reaper gives the messages back.
+    let owner = node.owners().ephemeral();
+    let (msgs, remaining) = node.fetch(&name, owner.owner, count.min(10_000) as u32, !requeue).await?;
     node.metrics().delivered.inc_by(msgs.len() as u64);
     if b.get("ackmode").and_then(Value::as_str) == Some("ack_requeue_false") {
         node.metrics().acknowledged.inc_by(msgs.len() as u64);

@@ -211,6 +211,11 @@ impl QueueMachine {
         self.stats.subscribe()
     }
 
+    /// Everyone holding unacked messages of this replica's queue.
+    pub fn owners(&self) -> BTreeSet<u64> {
+        self.state.owners()
+    }
+
     /// The catch-up plan, announced whenever it changes.
     pub fn plan(&self) -> watch::Receiver<Option<Plan>> {
         self.plan.subscribe()

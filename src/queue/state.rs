@@ -186,6 +186,10 @@ impl QueueState {
     pub fn is_fresh(&self, seq: u64) -> bool {
         (self.counters.ready_head..self.counters.next_seq).contains(&seq)
     }
+    /// Everyone holding unacked messages.
+    pub fn owners(&self) -> BTreeSet<u64> {
+        self.unacked.values().map(|u| u.owner).collect()
+    }
     pub fn unacked_count(&self) -> u64 {
         self.unacked.len() as u64
     }

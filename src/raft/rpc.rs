@@ -63,6 +63,12 @@ pub enum RpcRequest {
     },
     /// This node's AMQP connections and consumers (for the API's listings).
     Clients,
+    /// Which of these owners of unacked messages (made on the receiver,
+    /// `owners.rs`) are still alive: a master gives back the messages of
+    /// the others.
+    Owners {
+        owners: Vec<u64>,
+    },
     /// This node's memory and disk readings (for `/api/nodes`).
     Readings,
     /// The metadata leader's last applied index: a node that waits until it
@@ -144,6 +150,8 @@ pub enum RpcResponse {
     MetaIndex(Option<u64>),
     Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),
     Readings(crate::alarms::Readings),
+    /// The live subset of the owners asked about.
+    Owners(Vec<u64>),
     /// The receiver does not host this group (yet): the sender retries later.
     UnknownGroup(GroupId),
     /// The receiver's replica is in a newer epoch than the sender's.

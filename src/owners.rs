@@ -1,0 +1,124 @@
+//! Who holds a queue's unacknowledged messages.
+//!
+//! A queue records each delivery under an *owner* (a `u64` in
+//! [`crate::queue::QueueCmd::Get`]): an AMQP channel, or one HTTP `get`.
+//! A channel that closes cleanly releases what it holds, but a channel
+//! whose node died, was paused or cut off never does. So an owner says
+//! which node made it and in which life of that node, and every node keeps
+//! the set of its owners that are still alive: a queue's master asks the
+//! owning node which of its owners live, and gives back the messages of
+//! those that do not, or of every owner of a node gone for the failure
+//! timeout (`node/reaper.rs`).
+//!
+//! Layout, high bits first: 16 bits of the node id, 16 bits of the node's
+//! incarnation (a counter bumped and synced at every start, so an owner of
+//! a previous life never matches a live one), 32 bits of a counter: every
+//! channel opened (and every API get) is an owner of its own, so a channel
+//! number reopened while its predecessor's release is still on its way
+//! does not have its new deliveries released with the old ones.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+const COUNTER_BITS: u32 = 32;
+const INCARNATION_BITS: u32 = 16;
+
+/// The 16 bits of a node id an owner carries. Node ids are u64; two nodes
+/// whose ids share their low 16 bits are both asked about such an owner.
+pub fn node_bits(owner: u64) -> u16 {
+    (owner >> (COUNTER_BITS + INCARNATION_BITS)) as u16
+}
+
+/// The 16 bits of `node` an owner carries.
+pub fn node_bits_of_id(node: u64) -> u16 {
+    node as u16
+}
+
+/// This node's owners: making them, and which are alive.
+pub struct Owners {
+    /// Node and incarnation bits, shifted in place.
+    prefix: u64,
+    next: AtomicU64,
+    live: Mutex<HashSet<u64>>,
+}
+
+impl Owners {
+    pub fn new(node: u64, incarnation: u64) -> Self {
+        let prefix = ((node_bits_of_id(node) as u64) << INCARNATION_BITS | (incarnation & 0xFFFF))
+            << COUNTER_BITS;
+        Self { prefix, next: AtomicU64::new(1), live: Mutex::default() }
+    }
+
+    /// A new owner (for an AMQP channel), alive until [`Owners::gone`].
+    pub fn new_owner(&self) -> u64 {
+        let owner = self.prefix | (self.next.fetch_add(1, Ordering::Relaxed) & ((1 << COUNTER_BITS) - 1));
+        self.live.lock().expect("poisoned").insert(owner);
+        owner
+    }
+
+    /// An owner for one request (the HTTP API's get), alive while the
+    /// guard is.
+    pub fn ephemeral(self: &Arc<Self>) -> OwnerGuard {
+        OwnerGuard { owners: self.clone(), owner: self.new_owner() }
+    }
+
+    /// `owner` will hold nothing more: its messages may be given back.
+    pub fn gone(&self, owner: u64) {
+        self.live.lock().expect("poisoned").remove(&owner);
+    }
+
+    /// Which of `owners` are alive here.
+    pub fn alive_of(&self, owners: &[u64]) -> Vec<u64> {
+        let live = self.live.lock().expect("poisoned");
+        owners.iter().copied().filter(|o| live.contains(o)).collect()
+    }
+
+    pub fn is_alive(&self, owner: u64) -> bool {
+        self.live.lock().expect("poisoned").contains(&owner)
+    }
+}
+
+/// A one-request owner; dropping it ends its life.
+pub struct OwnerGuard {
+    owners: Arc<Owners>,
+    pub owner: u64,
+}
+
+impl Drop for OwnerGuard {
+    fn drop(&mut self) {
+        self.owners.gone(self.owner);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_keep_the_node_and_differ_across_lives_and_channels() {
+        let a = Owners::new(0x1_0003, 7);
+        let b = Owners::new(0x1_0003, 8);
+        let c = Owners::new(4, 7);
+        let (oa, ob, oc) = (a.new_owner(), b.new_owner(), c.new_owner());
+        assert_eq!(node_bits(oa), 3);
+        assert_eq!(node_bits(oc), 4);
+        assert_ne!(oa, ob, "another incarnation makes another owner");
+        assert_ne!(oa, oc, "another node makes another owner");
+        assert_ne!(a.new_owner(), oa);
+        assert_eq!(a.alive_of(&[oa, ob, oc]), vec![oa]);
+        a.gone(oa);
+        assert!(!a.is_alive(oa));
+    }
+
+    #[test]
+    fn an_ephemeral_owner_lives_as_long_as_its_guard() {
+        let a = Arc::new(Owners::new(1, 1));
+        let g = a.ephemeral();
+        let owner = g.owner;
+        assert!(a.is_alive(owner));
+        assert_ne!(owner, a.new_owner());
+        drop(g);
+        assert!(!a.is_alive(owner));
+    }
+}

@@ -1,0 +1,851 @@
+#!/usr/bin/env python3
+"""Fault campaign for mirrorq: a real cluster in network namespaces, a
+confirmed-publish / consume workload on every node, and random faults
+(kill -9, SIGSTOP, partitions, graceful restarts, the classic demo), then a
+check that no confirmed message was lost.
+
+    python3 tests/faults/campaign.py --bin target/debug/mirrorq --seeds 1,2
+
+Needs root and iproute2 (`ip netns`); pika in the client namespace.
+The same seed gives the same fault schedule (printed first), so a failing
+seed reproduces with `--seed N`.
+
+Addressing and users, from reading src/http/access.rs and src/amqp/auth.rs:
+`guest` is refused from non-loopback peers on both HTTP and AMQP. So each
+node serves HTTP on 127.0.0.1 *inside its own namespace* (each namespace
+has its own loopback, so no clash) and every HTTP call runs there, as guest,
+via `ip netns exec`; that also keeps management calls out of the partitions.
+AMQP and the node link listen on 10.213.k.i; the AMQP clients, in their own
+namespace, log in as a user this script creates over HTTP at setup.
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+QUEUES = ("fq1", "fq2")
+USER, PASSWORD = "mqf", "mqf-campaign"
+RAFT_PORT, AMQP_PORT, HTTP_PORT = 25672, 5672, 15672
+CLIENT_HOST = 250  # the client namespace's last octet
+PUBLISH_STUCK_SECS = 60  # longer than any fault: a publish may rightly wait for a heal
+THIS = os.path.abspath(__file__)
+TAG = f"mqf{os.getpid()}"
+
+# Everything that must go on exit, however we exit.
+LIVE_PROCS = {}  # pid -> Popen (each the leader of its own process group)
+LIVE_NETNS = []
+
+
+def sh(*cmd, check=True, timeout=20):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+    return r.stdout
+
+
+def spawn(cmd, **kw):
+    # A session of its own, so killpg takes whatever the command started.
+    p = subprocess.Popen(cmd, start_new_session=True, **kw)
+    LIVE_PROCS[p.pid] = p
+    return p
+
+
+def reap(p, sig=signal.SIGKILL, timeout=10):
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(5)
+    LIVE_PROCS.pop(p.pid, None)
+
+
+def cleanup_all():
+    for p in list(LIVE_PROCS.values()):
+        try:
+            os.killpg(p.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        reap(p)
+    while LIVE_NETNS:
+        subprocess.run(["ip", "netns", "del", LIVE_NETNS.pop()], capture_output=True)
+
+
+def remove_stale_netns():
+    """Namespaces (and their processes) left by earlier runs that died."""
+    for line in sh("ip", "netns", "list").splitlines():
+        name = line.split()[0] if line.strip() else ""
+        m = re.match(r"^mqf(\d+)-", name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"campaign" in f.read():
+                    continue  # a campaign running right now
+        except OSError:
+            pass
+        for p in sh("ip", "netns", "pids", name, check=False).split():
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        sh("ip", "netns", "del", name, check=False)
+        print(f"removed stale namespace {name}", flush=True)
+
+
+# ---------------------------------------------------------------- network
+
+
+class Net:
+    """One bridge namespace, a namespace per node and one for the clients.
+    Partitions are blackhole routes between node namespaces only."""
+
+    def __init__(self, n):
+        self.k = os.getpid() % 200 + 20  # private namespaces; k only eases reading
+        self.n = n
+        self.ns = {i: f"{TAG}-n{i}" for i in range(1, n + 1)}
+        self.ns["cl"] = f"{TAG}-cl"
+        self.br = f"{TAG}-br"
+        self.cuts = set()
+
+    def addr(self, i):
+        return f"10.213.{self.k}.{CLIENT_HOST if i == 'cl' else i}"
+
+    def setup(self):
+        sh("ip", "netns", "add", self.br)
+        LIVE_NETNS.append(self.br)
+        sh("ip", "-n", self.br, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.br, "link", "set", "br0", "up")
+        for i, ns in self.ns.items():
+            sh("ip", "netns", "add", ns)
+            LIVE_NETNS.append(ns)
+            # Both veth ends are created from inside the bridge namespace:
+            # the root namespace's links are never touched.
+            sh("ip", "-n", self.br, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "-n", self.br, "link", "set", f"v{i}", "master", "br0", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def cut(self, a, b):
+        for x, y in ((a, b), (b, a)):
+            if (x, y) not in self.cuts:
+                sh("ip", "-n", self.ns[x], "route", "add", "blackhole", f"{self.addr(y)}/32")
+                self.cuts.add((x, y))
+
+    def heal(self):
+        for x, y in sorted(self.cuts):
+            sh("ip", "-n", self.ns[x], "route", "del", "blackhole", f"{self.addr(y)}/32", check=False)
+        self.cuts.clear()
+
+
+# ---------------------------------------------------------------- nodes
+
+
+class Node:
+    def __init__(self, i, args, net, root, secret):
+        self.i, self.args, self.net = i, args, net
+        self.data = os.path.join(root, f"node{i}")
+        self.log = os.path.join(root, f"node{i}.log")
+        self.secret = secret
+        self.proc = None
+        self.stopped = False
+
+    def note(self, what):
+        # Marks in the node's own log make its lines easy to match to faults.
+        with open(self.log, "a") as f:
+            f.write(f"===== campaign t={now():.1f}: {what} =====\n")
+
+    def start(self):
+        a = self.net.addr
+        cluster = ",".join(f"{j}={a(j)}:{RAFT_PORT}" for j in range(1, self.net.n + 1))
+        cmd = ["ip", "netns", "exec", self.net.ns[self.i], self.args.bin, "serve", "--node-id", str(self.i),
+               "--data-dir", self.data, "--raft-listen", f"{a(self.i)}:{RAFT_PORT}",
+               "--amqp-listen", f"{a(self.i)}:{AMQP_PORT}", "--http-listen", f"127.0.0.1:{HTTP_PORT}",
+               "--cluster", cluster]
+        if self.secret:
+            cmd += ["--cluster-secret-file", self.secret]
+        self.note("start")
+        env = dict(os.environ, MIRRORQ_LOG="info,openraft=warn")
+        with open(self.log, "ab") as log:
+            # `ip netns exec` execs the binary: the pid is mirrorq's own.
+            self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        self.stopped = False
+
+    def up(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self):
+        self.note("kill -9")
+        if self.proc:
+            reap(self.proc)
+        self.proc, self.stopped = None, False
+
+    def term(self, timeout=30):
+        """Graceful stop; False if it had to be killed."""
+        self.note("SIGTERM")
+        if self.stopped:
+            self.cont()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            return False
+        LIVE_PROCS.pop(self.proc.pid, None)
+        self.proc = None
+        return True
+
+    def stop(self):
+        self.note("SIGSTOP")
+        self.proc.send_signal(signal.SIGSTOP)
+        self.stopped = True
+
+    def cont(self):
+        self.note("SIGCONT")
+        self.proc.send_signal(signal.SIGCONT)
+        self.stopped = False
+
+
+T0 = time.time()
+
+
+def now():
+    return time.time() - T0
+
+
+def say(msg):
+    print(f"[t={now():6.1f}] {msg}", flush=True)
+
+
+def http(net, i, method, path, body=None, timeout=10):
+    """(status, json) of one call as guest over node i's loopback; status 0
+    when no answer came."""
+    cmd = ["ip", "netns", "exec", net.ns[i], sys.executable, THIS, "_http", method,
+           f"http://127.0.0.1:{HTTP_PORT}{path}", "" if body is None else json.dumps(body), str(timeout)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 10)
+        out = json.loads(r.stdout)
+        return out["status"], out["body"]
+    except (subprocess.TimeoutExpired, ValueError, KeyError) as e:
+        return 0, str(e)
+
+
+def http_main(method, url, body, timeout):
+    req = urllib.request.Request(url, method=method, data=body.encode() if body else None)
+    req.add_header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=float(timeout)) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode(errors="replace")
+    except Exception as e:  # refused, reset, timeout: no answer
+        status, text = 0, json.dumps(repr(e))
+    try:
+        parsed = json.loads(text) if text else None
+    except ValueError:
+        parsed = text
+    print(json.dumps({"status": status, "body": parsed}))
+
+
+class Cluster:
+    def __init__(self, args, net, root, secret):
+        self.net = net
+        self.nodes = {i: Node(i, args, net, root, secret) for i in range(1, args.nodes + 1)}
+        self.anomalies = []
+        self.expect_up = set()
+
+    def start(self, i):
+        self.nodes[i].start()
+        self.expect_up.add(i)
+
+    def kill9(self, i):
+        self.expect_up.discard(i)
+        self.nodes[i].kill9()
+
+    def restart(self, i, down=0.0):
+        self.expect_up.discard(i)
+        if not self.nodes[i].term():
+            self.anomalies.append(f"n{i} ignored SIGTERM for 30s")
+        self.sleep(down)
+        self.start(i)
+
+    def check(self):
+        """A node that exited on its own is a finding; start it again."""
+        for i in sorted(self.expect_up):
+            n = self.nodes[i]
+            if not n.up():
+                code = n.proc.returncode if n.proc else None
+                self.anomalies.append(f"n{i} exited by itself (code {code}) at t={now():.0f}")
+                say(f"!! n{i} exited by itself, code {code}; starting it again")
+                LIVE_PROCS.pop(n.proc.pid, None)
+                n.start()
+
+    def sleep(self, secs):
+        end = time.time() + secs
+        while time.time() < end:
+            self.check()
+            time.sleep(min(0.5, max(0.0, end - time.time())))
+
+    def api(self, method, path, body=None, timeout=10, prefer=None):
+        order = sorted(self.nodes, key=lambda j: (j != prefer, j))
+        for j in order:
+            n = self.nodes[j]
+            if n.up() and not n.stopped:
+                return http(self.net, j, method, path, body, timeout)
+        return 0, "no node up"
+
+    def wait_http(self, i, timeout=30):
+        end = time.time() + timeout
+        while time.time() < end:
+            if http(self.net, i, "GET", "/api/health/checks/alarms", timeout=3)[0] == 200:
+                return True
+            self.sleep(0.3)
+        return False
+
+
+def until(what, fn, timeout):
+    end = time.time() + timeout
+    last = None
+    while time.time() < end:
+        ok, last = fn()
+        if ok:
+            return last
+        time.sleep(0.5)
+    raise RuntimeError(f"setup: {what} not done in {timeout}s (last: {last})")
+
+
+def setup_broker(c):
+    for i in c.nodes:
+        if not c.wait_http(i, 60):
+            raise RuntimeError(f"setup: n{i} never answered HTTP; see {c.nodes[i].log}")
+    n = len(c.nodes)
+
+    def nodes_ok():
+        s, b = c.api("GET", "/api/nodes")
+        return s == 200 and isinstance(b, list) and len(b) == n, (s, b)
+
+    until("all nodes registered", nodes_ok, 60)
+    for method, path, body in [
+        ("PUT", f"/api/users/{USER}", {"password": PASSWORD, "tags": "administrator"}),
+        ("PUT", f"/api/permissions/%2F/{USER}", {"configure": ".*", "write": ".*", "read": ".*"}),
+        ("PUT", "/api/policies/%2F/ha", {"pattern": ".*", "definition": {"ha-mode": "all"}, "apply-to": "queues"}),
+    ] + [("PUT", f"/api/queues/%2F/{q}", {"durable": True, "auto_delete": False, "arguments": {}}) for q in QUEUES]:
+        until(f"{method} {path}", lambda: ((s := c.api(method, path, body)[0]) in (200, 201, 204), s), 60)
+
+    for q in QUEUES:
+        def mirrored():
+            s, b = c.api("GET", f"/api/queues/%2F/{q}")
+            ok = s == 200 and b.get("state") == "running" and len(b.get("synchronised_slave_nodes", [])) == n - 1
+            return ok, (s, b)
+        b = until(f"{q} mirrored on every node", mirrored, 60)[1]
+        say(f"{q}: master {b['node']}, mirrors {b['synchronised_slave_nodes']}")
+
+
+# ---------------------------------------------------------------- faults
+
+
+def plan(seed, args):
+    """The whole schedule from the seed alone, before anything runs: the
+    same seed gives the same faults whatever the timing does."""
+    rng = random.Random(seed)
+    ids = list(range(1, args.nodes + 1))
+    minority = (args.nodes - 1) // 2
+    kinds = {"kill9": 3, "kill9-unacked": 2, "sigstop": 2, "partition": 3, "restart": 2}
+    if args.classic:
+        kinds["classic"] = 1
+    faults, t = [], rng.uniform(2, 5)
+    while t < args.duration:
+        kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
+        f = {"kind": kind, "at": round(t, 1), "hold": round(rng.uniform(3, 20), 1), "gap": round(rng.uniform(1, 6), 1)}
+        if kind in ("kill9", "sigstop"):
+            f["nodes"] = sorted(rng.sample(ids, rng.randint(1, minority)))
+        elif kind in ("kill9-unacked", "restart"):
+            f["nodes"] = [rng.choice(ids)]
+        elif kind == "classic":
+            keep = rng.choice(ids)
+            f["nodes"] = [i for i in ids if i != keep]
+            f["hold"] = max(f["hold"], 8.0)  # past the failure timeout, so the survivor re-forms
+            kinds.pop("classic")  # once a run is "occasionally"
+        else:
+            shape = rng.choice(["halves", "isolate", "bridge"])
+            order = rng.sample(ids, len(ids))
+            if shape == "isolate":
+                f["sides"], f["bridge"] = [order[:1], order[1:]], None
+            elif shape == "halves":
+                half = len(ids) // 2  # 1|2 of three, 2|3 of five
+                f["sides"], f["bridge"] = [order[:half], order[half:]], None
+            else:
+                rest = order[1:]
+                cut = rng.randint(1, len(rest) - 1)
+                f["sides"], f["bridge"] = [rest[:cut], rest[cut:]], order[0]
+            f["sides"] = [sorted(s) for s in f["sides"]]
+            f["shape"] = shape
+        faults.append(f)
+        t += f["hold"] + f["gap"]
+    return faults
+
+
+def describe(f):
+    if f["kind"] == "partition":
+        x = f"|x=n{f['bridge']}" if f["bridge"] else ""
+        who = "|".join("".join(map(str, s)) for s in f["sides"]) + x
+        return f"partition-{f['shape']}({who},{f['hold']:.0f}s)"
+    return f"{f['kind']}({','.join(f'n{i}' for i in f['nodes'])},{f['hold']:.0f}s)"
+
+
+def run_fault(f, c, net, ctl):
+    say(f"fault {describe(f)}")
+    kind, nodes = f["kind"], f.get("nodes", [])
+    if kind in ("kill9", "classic"):
+        for i in nodes:
+            c.kill9(i)
+        c.sleep(f["hold"])
+        for i in nodes:
+            c.start(i)
+    elif kind == "kill9-unacked":
+        i = nodes[0]
+        # Consumers on n_i stop acking, so they hold up to a prefetch of
+        # unacked deliveries when their node dies under them.
+        hold = os.path.join(ctl, f"hold-n{i}")
+        open(hold, "w").close()
+        c.sleep(1.5)
+        c.kill9(i)
+        os.unlink(hold)
+        c.sleep(f["hold"])
+        c.start(i)
+    elif kind == "sigstop":
+        for i in nodes:
+            c.nodes[i].stop()
+        c.sleep(f["hold"])
+        for i in nodes:
+            c.nodes[i].cont()
+    elif kind == "restart":
+        c.restart(nodes[0], down=min(f["hold"], 5))
+        c.sleep(max(0, f["hold"] - 5))
+    else:
+        a, b = f["sides"]
+        for x in a:
+            for y in b:
+                net.cut(x, y)
+        for i in c.nodes:
+            c.nodes[i].note(f"partition {describe(f)}")
+        c.sleep(f["hold"])
+        net.heal()
+        for i in c.nodes:
+            c.nodes[i].note("healed")
+    c.sleep(f["gap"])
+
+
+# ---------------------------------------------------------------- clients
+# These run in the client namespace, in one process (`_clients`), a thread
+# and a BlockingConnection per publisher and per consumer.
+
+
+def client_params(spec, node):
+    import pika
+    return pika.ConnectionParameters(
+        host=spec["addrs"][str(node)], port=AMQP_PORT, credentials=pika.PlainCredentials(USER, PASSWORD),
+        heartbeat=10, blocked_connection_timeout=30, socket_timeout=5, stack_timeout=15, connection_attempts=1)
+
+
+def flag(spec, name):
+    return os.path.exists(os.path.join(spec["ctl"], name))
+
+
+def publisher(spec, node, queue, watch):
+    import pika
+    t0, run = spec["t0"], spec["run"]
+    log = open(os.path.join(spec["out"], f"pub-n{node}-{queue}.log"), "a", buffering=1)
+    props = pika.BasicProperties(delivery_mode=2)
+    conn, ch, counter = None, None, 0
+    gap = 1.0 / spec["rate"] if spec["rate"] > 0 else 0
+    due = time.monotonic()
+    while not flag(spec, "stop-pub"):
+        try:
+            if conn is None:
+                conn = pika.BlockingConnection(client_params(spec, node))
+                ch = conn.channel()
+                ch.confirm_delivery()
+            counter += 1
+            mid = f"{run}-n{node}-{queue}-{counter}"
+            # Attempted before the wire: a delivery of it is then never "unexpected".
+            log.write(f"A {time.time() - t0:.3f} {mid}\n")
+            watch[(node, queue)] = (time.monotonic(), conn)
+            try:
+                ch.basic_publish("", queue, mid.encode(), props, mandatory=True)
+            finally:
+                watch.pop((node, queue), None)
+            log.write(f"C {time.time() - t0:.3f} {mid}\n")
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as e:
+            log.write(f"N {time.time() - t0:.3f} {mid} {type(e).__name__}\n")
+        except Exception as e:
+            log.write(f"E {time.time() - t0:.3f} {type(e).__name__}: {e}\n")
+            try:
+                conn and conn.close()
+            except Exception:
+                pass
+            conn = None
+            time.sleep(0.5)
+        due = max(due + gap, time.monotonic() - 1)
+        time.sleep(max(0, due - time.monotonic()))
+    try:
+        conn and conn.close()
+    except Exception:
+        pass
+
+
+def consumer(spec, node, queue):
+    import pika
+    t0 = spec["t0"]
+    log = open(os.path.join(spec["out"], f"cons-n{node}-{queue}.log"), "a", buffering=1)
+    while not flag(spec, "stop-cons"):
+        held = None  # last delivery tag left unacked while hold-n<node> exists
+        try:
+            conn = pika.BlockingConnection(client_params(spec, node))
+            ch = conn.channel()
+            ch.basic_qos(prefetch_count=100)
+            for method, _props, body in ch.consume(queue, inactivity_timeout=0.5):
+                holding = flag(spec, f"hold-n{node}")
+                if method is not None:
+                    # Recorded on receipt, before the ack.
+                    log.write(f"D {time.time() - t0:.3f} {body.decode(errors='replace')} {int(method.redelivered)}\n")
+                    held = method.delivery_tag
+                if held is not None and not holding:
+                    ch.basic_ack(held, multiple=True)
+                    held = None
+                if flag(spec, "stop-cons"):
+                    break
+            else:
+                log.write(f"E {time.time() - t0:.3f} consumer cancelled by the broker\n")
+            ch.cancel()
+            conn.close()
+        except Exception as e:
+            log.write(f"E {time.time() - t0:.3f} {type(e).__name__}: {e}\n")
+            time.sleep(0.5)
+
+
+def watchdog(spec, watch):
+    """A confirm that never comes would block a BlockingConnection forever;
+    past PUBLISH_STUCK_SECS the socket is shut so the publisher moves on
+    (the message stays unconfirmed)."""
+    log = open(os.path.join(spec["out"], "watchdog.log"), "a", buffering=1)
+    while True:
+        time.sleep(1)
+        for key, (since, conn) in list(watch.items()):
+            if time.monotonic() - since > PUBLISH_STUCK_SECS:
+                log.write(f"W {time.time() - spec['t0']:.3f} publish n{key[0]} {key[1]} unconfirmed for "
+                          f"{PUBLISH_STUCK_SECS}s; dropping the connection\n")
+                watch.pop(key, None)
+                try:
+                    import socket
+                    conn._impl._transport._sock.shutdown(socket.SHUT_RDWR)
+                except Exception as e:
+                    log.write(f"W could not shut the socket: {e}\n")
+
+
+def clients_main(spec_path):
+    spec = json.load(open(spec_path))
+    parent = os.getppid()
+    watch = {}
+    pubs, cons = [], []
+    for node in spec["addrs"]:
+        for q in QUEUES:
+            pubs.append(threading.Thread(target=publisher, args=(spec, int(node), q, watch), daemon=True))
+            cons.append(threading.Thread(target=consumer, args=(spec, int(node), q), daemon=True))
+    threading.Thread(target=watchdog, args=(spec, watch), daemon=True).start()
+    for t in pubs + cons:
+        t.start()
+    # Bounded: stop when told, or when the campaign that started us is gone.
+    while not flag(spec, "stop-pub") and os.getppid() == parent:
+        time.sleep(0.5)
+    for t in pubs:
+        t.join(PUBLISH_STUCK_SECS + 15)
+    open(os.path.join(spec["ctl"], "pubs-done"), "w").close()
+    while not flag(spec, "stop-cons") and os.getppid() == parent:
+        time.sleep(0.5)
+    for t in cons:
+        t.join(20)
+    os._exit(0)
+
+
+# ---------------------------------------------------------------- one run
+
+
+def read_lines(path):
+    try:
+        with open(path) as f:
+            return [l.split() for l in f]
+    except OSError:
+        return []
+
+
+def run_one(args, seed, root):
+    global T0
+    T0 = time.time()
+    faults = plan(seed, args)
+    print(f"===== seed={seed} nodes={args.nodes} duration={args.duration} workdir={root}", flush=True)
+    print(f"schedule: {[describe(f) for f in faults]}", flush=True)
+    os.makedirs(root, exist_ok=True)
+    out, ctl = os.path.join(root, "clients"), os.path.join(root, "ctl")
+    os.makedirs(out)
+    os.makedirs(ctl)
+    secret = None
+    if "--cluster-secret-file" in sh(args.bin, "serve", "--help"):
+        # The node link is not on loopback here, so a secret is required.
+        secret = os.path.join(root, "cluster.secret")
+        with open(secret, "w") as f:
+            f.write(f"campaign-{seed}-{os.getpid()}\n")
+    net = Net(args.nodes)
+    c = Cluster(args, net, root, secret)
+    clients = None
+    wedged, undrained = [], {}
+    run = f"s{seed}"
+    try:
+        net.setup()
+        for i in c.nodes:
+            c.start(i)
+        setup_broker(c)
+
+        spec = {"addrs": {str(i): net.addr(i) for i in c.nodes}, "out": out, "ctl": ctl, "t0": T0,
+                "run": run, "rate": args.rate}
+        with open(os.path.join(root, "spec.json"), "w") as f:
+            json.dump(spec, f)
+        with open(os.path.join(root, "clients.log"), "ab") as log:
+            clients = spawn(["ip", "netns", "exec", net.ns["cl"], sys.executable, THIS, "_clients",
+                             os.path.join(root, "spec.json")], stdout=log, stderr=log)
+        c.sleep(3)
+
+        for f in faults:
+            run_fault(f, c, net, ctl)
+
+        say("settling: heal, continue, start the dead, then restart every node once")
+        net.heal()
+        for n in c.nodes.values():
+            if n.stopped:
+                n.cont()
+        for i, n in c.nodes.items():
+            if not n.up():
+                c.start(i)
+        for i in c.nodes:
+            c.wait_http(i, 30)
+        for i in c.nodes:
+            c.restart(i)
+            if not c.wait_http(i, 30):
+                c.anomalies.append(f"n{i} did not answer HTTP 30s after its final restart")
+        wedged = probe_queues(c, out, run)
+
+        say("stopping publishers")
+        open(os.path.join(ctl, "stop-pub"), "w").close()
+        end = time.time() + PUBLISH_STUCK_SECS + 20
+        while not os.path.exists(os.path.join(ctl, "pubs-done")) and time.time() < end:
+            c.sleep(0.5)
+        drain(c, out, args.drain_timeout)
+        open(os.path.join(ctl, "stop-cons"), "w").close()
+        try:
+            clients.wait(30)
+        except subprocess.TimeoutExpired:
+            c.anomalies.append("client process did not stop in 30s")
+        reap(clients)
+        undrained = leftovers(c, out)
+    finally:
+        if clients:
+            reap(clients)
+        cleanup_all()
+
+    return analyse(args, seed, root, faults, c, out, wedged, undrained)
+
+
+def probe_queues(c, out, run):
+    """A queue that accepts no confirmed publish within 30 s of the last
+    restart is wedged. Probes go in through each node in turn, so the
+    forwarding path counts too; they are expected deliveries like any other."""
+    wedged = []
+    log = open(os.path.join(out, "pub-probe.log"), "a", buffering=1)
+    end = time.time() + 30
+    for q in QUEUES:
+        k, ok = 0, False
+        while not ok and time.time() < end:
+            k += 1
+            mid = f"{run}-probe-{q}-{k}"
+            log.write(f"A {now():.3f} {mid}\n")
+            node = 1 + k % len(c.nodes)
+            s, b = c.api("POST", "/api/exchanges/%2F/amq.default/publish", prefer=node, timeout=5, body={
+                "properties": {"delivery_mode": 2}, "routing_key": q, "payload": mid, "payload_encoding": "string"})
+            ok = s == 200 and isinstance(b, dict) and b.get("routed") is True
+            if ok:
+                log.write(f"C {now():.3f} {mid}\n")
+            else:
+                time.sleep(0.5)
+        if not ok:
+            s, b = c.api("GET", f"/api/queues/%2F/{q}")
+            say(f"!! WEDGE: {q} accepted no publish within 30s of the last restart; GET: {s} {b}")
+            wedged.append(q)
+    return wedged
+
+
+def drain(c, out, bound):
+    """Consumers go on until every queue is empty and nothing arrived for 5 s."""
+    say("draining")
+    end, quiet_since, last = time.time() + bound, None, None
+    while time.time() < end:
+        size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.startswith("cons-"))
+        counts = []
+        for q in QUEUES:
+            s, b = c.api("GET", f"/api/queues/%2F/{q}", timeout=5)
+            counts.append(b.get("messages") if s == 200 and isinstance(b, dict) else None)
+        if size == last and all(m == 0 for m in counts):
+            quiet_since = quiet_since or time.time()
+            if time.time() - quiet_since >= 5:
+                say("drained")
+                return
+        else:
+            quiet_since = None
+        last = size
+        c.sleep(1)
+    say(f"!! not drained after {bound}s: messages per queue {dict(zip(QUEUES, counts))}")
+
+
+def leftovers(c, out):
+    """Whatever the consumers never got: fetched with basic.get over HTTP so
+    that a message stuck in a queue is told apart from a lost one."""
+    found = {}
+    with open(os.path.join(out, "leftover.log"), "w") as log:
+        for q in QUEUES:
+            for _ in range(200):
+                s, b = c.api("POST", f"/api/queues/%2F/{q}/get", timeout=10,
+                             body={"count": 500, "ackmode": "ack_requeue_false", "encoding": "auto"})
+                if s != 200 or not b:
+                    break
+                for m in b:
+                    log.write(f"L 0 {m.get('payload')} 0 {q}\n")
+                    found[q] = found.get(q, 0) + 1
+    return found
+
+
+def analyse(args, seed, root, faults, c, out, wedged, undrained):
+    attempted, confirmed, errors = {}, {}, 0
+    for f in sorted(os.listdir(out)):
+        if not f.startswith("pub-"):
+            continue
+        for rec in read_lines(os.path.join(out, f)):
+            if rec[0] == "A":
+                attempted[rec[2]] = f[4:-4]
+            elif rec[0] == "C":
+                confirmed[rec[2]] = float(rec[1])
+            elif rec[0] == "E":
+                errors += 1
+    delivered, where = Counter(), {}
+    for f in sorted(os.listdir(out)):
+        if f.startswith("cons-") or f == "leftover.log":
+            q = f.rsplit("-", 1)[-1][:-4]
+            for rec in read_lines(os.path.join(out, f)):
+                if rec[0] in "DL" and len(rec) >= 3:
+                    delivered[rec[2]] += 1
+                    where.setdefault(rec[2], set()).add(rec[4] if rec[0] == "L" else q)
+    # An id names its queue: ...-<queue>-<counter>; one seen on another queue is unexpected too.
+    unexpected = [m for m in delivered if m not in attempted or where[m] != {m.rsplit("-", 2)[-2]}]
+    lost = sorted((m for m in confirmed if m not in delivered), key=lambda m: confirmed[m])
+    dups = sum(n - 1 for n in delivered.values())
+    stuck = sum(1 for l in read_lines(os.path.join(out, "watchdog.log")) if l and l[0] == "W")
+    panics = [i for i, n in c.nodes.items() if "panicked" in open(n.log, errors="replace").read()]
+    ok = not lost and not unexpected and not wedged and not undrained
+    print(f"seed={seed} nodes={args.nodes} faults=[{', '.join(describe(f) for f in faults)}] "
+          f"attempted={len(attempted)} confirmed={len(confirmed)} delivered_unique={len(delivered)} "
+          f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} wedged={len(wedged)} "
+          f"undrained={sum(undrained.values())} client_errors={errors} stuck_publishes={stuck} "
+          f"node_panics={len(panics)} result={'PASS' if ok else 'FAIL'}", flush=True)
+    for a in c.anomalies + [f"n{i} log contains 'panicked'" for i in panics]:
+        print(f"  anomaly: {a}")
+    if wedged:
+        print(f"  wedged queues: {wedged}")
+    if undrained:
+        print(f"  undrained (in the queue, never delivered to a consumer): {undrained}")
+    for m in lost[:20]:
+        print(f"  lost: {m} (queue {m.rsplit('-', 2)[-2]}, publisher {attempted[m]}, confirmed at t={confirmed[m]:.1f})")
+    for m in unexpected[:20]:
+        print(f"  unexpected: {m} on {sorted(where[m])}")
+    if not ok or args.keep:
+        print(f"  workdir kept: {root}", flush=True)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return ok
+
+
+# ---------------------------------------------------------------- main
+
+
+def on_signal(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "_http":
+        return http_main(*sys.argv[2:6])
+    if len(sys.argv) > 1 and sys.argv[1] == "_clients":
+        return clients_main(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", required=True, help="the mirrorq binary")
+    ap.add_argument("--nodes", type=int, default=3, choices=[3, 5])
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--seeds", help="comma-separated; one run each")
+    ap.add_argument("--duration", type=float, default=60, help="seconds of faults per run (planned)")
+    ap.add_argument("--workdir", help="default: a new directory under /tmp")
+    ap.add_argument("--keep", action="store_true", help="keep every run's workdir, not only failing ones")
+    ap.add_argument("--rate", type=float, default=50, help="messages/s per publisher (0: unthrottled)")
+    ap.add_argument("--drain-timeout", type=float, default=120)
+    ap.add_argument("--no-classic", dest="classic", action="store_false",
+                    help="never kill all nodes but one (the classic demo)")
+    args = ap.parse_args()
+    args.bin = os.path.abspath(args.bin)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed if args.seed is not None else
+                                                                         random.SystemRandom().randrange(10**6)]
+    if os.geteuid() != 0:
+        sys.exit("campaign.py needs root (network namespaces)")
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    remove_stale_netns()
+    root = args.workdir or tempfile.mkdtemp(prefix="mqf-")
+    os.makedirs(root, exist_ok=True)
+    failed = []
+    try:
+        for seed in seeds:
+            try:
+                ok = run_one(args, seed, os.path.join(root, f"seed{seed}"))
+            except RuntimeError as e:
+                print(f"seed={seed} nodes={args.nodes} result=ERROR {e}", flush=True)
+                print(f"  workdir kept: {os.path.join(root, f'seed{seed}')}", flush=True)
+                ok = False
+            if not ok:
+                failed.append(seed)
+    except KeyboardInterrupt as e:
+        print(f"campaign: interrupted ({e or 'Ctrl-C'}); cleaned up", flush=True)
+        sys.exit(130)
+    finally:
+        cleanup_all()
+    if not args.workdir and not args.keep and not failed:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"campaign: runs={len(seeds)} passed={len(seeds) - len(failed)} failed={len(failed)}"
+          + (f" failing_seeds={','.join(map(str, failed))} workdir={root}" if failed else ""), flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
