@@ -182,6 +182,13 @@ struct QueueGroup {
     epoch: Epoch,
     /// Last time a majority of the group's voters answered pings.
     majority_seen: Mutex<Instant>,
+    /// Since when (wall clock, ms) a majority has been in reach without a
+    /// break as long as the failure timeout: a group that kept its
+    /// majority from before a minority re-formed it keeps the queue.
+    majority_since: Mutex<Option<u64>>,
+    /// When a master of this replica's epoch last sent it entries or a
+    /// heartbeat.
+    master_heard: Mutex<Option<Instant>>,
     /// Since when this replica has known no master.
     leaderless_since: Mutex<Option<Instant>>,
     /// Since when the master this replica follows has not answered pings.
@@ -1456,6 +1463,8 @@ impl Node {
             meta: q.clone(),
             epoch,
             majority_seen: Mutex::new(Instant::now()),
+            majority_since: Mutex::new(None),
+            master_heard: Mutex::new(None),
             leaderless_since: Mutex::new(None),
             master_lost_since: Mutex::new(None),
             elect_timed: AtomicBool::new(false),
@@ -1650,6 +1659,9 @@ impl Inner {
         match req {
             RpcRequest::Append { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
                 Ok(r) => {
+                    if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
+                        *g.master_heard.lock().expect("poisoned") = Some(Instant::now());
+                    }
                     self.metrics.appends_received.inc();
                     RpcResponse::Append(r.append_entries(req).await)
                 }
@@ -1663,7 +1675,17 @@ impl Inner {
                 Ok(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
                 Err(refusal) => refusal,
             },
-            RpcRequest::Fork { group } => RpcResponse::Fork(self.fork_record(group)),
+            RpcRequest::Fork { group } => {
+                let rec = self.fork_record(group);
+                let formed = rec.as_ref().and_then(|r| failover::formed_at(&self.db, group, r.epoch));
+                RpcResponse::Fork(rec, formed)
+            }
+            RpcRequest::History { group } => RpcResponse::History(self.history(group).await),
+            RpcRequest::Yield { group, defeated, winner, from } => {
+                let node = Node { inner: self };
+                tokio::spawn(async move { node.yield_to(group, defeated, winner, from).await });
+                RpcResponse::Done
+            }
             RpcRequest::Handback { group, epoch, batches } => {
                 let g = self.groups.read().expect("poisoned").get(&group).cloned();
                 match g {

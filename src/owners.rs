@@ -30,9 +30,17 @@ pub fn node_bits(owner: u64) -> u16 {
     (owner >> (COUNTER_BITS + INCARNATION_BITS)) as u16
 }
 
-/// The 16 bits of `node` an owner carries.
+/// The 16 bits of `node` an owner carries; never 0, which marks the
+/// owners a library caller numbers itself (below 2^48, see [`is_tracked`]).
 pub fn node_bits_of_id(node: u64) -> u16 {
-    node as u16
+    (node as u16).max(1)
+}
+
+/// Was `owner` made here (by [`Owners`]), so its life can be checked? The
+/// library API lets callers number owners themselves (small numbers):
+/// those are theirs to release.
+pub fn is_tracked(owner: u64) -> bool {
+    node_bits(owner) != 0
 }
 
 /// This node's owners: making them, and which are alive.
@@ -107,6 +115,8 @@ mod tests {
         assert_ne!(oa, oc, "another node makes another owner");
         assert_ne!(a.new_owner(), oa);
         assert_eq!(a.alive_of(&[oa, ob, oc]), vec![oa]);
+        assert!(is_tracked(oa) && !is_tracked(7));
+        assert_eq!(node_bits(Owners::new(1 << 16, 1).new_owner()), 1, "node bits are never 0");
         a.gone(oa);
         assert!(!a.is_alive(oa));
     }

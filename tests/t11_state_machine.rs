@@ -430,3 +430,40 @@ async fn the_current_snapshot_copies_bodies_out_of_the_log() {
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(delivered(&out[0]), vec![(b"a".to_vec(), false), (b"b".to_vec(), false)]);
 }
+
+/// openraft purges a replica's log up to a snapshot it installed once
+/// `install_snapshot` returns: the installed state must be on disk by
+/// then, or a crash right after leaves the replica with neither the state
+/// nor the entries it came from.
+#[tokio::test]
+async fn an_installed_snapshot_survives_a_crash_right_after_the_install() {
+    use openraft::storage::RaftSnapshotBuilder;
+    let sender_dir = tempfile::tempdir().unwrap();
+    let (sender_db, _, mut sender) = open_queue(sender_dir.path());
+    sender.enable_snapshot_transfer();
+    let entries = vec![
+        entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
+        entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false }]),
+    ];
+    sender.apply(logged(&sender_db, 5, entries)).await.unwrap();
+    sender.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    let snap = sender.get_current_snapshot().await.unwrap().expect("a snapshot was built");
+    assert_eq!(snap.meta.last_log_id.map(|l| l.index), Some(2));
+
+    let dir = tempfile::tempdir().unwrap();
+    let installed = {
+        let (db, space, mut sm) = open_queue(dir.path());
+        // The crash loses every sled write no sync covered (a power loss).
+        db.keep_crash_image().unwrap();
+        sm.install_snapshot(&snap.meta, snap.snapshot).await.unwrap();
+        let installed = group_keys(&space);
+        assert!(!installed.is_empty());
+        drop((sm, space));
+        db.crash_for_tests().unwrap();
+        installed
+    };
+    let (_db, space, mut sm) = open_queue(dir.path());
+    let (applied, _) = sm.applied_state().await.unwrap();
+    assert_eq!(applied, snap.meta.last_log_id, "the install was lost in the crash");
+    assert_eq!(group_keys(&space), installed);
+}

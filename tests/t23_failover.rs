@@ -92,9 +92,70 @@ async fn messages_only_the_old_epoch_has_are_handed_back() {
     .await;
     let mut all = drain(c.node(2), "q").await;
     all.sort();
-    // Node 3's epoch is newer: the b's, which only the old epoch had, were
-    // handed back to it; nothing is lost and nothing shared is duplicated.
+    // Nodes 1 and 2 kept the majority: node 3's fork yielded and handed
+    // back c0, which only it had; nothing is lost and nothing shared is
+    // duplicated.
     assert_eq!(all, vec!["a0", "a1", "a2", "b0", "b1", "b2", "b3", "c0"]);
+    c.shutdown().await;
+}
+
+/// The rule for a split: node 3 is cut off and re-forms the queue alone
+/// while nodes 1 and 2 keep a majority and go on serving (consuming half
+/// the queue, holding one delivery unacked, taking new publishes). When
+/// the partition heals, the majority's queue stays as it is (what it
+/// consumed does not come back, its unacked delivery stays unacked) and
+/// the minority's fork yields, handing back only what it took alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_minoritys_fork_yields_to_a_majority_that_kept_serving() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    for i in 0..10 {
+        publish_retrying(c.node(1), "q", format!("a{i}").into_bytes()).await;
+    }
+    wait_until(Duration::from_secs(10), "node 3 applied all", || c.node(3).queue_info("q").unwrap().ready == 10).await;
+
+    tracing::info!("--- node 3 is cut off; 1 and 2 consume half the queue and take more");
+    for id in [1, 2] {
+        c.node(id).transport().control.block(3);
+        c.node(3).transport().control.block(id);
+    }
+    let n1 = c.node(1).clone();
+    let taken: Vec<String> = n1
+        .get("q", 1, 5, true)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| String::from_utf8(d.message.body).unwrap())
+        .collect();
+    assert_eq!(taken, vec!["a0", "a1", "a2", "a3", "a4"]);
+    let held = n1.get("q", 7, 1, false).await.unwrap();
+    assert_eq!(held[0].message.body, b"a5");
+    for i in 0..3 {
+        publish_retrying(&n1, "q", format!("b{i}").into_bytes()).await;
+    }
+    let n3 = c.node(3).clone();
+    publish_retrying(&n3, "q", b"c0".to_vec()).await;
+    assert_eq!(n3.queue_members("q").unwrap(), BTreeSet::from([3]), "node 3 re-formed alone");
+
+    tracing::info!("--- the partition heals");
+    for id in [1, 2] {
+        c.node(id).transport().control.unblock(3);
+        c.node(3).transport().control.unblock(id);
+    }
+    wait_until(Duration::from_secs(40), "one group again, with c0 handed back", || {
+        (1..=3).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3])))
+            && c.node(1).queue_info("q").is_ok_and(|i| i.ready == 8)
+    })
+    .await;
+    assert_eq!(c.master_of("q").await, 1, "the majority's master stays");
+    // The delivery held across the split is still unacked and can be acked.
+    let settled = n1.ack("q", vec![held[0].tag]).await.unwrap();
+    assert!(matches!(settled, mirrorq::QueueReply::Settled { count: 1, .. }), "{settled:?}");
+    let mut rest = drain(c.node(2), "q").await;
+    rest.sort();
+    // Nothing the majority consumed comes back; c0 is there once.
+    assert_eq!(rest, vec!["a6", "a7", "a8", "a9", "b0", "b1", "b2", "c0"]);
     c.shutdown().await;
 }
 

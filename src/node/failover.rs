@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use openraft::storage::RaftLogStorage;
 use openraft::{
@@ -41,6 +41,71 @@ fn epoch_key(group: GroupId) -> String {
 }
 fn heal_key(group: GroupId) -> String {
     format!("healing/{group}")
+}
+/// When and where this node re-formed the group ([`Formed`]).
+fn formed_key(group: GroupId) -> String {
+    format!("formed/{group}")
+}
+/// Epochs of the group formed by a minority while our group kept its
+/// majority: their replicas yield to ours.
+fn defeated_key(group: GroupId) -> String {
+    format!("defeated/{group}")
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A re-formation as the node that made it remembers it.
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+struct Formed {
+    epoch: Epoch,
+    /// Wall clock, ms.
+    at_ms: u64,
+    /// The queue's counters as applied when it re-formed: what it stored
+    /// since is what only this epoch has (its log's older entries were
+    /// committed in the old group).
+    next_seq: u64,
+    next_tag: u64,
+}
+
+fn formed(db: &NodeDb, group: GroupId, epoch: Epoch) -> Option<Formed> {
+    let b = db.get_node_value(&formed_key(group)).ok()??;
+    let f = mirrorq_storage::keys::decode::<Formed>(&b, "formed").ok()?;
+    (f.epoch == epoch).then_some(f)
+}
+
+/// When this node formed `epoch` of `group`, if it did.
+pub(super) fn formed_at(db: &NodeDb, group: GroupId, epoch: Epoch) -> Option<u64> {
+    formed(db, group, epoch).map(|f| f.at_ms)
+}
+
+fn defeated(db: &NodeDb, group: GroupId) -> Result<BTreeSet<Epoch>, StorageError> {
+    match db.get_node_value(&defeated_key(group))? {
+        Some(b) => mirrorq_storage::keys::decode(&b, "defeated epochs"),
+        None => Ok(BTreeSet::new()),
+    }
+}
+
+fn add_defeated(db: &NodeDb, group: GroupId, epoch: Epoch) -> Result<(), StorageError> {
+    let mut set = defeated(db, group)?;
+    if set.insert(epoch) {
+        db.put_node_value(&defeated_key(group), &mirrorq_storage::keys::encode(&set, "defeated epochs")?)?;
+    }
+    Ok(())
+}
+
+/// What a replica of an older epoch does on learning of a newer one.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Hand back and join the newer epoch: our group lost its majority
+    /// before that epoch formed (the classic demo), or we cannot tell.
+    Heal,
+    /// Our group kept its majority from before the newer epoch formed
+    /// until now: that epoch is a minority's fork, and it yields.
+    Keep,
+    /// We follow a master that is alive: it decides for the group.
+    Defer,
 }
 
 /// The epoch this node's replica of `group` is in. Also finishes a heal that
@@ -127,6 +192,15 @@ impl Drop for Busy<'_> {
 }
 
 impl Inner {
+    /// Our replica's log of `group` as a record of its history.
+    pub(super) async fn history(&self, group: GroupId) -> Option<ForkRecord> {
+        let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
+        let mut log = LogStore::new(self.db.clone(), group);
+        let state = log.get_log_state().await.ok()?;
+        let ids = log.log_ids().ok()?;
+        Some(ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids))
+    }
+
     /// The fork record of our replica's epoch of `group`, if it has one.
     pub(super) fn fork_record(&self, group: GroupId) -> Option<ForkRecord> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
@@ -215,8 +289,12 @@ impl Node {
             let now = Instant::now();
             let seen = {
                 let mut seen = g.majority_seen.lock().expect("poisoned");
+                let mut since = g.majority_since.lock().expect("poisoned");
                 if alive_voters * 2 > voters.len() {
                     *seen = now;
+                    since.get_or_insert_with(wall_ms);
+                } else if now.duration_since(*seen) >= timing.failure_timeout {
+                    *since = None;
                 }
                 *seen
             };
@@ -375,6 +453,11 @@ impl Node {
             }
         }
         entries.push(entry);
+        // Before the epoch itself: a replica of the old group that kept its
+        // majority across this moment keeps the queue when the two meet.
+        let c = QueueMachine::stored_counters(&SmSpace::new(self.inner.db.clone(), group))?;
+        let formed = Formed { epoch, at_ms: wall_ms(), next_seq: c.next_seq, next_tag: c.next_tag };
+        self.inner.db.put_node_value(&formed_key(group), &mirrorq_storage::keys::encode(&formed, "formed")?)?;
         let epoch_value = (epoch_key(group), mirrorq_storage::keys::encode(&epoch, "group epoch")?);
         log.refound(&Vote::new_committed(term, me), entries, (&epoch_value.0, epoch_value.1))
             .await
@@ -394,8 +477,10 @@ impl Node {
         }
     }
 
-    /// A peer is in a newer epoch of a group we host: hand back what that
-    /// epoch lacks, wipe our replica and rejoin the epoch as a new mirror.
+    /// A peer is in a newer epoch of a group we host. If our group kept its
+    /// majority from before that epoch formed, that epoch is a minority's
+    /// fork: it yields to us. Otherwise hand back what that epoch lacks,
+    /// wipe our replica and rejoin it as a new mirror.
     async fn heal(&self, news: EpochNews) {
         let group = news.group;
         let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
@@ -404,25 +489,185 @@ impl Node {
             return;
         }
         let q = g.meta.clone();
+        let io = |e: StorageError| tracing::error!(queue = %q.name, error = %e, "cannot record a defeated epoch");
+        match defeated(&self.inner.db, group) {
+            Ok(d) if d.contains(&news.epoch) => return self.tell_to_yield(&g, news).await,
+            Ok(_) => {}
+            Err(e) => return io(e),
+        }
+        match self.split_verdict(&g, news).await {
+            Verdict::Defer => return,
+            Verdict::Keep => {
+                tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a minority re-formed the queue while this group kept its majority: its epoch yields to ours");
+                if let Err(e) = add_defeated(&self.inner.db, group, news.epoch) {
+                    return io(e);
+                }
+                return self.tell_to_yield(&g, news).await;
+            }
+            Verdict::Heal => {}
+        }
         tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "replica is in an older epoch: healing");
+        self.rejoin(g, news, false).await;
+    }
+
+    /// Decide for our group, of an older epoch than `news`'s, which epoch
+    /// keeps the queue. Only the master decides, so the replicas of one
+    /// group never part ways: a replica following a master in reach defers
+    /// (the master hears of the newer epoch too: its appends to that
+    /// epoch's replicas are refused).
+    async fn split_verdict(&self, g: &Arc<QueueGroup>, news: EpochNews) -> Verdict {
+        let m = g.raft.metrics().borrow().clone();
+        let me = self.id();
+        let timing = &self.inner.timing;
+        if m.state != ServerState::Leader {
+            // In reach and still sending us appends: a master restored
+            // from a vote on disk that has left our epoch sends none.
+            let heard = *g.master_heard.lock().expect("poisoned");
+            let master_alive = m.current_leader.is_some_and(|l| l != me)
+                && heard.is_some_and(|t| t.elapsed() < timing.failure_timeout);
+            return if master_alive { Verdict::Defer } else { Verdict::Heal };
+        }
+        let kept_since = *g.majority_since.lock().expect("poisoned");
+        let in_reach = g.majority_seen.lock().expect("poisoned").elapsed() < timing.failure_timeout;
+        let Some(since) = kept_since.filter(|_| in_reach) else { return Verdict::Heal };
+        let Some(formed) = self.fetch_formed_at(news).await else { return Verdict::Heal };
+        // Clocks of different machines differ a little; the newer epoch
+        // formed a failure timeout after its node lost our majority, so a
+        // majority kept from before that is well clear of it.
+        let margin = timing.failure_timeout.as_millis() as u64 / 2;
+        if since.saturating_add(margin) <= formed {
+            Verdict::Keep
+        } else {
+            Verdict::Heal
+        }
+    }
+
+    /// When the newer epoch of `news` was formed, from the node that
+    /// formed it (the one that told us first, else the other replicas).
+    async fn fetch_formed_at(&self, news: EpochNews) -> Option<u64> {
+        let q = self.metadata().queues.values().find(|q| q.group == news.group).cloned()?;
+        let mut peers = vec![news.from, news.epoch.node];
+        peers.extend(q.replicas.iter().copied());
+        peers.dedup();
+        for peer in peers.into_iter().filter(|p| *p != self.id()) {
+            let limit = Instant::now() + Duration::from_secs(1);
+            if let Ok(RpcResponse::Fork(Some(rec), Some(at))) =
+                self.inner.call(peer, &RpcRequest::Fork { group: news.group }, limit).await
+            {
+                if rec.epoch == news.epoch {
+                    return Some(at);
+                }
+            }
+        }
+        None
+    }
+
+    /// Tell a replica of a defeated epoch to yield to ours. It comes back
+    /// with an empty log, which openraft's leader must not have tracked
+    /// (a follower's log never goes back), so it leaves our group's
+    /// membership first and returns as a new mirror (`steer_membership`).
+    async fn tell_to_yield(&self, g: &Arc<QueueGroup>, news: EpochNews) {
+        let group = news.group;
+        if g.raft.metrics().borrow().state != ServerState::Leader {
+            return;
+        }
+        if !self.expel(g, news.from).await {
+            return;
+        }
+        let req = RpcRequest::Yield { group, defeated: news.epoch, winner: g.epoch, from: self.id() };
+        if let Err(e) = self.inner.call(news.from, &req, Instant::now() + Duration::from_secs(2)).await {
+            tracing::debug!(group, to = news.from, error = %e, "could not tell a defeated replica to yield");
+        }
+    }
+
+    /// Take `id` out of our group's membership, if it is in it. False if
+    /// that could not be done now (a membership change was under way, or
+    /// failed): the next news of the defeated epoch tries again.
+    async fn expel(&self, g: &Arc<QueueGroup>, id: NodeId) -> bool {
+        let m = g.raft.metrics().borrow().clone();
+        let membership = m.membership_config.membership();
+        if !membership.nodes().any(|(n, _)| *n == id) {
+            return true;
+        }
+        if g.changing.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        let voters: BTreeSet<NodeId> = membership.voter_ids().filter(|v| *v != id).collect();
+        let change = if membership.voter_ids().any(|v| v == id) {
+            openraft::ChangeMembers::ReplaceAllVoters(voters)
+        } else {
+            openraft::ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+        };
+        let result = g.raft.change_membership(change, false).await;
+        g.changing.store(false, Ordering::Release);
+        match result {
+            Ok(_) => {
+                tracing::info!(queue = %g.meta.name, node = id, "the defeated replica left the group; it returns as a new mirror");
+                true
+            }
+            Err(e) => {
+                tracing::debug!(queue = %g.meta.name, node = id, error = %e, "could not take the defeated replica out yet");
+                false
+            }
+        }
+    }
+
+    /// Our replica is in `defeated`, a minority's fork; the group of
+    /// `winner` (whose replica on `from` told us) kept its majority: hand
+    /// back to it what it may lack and rejoin it.
+    pub(super) async fn yield_to(&self, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) {
+        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
+        let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
+        if g.epoch != defeated {
+            return;
+        }
+        tracing::warn!(queue = %g.meta.name, ours = %g.epoch, winner = %winner, from, "this replica's epoch is a minority's fork and yields to the group that kept its majority");
+        self.rejoin(g, EpochNews { group, epoch: winner, from }, true).await;
+    }
+
+    /// Stop our replica of `g`, hand back to the master of `news.epoch`
+    /// what that epoch may lack, wipe the replica and restart it in that
+    /// epoch. `yielding`: the target epoch is the group our fork came
+    /// from, whose history is read from its live log (it has no fork
+    /// record of its own).
+    async fn rejoin(&self, g: Arc<QueueGroup>, news: EpochNews, yielding: bool) {
+        let group = news.group;
+        let q = g.meta.clone();
         self.inner.groups.write().expect("poisoned").remove(&group);
         g.stop.cancel();
         let _ = g.raft.shutdown().await;
-        tracing::info!(queue = %q.name, "old-epoch replica stopped");
+        tracing::info!(queue = %q.name, "replica stopped to rejoin another epoch");
 
         let mut news = news;
         let result: Result<(), NodeError> = async {
             // The hand-back goes to the newest epoch we hear of; our log is
             // untouched until it is taken, so starting over is safe.
             loop {
-                let record = self.fetch_fork(group, news).await;
-                tracing::info!(queue = %q.name, epoch = %news.epoch, found = record.is_some(), "fork record of the newer epoch");
-                let batches = self.handback_set(group, record.as_ref()).await?;
+                let fork = formed(&self.inner.db, group, g.epoch).filter(|_| yielding);
+                let batches = match fork {
+                    // We formed the fork: what we stored since is ours alone.
+                    Some(f) => self.stored_since_fork(group, f).await?,
+                    None => {
+                        let record = if yielding {
+                            self.fetch_history(group, news).await
+                        } else {
+                            self.fetch_fork(group, news).await
+                        };
+                        tracing::info!(queue = %q.name, epoch = %news.epoch, found = record.is_some(), "history of the epoch to join");
+                        self.handback_set(group, record.as_ref()).await?
+                    }
+                };
                 let count: usize = batches.iter().map(|b| b.1.len()).sum();
                 match self.send_handback(&q, news, batches).await? {
                     None => {
-                        tracing::warn!(queue = %q.name, handed_back = count, epoch = %news.epoch, "messages handed back to the newer epoch");
+                        tracing::warn!(queue = %q.name, handed_back = count, epoch = %news.epoch, "messages handed back");
                         break;
+                    }
+                    Some(newer) if yielding => {
+                        return Err(NodeError::Unavailable(format!(
+                            "the group to yield to moved on to epoch {}; retrying from news of it",
+                            newer.epoch
+                        )))
                     }
                     Some(newer) => news = newer,
                 }
@@ -436,12 +681,52 @@ impl Node {
         }
         .await;
         if let Err(e) = &result {
-            tracing::error!(queue = %q.name, error = %e, "healing failed; the replica restarts in its old epoch and retries");
+            tracing::error!(queue = %q.name, error = %e, "rejoining failed; the replica restarts in its own epoch and retries");
         }
         let state = self.metadata();
         if let Err(e) = self.start_group(q.clone(), &state).await {
-            tracing::error!(queue = %q.name, error = %e, "cannot restart the queue replica after healing");
+            tracing::error!(queue = %q.name, error = %e, "cannot restart the queue replica after rejoining");
         }
+    }
+
+    /// What the (stopped) replica that formed a fork holds that the group
+    /// it forked from lacks: messages stored since the fork, and publishes
+    /// in entries not applied here.
+    async fn stored_since_fork(&self, group: GroupId, f: Formed) -> Result<Vec<Batch>, NodeError> {
+        let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
+        let db = self.inner.db.clone();
+        let space = SmSpace::new(db.clone(), group);
+        let mut out = vec![(None, QueueMachine::stored_since(&space, f.next_seq, f.next_tag).map_err(|e| io(&e))?)];
+        let start = stored_applied(&space).map_err(|e| io(&e))?.map_or(0, |l| l.index + 1);
+        let mut log = LogStore::new(db, group);
+        let mut reader = log.get_log_reader().await;
+        for e in reader.try_get_log_entries(start..).await.map_err(|e| io(&e))? {
+            let (origin, msgs) = publishes(&e);
+            if !msgs.is_empty() {
+                out.push((Some(origin), msgs.into_iter().map(|(m, _)| m.clone()).collect()));
+            }
+        }
+        out.retain(|b| !b.1.is_empty());
+        Ok(out)
+    }
+
+    /// The history of `news.epoch` from a replica of it: its live log's
+    /// leader ids. `None` if no one answers (then everything is handed back).
+    async fn fetch_history(&self, group: GroupId, news: EpochNews) -> Option<ForkRecord> {
+        let q = self.metadata().queues.values().find(|q| q.group == group).cloned()?;
+        let mut peers = vec![news.from];
+        peers.extend(q.replicas.iter().copied().filter(|id| *id != news.from && *id != self.id()));
+        for peer in peers {
+            let limit = Instant::now() + Duration::from_secs(5);
+            if let Ok(RpcResponse::History(Some(rec))) =
+                self.inner.call(peer, &RpcRequest::History { group }, limit).await
+            {
+                if rec.epoch == news.epoch {
+                    return Some(rec);
+                }
+            }
+        }
+        None
     }
 
     /// Ask the peer that told us (then the other replicas) for the newer
@@ -455,7 +740,7 @@ impl Node {
         while Instant::now() < deadline {
             for peer in &peers {
                 let limit = Instant::now() + Duration::from_secs(1);
-                if let Ok(RpcResponse::Fork(Some(rec))) =
+                if let Ok(RpcResponse::Fork(Some(rec), _)) =
                     self.inner.call(*peer, &RpcRequest::Fork { group }, limit).await
                 {
                     if rec.epoch >= news.epoch {

@@ -65,7 +65,8 @@ impl Node {
             .collect();
         let mut held: Vec<(GroupId, BTreeSet<u64>)> = Vec::new();
         for g in groups {
-            let owners = g.sm.with(|m| m.owners()).await;
+            let mut owners = g.sm.with(|m| m.owners()).await;
+            owners.retain(|o| owners::is_tracked(*o));
             if !owners.is_empty() {
                 held.push((g.meta.group, owners));
             }

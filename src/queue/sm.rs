@@ -34,7 +34,7 @@ use super::bodies::{self, Chunk, ChunkWriter, LogRef};
 use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
 use super::runs::Runs;
-use super::state::{Change, Counters, QueueState};
+use super::state::{Change, Counters, QueueState, HANDBACK_SEQ};
 use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
 use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
 use crate::raft::types::{Request, Response};
@@ -334,6 +334,17 @@ impl QueueMachine {
     /// included: their seqs are above every other).
     pub fn stored_from(space: &SmSpace, from: u64) -> Result<Vec<Message>, StorageError> {
         Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| *seq >= from).map(|(_, m)| m).collect())
+    }
+
+    /// Live messages stored since the counters were at `next_seq` and
+    /// `next_tag`: published since (seqs from `next_seq`), or handed back
+    /// since (their seqs take a tag number).
+    pub fn stored_since(space: &SmSpace, next_seq: u64, next_tag: u64) -> Result<Vec<Message>, StorageError> {
+        let since = |seq: u64| match seq & HANDBACK_SEQ {
+            0 => seq >= next_seq,
+            _ => seq & !HANDBACK_SEQ >= next_tag,
+        };
+        Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| since(*seq)).map(|(_, m)| m).collect())
     }
 
     /// The message stored under `seq`, if it is still live.

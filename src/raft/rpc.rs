@@ -85,6 +85,21 @@ pub enum RpcRequest {
     Fork {
         group: GroupId,
     },
+    /// The receiver's replica's log as a record of its history (the leader
+    /// ids of its entries): a replica whose fork yields finds with it what
+    /// the winning epoch already has.
+    History {
+        group: GroupId,
+    },
+    /// The receiver's replica is in `defeated`, an epoch formed by a
+    /// minority while the group `winner` kept its majority and kept going:
+    /// it must hand back what it holds to `winner`'s master and rejoin it.
+    Yield {
+        group: GroupId,
+        defeated: Epoch,
+        winner: Epoch,
+        from: NodeId,
+    },
     /// Messages a stale replica hands back, for the master of `epoch`.
     Handback {
         group: GroupId,
@@ -156,7 +171,10 @@ pub enum RpcResponse {
     UnknownGroup(GroupId),
     /// The receiver's replica is in a newer epoch than the sender's.
     NewerEpoch(Epoch),
-    Fork(Option<ForkRecord>),
+    /// The fork record, and when (wall clock, ms) the epoch was formed if
+    /// the receiver formed it.
+    Fork(Option<ForkRecord>, Option<u64>),
+    History(Option<ForkRecord>),
     Bodies(Result<BodyChunk, NodeError>),
     Moved(Result<(), NodeError>),
     Member(Result<(), NodeError>),

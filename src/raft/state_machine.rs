@@ -301,6 +301,10 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
         let inner = &mut *inner;
         inner.machine.commit(&inner.space, &mut batch).map_err(err)?;
         inner.space.apply(batch).map_err(err)?;
+        // openraft purges the log up to the snapshot once this returns: a
+        // crash must not then find the state from before the install with
+        // the entries that led past it gone.
+        inner.space.sync().await.map_err(err)?;
         Ok(())
     }
 

@@ -2,12 +2,14 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
+use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::error::StorageError;
-use crate::flusher::Flusher;
+use crate::flusher::{CrashImage, Flusher};
 use crate::keys::{group_prefix, key_group, log_key_index, meta_key, META_REWRITE};
 use crate::wal::{RawEntry, Wal};
 use crate::GroupId;
@@ -38,7 +40,9 @@ pub struct NodeDb {
 
 struct Inner {
     path: PathBuf,
-    db: sled::Db,
+    /// Dropped only if the node did not crash ([`NodeDb::crash_for_tests`]):
+    /// dropping it flushes sled's buffers.
+    db: ManuallyDrop<sled::Db>,
     /// Raft log entries of every group.
     wal: Arc<Wal>,
     /// Where Raft entries were kept before the write-ahead log, key
@@ -51,8 +55,13 @@ struct Inner {
     /// Node-level values (identity, cluster id).
     node: sled::Tree,
     flusher: Flusher,
-    flusher_thread: Option<std::thread::JoinHandle<()>>,
+    /// Taken by whoever stops the flusher first: the last drop or a crash.
+    flusher_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     fatal: tokio::sync::watch::Receiver<Option<String>>,
+    /// Set by [`NodeDb::crash_for_tests`].
+    crashed: AtomicBool,
+    /// See [`NodeDb::keep_crash_image`].
+    crash_image: CrashImage,
     /// Held for the life of the process: a second process on the same dir is refused.
     _lock: File,
 }
@@ -95,22 +104,26 @@ impl NodeDb {
         let node = open_tree("node")?;
         let wal = Arc::new(Wal::open(&dir.join("wal"), opts.wal_segment_bytes)?);
         let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
-        let (flusher, flusher_thread) = Flusher::start(db.clone(), &sled_dir, wal.clone(), move |e| {
-            let _ = fatal_tx.send(Some(format!("disk sync failed: {e}")));
-        })
-        .map_err(|source| StorageError::Lock { path: sled_dir.clone(), source })?;
+        let crash_image = CrashImage::default();
+        let (flusher, flusher_thread) =
+            Flusher::start(db.clone(), &sled_dir, wal.clone(), crash_image.clone(), move |e| {
+                let _ = fatal_tx.send(Some(format!("disk sync failed: {e}")));
+            })
+            .map_err(|source| StorageError::Lock { path: sled_dir.clone(), source })?;
         let node_db = Self {
             inner: Arc::new(Inner {
                 path: dir.to_owned(),
-                db,
+                db: ManuallyDrop::new(db),
                 wal,
                 log,
                 raft_meta,
                 sm,
                 node,
                 flusher,
-                flusher_thread: Some(flusher_thread),
+                flusher_thread: Mutex::new(Some(flusher_thread)),
                 fatal,
+                crashed: AtomicBool::new(false),
+                crash_image,
                 _lock: lock,
             }),
         };
@@ -268,14 +281,99 @@ impl NodeDb {
     pub fn size_on_disk(&self) -> Result<u64, StorageError> {
         Ok(self.inner.db.size_on_disk()?)
     }
+
+    /// From now on, keep a copy of sled's data file as each sled sync
+    /// leaves it, for [`NodeDb::crash_for_tests`] to put back: the crash
+    /// then loses every sled write no sync covered, as a power loss may
+    /// (without it, what sled wrote to its file unsynced survives, as
+    /// after `kill -9`). Costs a read of the whole file per sled sync: for
+    /// tests only. The first copy is the file as it is now.
+    #[doc(hidden)]
+    pub fn keep_crash_image(&self) -> std::io::Result<()> {
+        let image = std::fs::read(self.inner.path.join("sled").join("db"))?;
+        *self.inner.crash_image.lock().expect("poisoned") = Some(image);
+        Ok(())
+    }
+
+    /// Die as the process would, for tests, so that the data dir can be
+    /// opened again in this process (even while clones of this handle
+    /// live on):
+    ///
+    /// - The flusher stops: a sync under way ends, no other starts, and
+    ///   every waiter, present or later, fails.
+    /// - Each log segment is cut back to what its last sync covered (the
+    ///   page cache lost).
+    /// - sled never writes again: its handle is leaked, not dropped (a drop
+    ///   flushes), and its descriptor on `sled/db` is pointed at
+    ///   `/dev/null`, which also lets go of sled's lock. What it held in
+    ///   memory is lost. With [`NodeDb::keep_crash_image`], `sled/db` is
+    ///   then put back as the last sled sync left it; without, what sled
+    ///   had written to it stays, synced or not (sled writes its buffer out
+    ///   on every batch and when it is full), as after `kill -9`. sled's
+    ///   memory is not given back.
+    /// - The data dir's `LOCK` is released.
+    ///
+    /// Whatever a sync covered survives. Not undone: file names (log
+    /// segments made or removed, spares, blobs) and blob files' contents.
+    /// A sled sync that copies the image while sled writes may catch some
+    /// of those writes, as a disk may keep some unsynced blocks. Every
+    /// clone of this handle must be dropped afterwards, not used: its
+    /// writes go nowhere and its reads may fail.
+    #[doc(hidden)]
+    pub fn crash_for_tests(&self) -> std::io::Result<()> {
+        let inner = &self.inner;
+        if inner.crashed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        inner.flusher.crash_for_tests();
+        if let Some(t) = inner.flusher_thread.lock().expect("poisoned").take() {
+            let _ = t.join();
+        }
+        inner.wal.crash_for_tests().map_err(std::io::Error::other)?;
+        let sled_file = inner.path.join("sled").join("db");
+        detach(&sled_file)?;
+        if let Some(image) = inner.crash_image.lock().expect("poisoned").take() {
+            std::fs::write(&sled_file, image)?;
+        }
+        // SAFETY: unlock of a descriptor `_lock` keeps open.
+        unsafe { libc::flock(inner._lock.as_raw_fd(), libc::LOCK_UN) };
+        Ok(())
+    }
+}
+
+/// Point every descriptor this process has open on `path` at `/dev/null`:
+/// whatever is written through them goes nowhere, and their lock on the
+/// file is released (its open file description is closed).
+fn detach(path: &Path) -> std::io::Result<()> {
+    let target = std::fs::canonicalize(path)?;
+    let null = OpenOptions::new().read(true).write(true).open("/dev/null")?;
+    for entry in std::fs::read_dir("/proc/self/fd")? {
+        let entry = entry?;
+        let Ok(fd) = entry.file_name().to_string_lossy().parse::<libc::c_int>() else { continue };
+        if std::fs::read_link(entry.path()).is_ok_and(|p| p == target) {
+            // SAFETY: `fd` stays open (now on /dev/null) for its owner,
+            // sled's leaked handle, which may still write through it; no
+            // memory is shared.
+            if unsafe { libc::dup2(null.as_raw_fd(), fd) } < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if self.crashed.load(Ordering::Acquire) {
+            // Leaked: dropping sled flushes its buffers, which the crash lost.
+            return;
+        }
         self.flusher.stop();
-        if let Some(t) = self.flusher_thread.take() {
+        if let Some(t) = self.flusher_thread.get_mut().expect("poisoned").take() {
             let _ = t.join();
         }
+        // SAFETY: dropped once, here, and never used again.
+        unsafe { ManuallyDrop::drop(&mut self.db) };
     }
 }
 
@@ -371,6 +469,73 @@ mod tests {
         assert_eq!(files_with("spare"), gone.min(crate::wal::MAX_SPARES), "the oldest dead ones are kept for reuse");
         let live: Vec<u64> = db.wal().read(1, 36, 40).unwrap().into_iter().map(|(i, _)| i).collect();
         assert_eq!(live, vec![36, 37, 38, 39, 40]);
+    }
+
+    /// A log that failed part way through moving to a new segment stops
+    /// the node at its next sync, as a failed fsync does.
+    #[test]
+    fn a_failed_log_roll_over_stops_the_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = DbOptions { wal_segment_bytes: 4096, ..DbOptions::default() };
+        let db = NodeDb::open(dir.path(), &opts).unwrap();
+        db.wal().append(1, &[(1, vec![1; 3000])]).unwrap();
+        db.flusher().sync_blocking().unwrap();
+        std::fs::create_dir(dir.path().join("wal").join(format!("{:016x}.wal", 2))).unwrap();
+        assert!(db.wal().append(1, &[(2, vec![2; 3000])]).is_err(), "segment 2 cannot be made");
+        assert!(db.flusher().sync_blocking().is_err(), "nothing is durable any more");
+        assert!(db.fatal().borrow().is_some(), "the node is told to stop");
+    }
+
+    /// What a sync covered survives [`NodeDb::crash_for_tests`]; log bytes
+    /// and sled writes made after it do not, even those sled wrote to its
+    /// file (a batch) when the crash image is kept. The dir opens again
+    /// while a clone of the crashed handle lives on.
+    #[test]
+    fn a_crash_keeps_what_was_synced_and_loses_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        db.keep_crash_image().unwrap();
+        db.wal().append(1, &[(1, b"synced".to_vec())]).unwrap();
+        db.sm_tree().insert(b"synced", b"1".to_vec()).unwrap();
+        db.flusher().sync_blocking().unwrap();
+        db.wal().append(1, &[(2, b"not synced".to_vec())]).unwrap();
+        db.sm_tree().insert(b"not synced", b"2".to_vec()).unwrap();
+        let mut batch = sled::Batch::default();
+        batch.insert(&b"batch"[..], &b"3"[..]);
+        db.sm_tree().apply_batch(batch).unwrap();
+        let clone = db.clone();
+        db.crash_for_tests().unwrap();
+        drop(db);
+        assert!(clone.flusher().sync_blocking().is_err(), "nothing is synced after the crash");
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        assert_eq!(db.wal().read(1, 0, u64::MAX).unwrap(), vec![(1, b"synced".to_vec())]);
+        assert!(db.sm_tree().get(b"synced").unwrap().is_some());
+        assert!(db.sm_tree().get(b"not synced").unwrap().is_none());
+        assert!(db.sm_tree().get(b"batch").unwrap().is_none(), "written to sled's file, never synced");
+        drop(clone);
+        db.wal().append(1, &[(2, b"again".to_vec())]).unwrap();
+        db.put_node_value("k", b"v").unwrap();
+        drop(db);
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        assert_eq!(db.wal().bounds(1), Some((1, 2)));
+        assert_eq!(db.get_node_value("k").unwrap().as_deref(), Some(&b"v"[..]));
+    }
+
+    /// A test may crash a node whose disk it holds back: the crash does
+    /// not wait for the guard, and the waiter held back fails.
+    #[test]
+    fn a_crash_does_not_wait_for_held_syncs() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let _held = db.flusher().hold_syncs();
+        db.wal().append(1, &[(1, b"held".to_vec())]).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        db.flusher().submit_log(Box::new(move |r| tx.send(r.is_ok()).unwrap()));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        db.crash_for_tests().unwrap();
+        assert_eq!(rx.recv_timeout(std::time::Duration::from_secs(5)), Ok(false));
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        assert_eq!(db.wal().bounds(1), None, "never synced");
     }
 
     #[test]

@@ -22,6 +22,10 @@ use crate::wal::{Retired, Wal};
 /// Called once with the outcome of the sync that covered the waiter's writes.
 pub type Completion = Box<dyn FnOnce(io::Result<()>) + Send>;
 
+/// sled's data file as the last sled sync left it, for a test's crash to
+/// put back (`NodeDb::keep_crash_image`); `None`, the default: not kept.
+pub type CrashImage = Arc<Mutex<Option<Vec<u8>>>>;
+
 enum Msg {
     /// `sled`: the waiter needs sled's writes durable too, not only the log.
     Wait(Completion, bool),
@@ -78,9 +82,11 @@ struct Held {
 }
 
 impl Held {
-    fn wait_released(&self) {
+    /// Until no guard is alive, or the flusher has failed (a test's crash
+    /// must not wait for a guard).
+    fn wait_released(&self, failed: &AtomicBool) {
         let mut n = self.count.lock().expect("poisoned");
-        while *n > 0 {
+        while *n > 0 && !failed.load(Ordering::Acquire) {
             n = self.released.wait(n).expect("poisoned");
         }
     }
@@ -104,17 +110,17 @@ impl Flusher {
         db: sled::Db,
         dir: &Path,
         wal: Arc<Wal>,
+        crash_image: CrashImage,
         on_fatal: impl Fn(&io::Error) + Send + 'static,
     ) -> io::Result<(Self, std::thread::JoinHandle<()>)> {
-        let data_file = File::open(dir.join("db"))?;
-        let blobs = dir.join("blobs");
-        let sled = SledTarget { db, data_file, blobs, synced_blobs: HashSet::new() };
+        let mut sled = SledTarget::new(db, dir)?;
+        sled.crash_image = crash_image;
         let (remover, files) = mpsc::channel::<Vec<Retired>>();
         let log = wal.clone();
-        std::thread::Builder::new()
+        let remover_thread = std::thread::Builder::new()
             .name("mirrorq-wal-rm".into())
             .spawn(move || files.iter().for_each(|batch| log.retire(batch)))?;
-        Self::with_target(NodeTarget { wal, sled, remover }, on_fatal)
+        Self::with_target(NodeTarget { wal, sled, remover, remover_thread: Some(remover_thread) }, on_fatal)
     }
 
     /// Start a flusher over any [`SyncTarget`] (tests inject failing ones).
@@ -192,6 +198,18 @@ impl Flusher {
         let _ = self.tx.send(Msg::Stop);
     }
 
+    /// Ask the thread to exit as if the process died: a sync under way
+    /// ends, nothing is synced after it, and every waiter, present or
+    /// later, fails.
+    pub(crate) fn crash_for_tests(&self) {
+        self.failed.store(true, Ordering::Release);
+        // Under the lock, so that a flusher waiting for held syncs cannot
+        // miss the wake-up between its check and its wait.
+        drop(self.held.count.lock().expect("poisoned"));
+        self.held.released.notify_all();
+        self.stop();
+    }
+
     pub fn has_failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
     }
@@ -228,6 +246,20 @@ struct NodeTarget {
     /// order they are sent (it ends when this target is dropped, after the
     /// files already sent).
     remover: mpsc::Sender<Vec<Retired>>,
+    remover_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for NodeTarget {
+    /// Waits for the files already sent: once the flusher has exited, no
+    /// thread of this database renames or unlinks anything in the log's
+    /// directory, which a reopen is about to read.
+    fn drop(&mut self) {
+        // Hang up (a sender nobody listens to takes its place), then wait.
+        self.remover = mpsc::channel().0;
+        if let Some(thread) = self.remover_thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl SyncTarget for NodeTarget {
@@ -283,13 +315,61 @@ struct SledTarget {
     /// and never syncs them; we do, once per new file.
     blobs: PathBuf,
     synced_blobs: HashSet<std::ffi::OsString>,
+    data_path: PathBuf,
+    crash_image: CrashImage,
+    /// What each sync flushed and synced, in order, for tests of that order.
+    #[cfg(test)]
+    trail: Vec<Step>,
+}
+
+#[cfg(test)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    Flush,
+    Db,
+    Blob(std::ffi::OsString),
+    BlobsDir,
 }
 
 impl SledTarget {
+    /// Over the sled database `db` living in `dir`.
+    fn new(db: sled::Db, dir: &Path) -> io::Result<Self> {
+        Ok(Self {
+            db,
+            data_file: File::open(dir.join("db"))?,
+            blobs: dir.join("blobs"),
+            synced_blobs: HashSet::new(),
+            data_path: dir.join("db"),
+            crash_image: CrashImage::default(),
+            #[cfg(test)]
+            trail: Vec::new(),
+        })
+    }
+
+    /// Make every sled write made before the call durable.
+    ///
+    /// sled writes a blob file before the pointer to it enters its log, and
+    /// never syncs the blob. A pointer made durable before its blob would,
+    /// after a power loss, name a missing blob (sled skips the update, so
+    /// it no longer recovers a prefix of its writes) or a torn one. So the
+    /// blobs go first: listed after the flush, the listing holds the blob
+    /// of every pointer the flush wrote, and of every write our waiters
+    /// made. A pointer written by a concurrent write after the listing may
+    /// still reach the disk ahead of its blob (with this `fdatasync` or by
+    /// the kernel's own writeback); no waiter of this round depends on it,
+    /// and the next round syncs its blob.
     fn sync(&mut self) -> io::Result<()> {
         self.db.flush().map_err(io::Error::other)?;
+        #[cfg(test)]
+        self.trail.push(Step::Flush);
+        self.sync_new_blobs()?;
         self.data_file.sync_data()?;
-        self.sync_new_blobs()
+        #[cfg(test)]
+        self.trail.push(Step::Db);
+        if let Some(image) = self.crash_image.lock().expect("poisoned").as_mut() {
+            *image = std::fs::read(&self.data_path)?;
+        }
+        Ok(())
     }
 }
 
@@ -308,7 +388,11 @@ impl SledTarget {
             if !self.synced_blobs.contains(&name) {
                 // A blob may be removed by sled between listing and opening.
                 match File::open(entry.path()) {
-                    Ok(f) => f.sync_data()?,
+                    Ok(f) => {
+                        f.sync_data()?;
+                        #[cfg(test)]
+                        self.trail.push(Step::Blob(name.clone()));
+                    }
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                     Err(e) => return Err(e),
                 }
@@ -318,6 +402,8 @@ impl SledTarget {
         }
         if new_any {
             File::open(&self.blobs)?.sync_all()?;
+            #[cfg(test)]
+            self.trail.push(Step::BlobsDir);
         }
         self.synced_blobs = present;
         Ok(())
@@ -355,13 +441,13 @@ fn run(
         if batch.is_empty() {
             continue;
         }
+        held.wait_released(failed);
         if failed.load(Ordering::Acquire) {
             for done in batch.drain(..) {
                 done(Err(sync_failed()));
             }
             continue;
         }
-        held.wait_released();
         let started = Instant::now();
         let result = target.sync(sled);
         stats.syncs.fetch_add(1, Ordering::Relaxed);
@@ -483,6 +569,42 @@ mod tests {
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         flusher.stop();
         thread.join().unwrap();
+    }
+
+    /// sled writes a large value to a blob file of its own, then a pointer
+    /// to it into its log (`db`). Once `db` is synced the pointer may
+    /// survive a power loss: the blob must be on disk by then, its name in
+    /// the blobs directory too. This checks the order of the syncs, which
+    /// is all a test can see; it does not cut the power.
+    #[test]
+    fn blobs_are_synced_before_the_database_file_that_points_at_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let sled_dir = dir.path().join("sled");
+        let db = sled::Config::new().path(&sled_dir).segment_size(4 << 20).flush_every_ms(None).open().unwrap();
+        let mut target = SledTarget::new(db.clone(), &sled_dir).unwrap();
+        db.insert(b"small", b"v".to_vec()).unwrap();
+        target.sync().unwrap();
+        // Over a quarter segment: a blob file.
+        db.insert(b"big", vec![7u8; 2 << 20]).unwrap();
+        let blobs: Vec<std::ffi::OsString> =
+            std::fs::read_dir(sled_dir.join("blobs")).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(!blobs.is_empty(), "sled wrote no blob file");
+        target.trail.clear();
+        target.sync().unwrap();
+        let trail = target.trail.clone();
+        let at =
+            |step: &Step| trail.iter().position(|s| s == step).unwrap_or_else(|| panic!("{step:?} not in {trail:?}"));
+        for name in &blobs {
+            assert!(at(&Step::Blob(name.clone())) < at(&Step::Db), "blob {name:?} synced after db: {trail:?}");
+        }
+        assert!(at(&Step::BlobsDir) < at(&Step::Db), "blobs directory synced after db: {trail:?}");
+        // Blobs written before the flush are listed after it.
+        assert_eq!(at(&Step::Flush), 0, "{trail:?}");
+        // Nothing new: db alone.
+        db.insert(b"small", b"w".to_vec()).unwrap();
+        target.trail.clear();
+        target.sync().unwrap();
+        assert_eq!(target.trail, vec![Step::Flush, Step::Db]);
     }
 
     #[test]

@@ -136,6 +136,14 @@ impl<C: RaftTypeConfig> LogStore<C> {
     pub fn group(&self) -> GroupId {
         self.group
     }
+
+    /// Every write the log refuses leaves it failed for good (fail-stop);
+    /// a flusher round meets that and stops the node now, not at whatever
+    /// sync comes next (an idle node may not sync for a long time).
+    fn write_failed(&self, verb: ErrorVerb, e: crate::WalError) -> RaftStorageError<C> {
+        self.db.flusher().submit_log(Box::new(|_| {}));
+        io_err::<C>(ErrorSubject::Logs, verb, e)
+    }
 }
 
 fn io_err<C: RaftTypeConfig>(
@@ -331,7 +339,7 @@ where
         if let Err(e) = self.wal().append(self.group, &encoded) {
             // What is cached must be what the log has.
             self.recent().clear();
-            return Err(io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e));
+            return Err(self.write_failed(ErrorVerb::Write, e));
         }
         // Each appended entry is now the log's last one (an append replaces
         // whatever followed its index), so it may be cached after the one
@@ -349,7 +357,7 @@ where
 
     async fn truncate(&mut self, log_id: LogId<C::NodeId>) -> Result<(), RaftStorageError<C>> {
         self.recent().drop_from(log_id.index);
-        self.wal().truncate(self.group, log_id.index).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Delete, e))
+        self.wal().truncate(self.group, log_id.index).map_err(|e| self.write_failed(ErrorVerb::Delete, e))
     }
 
     async fn purge(&mut self, log_id: LogId<C::NodeId>) -> Result<(), RaftStorageError<C>> {

@@ -152,6 +152,9 @@ struct Segment {
     live: usize,
     /// Written since its last sync.
     dirty: bool,
+    /// Bytes from its start known to be on disk: what a crash keeps
+    /// ([`Wal::crash_for_tests`]).
+    synced: u64,
 }
 
 struct Inner {
@@ -193,6 +196,9 @@ pub struct Wal {
     /// Bytes [`Wal::relocate_idle`] has copied since the log was opened.
     relocated: AtomicU64,
     inner: Mutex<Inner>,
+    /// One [`Wal::sync`] at a time: a caller that finds nothing dirty must
+    /// not return while another's `fdatasync` of what it found is under way.
+    sync_lock: Mutex<()>,
 }
 
 /// A record read back while recovering.
@@ -499,7 +505,8 @@ impl Wal {
                 file.sync_all().map_err(io_err(&path))?;
             }
             head_sealed = !salted || parsed.sealed;
-            inner.segments.insert(id, Segment { file: Arc::new(file), path, live: 0, dirty: false });
+            let synced = parsed.valid;
+            inner.segments.insert(id, Segment { file: Arc::new(file), path, live: 0, dirty: false, synced });
             for r in &parsed.records {
                 inner.apply(id, r);
             }
@@ -522,6 +529,7 @@ impl Wal {
             relocate_after: RELOCATE_AFTER,
             relocated: AtomicU64::new(0),
             inner: Mutex::new(inner),
+            sync_lock: Mutex::new(()),
         };
         {
             let mut inner = wal.lock();
@@ -571,7 +579,7 @@ impl Wal {
         };
         // The new name must survive a crash as much as what is written to it.
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| self.io_err(e))?;
-        inner.segments.insert(id, Segment { file, path, live: 0, dirty: false });
+        inner.segments.insert(id, Segment { file, path, live: 0, dirty: false, synced: 0 });
         inner.active = id;
         inner.active_len = 0;
         Ok(())
@@ -588,7 +596,8 @@ impl Wal {
             return Err(self.io_err(e));
         }
         s.dirty = false;
-        inner.active_len += seal.len() as u64;
+        s.synced = at + seal.len() as u64;
+        inner.active_len = s.synced;
         Ok(())
     }
 
@@ -602,7 +611,14 @@ impl Wal {
         if inner.active_len > 0 && inner.active_len + (buf.len() + HEADER) as u64 > self.segment_bytes {
             self.seal_active(inner)?;
             let next = inner.active + 1;
-            self.new_segment(inner, next)?;
+            if let Err(e) = self.new_segment(inner, next) {
+                // The head is sealed: a record written behind its seal would
+                // be acknowledged and then lost, since recovery stops at the
+                // seal. And a retry cannot be trusted after a half-done
+                // rename or a failed directory sync: fail-stop.
+                inner.failed = true;
+                return Err(e);
+            }
         }
         let seg = inner.active;
         salt_records(buf, seg);
@@ -675,9 +691,8 @@ impl Wal {
         }
         self.write(&mut inner, &mut buf)?;
         inner.drop_group(group);
-        let file = inner.segments.get(&inner.active).expect("active segment").file.clone();
         drop(inner);
-        file.sync_data().map_err(|e| self.io_err(e))
+        self.sync()
     }
 
     /// Whether `group` has any entry.
@@ -729,26 +744,49 @@ impl Wal {
     /// Make everything written so far durable. Segments written by others
     /// during the sync are synced by the next call.
     pub fn sync(&self) -> Result<(), WalError> {
-        let files: Vec<Arc<File>> = {
+        let _one = self.sync_lock.lock().expect("poisoned");
+        // (segment, its file, its length when the sync began)
+        let files: Vec<(u64, Arc<File>, u64)> = {
             let mut inner = self.lock();
             if inner.failed {
                 return Err(WalError::Failed);
             }
+            // Only the head is written without a sync of its own (the seal's).
+            let (active, active_len) = (inner.active, inner.active_len);
             inner
                 .segments
-                .values_mut()
-                .filter(|s| s.dirty)
-                .map(|s| {
+                .iter_mut()
+                .filter(|(_, s)| s.dirty)
+                .map(|(id, s)| {
                     s.dirty = false;
-                    s.file.clone()
+                    (*id, s.file.clone(), if *id == active { active_len } else { s.synced })
                 })
                 .collect()
         };
-        for f in files {
+        for (_, f, _) in &files {
             if let Err(e) = f.sync_data() {
                 self.lock().failed = true;
                 return Err(self.io_err(e));
             }
+        }
+        let mut inner = self.lock();
+        for (id, _, len) in files {
+            if let Some(s) = inner.segments.get_mut(&id) {
+                s.synced = s.synced.max(len);
+            }
+        }
+        Ok(())
+    }
+
+    /// A crash in which the page cache is lost, for tests: every segment
+    /// loses what was written to it after its last sync (cut back to its
+    /// synced length), and the log refuses everything from now on. File
+    /// names (new segments, spares) stay as they are.
+    pub(crate) fn crash_for_tests(&self) -> Result<(), WalError> {
+        let mut inner = self.lock();
+        inner.failed = true;
+        for s in inner.segments.values() {
+            s.file.set_len(s.synced).map_err(|e| self.io_err(e))?;
         }
         Ok(())
     }
@@ -1094,6 +1132,60 @@ mod tests {
         let wal = Wal::open(dir.path(), 4096).unwrap();
         assert_eq!(all(&wal, 1), one[35..].to_vec());
         assert_eq!(all(&wal, 2), two);
+    }
+
+    /// A roll-over that fails after the seal (the next segment's name is
+    /// taken by a directory) leaves the head sealed. A record written behind
+    /// the seal would be acknowledged and then lost, as recovery stops at the
+    /// seal: every later write is refused instead.
+    #[test]
+    fn a_roll_over_failing_after_the_seal_refuses_every_later_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let early = entries(1, 1..=1, 3000);
+        let late = entries(1, 2..=2, 100);
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        wal.append(1, &early).unwrap();
+        wal.sync().unwrap();
+        std::fs::create_dir(seg_path(dir.path(), 2)).unwrap();
+        // Too big for segment 1: it is sealed, then segment 2 cannot be made.
+        assert!(wal.append(1, &entries(1, 2..=2, 3000)).is_err());
+        // Small enough to fit behind the seal.
+        let acked = wal.append(1, &late).is_ok() && wal.sync().is_ok();
+        let other_write = wal.truncate(1, 3);
+        drop(wal);
+        std::fs::remove_dir(seg_path(dir.path(), 2)).unwrap();
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        let indexes: Vec<u64> = all(&wal, 1).into_iter().map(|(i, _)| i).collect();
+        if acked {
+            assert_eq!(indexes, vec![1, 2], "an acknowledged append was lost on reopen");
+        }
+        assert!(!acked, "an append after the failed roll-over was acknowledged");
+        assert!(matches!(other_write, Err(WalError::Failed)), "{other_write:?}");
+        assert_eq!(all(&wal, 1), early);
+    }
+
+    /// A test's crash keeps what each sync covered, across segments (a
+    /// roll-over syncs the sealed one), a drop that synced by itself, and
+    /// nothing written after.
+    #[test]
+    fn a_crash_cuts_each_segment_back_to_its_last_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let synced = entries(1, 1..=10, 500);
+        {
+            let wal = Wal::open(dir.path(), 4096).unwrap();
+            append_each(&wal, 1, &synced);
+            wal.append(2, &entries(2, 1..=1, 10)).unwrap();
+            wal.sync().unwrap();
+            assert!(wal.segment_count() > 1);
+            wal.drop_group(2).unwrap();
+            wal.append(1, &entries(1, 11..=11, 100)).unwrap();
+            wal.crash_for_tests().unwrap();
+            assert!(matches!(wal.append(1, &entries(1, 12..=12, 10)), Err(WalError::Failed)));
+        }
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        assert_eq!(wal.bounds(1), Some((1, 10)));
+        assert!(all(&wal, 1) == synced);
+        assert!(!wal.has_group(2), "its drop synced itself");
     }
 
     #[test]
