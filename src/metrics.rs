@@ -40,6 +40,8 @@ pub struct Metrics {
     /// Unacked messages given back because their holder (a channel, or
     /// every channel of a node) was gone.
     pub released_of_gone: Counter,
+    /// Rounds in which a queue replica could not be started or removed.
+    pub reconcile_failures: Counter,
 }
 
 impl Default for Metrics {
@@ -53,6 +55,7 @@ impl Default for Metrics {
             confirm_latency: Histogram::new(exponential_buckets(0.00025, 2.0, 15)),
             appends_received: Counter::default(),
             released_of_gone: Counter::default(),
+            reconcile_failures: Counter::default(),
         }
     }
 }
@@ -107,6 +110,11 @@ pub fn render(node: &Node) -> String {
         "mirrorq_released_of_gone_owners",
         "Unacked messages requeued because the channel or node holding them was gone",
         m.released_of_gone.clone(),
+    );
+    r.register(
+        "mirrorq_replica_start_failures",
+        "Rounds in which a queue replica on this node could not be started or removed",
+        m.reconcile_failures.clone(),
     );
     r.register(
         "mirrorq_confirm_latency_seconds",

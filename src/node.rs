@@ -75,6 +75,10 @@ pub struct NodeConfig {
     pub memory_high_watermark: Watermark,
     /// Free disk below which publishers are blocked.
     pub disk_free_limit: u64,
+    /// Keep a copy of sled's file as of its last sync, so that
+    /// [`Node::crash`] loses what a power cut would (tests only).
+    #[doc(hidden)]
+    pub crash_image: bool,
 }
 
 /// Time limits. Defaults suit a loaded 2-core machine running three nodes.
@@ -122,6 +126,7 @@ impl NodeConfig {
             sync_batch_bytes: 1 << 20,
             memory_high_watermark: Watermark::default(),
             disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
+            crash_image: false,
         }
     }
 }
@@ -292,6 +297,9 @@ impl Node {
             &DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes },
         )?;
         tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
+        if cfg.crash_image {
+            db.keep_crash_image().map_err(|e| ServerError::Config(format!("crash image: {e}")))?;
+        }
         match db.get_node_value(NODE_ID_KEY)? {
             Some(b) => {
                 let found = u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8]));
@@ -1152,11 +1160,18 @@ impl Node {
         }
     }
 
-    /// Stop abruptly, as a crash would: tasks end, connections drop, and no
-    /// final sync or handover happens. For in-process failure tests.
+    /// Stop abruptly, as a crash would: tasks end, connections drop, no
+    /// final sync or handover happens, and storage loses everything not
+    /// synced (the write-ahead log is cut back to its last sync, sled's
+    /// memory is lost, and with `crash_image` so is what sled wrote since
+    /// its last sync). For in-process failure tests; the node's handles
+    /// must not be used afterwards.
     pub async fn crash(&self) {
         self.inner.stop.cancel();
         self.inner.transport.close_all();
+        if let Err(e) = self.inner.db.crash_for_tests() {
+            tracing::error!(error = %e, "crash of the storage failed");
+        }
         let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
         for g in groups {
             let _ = g.raft.shutdown().await;
@@ -1246,11 +1261,28 @@ impl Node {
             // Also on a timer: a replica leaves only once the group's
             // membership no longer has it, and masters move.
             let mut tick = tokio::time::interval(Duration::from_millis(500));
+            // What each failing group last reported: a failure that repeats
+            // every round is logged once, and counted.
+            let mut told: HashMap<GroupId, String> = HashMap::new();
             loop {
                 let state = meta.borrow_and_update().clone();
-                if let Err(e) = node.reconcile(&state).await {
-                    tracing::error!(error = %e, "cannot start a queue group");
+                let failed = node.reconcile(&state).await;
+                let now_failing: HashSet<GroupId> = failed.iter().map(|(g, _)| *g).collect();
+                for (group, e) in failed {
+                    node.inner.metrics.reconcile_failures.inc();
+                    let text = e.to_string();
+                    if told.get(&group) != Some(&text) {
+                        tracing::error!(group, error = %text, "cannot start or stop a queue replica; retrying (told once until it changes)");
+                        told.insert(group, text);
+                    }
                 }
+                told.retain(|group, _| {
+                    let still = now_failing.contains(group);
+                    if !still {
+                        tracing::info!(group, "queue replica no longer failing");
+                    }
+                    still
+                });
                 tokio::select! {
                     _ = node.inner.stop.cancelled() => return,
                     r = meta.changed() => if r.is_err() { return },
@@ -1260,7 +1292,12 @@ impl Node {
         });
     }
 
-    async fn reconcile(&self, state: &MetaState) -> Result<(), ServerError> {
+    /// One round: start, stop and steer the hosted groups, then watch for
+    /// failures. A group that fails is reported and the others go on (one
+    /// replica that cannot start must not keep every other queue on the
+    /// node from failing over).
+    async fn reconcile(&self, state: &MetaState) -> Vec<(GroupId, ServerError)> {
+        let mut failed = Vec::new();
         let wanted: HashMap<GroupId, &QueueMeta> =
             state.queues.values().filter(|q| q.replicas.contains(&self.id())).map(|q| (q.group, q)).collect();
         let exists: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
@@ -1304,8 +1341,10 @@ impl Node {
                 self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
                 g.stop.cancel();
                 let _ = g.raft.shutdown().await;
-                self.inner.drop_replica(g.meta.group)?;
-                tracing::info!(queue = %g.meta.name, "queue replica moved away");
+                match self.inner.drop_replica(g.meta.group) {
+                    Ok(()) => tracing::info!(queue = %g.meta.name, "queue replica moved away"),
+                    Err(e) => failed.push((g.meta.group, e.into())),
+                }
             }
         }
         for g in to_steer {
@@ -1317,18 +1356,23 @@ impl Node {
             self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
             g.stop.cancel();
             let _ = g.raft.shutdown().await;
-            self.inner.drop_replica(g.meta.group)?;
-            tracing::info!(queue = %g.meta.name, "queue replica removed");
+            match self.inner.drop_replica(g.meta.group) {
+                Ok(()) => tracing::info!(queue = %g.meta.name, "queue replica removed"),
+                Err(e) => failed.push((g.meta.group, e.into())),
+            }
         }
         for q in to_start {
             // A heal may have begun since the list was made.
             if self.inner.busy.lock().expect("poisoned").contains(&q.group) {
                 continue;
             }
-            self.start_group(q, state).await?;
+            let group = q.group;
+            if let Err(e) = self.start_group(q, state).await {
+                failed.push((group, e));
+            }
         }
         self.watch_failures(state).await;
-        Ok(())
+        failed
     }
 
     async fn excluded_by_peers(&self, group: GroupId, peers: &[NodeId]) -> bool {

@@ -384,3 +384,33 @@ async fn a_senior_mirror_without_the_log_does_not_keep_the_queue_without_a_maste
     assert_eq!(bodies, vec!["kept"]);
     c.shutdown().await;
 }
+
+/// A replica whose state cannot be read fails to start; the node's other
+/// queues must still fail over (the round of starts used to stop at the
+/// first failure, before failures were watched).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_cannot_start_does_not_keep_the_others_from_failing_over() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    for q in ["bad", "good"] {
+        c.node(1).declare_queue(q, vec![1, 2, 3]).await.unwrap();
+        publish_retrying(c.node(1), q, format!("{q}0").into_bytes()).await;
+    }
+    wait_until(Duration::from_secs(10), "node 3 applied both", || {
+        ["bad", "good"].iter().all(|q| c.node(3).queue_info(q).is_ok_and(|i| i.ready == 1))
+    })
+    .await;
+    let bad = c.node(3).metadata().queues["bad"].group;
+    c.crash(3).await;
+    {
+        let db = mirrorq_storage::NodeDb::open(&c.configs[2].data_dir, &mirrorq_storage::DbOptions::default()).unwrap();
+        mirrorq_storage::SmSpace::new(db.clone(), bad).put(b"_applied", vec![0xff; 3]).unwrap();
+    }
+    c.restart(3).await;
+    c.crash(1).await;
+    c.crash(2).await;
+    let n3 = c.node(3).clone();
+    let got = n3.get("good", 1, 1, true).await.expect("the good queue re-formed on node 3 and served");
+    assert_eq!(got[0].message.body, b"good0");
+    assert!(n3.queue_info("bad").is_err() || !n3.is_master("bad"), "the unreadable replica never served");
+}

@@ -76,6 +76,9 @@ def reap(p, sig=signal.SIGKILL, timeout=10):
 
 
 def cleanup_all():
+    # A second Ctrl-C must not cut the cleanup short.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     for p in list(LIVE_PROCS.values()):
         try:
             os.killpg(p.pid, signal.SIGCONT)
@@ -84,6 +87,8 @@ def cleanup_all():
         reap(p)
     while LIVE_NETNS:
         subprocess.run(["ip", "netns", "del", LIVE_NETNS.pop()], capture_output=True)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
 
 
 def remove_stale_netns():
@@ -292,9 +297,11 @@ class Cluster:
         for i in sorted(self.expect_up):
             n = self.nodes[i]
             if not n.up():
-                code = n.proc.returncode if n.proc else None
-                self.anomalies.append(f"n{i} exited by itself (code {code}) at t={now():.0f}")
-                say(f"!! n{i} exited by itself, code {code}; starting it again")
+                code = n.proc.returncode
+                with open(n.log, errors="replace") as f:
+                    tail = " / ".join(re.sub(r"\x1b\[[0-9;]*m", "", l).strip() for l in f.readlines()[-3:])
+                self.anomalies.append(f"n{i} exited by itself (code {code}) at t={now():.0f}: {tail}")
+                say(f"!! n{i} exited by itself, code {code}; starting it again. Log tail: {tail}")
                 LIVE_PROCS.pop(n.proc.pid, None)
                 n.start()
 
@@ -603,7 +610,8 @@ def run_one(args, seed, root):
     faults = plan(seed, args)
     print(f"===== seed={seed} nodes={args.nodes} duration={args.duration} workdir={root}", flush=True)
     print(f"schedule: {[describe(f) for f in faults]}", flush=True)
-    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(root, ignore_errors=True)  # a --workdir used before
+    os.makedirs(root)
     out, ctl = os.path.join(root, "clients"), os.path.join(root, "ctl")
     os.makedirs(out)
     os.makedirs(ctl)
@@ -652,12 +660,14 @@ def run_one(args, seed, root):
                 c.anomalies.append(f"n{i} did not answer HTTP 30s after its final restart")
         wedged = probe_queues(c, out, run)
 
+        if clients.poll() is not None:
+            c.anomalies.append(f"the client process died early: see {os.path.join(root, 'clients.log')}")
         say("stopping publishers")
         open(os.path.join(ctl, "stop-pub"), "w").close()
         end = time.time() + PUBLISH_STUCK_SECS + 20
         while not os.path.exists(os.path.join(ctl, "pubs-done")) and time.time() < end:
             c.sleep(0.5)
-        drain(c, out, args.drain_timeout)
+        drain(c, out, args.drain_timeout, args.drain_idle)
         open(os.path.join(ctl, "stop-cons"), "w").close()
         try:
             clients.wait(30)
@@ -701,26 +711,37 @@ def probe_queues(c, out, run):
     return wedged
 
 
-def drain(c, out, bound):
-    """Consumers go on until every queue is empty and nothing arrived for 5 s."""
+def queue_counts(c):
+    """{queue: (ready, unacked)}, None where the API did not answer."""
+    counts = {}
+    for q in QUEUES:
+        s, b = c.api("GET", f"/api/queues/%2F/{q}", timeout=5)
+        ok = s == 200 and isinstance(b, dict)
+        counts[q] = (b.get("messages_ready"), b.get("messages_unacknowledged")) if ok else None
+    return counts
+
+
+def drain(c, out, bound, idle):
+    """Consumers go on until every queue is empty and nothing arrived for
+    5 s; or nothing arrived for `idle` s although a queue still counts
+    messages (then leftovers() tells stuck from phantom); or `bound` s."""
     say("draining")
-    end, quiet_since, last = time.time() + bound, None, None
-    while time.time() < end:
+    start = time.time()
+    quiet_since, last = None, None
+    while time.time() - start < bound:
         size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.startswith("cons-"))
-        counts = []
-        for q in QUEUES:
-            s, b = c.api("GET", f"/api/queues/%2F/{q}", timeout=5)
-            counts.append(b.get("messages") if s == 200 and isinstance(b, dict) else None)
-        if size == last and all(m == 0 for m in counts):
-            quiet_since = quiet_since or time.time()
-            if time.time() - quiet_since >= 5:
-                say("drained")
-                return
-        else:
-            quiet_since = None
+        counts = queue_counts(c)
+        quiet_since = (quiet_since or time.time()) if size == last else None
+        quiet = time.time() - quiet_since if quiet_since else 0
+        if quiet >= 5 and all(v == (0, 0) for v in counts.values()):
+            say(f"drained in {time.time() - start:.0f}s")
+            return
+        if quiet >= idle:
+            break
         last = size
         c.sleep(1)
-    say(f"!! not drained after {bound}s: messages per queue {dict(zip(QUEUES, counts))}")
+    say(f"!! not drained after {time.time() - start:.0f}s: (ready, unacked) per queue {counts}")
+    c.anomalies.append(f"drain did not reach empty queues: (ready, unacked) {counts}")
 
 
 def leftovers(c, out):
@@ -737,7 +758,18 @@ def leftovers(c, out):
                 for m in b:
                     log.write(f"L 0 {m.get('payload')} 0 {q}\n")
                     found[q] = found.get(q, 0) + 1
+    counts = queue_counts(c)
+    if any(v != (0, 0) for v in counts.values()):
+        # Nothing left to get, yet counted: a count that never goes away.
+        say(f"!! after draining and basic.get, the queues still count (ready, unacked) {counts}")
+        c.anomalies.append(f"queues count messages no one can get: (ready, unacked) {counts}")
     return found
+
+
+def queue_of(mid):
+    """Ids are <run>-<publisher>-<queue>-<counter>."""
+    parts = mid.split("-")
+    return parts[-2] if len(parts) >= 4 else None
 
 
 def analyse(args, seed, root, faults, c, out, wedged, undrained):
@@ -760,13 +792,17 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained):
                 if rec[0] in "DL" and len(rec) >= 3:
                     delivered[rec[2]] += 1
                     where.setdefault(rec[2], set()).add(rec[4] if rec[0] == "L" else q)
-    # An id names its queue: ...-<queue>-<counter>; one seen on another queue is unexpected too.
-    unexpected = [m for m in delivered if m not in attempted or where[m] != {m.rsplit("-", 2)[-2]}]
+    # One seen on another queue than its id names is unexpected too.
+    unexpected = [m for m in delivered if m not in attempted or where[m] != {queue_of(m)}]
     lost = sorted((m for m in confirmed if m not in delivered), key=lambda m: confirmed[m])
     dups = sum(n - 1 for n in delivered.values())
     stuck = sum(1 for l in read_lines(os.path.join(out, "watchdog.log")) if l and l[0] == "W")
     panics = [i for i, n in c.nodes.items() if "panicked" in open(n.log, errors="replace").read()]
     ok = not lost and not unexpected and not wedged and not undrained
+    if not confirmed:
+        # Nothing confirmed means the workload never ran, not that all is well.
+        c.anomalies.append(f"no publish was confirmed: see {os.path.join(root, 'clients.log')}")
+        ok = False
     print(f"seed={seed} nodes={args.nodes} faults=[{', '.join(describe(f) for f in faults)}] "
           f"attempted={len(attempted)} confirmed={len(confirmed)} delivered_unique={len(delivered)} "
           f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} wedged={len(wedged)} "
@@ -779,7 +815,7 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained):
     if undrained:
         print(f"  undrained (in the queue, never delivered to a consumer): {undrained}")
     for m in lost[:20]:
-        print(f"  lost: {m} (queue {m.rsplit('-', 2)[-2]}, publisher {attempted[m]}, confirmed at t={confirmed[m]:.1f})")
+        print(f"  lost: {m} (queue {queue_of(m)}, publisher {attempted[m]}, confirmed at t={confirmed[m]:.1f})")
     for m in unexpected[:20]:
         print(f"  unexpected: {m} on {sorted(where[m])}")
     if not ok or args.keep:
@@ -810,7 +846,9 @@ def main():
     ap.add_argument("--workdir", help="default: a new directory under /tmp")
     ap.add_argument("--keep", action="store_true", help="keep every run's workdir, not only failing ones")
     ap.add_argument("--rate", type=float, default=50, help="messages/s per publisher (0: unthrottled)")
-    ap.add_argument("--drain-timeout", type=float, default=120)
+    ap.add_argument("--drain-timeout", type=float, default=120, help="bound on draining, seconds")
+    ap.add_argument("--drain-idle", type=float, default=30,
+                    help="stop draining when no delivery came for this long, even if queues count messages")
     ap.add_argument("--no-classic", dest="classic", action="store_false",
                     help="never kill all nodes but one (the classic demo)")
     args = ap.parse_args()
@@ -824,6 +862,13 @@ def main():
     remove_stale_netns()
     root = args.workdir or tempfile.mkdtemp(prefix="mqf-")
     os.makedirs(root, exist_ok=True)
+    # A private copy: a `cargo build` replacing the binary mid-campaign
+    # would otherwise make nodes fail to start, which looks like a crash.
+    try:
+        os.link(args.bin, os.path.join(root, "mirrorq"))  # the old inode lives on
+    except OSError:
+        shutil.copy2(args.bin, os.path.join(root, "mirrorq"))
+    args.bin = os.path.join(root, "mirrorq")
     failed = []
     try:
         for seed in seeds:
@@ -836,10 +881,11 @@ def main():
             if not ok:
                 failed.append(seed)
     except KeyboardInterrupt as e:
-        print(f"campaign: interrupted ({e or 'Ctrl-C'}); cleaned up", flush=True)
+        print(f"campaign: interrupted ({e or 'Ctrl-C'}); cleaned up; workdir {root}", flush=True)
         sys.exit(130)
     finally:
         cleanup_all()
+        os.unlink(args.bin)
     if not args.workdir and not args.keep and not failed:
         shutil.rmtree(root, ignore_errors=True)
     print(f"campaign: runs={len(seeds)} passed={len(seeds) - len(failed)} failed={len(failed)}"
