@@ -893,7 +893,7 @@ impl Node {
             (info.ready, info.unacked) = (s.ready, s.unacked);
             info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
             if g.is_leader(self.id()) {
-                info.catching_up = sync::catching_up(&g.catching, Instant::now()).into_iter().collect();
+                info.catching_up = sync::catching_up(&g.catching).into_iter().collect();
             }
         }
         Ok(info)
@@ -983,8 +983,15 @@ impl Node {
                 }
             };
             // A replica that stopped under the operation (re-forming,
-            // healing) is about to be replaced: look for the master again.
+            // healing, moved away) is about to be replaced: look for the
+            // master again. Unless the operation takes messages: it may
+            // have been applied before the stop, and a second get would
+            // take more (an auto-ack get's first messages were lost so).
+            let takes = cmds.iter().any(|c| matches!(c, QueueCmd::Get { .. }));
             let result = match result {
+                Err(NodeError::Stopped) if takes => Err(NodeError::Unavailable(format!(
+                    "the master of '{queue}' stopped with the get in flight; it may have been served"
+                ))),
                 Err(NodeError::Stopped) if !self.inner.stop.is_cancelled() => {
                     Err(NodeError::NotLeader { leader: None })
                 }
@@ -1428,6 +1435,15 @@ impl Node {
                     .copied()
                     .filter(|id| voters.contains(id) || matched(id).is_some_and(|i| i + CATCH_UP_SLACK >= last))
                     .collect();
+                // No voter leaves while a replica that stays lacks bodies
+                // (a new mirror fetching what its snapshot left out): the
+                // one leaving may hold their only other copy, and a group of
+                // replicas that all lack bodies has no one to stand.
+                let complete = {
+                    let book = g.catching.read().expect("poisoned");
+                    next.iter().all(|id| *id == m.id || book.complete_in(m.current_term, *id))
+                };
+                let next: BTreeSet<NodeId> = if complete { next } else { next.union(&voters).copied().collect() };
                 if !next.is_empty() && next != voters {
                     g.raft
                         .change_membership(ChangeMembers::ReplaceAllVoters(next.clone()), true)
@@ -1766,7 +1782,10 @@ impl Inner {
                 if leaving {
                     self.down.write().expect("poisoned").insert(from);
                 }
-                if let Some(r) = self.raft_of(group) {
+                let g = self.groups.read().expect("poisoned").get(&group).cloned();
+                // A replica still fetching bodies never stands, asked or not:
+                // as master it would answer gets without those bodies.
+                if let Some(r) = g.filter(|g| g.plan.borrow().is_none()).map(|g| g.raft.clone()) {
                     // The other mirrors refuse votes until the lease of the
                     // old master's last heartbeat runs out: keep standing
                     // until someone leads, a little longer than that lease.
@@ -1803,10 +1822,14 @@ impl Inner {
                     None
                 })
             }
-            RpcRequest::Members { group } => RpcResponse::Members(
-                self.raft_of(group)
-                    .map(|r| r.metrics().borrow().membership_config.membership().nodes().map(|(id, _)| *id).collect()),
-            ),
+            // A replica that has received no membership yet (a new mirror
+            // not yet reached by the master) knows nothing: it must not look
+            // like a group that excludes the asker, which would then drop
+            // what may be the only complete copy of the queue.
+            RpcRequest::Members { group } => RpcResponse::Members(self.raft_of(group).and_then(|r| {
+                let m = r.metrics().borrow().membership_config.clone();
+                m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())
+            })),
             RpcRequest::Meta { cmd } => {
                 let leader = self.meta_raft.metrics().borrow().current_leader;
                 RpcResponse::Meta(if leader == Some(self.id) {

@@ -274,3 +274,49 @@ async fn switching_to_automatic_starts_a_waiting_mirror_by_itself() {
     assert_eq!(c.node(mirror).local_stored_count("man-a").unwrap(), 500);
     c.shutdown().await;
 }
+
+/// `ha-mode: nodes` moves a queue from node 1 to nodes 2 and 3 under manual
+/// sync: the new mirrors lack every body published before they joined, so
+/// node 1 (their only other copy) stays in the group until a `sync` has
+/// given them every body; then it leaves, and every message is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn moving_a_queue_keeps_the_old_replica_until_the_new_ones_have_every_body() {
+    init_tracing();
+    let c = cluster(3, 64 * KIB).await;
+    let at = |nodes: &str| format!(r#"{{"ha-mode":"nodes","ha-params":[{nodes}],"ha-sync-mode":"manual"}}"#);
+    c.node(1).set_policy(policy("^mv", &at(r#""mirrorq@1""#))).await.unwrap();
+    c.node(1).declare_queue("mv-q", vec![]).await.unwrap();
+    publish_many(c.node(1), "mv-q", "old", 300).await;
+    c.node(1).set_policy(policy("^mv", &at(r#""mirrorq@2","mirrorq@3""#))).await.unwrap();
+    wait_until(Duration::from_secs(30), "the new mirrors join", || {
+        c.node(1).queue_members("mv-q").is_some_and(|m| m.contains(&2) && m.contains(&3))
+    })
+    .await;
+    // Well past the time the move took before: node 1 is still a voter.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let members = c.node(2).queue_members("mv-q").unwrap();
+    assert!(members.contains(&1), "the only complete replica left before the others had the bodies: {members:?}");
+
+    c.node(2).sync_queue("mv-q", true).await.unwrap();
+    wait_until(Duration::from_secs(60), "node 1 leaves once 2 and 3 are complete", || {
+        c.node(2).queue_members("mv-q") == Some(BTreeSet::from([2, 3]))
+    })
+    .await;
+    // The old master left: wait for the new one before taking messages.
+    wait_view(c.node(3), "mv-q", "a master among the new replicas", |v| {
+        v.synchronised.iter().copied().collect::<BTreeSet<_>>() == BTreeSet::from([2, 3])
+    })
+    .await;
+    for id in [2, 3] {
+        assert_eq!(c.node(id).local_stored_count("mv-q").unwrap(), 300, "node {id} holds every body");
+    }
+    let mut got = BTreeSet::new();
+    loop {
+        let d = c.node(3).get("mv-q", 1, 100, true).await.expect("served by the new replicas");
+        if d.is_empty() {
+            break;
+        }
+        got.extend(d.iter().map(|d| String::from_utf8_lossy(&d.message.body).split(':').next().unwrap().to_string()));
+    }
+    assert_eq!(got, (0..300).map(|i| format!("old{i}")).collect::<BTreeSet<_>>());
+}

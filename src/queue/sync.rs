@@ -110,10 +110,6 @@ pub struct CatchUpBook {
 
 pub type CatchingUp = Arc<RwLock<CatchUpBook>>;
 
-/// A member's report of being behind counts this long; it reports every
-/// second while behind.
-pub const REPORT_TTL: Duration = Duration::from_secs(3);
-
 impl CatchUpBook {
     /// A report from `from` to this node as master of `term` (`None`: it
     /// has every body).
@@ -136,17 +132,20 @@ impl CatchUpBook {
     fn heard_in(&self, term: u64, id: NodeId) -> bool {
         self.term == term && self.heard.contains(&id)
     }
+
+    /// Has `id` told this node, as master of `term`, that it has every body?
+    pub fn complete_in(&self, term: u64, id: NodeId) -> bool {
+        self.heard_in(term, id) && !self.behind.contains_key(&id)
+    }
 }
 
-/// The members with a current report of being behind.
-pub fn catching_up(c: &CatchingUp, now: Instant) -> BTreeMap<NodeId, SyncProgress> {
-    c.read()
-        .expect("poisoned")
-        .behind
-        .iter()
-        .filter(|(_, (_, at))| now.duration_since(*at) < REPORT_TTL)
-        .map(|(id, (p, _))| (*id, *p))
-        .collect()
+/// The members that reported being behind and have not reported being
+/// complete since. A report does not expire: a member that went silent
+/// while fetching (partitioned, paused, dead) still lacks bodies, and
+/// counting it as synchronised would let it lead and serve messages it
+/// does not have. It leaves this list only by saying it is complete.
+pub fn catching_up(c: &CatchingUp) -> BTreeMap<NodeId, SyncProgress> {
+    c.read().expect("poisoned").behind.iter().map(|(id, (p, _))| (*id, *p)).collect()
 }
 
 pub fn spawn(
@@ -216,7 +215,7 @@ pub fn spawn(
                     });
                 }
                 let matched_of = |id: &NodeId| repl.get(id).cloned().flatten().map(|l| l.index);
-                let behind = catching_up(&catching, now);
+                let behind = catching_up(&catching);
                 in_sync.retain(|id| {
                     *id == m.id
                         || (st.members.contains(id)
@@ -279,6 +278,18 @@ mod tests {
         assert_eq!(s.threshold(t0 + Duration::from_millis(1000), timeout), Some(10));
         s.record(t0 + Duration::from_millis(1600), 40, timeout);
         assert_eq!(s.threshold(t0 + Duration::from_millis(1600), timeout), Some(20));
+    }
+
+    #[test]
+    fn a_member_behind_stays_behind_until_it_says_it_is_complete() {
+        let book: CatchingUp = Arc::default();
+        let progress = SyncProgress { msgs_done: 1, msgs_total: 9, bytes_done: 1, bytes_total: None, running: true };
+        book.write().unwrap().record(2, 5, Some(progress));
+        // Silent for long after its last report: still behind.
+        book.write().unwrap().behind.get_mut(&5).unwrap().1 = Instant::now() - Duration::from_secs(60);
+        assert!(catching_up(&book).contains_key(&5));
+        book.write().unwrap().record(2, 5, None);
+        assert!(catching_up(&book).is_empty());
     }
 
     #[test]
