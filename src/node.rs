@@ -987,7 +987,10 @@ impl Node {
             // master again. Unless the operation takes messages: it may
             // have been applied before the stop, and a second get would
             // take more (an auto-ack get's first messages were lost so).
-            let takes = cmds.iter().any(|c| matches!(c, QueueCmd::Get { .. }));
+            // (A replica here that stopped to re-form or heal drops the gets
+            // it never applied: those may go again.)
+            let takes = cmds.iter().any(|c| matches!(c, QueueCmd::Get { .. }))
+                && !(target == self.id() && self.inner.busy.lock().expect("poisoned").contains(&q.group));
             let result = match result {
                 Err(NodeError::Stopped) if takes => Err(NodeError::Unavailable(format!(
                     "the master of '{queue}' stopped with the get in flight; it may have been served"

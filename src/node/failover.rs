@@ -775,24 +775,24 @@ impl Node {
             match shared {
                 Some(p) if purged.is_none_or(|x| x <= p) => {
                     let entries = reader.try_get_log_entries(p + 1..=a).await.map_err(|e| io(&e))?;
-                    // Publishes took consecutive seqs ending at next_seq.
-                    let published: u64 =
-                        entries.iter().map(|e| publishes(e).1.iter().filter(|(_, hb)| !hb).count() as u64).sum();
-                    let c = QueueMachine::stored_counters(&space).map_err(|e| io(&e))?;
-                    let mut seq = c.next_seq.saturating_sub(published);
+                    // Which of these entries' messages are still live here,
+                    // by content: an entry's publishes do not map to seqs
+                    // by counting (a publish refused by reject-publish takes
+                    // none). A live message is always found; an identical
+                    // twin can only make a consumed one go back too (a
+                    // duplicate, never a loss).
+                    let mut live_here: HashMap<&Message, usize> = HashMap::new();
+                    let stored = QueueMachine::stored_from(&space, 0).map_err(|e| io(&e))?;
+                    for m in &stored {
+                        *live_here.entry(m).or_default() += 1;
+                    }
                     for e in &entries {
                         let (origin, msgs) = publishes(e);
                         let mut live = Vec::new();
-                        for (m, handed_back) in msgs {
-                            if handed_back {
-                                // Their seqs are not recoverable: all go
-                                // again (the receiver keeps one copy per entry).
+                        for (m, _) in msgs {
+                            if let Some(n) = live_here.get_mut(m).filter(|n| **n > 0) {
+                                *n -= 1;
                                 live.push(m.clone());
-                            } else {
-                                if QueueMachine::stored_body(&space, seq).map_err(|e| io(&e))?.is_some() {
-                                    live.push(m.clone());
-                                }
-                                seq += 1;
                             }
                         }
                         if !live.is_empty() {
@@ -804,12 +804,38 @@ impl Node {
                 _ => out.push((None, QueueMachine::stored_from(&space, 0).map_err(|e| io(&e))?)),
             }
         }
-        // Not applied here (not known to be committed, maybe confirmed).
+        // Not applied here (not known to be committed, maybe confirmed):
+        // what each publish would have stored, from a replay on the stored
+        // state (a publish refused by reject-publish was never confirmed and
+        // must not appear), from the first entry not applied on.
         let start = [shared, applied].into_iter().flatten().max().map_or(0, |i| i + 1);
-        for e in reader.try_get_log_entries(start..).await.map_err(|e| io(&e))? {
-            let (origin, msgs) = publishes(&e);
+        let first = applied.map_or(0, |a| a + 1);
+        let unapplied = reader.try_get_log_entries(first..).await.map_err(|e| io(&e))?;
+        let cmds: Vec<Vec<QueueCmd>> = unapplied
+            .iter()
+            .map(|e| match &e.payload {
+                EntryPayload::Normal(Request::Queue(c)) => c.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect();
+        let stored = QueueMachine::would_store(&space, &cmds).map_err(|e| io(&e))?;
+        for ((e, cmds), counts) in unapplied.iter().zip(&cmds).zip(stored) {
+            if e.log_id.index < start {
+                continue;
+            }
+            let origin = (e.log_id.leader_id.term, e.log_id.leader_id.node_id, e.log_id.index);
+            let mut msgs = Vec::new();
+            for (c, n) in cmds.iter().zip(counts) {
+                match c {
+                    QueueCmd::Enqueue { msgs: m } | QueueCmd::EnqueueExpiring { msgs: m, .. } => {
+                        msgs.extend(m.iter().take(n as usize).cloned())
+                    }
+                    QueueCmd::Handback { msgs: m, .. } if n > 0 => msgs.extend(m.iter().cloned()),
+                    _ => {}
+                }
+            }
             if !msgs.is_empty() {
-                out.push((Some(origin), msgs.into_iter().map(|(m, _)| m.clone()).collect()));
+                out.push((Some(origin), msgs));
             }
         }
         Ok(out)

@@ -347,6 +347,29 @@ impl QueueMachine {
         Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| since(*seq)).map(|(_, m)| m).collect())
     }
 
+    /// For a stopped replica: replay `entries` (commands of log entries not
+    /// applied here, in order) on the stored state in memory, writing
+    /// nothing, and tell for each command how many messages it would store
+    /// (a publish refused by `reject-publish` stores fewer than it carries).
+    pub fn would_store(space: &SmSpace, entries: &[Vec<QueueCmd>]) -> Result<Vec<Vec<u32>>, StorageError> {
+        let mut m = <Self as Machine>::load(space)?;
+        let mut changes = Vec::new();
+        Ok(entries
+            .iter()
+            .map(|cmds| {
+                cmds.iter()
+                    .map(|c| {
+                        changes.clear();
+                        match m.state.apply(c, &mut changes) {
+                            QueueReply::Enqueued { count } => count,
+                            _ => 0,
+                        }
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+
     /// The message stored under `seq`, if it is still live.
     pub fn stored_body(space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
         let (fresh, tracked) = stored_holdings(space)?;

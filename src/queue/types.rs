@@ -8,7 +8,7 @@ pub type Origin = (u64, u64, u64);
 /// A message as stored and replicated. `properties` are the AMQP content
 /// properties in their wire encoding (`amqp::encode_properties`; empty for
 /// none), opaque to the queue and sent to consumers as they are.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Message {
     pub exchange: String,
     pub routing_key: String,
