@@ -375,7 +375,7 @@ def plan(seed, args):
     rng = random.Random(seed)
     ids = list(range(1, args.nodes + 1))
     minority = (args.nodes - 1) // 2
-    kinds = {"kill9": 3, "kill9-unacked": 2, "sigstop": 2, "partition": 3, "restart": 2}
+    kinds = {"kill9": 3, "kill9-unacked": 2, "sigstop": 2, "partition": 3, "restart": 2, "move": 1}
     if args.classic:
         kinds["classic"] = 1
     faults, t = [], rng.uniform(2, 5)
@@ -386,6 +386,10 @@ def plan(seed, args):
             f["nodes"] = sorted(rng.sample(ids, rng.randint(1, minority)))
         elif kind in ("kill9-unacked", "restart"):
             f["nodes"] = [rng.choice(ids)]
+        elif kind == "move":
+            # fq1 goes to a majority of the nodes (ha-mode: nodes) and,
+            # when the fault ends, back to all of them.
+            f["nodes"] = sorted(rng.sample(ids, minority + 1))
         elif kind == "classic":
             keep = rng.choice(ids)
             f["nodes"] = [i for i in ids if i != keep]
@@ -447,6 +451,15 @@ def run_fault(f, c, net, ctl):
     elif kind == "restart":
         c.restart(nodes[0], down=min(f["hold"], 5))
         c.sleep(max(0, f["hold"] - 5))
+    elif kind == "move":
+        names = [f"mirrorq@{i}" for i in nodes]
+        body = {"pattern": "^fq1$", "definition": {"ha-mode": "nodes", "ha-params": names},
+                "priority": 10, "apply-to": "queues"}
+        status, _ = c.api("PUT", "/api/policies/%2F/mqf-move", body)
+        say(f"  fq1 to {names}: {status}")
+        c.sleep(f["hold"])
+        status, _ = c.api("DELETE", "/api/policies/%2F/mqf-move")
+        say(f"  fq1 back to every node: {status}")
     else:
         a, b = f["sides"]
         for x in a:
