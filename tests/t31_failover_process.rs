@@ -544,6 +544,22 @@ fn all_of(n: usize) -> BTreeSet<String> {
     (0..n).map(|i| format!("m{i}")).collect()
 }
 
+/// A three-node cluster with `queue` mirrored on all, mastered on node 1,
+/// holding 60 confirmed messages `m0..m59`.
+async fn sixty_on_node_1(root: &std::path::Path, queue: &str) -> Vec<ProcNode> {
+    let nodes = start_cluster(root).await;
+    ha_all_policy(&nodes[0]).await;
+    let conn = amqp(&nodes[0]).await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(s("x-queue-master-locator"), lapin::types::AMQPValue::LongString("client-local".into()));
+    ch.queue_declare(s(queue), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
+    let q = wait_mirrored(&nodes[0], queue, 0).await;
+    assert_eq!(node_id(&q["node"]), 1, "declared client-local on node 1: {q}");
+    publish_confirmed(&nodes[0], queue, 60).await;
+    nodes
+}
+
 /// A consumer on a mirror's node holds 20 unacked messages when its node
 /// is killed: the master gives them back (RabbitMQ did in 4 s here), and
 /// nothing is lost or doubled when the node returns.
@@ -551,16 +567,7 @@ fn all_of(n: usize) -> BTreeSet<String> {
 async fn a_dead_consumers_unacked_messages_come_back_when_its_node_dies() {
     init_tracing();
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = start_cluster(root.path()).await;
-    ha_all_policy(&nodes[0]).await;
-    let conn = amqp(&nodes[0]).await;
-    let ch = conn.create_channel().await.unwrap();
-    let mut args = FieldTable::default();
-    args.insert(s("x-queue-master-locator"), lapin::types::AMQPValue::LongString("client-local".into()));
-    ch.queue_declare(s("ha-held"), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
-    let q = wait_mirrored(&nodes[0], "ha-held", 0).await;
-    assert_eq!(node_id(&q["node"]), 1, "declared client-local on node 1: {q}");
-    publish_confirmed(&nodes[0], "ha-held", 60).await;
+    let mut nodes = sixty_on_node_1(root.path(), "ha-held").await;
 
     let held = hold_unacked(&nodes[1], "ha-held", 20).await;
     let (_, q) = http(&nodes[0], "GET", "/api/queues/%2F/ha-held", None).await;
@@ -589,21 +596,11 @@ async fn a_dead_consumers_unacked_messages_come_back_when_its_node_dies() {
 async fn a_consumer_on_the_dead_masters_node_has_its_messages_given_back_by_the_new_master() {
     init_tracing();
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = start_cluster(root.path()).await;
-    ha_all_policy(&nodes[0]).await;
-    let conn = amqp(&nodes[0]).await;
-    let ch = conn.create_channel().await.unwrap();
-    let mut args = FieldTable::default();
-    args.insert(s("x-queue-master-locator"), lapin::types::AMQPValue::LongString("client-local".into()));
-    ch.queue_declare(s("ha-held-m"), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
-    let q = wait_mirrored(&nodes[0], "ha-held-m", 0).await;
-    assert_eq!(node_id(&q["node"]), 1, "declared client-local on node 1: {q}");
-    publish_confirmed(&nodes[0], "ha-held-m", 60).await;
+    let mut nodes = sixty_on_node_1(root.path(), "ha-held-m").await;
     let held = hold_unacked(&nodes[0], "ha-held-m", 20).await;
     wait_mirrored(&nodes[2], "ha-held-m", 60).await;
 
     tracing::info!("--- SIGKILL node 1: the master, and the consumer's node");
-    drop(conn);
     nodes[0].kill9();
     let after = wait_all_ready(&nodes[2], "ha-held-m", 60, Instant::now()).await;
     tracing::info!(after_ms = after.as_millis() as u64, "the new master gave the messages back");
