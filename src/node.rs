@@ -1815,7 +1815,13 @@ impl Inner {
                 let (c, k) = self.clients.snapshot();
                 RpcResponse::Clients(c, k)
             }
-            RpcRequest::Owners { owners } => RpcResponse::Owners(self.owners.alive_of(&owners)),
+            RpcRequest::Owners { owners, held } => RpcResponse::Owners(
+                self.owners.alive_of(&owners),
+                held.into_iter()
+                    .map(|(owner, queue, tags)| (owner, self.owners.unknown(owner, &queue, &tags)))
+                    .filter(|(_, unknown)| !unknown.is_empty())
+                    .collect(),
+            ),
             RpcRequest::Readings => RpcResponse::Readings(self.alarms.readings()),
             RpcRequest::MetaIndex => {
                 let m = self.meta_raft.metrics().borrow().clone();

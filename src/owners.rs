@@ -17,9 +17,19 @@
 //! number reopened while its predecessor's release is still on its way
 //! does not have its new deliveries released with the old ones.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// What an owner's holder (an AMQP channel) knows it was given: a master
+/// asks about the deliveries it records under a live owner, and those the
+/// holder has never heard of for a while are stranded (a get served by a
+/// master that stopped before its answer got through).
+pub trait Holder: Send + Sync {
+    /// Of `qtags` (the queue's delivery tags) of `queue`, those the holder
+    /// does not know.
+    fn unknown(&self, queue: &str, qtags: &[u64]) -> Vec<u64>;
+}
 
 const COUNTER_BITS: u32 = 32;
 const INCARNATION_BITS: u32 = 16;
@@ -48,7 +58,8 @@ pub struct Owners {
     /// Node and incarnation bits, shifted in place.
     prefix: u64,
     next: AtomicU64,
-    live: Mutex<HashSet<u64>>,
+    /// Live owners, with their holder if they have one.
+    live: Mutex<HashMap<u64, Option<Arc<dyn Holder>>>>,
 }
 
 impl Owners {
@@ -58,10 +69,20 @@ impl Owners {
         Self { prefix, next: AtomicU64::new(1), live: Mutex::default() }
     }
 
-    /// A new owner (for an AMQP channel), alive until [`Owners::gone`].
+    /// A new owner, alive until [`Owners::gone`].
     pub fn new_owner(&self) -> u64 {
+        self.make(None)
+    }
+
+    /// A new owner whose holder can say which deliveries it knows (an AMQP
+    /// channel), alive until [`Owners::gone`].
+    pub fn new_owner_held(&self, holder: Arc<dyn Holder>) -> u64 {
+        self.make(Some(holder))
+    }
+
+    fn make(&self, holder: Option<Arc<dyn Holder>>) -> u64 {
         let owner = self.prefix | (self.next.fetch_add(1, Ordering::Relaxed) & ((1 << COUNTER_BITS) - 1));
-        self.live.lock().expect("poisoned").insert(owner);
+        self.live.lock().expect("poisoned").insert(owner, holder);
         owner
     }
 
@@ -79,11 +100,18 @@ impl Owners {
     /// Which of `owners` are alive here.
     pub fn alive_of(&self, owners: &[u64]) -> Vec<u64> {
         let live = self.live.lock().expect("poisoned");
-        owners.iter().copied().filter(|o| live.contains(o)).collect()
+        owners.iter().copied().filter(|o| live.contains_key(o)).collect()
     }
 
     pub fn is_alive(&self, owner: u64) -> bool {
-        self.live.lock().expect("poisoned").contains(&owner)
+        self.live.lock().expect("poisoned").contains_key(&owner)
+    }
+
+    /// Of the queue tags `qtags` of `queue` held by the live `owner`, those
+    /// its holder does not know (none for an owner without a holder).
+    pub fn unknown(&self, owner: u64, queue: &str, qtags: &[u64]) -> Vec<u64> {
+        let holder = self.live.lock().expect("poisoned").get(&owner).cloned().flatten();
+        holder.map_or_else(Vec::new, |h| h.unknown(queue, qtags))
     }
 }
 
@@ -119,6 +147,21 @@ mod tests {
         assert_eq!(node_bits(Owners::new(1 << 16, 1).new_owner()), 1, "node bits are never 0");
         a.gone(oa);
         assert!(!a.is_alive(oa));
+    }
+
+    struct Knows(Vec<u64>);
+    impl Holder for Knows {
+        fn unknown(&self, _queue: &str, qtags: &[u64]) -> Vec<u64> {
+            qtags.iter().copied().filter(|t| !self.0.contains(t)).collect()
+        }
+    }
+
+    #[test]
+    fn a_holder_tells_the_deliveries_it_never_got() {
+        let a = Owners::new(1, 1);
+        let held = a.new_owner_held(Arc::new(Knows(vec![1, 2])));
+        assert_eq!(a.unknown(held, "q", &[1, 2, 3]), vec![3]);
+        assert!(a.unknown(a.new_owner(), "q", &[3]).is_empty(), "no holder: nothing judged stranded");
     }
 
     #[test]

@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{fast_timing, init_tracing, msg, wait_until, Cluster};
+use common::{fast_timing, init_tracing, msg, publish_retrying, wait_until, Cluster};
 
 fn bodies(msgs: &[mirrorq::Message]) -> BTreeSet<Vec<u8>> {
     msgs.iter().map(|m| m.body.clone()).collect()
@@ -379,5 +379,47 @@ async fn unreachable_mirror_leaves_and_rejoins_the_synchronised_set() {
     })
     .await;
     assert!(bodies(&c.node(slow).local_messages("q4").await.unwrap()).contains(&b"b".to_vec()));
+    c.shutdown().await;
+}
+
+/// A holder (an AMQP channel, here a stand-in) that knows of none of the
+/// deliveries made to it, or of all of them.
+struct Holder(bool);
+impl mirrorq::owners::Holder for Holder {
+    fn unknown(&self, _queue: &str, qtags: &[u64]) -> Vec<u64> {
+        if self.0 {
+            Vec::new()
+        } else {
+            qtags.to_vec()
+        }
+    }
+}
+
+/// A get served by a master that stopped before its answer got through
+/// leaves its messages recorded under a live owner whose channel never saw
+/// them. The master finds such deliveries (the owner's node says its holder
+/// does not know them, for the failure timeout) and requeues them; what a
+/// holder does know stays unacked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_a_live_owner_never_got_are_requeued() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    for i in 0..7 {
+        publish_retrying(c.node(1), "q", format!("m{i}").into_bytes()).await;
+    }
+    let n2 = c.node(2).clone();
+    let stranded = n2.owners().new_owner_held(std::sync::Arc::new(Holder(false)));
+    let holding = n2.owners().new_owner_held(std::sync::Arc::new(Holder(true)));
+    assert_eq!(n2.get("q", stranded, 5, false).await.unwrap().len(), 5);
+    assert_eq!(n2.get("q", holding, 2, false).await.unwrap().len(), 2);
+    wait_until(Duration::from_secs(20), "the five nobody got are ready again", || {
+        c.node(1).queue_info("q").is_ok_and(|i| i.ready == 5 && i.unacked == 2)
+    })
+    .await;
+    // Well past another failure timeout: the two the holder knows stay held.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let i = c.node(1).queue_info("q").unwrap();
+    assert_eq!((i.ready, i.unacked), (5, 2));
     c.shutdown().await;
 }

@@ -551,9 +551,10 @@ impl Conn {
             }
             let (tx, rx) = mpsc::unbounded_channel();
             let closed = CancellationToken::new();
+            let deliveries = Arc::new(Deliveries::default());
             let chan = Channel {
                 id: ch,
-                owner: self.node.owners().new_owner(),
+                owner: self.node.owners().new_owner_held(deliveries.clone()),
                 node: self.node.clone(),
                 out: self.out.clone(),
                 frame_max: self.frame_max,
@@ -562,7 +563,7 @@ impl Conn {
                 publish_seq: 0,
                 pending: None,
                 batch: None,
-                deliveries: Arc::new(Deliveries::default()),
+                deliveries,
                 consumers: HashMap::new(),
                 delivery_gate: Arc::default(),
                 next_consumer: 0,

@@ -104,6 +104,15 @@ impl Taken {
     }
 }
 
+impl crate::owners::Holder for Deliveries {
+    fn unknown(&self, queue: &str, qtags: &[u64]) -> Vec<u64> {
+        let st = self.state.lock().expect("poisoned");
+        let known: std::collections::HashSet<u64> =
+            st.unacked.values().filter(|h| &*h.queue == queue).map(|h| h.qtag).collect();
+        qtags.iter().copied().filter(|t| !known.contains(t)).collect()
+    }
+}
+
 impl Deliveries {
     /// `basic.qos`.
     pub fn set_prefetch(&self, count: u16, global: bool) {

@@ -10,6 +10,16 @@
 //! of a node that has not answered for the failure timeout go back then
 //! (RabbitMQ gives them back when the consumer's node goes down too, and
 //! the consumer's later acks are refused as unknown tags).
+//!
+//! A live owner can also hold messages it never got: a get served by a
+//! master that stopped (or whose link broke) before its answer went out.
+//! So the master also sends each holding node the tags it records for its
+//! owners, and the node answers those the owner's channel does not know.
+//! A tag unknown there for the failure timeout, sweep after sweep, is
+//! requeued: a get's answer or an ack takes milliseconds on its way, so
+//! only a stranded delivery stays unknown that long (and if one was merely
+//! slow, the channel's later ack of it is refused: a redelivery, never a
+//! loss).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -28,11 +38,22 @@ const EVERY: Duration = Duration::from_secs(1);
 /// How long a node may take to say which of its owners are alive.
 const ASK_LIMIT: Duration = Duration::from_millis(800);
 
-/// What the reaper knows of a node between sweeps.
+/// What the reaper knows between sweeps.
 #[derive(Default)]
 struct Absence {
-    /// Since when asking it has failed without a break.
+    /// Since when asking a node has failed without a break.
     failing_since: HashMap<NodeId, Instant>,
+    /// Deliveries recorded under a live owner that its holder did not
+    /// know, since when (without a break).
+    unknown_since: HashMap<(GroupId, u64), Instant>,
+}
+
+/// What the owning nodes said in one sweep.
+#[derive(Default)]
+struct Verdicts {
+    dead: BTreeSet<u64>,
+    /// `(group, tag)` of deliveries their live owner's holder does not know.
+    unknown: BTreeSet<(GroupId, u64)>,
 }
 
 impl Node {
@@ -63,28 +84,40 @@ impl Node {
             .filter(|g| g.raft.metrics().borrow().state == ServerState::Leader)
             .cloned()
             .collect();
-        let mut held: Vec<(GroupId, BTreeSet<u64>)> = Vec::new();
+        let mut held: Vec<(GroupId, String, BTreeMap<u64, Vec<u64>>)> = Vec::new();
         for g in groups {
-            let mut owners = g.sm.with(|m| m.owners()).await;
-            owners.retain(|o| owners::is_tracked(*o));
+            let mut owners = g.sm.with(|m| m.held()).await;
+            owners.retain(|o, _| owners::is_tracked(*o));
             if !owners.is_empty() {
-                held.push((g.meta.group, owners));
+                held.push((g.meta.group, g.meta.name.clone(), owners));
             }
         }
         if held.is_empty() {
+            absence.unknown_since.clear();
             return;
         }
-        let all: BTreeSet<u64> = held.iter().flat_map(|(_, o)| o.iter().copied()).collect();
-        let dead = self.dead_owners(&all, absence).await;
-        if dead.is_empty() {
-            return;
+        let v = self.ask_owners(&held, absence).await;
+        let now = Instant::now();
+        absence.unknown_since.retain(|k, _| v.unknown.contains(k));
+        for k in &v.unknown {
+            absence.unknown_since.entry(*k).or_insert(now);
         }
-        for (group, owners) in held {
-            let gone: Vec<u64> = owners.intersection(&dead).copied().collect();
-            if gone.is_empty() {
+        let timeout = self.inner.timing.failure_timeout;
+        for (group, _, owners) in held {
+            let gone: Vec<u64> = owners.keys().copied().filter(|o| v.dead.contains(o)).collect();
+            let stranded: Vec<u64> = owners
+                .iter()
+                .filter(|(o, _)| !v.dead.contains(o))
+                .flat_map(|(_, tags)| tags.iter().copied())
+                .filter(|t| absence.unknown_since.get(&(group, *t)).is_some_and(|at| now.duration_since(*at) >= timeout))
+                .collect();
+            if gone.is_empty() && stranded.is_empty() {
                 continue;
             }
-            let cmds = gone.iter().map(|owner| QueueCmd::Release { owner: *owner }).collect();
+            let mut cmds: Vec<QueueCmd> = gone.iter().map(|owner| QueueCmd::Release { owner: *owner }).collect();
+            if !stranded.is_empty() {
+                cmds.push(QueueCmd::Nack { tags: stranded.clone(), requeue: true });
+            }
             match self.inner.local_queue_op(group, cmds, Lane::Consumer).await {
                 Ok(replies) => {
                     let count: u64 = replies
@@ -95,13 +128,59 @@ impl Node {
                         })
                         .sum();
                     self.inner.metrics.released_of_gone.inc_by(count);
-                    tracing::info!(group, owners = gone.len(), messages = count, "requeued the unacked messages of holders that are gone");
+                    for t in &stranded {
+                        absence.unknown_since.remove(&(group, *t));
+                    }
+                    tracing::info!(group, owners = gone.len(), stranded = stranded.len(), messages = count, "requeued the unacked messages of holders that are gone or never got them");
                 }
                 // Not the master any more, or stopping: the next master's
                 // sweep does it.
                 Err(e) => tracing::debug!(group, error = %e, "could not requeue the messages of holders that are gone"),
             }
         }
+    }
+
+    /// Ask the owning nodes about the owners and deliveries in `held`.
+    async fn ask_owners(&self, held: &[(GroupId, String, BTreeMap<u64, Vec<u64>>)], absence: &mut Absence) -> Verdicts {
+        let all: BTreeSet<u64> = held.iter().flat_map(|(_, _, o)| o.keys().copied()).collect();
+        let mut v = Verdicts { dead: self.dead_owners(&all, absence).await, ..Verdicts::default() };
+        // Per node bits, the live owners' deliveries to check.
+        let mut asks: BTreeMap<u16, Vec<(u64, String, Vec<u64>)>> = BTreeMap::new();
+        let mut group_of: HashMap<(String, u64), GroupId> = HashMap::new();
+        for (group, queue, owners) in held {
+            for (owner, tags) in owners.iter().filter(|(o, _)| !v.dead.contains(o)) {
+                asks.entry(owners::node_bits(*owner)).or_default().push((*owner, queue.clone(), tags.clone()));
+                group_of.insert((queue.clone(), *owner), *group);
+            }
+        }
+        let nodes: Vec<NodeId> = self.metadata().nodes.keys().copied().collect();
+        for (bits, held) in asks {
+            let owners: Vec<u64> = held.iter().map(|(o, _, _)| *o).collect();
+            for id in nodes.iter().copied().filter(|id| owners::node_bits_of_id(*id) == bits) {
+                let unknown: Vec<(u64, String, Vec<u64>)> = if id == self.id() {
+                    held.iter()
+                        .map(|(o, q, tags)| (*o, q.clone(), self.inner.owners.unknown(*o, q, tags)))
+                        .collect()
+                } else {
+                    let req = RpcRequest::Owners { owners: owners.clone(), held: held.clone() };
+                    match self.inner.call(id, &req, Instant::now() + ASK_LIMIT).await {
+                        Ok(RpcResponse::Owners(_, unknown)) => unknown
+                            .into_iter()
+                            .filter_map(|(o, tags)| held.iter().find(|(h, _, _)| *h == o).map(|(_, q, _)| (o, q.clone(), tags)))
+                            .collect(),
+                        // Unreachable: its owners' fate is for the failure
+                        // timeout to decide, not this check.
+                        _ => Vec::new(),
+                    }
+                };
+                for (owner, queue, tags) in unknown {
+                    if let Some(group) = group_of.get(&(queue, owner)) {
+                        v.unknown.extend(tags.into_iter().map(|t| (*group, t)));
+                    }
+                }
+            }
+        }
+        v
     }
 
     /// Which of `owners` are gone: unknown to the node that made them, or
@@ -129,8 +208,9 @@ impl Node {
                     continue;
                 }
                 let deadline = Instant::now() + ASK_LIMIT;
-                match self.inner.call(id, &RpcRequest::Owners { owners: asked.clone() }, deadline).await {
-                    Ok(RpcResponse::Owners(live)) => {
+                let req = RpcRequest::Owners { owners: asked.clone(), held: Vec::new() };
+                match self.inner.call(id, &req, deadline).await {
+                    Ok(RpcResponse::Owners(live, _)) => {
                         absence.failing_since.remove(&id);
                         alive.extend(live);
                     }

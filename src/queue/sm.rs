@@ -211,9 +211,10 @@ impl QueueMachine {
         self.stats.subscribe()
     }
 
-    /// Everyone holding unacked messages of this replica's queue.
-    pub fn owners(&self) -> BTreeSet<u64> {
-        self.state.owners()
+    /// Everyone holding unacked messages of this replica's queue, with
+    /// the tags each holds.
+    pub fn held(&self) -> BTreeMap<u64, Vec<u64>> {
+        self.state.held()
     }
 
     /// The catch-up plan, announced whenever it changes.

@@ -186,9 +186,13 @@ impl QueueState {
     pub fn is_fresh(&self, seq: u64) -> bool {
         (self.counters.ready_head..self.counters.next_seq).contains(&seq)
     }
-    /// Everyone holding unacked messages.
-    pub fn owners(&self) -> BTreeSet<u64> {
-        self.unacked.values().map(|u| u.owner).collect()
+    /// Everyone holding unacked messages, with the tags each holds.
+    pub fn held(&self) -> BTreeMap<u64, Vec<u64>> {
+        let mut out: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for (tag, u) in &self.unacked {
+            out.entry(u.owner).or_default().push(*tag);
+        }
+        out
     }
     pub fn unacked_count(&self) -> u64 {
         self.unacked.len() as u64

@@ -68,6 +68,9 @@ pub enum RpcRequest {
     /// the others.
     Owners {
         owners: Vec<u64>,
+        /// Per owner, a queue and the tags of it recorded as delivered to
+        /// that owner: the answer names those its holder never got.
+        held: Vec<(u64, String, Vec<u64>)>,
     },
     /// This node's memory and disk readings (for `/api/nodes`).
     Readings,
@@ -165,8 +168,9 @@ pub enum RpcResponse {
     MetaIndex(Option<u64>),
     Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),
     Readings(crate::alarms::Readings),
-    /// The live subset of the owners asked about.
-    Owners(Vec<u64>),
+    /// The live subset of the owners asked about, and per live owner the
+    /// tags asked about that its holder does not know.
+    Owners(Vec<u64>, Vec<(u64, Vec<u64>)>),
     /// The receiver does not host this group (yet): the sender retries later.
     UnknownGroup(GroupId),
     /// The receiver's replica is in a newer epoch than the sender's.
