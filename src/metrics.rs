@@ -42,6 +42,9 @@ pub struct Metrics {
     pub released_of_gone: Counter,
     /// Rounds in which a queue replica could not be started or removed.
     pub reconcile_failures: Counter,
+    /// Retried failures (re-forming, membership changes, catch-up,
+    /// rejoining), each logged only when new.
+    pub repeated_failures: Counter,
 }
 
 impl Default for Metrics {
@@ -56,6 +59,7 @@ impl Default for Metrics {
             appends_received: Counter::default(),
             released_of_gone: Counter::default(),
             reconcile_failures: Counter::default(),
+            repeated_failures: Counter::default(),
         }
     }
 }
@@ -115,6 +119,11 @@ pub fn render(node: &Node) -> String {
         "mirrorq_replica_start_failures",
         "Rounds in which a queue replica on this node could not be started or removed",
         m.reconcile_failures.clone(),
+    );
+    r.register(
+        "mirrorq_repeated_failures",
+        "Retried failures (re-forming, membership changes, catch-up, rejoining); each is logged only when new",
+        m.repeated_failures.clone(),
     );
     r.register(
         "mirrorq_confirm_latency_seconds",

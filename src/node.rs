@@ -47,6 +47,7 @@ mod failover;
 mod members;
 mod reaper;
 mod rebalance;
+mod told;
 
 /// Everything a node needs to start.
 #[derive(Debug, Clone)]
@@ -235,6 +236,8 @@ struct Inner {
     clients: Arc<Clients>,
     /// Who may hold unacked messages from here, and which of them live.
     owners: Arc<Owners>,
+    /// Repeating failures already logged.
+    told: told::Told,
     /// Memory and disk alarms, which block publishers.
     alarms: Arc<Alarms>,
     /// What the front ends count, for `/metrics`.
@@ -391,6 +394,7 @@ impl Node {
             hints: Mutex::new(HashMap::new()),
             clients: Arc::default(),
             owners: Arc::new(Owners::new(cfg.node_id, incarnation)),
+            told: told::Told::default(),
             alarms: Arc::new(Alarms::new(&cfg.data_dir, cfg.memory_high_watermark, cfg.disk_free_limit)),
             metrics: Metrics::default(),
             news,
@@ -1417,6 +1421,7 @@ impl Node {
         }
         let addrs: BTreeMap<NodeId, String> = state.nodes.values().map(|n| (n.id, n.raft_addr.clone())).collect();
         let manual = !failover::ha_of(state, &q).sync_automatic;
+        let inner = self.inner.clone();
         tokio::spawn(async move {
             let result: Result<(), String> = async {
                 if manual && wanted.difference(&all).next().is_some() {
@@ -1473,9 +1478,14 @@ impl Node {
                 Ok(())
             }
             .await;
-            if let Err(e) = result {
-                tracing::warn!(queue = %q.name, error = %e, "membership change did not complete; will retry");
-                tokio::time::sleep(Duration::from_millis(500)).await;
+            match result {
+                Ok(()) => inner.told.cleared(q.group, "membership"),
+                Err(e) => {
+                    if inner.repeated(q.group, "membership", &e) {
+                        tracing::warn!(queue = %q.name, error = %e, "membership change did not complete; will retry (told once until it changes)");
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
             }
             g.changing.store(false, Ordering::Release);
         });
@@ -1611,6 +1621,13 @@ impl QueueGroup {
 }
 
 impl Inner {
+    /// `what` failed again for `group` with `text`: counted; true if it is
+    /// news (first time, or another text), which the caller logs.
+    fn repeated(&self, group: GroupId, what: &'static str, text: &str) -> bool {
+        self.metrics.repeated_failures.inc();
+        self.told.first(group, what, text)
+    }
+
     /// Delete this node's replica of a group (it left the group or the
     /// queue was deleted).
     fn drop_replica(&self, group: GroupId) -> Result<(), mirrorq_storage::StorageError> {

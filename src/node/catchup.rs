@@ -119,13 +119,17 @@ impl Node {
             if plan.is_done() {
                 match self.finish_catch_up(&g, must_apply).await {
                     Ok(()) => {
+                        self.inner.told.cleared(g.meta.group, "finish catch-up");
+                        self.inner.told.cleared(g.meta.group, "store bodies");
                         tracing::info!(queue = %g.meta.name, messages = plan.msgs_done, bytes = plan.bytes_done,
                             elapsed_ms = started.elapsed().as_millis() as u64, "mirror synchronised");
                         let _ = g.sync_run.send(false);
                         continue;
                     }
                     Err(e) => {
-                        tracing::warn!(queue = %g.meta.name, error = %e, "cannot finish the catch-up yet");
+                        if self.inner.repeated(g.meta.group, "finish catch-up", &e.to_string()) {
+                            tracing::warn!(queue = %g.meta.name, error = %e, "cannot finish the catch-up yet (told once until it changes)");
+                        }
                         tokio::time::sleep(Duration::from_millis(200)).await;
                         continue;
                     }
@@ -155,7 +159,9 @@ impl Node {
                     let bodies: Vec<(u64, Vec<u8>)> = c.bodies.into_iter().map(|b| (b.seq, b.data)).collect();
                     let r = g.sm.with_mut(|m, space| m.fill(space, &bodies, upto, c.bytes_total)).await;
                     if let Err(e) = r {
-                        tracing::error!(queue = %g.meta.name, error = %e, "cannot store fetched bodies");
+                        if self.inner.repeated(g.meta.group, "store bodies", &e.to_string()) {
+                            tracing::error!(queue = %g.meta.name, error = %e, "cannot store fetched bodies (told once until it changes)");
+                        }
                         tokio::time::sleep(Duration::from_millis(500)).await;
                     }
                     if last_log.elapsed() >= LOG_EVERY {

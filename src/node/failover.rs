@@ -371,8 +371,13 @@ impl Node {
                 && g.plan.borrow().is_none()
             {
                 tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas for the failure timeout: re-forming it");
-                if let Err(e) = self.reform(g, q.clone(), state).await {
-                    tracing::error!(queue = %q.name, error = %e, "re-forming the queue failed");
+                match self.reform(g, q.clone(), state).await {
+                    Ok(()) => self.inner.told.cleared(q.group, "re-form"),
+                    Err(e) => {
+                        if self.inner.repeated(q.group, "re-form", &e.to_string()) {
+                            tracing::error!(queue = %q.name, error = %e, "re-forming the queue failed; retrying (told once until it changes)");
+                        }
+                    }
                 }
             }
         }
@@ -680,8 +685,13 @@ impl Node {
             Ok(())
         }
         .await;
-        if let Err(e) = &result {
-            tracing::error!(queue = %q.name, error = %e, "rejoining failed; the replica restarts in its own epoch and retries");
+        match &result {
+            Ok(()) => self.inner.told.cleared(group, "rejoin"),
+            Err(e) => {
+                if self.inner.repeated(group, "rejoin", &e.to_string()) {
+                    tracing::error!(queue = %q.name, error = %e, "rejoining failed; the replica restarts in its own epoch and retries (told once until it changes)");
+                }
+            }
         }
         let state = self.metadata();
         if let Err(e) = self.start_group(q.clone(), &state).await {
