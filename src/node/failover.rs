@@ -316,7 +316,15 @@ impl Node {
                 // until the old one came back.
                 let leaderless_since = {
                     let mut l = g.leaderless_since.lock().expect("poisoned");
-                    match m.current_leader.filter(|leader| *leader == self.id() || reach.contains(leader)) {
+                    // A master known but no longer a voter (it moved the
+                    // queue away from itself, then stepped down) leads no
+                    // one: it must not keep all but the senior from
+                    // standing while the senior cannot win (a 5-node
+                    // campaign run waited on it for good).
+                    let leads = |leader: &NodeId| {
+                        (*leader == self.id() || reach.contains(leader)) && voters.contains(leader)
+                    };
+                    match m.current_leader.filter(leads) {
                         Some(_) => *l = None,
                         None => {
                             l.get_or_insert(now);
