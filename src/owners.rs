@@ -64,8 +64,7 @@ pub struct Owners {
 
 impl Owners {
     pub fn new(node: u64, incarnation: u64) -> Self {
-        let prefix = ((node_bits_of_id(node) as u64) << INCARNATION_BITS | (incarnation & 0xFFFF))
-            << COUNTER_BITS;
+        let prefix = ((node_bits_of_id(node) as u64) << INCARNATION_BITS | (incarnation & 0xFFFF)) << COUNTER_BITS;
         Self { prefix, next: AtomicU64::new(1), live: Mutex::default() }
     }
 

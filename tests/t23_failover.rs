@@ -432,8 +432,10 @@ async fn refused_publishes_do_not_shift_what_a_healing_replica_hands_back() {
     for m in ["a1", "a2"] {
         publish_retrying(c.node(1), "lim", m.as_bytes().to_vec()).await;
     }
-    wait_until(Duration::from_secs(10), "node 3 applied both", || c.node(3).queue_info("lim").is_ok_and(|i| i.ready == 2))
-        .await;
+    wait_until(Duration::from_secs(10), "node 3 applied both", || {
+        c.node(3).queue_info("lim").is_ok_and(|i| i.ready == 2)
+    })
+    .await;
 
     tracing::info!("--- node 3 is cut off; 1 and 2 fill the queue past its limit and take a1");
     for id in [1, 2] {
@@ -443,7 +445,10 @@ async fn refused_publishes_do_not_shift_what_a_healing_replica_hands_back() {
     let n1 = c.node(1).clone();
     publish_retrying(&n1, "lim", b"b1".to_vec()).await;
     for m in ["b2", "b3"] {
-        assert!(n1.publish("lim", vec![common::msg(m.as_bytes().to_vec())]).await.is_err(), "{m} refused: the queue is full");
+        assert!(
+            n1.publish("lim", vec![common::msg(m.as_bytes().to_vec())]).await.is_err(),
+            "{m} refused: the queue is full"
+        );
     }
     let took = n1.get("lim", 1, 1, true).await.unwrap();
     assert_eq!(took[0].message.body, b"a1");
@@ -457,7 +462,8 @@ async fn refused_publishes_do_not_shift_what_a_healing_replica_hands_back() {
     c.crash(1).await;
     c.crash(2).await;
     let n3 = c.node(3).clone();
-    wait_until(Duration::from_secs(20), "node 3 re-formed", || n3.queue_members("lim") == Some(BTreeSet::from([3]))).await;
+    wait_until(Duration::from_secs(20), "node 3 re-formed", || n3.queue_members("lim") == Some(BTreeSet::from([3])))
+        .await;
     c.restart(1).await;
     c.restart(2).await;
     for id in [1, 2] {

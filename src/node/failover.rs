@@ -321,9 +321,8 @@ impl Node {
                     // one: it must not keep all but the senior from
                     // standing while the senior cannot win (a 5-node
                     // campaign run waited on it for good).
-                    let leads = |leader: &NodeId| {
-                        (*leader == self.id() || reach.contains(leader)) && voters.contains(leader)
-                    };
+                    let leads =
+                        |leader: &NodeId| (*leader == self.id() || reach.contains(leader)) && voters.contains(leader);
                     match m.current_leader.filter(leads) {
                         Some(_) => *l = None,
                         None => {

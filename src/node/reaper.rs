@@ -109,7 +109,9 @@ impl Node {
                 .iter()
                 .filter(|(o, _)| !v.dead.contains(o))
                 .flat_map(|(_, tags)| tags.iter().copied())
-                .filter(|t| absence.unknown_since.get(&(group, *t)).is_some_and(|at| now.duration_since(*at) >= timeout))
+                .filter(|t| {
+                    absence.unknown_since.get(&(group, *t)).is_some_and(|at| now.duration_since(*at) >= timeout)
+                })
                 .collect();
             if gone.is_empty() && stranded.is_empty() {
                 continue;
@@ -131,7 +133,13 @@ impl Node {
                     for t in &stranded {
                         absence.unknown_since.remove(&(group, *t));
                     }
-                    tracing::info!(group, owners = gone.len(), stranded = stranded.len(), messages = count, "requeued the unacked messages of holders that are gone or never got them");
+                    tracing::info!(
+                        group,
+                        owners = gone.len(),
+                        stranded = stranded.len(),
+                        messages = count,
+                        "requeued the unacked messages of holders that are gone or never got them"
+                    );
                 }
                 // Not the master any more, or stopping: the next master's
                 // sweep does it.
@@ -140,79 +148,46 @@ impl Node {
         }
     }
 
-    /// Ask the owning nodes about the owners and deliveries in `held`.
+    /// Ask the owning nodes, once each, about the owners and deliveries in
+    /// `held`: which owners are gone (unknown to the node that made them,
+    /// made by a node that has not answered for the failure timeout, or by
+    /// no node of the cluster), and which deliveries of the live ones their
+    /// holder does not know.
     async fn ask_owners(&self, held: &[(GroupId, String, BTreeMap<u64, Vec<u64>>)], absence: &mut Absence) -> Verdicts {
-        let all: BTreeSet<u64> = held.iter().flat_map(|(_, _, o)| o.keys().copied()).collect();
-        let mut v = Verdicts { dead: self.dead_owners(&all, absence).await, ..Verdicts::default() };
-        // Per node bits, the live owners' deliveries to check.
+        // Per node bits, every owner's deliveries, queue by queue.
         let mut asks: BTreeMap<u16, Vec<(u64, String, Vec<u64>)>> = BTreeMap::new();
         let mut group_of: HashMap<(String, u64), GroupId> = HashMap::new();
         for (group, queue, owners) in held {
-            for (owner, tags) in owners.iter().filter(|(o, _)| !v.dead.contains(o)) {
+            for (owner, tags) in owners {
                 asks.entry(owners::node_bits(*owner)).or_default().push((*owner, queue.clone(), tags.clone()));
                 group_of.insert((queue.clone(), *owner), *group);
             }
         }
         let nodes: Vec<NodeId> = self.metadata().nodes.keys().copied().collect();
-        for (bits, held) in asks {
-            let owners: Vec<u64> = held.iter().map(|(o, _, _)| *o).collect();
-            for id in nodes.iter().copied().filter(|id| owners::node_bits_of_id(*id) == bits) {
-                let unknown: Vec<(u64, String, Vec<u64>)> = if id == self.id() {
-                    held.iter()
-                        .map(|(o, q, tags)| (*o, q.clone(), self.inner.owners.unknown(*o, q, tags)))
-                        .collect()
-                } else {
-                    let req = RpcRequest::Owners { owners: owners.clone(), held: held.clone() };
-                    match self.inner.call(id, &req, Instant::now() + ASK_LIMIT).await {
-                        Ok(RpcResponse::Owners(_, unknown)) => unknown
-                            .into_iter()
-                            .filter_map(|(o, tags)| held.iter().find(|(h, _, _)| *h == o).map(|(_, q, _)| (o, q.clone(), tags)))
-                            .collect(),
-                        // Unreachable: its owners' fate is for the failure
-                        // timeout to decide, not this check.
-                        _ => Vec::new(),
-                    }
-                };
-                for (owner, queue, tags) in unknown {
-                    if let Some(group) = group_of.get(&(queue, owner)) {
-                        v.unknown.extend(tags.into_iter().map(|t| (*group, t)));
-                    }
-                }
-            }
-        }
-        v
-    }
-
-    /// Which of `owners` are gone: unknown to the node that made them, or
-    /// made by a node that has not answered for the failure timeout (or
-    /// by no node of the cluster).
-    async fn dead_owners(&self, owners: &BTreeSet<u64>, absence: &mut Absence) -> BTreeSet<u64> {
-        let mut by_bits: BTreeMap<u16, Vec<u64>> = BTreeMap::new();
-        for o in owners {
-            by_bits.entry(owners::node_bits(*o)).or_default().push(*o);
-        }
-        let nodes: Vec<NodeId> = self.metadata().nodes.keys().copied().collect();
         let now = Instant::now();
-        let mut dead = BTreeSet::new();
-        for (bits, asked) in by_bits {
+        let mut v = Verdicts::default();
+        for (bits, held) in asks {
+            let asked: Vec<u64> = held.iter().map(|(o, _, _)| *o).collect::<BTreeSet<_>>().into_iter().collect();
+            let mut alive: BTreeSet<u64> = BTreeSet::new();
+            let mut unknown: Vec<(u64, String, Vec<u64>)> = Vec::new();
+            let mut undecided = false;
             // Node ids are u64 and owners carry 16 bits of one: every node
             // whose id has those bits is asked, and an owner lives if any
             // of them says so.
-            let candidates: Vec<NodeId> =
-                nodes.iter().copied().filter(|id| owners::node_bits_of_id(*id) == bits).collect();
-            let mut alive: BTreeSet<u64> = BTreeSet::new();
-            let mut undecided = false;
-            for id in candidates {
+            for id in nodes.iter().copied().filter(|id| owners::node_bits_of_id(*id) == bits) {
                 if id == self.id() {
                     alive.extend(self.inner.owners.alive_of(&asked));
+                    unknown.extend(held.iter().map(|(o, q, t)| (*o, q.clone(), self.inner.owners.unknown(*o, q, t))));
                     continue;
                 }
-                let deadline = Instant::now() + ASK_LIMIT;
-                let req = RpcRequest::Owners { owners: asked.clone(), held: Vec::new() };
-                match self.inner.call(id, &req, deadline).await {
-                    Ok(RpcResponse::Owners(live, _)) => {
+                let req = RpcRequest::Owners { owners: asked.clone(), held: held.clone() };
+                match self.inner.call(id, &req, Instant::now() + ASK_LIMIT).await {
+                    Ok(RpcResponse::Owners(live, not_known)) => {
                         absence.failing_since.remove(&id);
                         alive.extend(live);
+                        unknown.extend(not_known.into_iter().filter_map(|(o, tags)| {
+                            held.iter().find(|(h, _, _)| *h == o).map(|(_, q, _)| (o, q.clone(), tags))
+                        }));
                     }
                     _ => {
                         let since = *absence.failing_since.entry(id).or_insert(now);
@@ -227,9 +202,14 @@ impl Node {
                 }
             }
             if !undecided {
-                dead.extend(asked.into_iter().filter(|o| !alive.contains(o)));
+                v.dead.extend(asked.into_iter().filter(|o| !alive.contains(o)));
+            }
+            for (owner, queue, tags) in unknown {
+                if let Some(group) = group_of.get(&(queue, owner)) {
+                    v.unknown.extend(tags.into_iter().map(|t| (*group, t)));
+                }
             }
         }
-        dead
+        v
     }
 }
