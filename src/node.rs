@@ -47,6 +47,7 @@ mod failover;
 mod members;
 mod reaper;
 mod rebalance;
+mod split;
 mod told;
 
 /// Everything a node needs to start.
@@ -1757,7 +1758,7 @@ impl Inner {
             },
             RpcRequest::Fork { group } => {
                 let rec = self.fork_record(group);
-                let formed = rec.as_ref().and_then(|r| failover::formed_at(&self.db, group, r.epoch));
+                let formed = rec.as_ref().and_then(|r| split::formed_at(&self.db, group, r.epoch));
                 RpcResponse::Fork(rec, formed)
             }
             RpcRequest::History { group } => RpcResponse::History(self.history(group).await),
