@@ -1495,7 +1495,7 @@ impl Node {
     async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
         let started = Instant::now();
         let db = &self.inner.db;
-        let epoch = failover::load_epoch(db, q.group)?;
+        let epoch = failover::load_epoch(db, q.group, self.id())?;
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?;
         let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
         let raft = Raft::new(
@@ -1633,6 +1633,7 @@ impl Inner {
     /// queue was deleted).
     fn drop_replica(&self, group: GroupId) -> Result<(), mirrorq_storage::StorageError> {
         self.db.drop_group(group)?;
+        self.db.remove_node_value(&failover::term_floor_key(group))?;
         self.db.remove_node_value(&catchup::new_mirror_key(group))
     }
 

@@ -43,19 +43,42 @@ fn epoch_key(group: GroupId) -> String {
 fn heal_key(group: GroupId) -> String {
     format!("healing/{group}")
 }
+pub(super) fn term_floor_key(group: GroupId) -> String {
+    format!("term-floor/{group}")
+}
 /// The epoch this node's replica of `group` is in. Also finishes a heal that
 /// a crash interrupted after the hand-back (wiping is idempotent).
-pub(super) fn load_epoch(db: &NodeDb, group: GroupId) -> Result<Epoch, StorageError> {
+///
+/// The wiped replica keeps a vote at the highest term it had seen, so this
+/// node never leads a term it led before, in any epoch: hand-back origins
+/// `(term, node, index)` and fork records name an entry by its leader, and
+/// two leaderships of one term by one node could make a hand-back look
+/// done, or an entry look shared, when it is not. Raised past that term,
+/// the new epoch's master steps down once (the learner answers with the
+/// higher vote) and is re-elected above it.
+pub(super) fn load_epoch(db: &NodeDb, group: GroupId, me: NodeId) -> Result<Epoch, ServerError> {
     let decode = |b: Vec<u8>, what| mirrorq_storage::keys::decode::<Epoch>(&b, what);
     if let Some(b) = db.get_node_value(&heal_key(group))? {
         let epoch = decode(b, "healing marker")?;
+        let raft = |e: openraft::StorageError<NodeId>| ServerError::Raft(e.to_string());
+        let log = LogStore::new(db.clone(), group);
+        // Durable before the wipe: a crash in between must not lose it.
+        let kept = match db.get_node_value(&term_floor_key(group))? {
+            Some(b) => mirrorq_storage::keys::decode::<u64>(&b, "term floor")?,
+            None => 0,
+        };
+        let floor = kept.max(log.highest_term().map_err(raft)?);
+        db.put_node_value(&term_floor_key(group), &mirrorq_storage::keys::encode(&floor, "term floor")?)?;
         db.drop_group(group)?;
+        if floor > 0 {
+            log.restore_vote(&Vote::new(floor, me)).map_err(raft)?;
+        }
         store_epoch(db, group, epoch)?;
         db.remove_node_value(&heal_key(group))?;
         return Ok(epoch);
     }
     match db.get_node_value(&epoch_key(group))? {
-        Some(b) => decode(b, "group epoch"),
+        Some(b) => Ok(decode(b, "group epoch")?),
         None => Ok(Epoch::default()),
     }
 }
@@ -79,6 +102,15 @@ fn by_seniority(q: &QueueMeta, ids: &BTreeSet<NodeId>) -> Vec<NodeId> {
     let mut out: Vec<NodeId> = q.replicas.iter().copied().filter(|id| ids.contains(id)).collect();
     out.extend(ids.iter().copied().filter(|id| !q.replicas.contains(id)));
     out
+}
+
+/// Whether the last master a replica knows still leads the queue: it is
+/// this replica or in reach, and still a voter. A master that moved the
+/// queue away from itself and stepped down answers pings but leads no one;
+/// counting it would keep every voter but the most senior from standing
+/// while the senior cannot win (a 5-node campaign run waited on it for good).
+fn still_leads(leader: NodeId, me: NodeId, reach: &BTreeSet<NodeId>, voters: &BTreeSet<NodeId>) -> bool {
+    (leader == me || reach.contains(&leader)) && voters.contains(&leader)
 }
 
 /// Messages handed back together: those one old-epoch entry published.
@@ -251,14 +283,7 @@ impl Node {
                 // until the old one came back.
                 let leaderless_since = {
                     let mut l = g.leaderless_since.lock().expect("poisoned");
-                    // A master known but no longer a voter (it moved the
-                    // queue away from itself, then stepped down) leads no
-                    // one: it must not keep all but the senior from
-                    // standing while the senior cannot win (a 5-node
-                    // campaign run waited on it for good).
-                    let leads =
-                        |leader: &NodeId| (*leader == self.id() || reach.contains(leader)) && voters.contains(leader);
-                    match m.current_leader.filter(leads) {
+                    match m.current_leader.filter(|l| still_leads(*l, self.id(), &reach, &voters)) {
                         Some(_) => *l = None,
                         None => {
                             l.get_or_insert(now);
@@ -508,7 +533,7 @@ impl Node {
             let io = |e: StorageError| NodeError::Unavailable(e.to_string());
             db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&news.epoch, "healing marker").map_err(io)?)
                 .map_err(io)?;
-            load_epoch(db, group).map_err(io)?;
+            load_epoch(db, group, self.id()).map_err(|e| NodeError::Unavailable(e.to_string()))?;
             Ok(())
         }
         .await;
@@ -784,6 +809,49 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_master_that_moved_the_queue_away_leads_no_one() {
+        let set = |ids: &[NodeId]| ids.iter().copied().collect::<BTreeSet<NodeId>>();
+        let (reach, voters) = (set(&[1, 2, 3, 5]), set(&[1, 2, 3]));
+        // Node 5 moved the queue to 1-3 and stepped down: still in reach,
+        // no longer a voter.
+        assert!(!still_leads(5, 2, &reach, &voters));
+        assert!(still_leads(1, 2, &reach, &voters));
+        assert!(still_leads(2, 2, &set(&[1]), &voters), "this replica leads without pinging itself");
+        assert!(!still_leads(3, 2, &set(&[1, 2]), &voters), "a master out of reach leads no one");
+    }
+
+    /// A replica that led terms up to 7 heals into another epoch: wiped, it
+    /// keeps a vote at term 7, so it can never lead term 7 (or below) again;
+    /// and a crash between the wipe and that vote loses nothing.
+    #[tokio::test]
+    async fn a_healed_replica_never_leads_a_term_it_saw_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &mirrorq_storage::DbOptions::default()).unwrap();
+        let group = 5;
+        let mut log = LogStore::new(db.clone(), group);
+        let entries: Vec<Entry<TypeConfig>> = (1..=3)
+            .map(|i| Entry { log_id: LogId::new(CommittedLeaderId::new(7, 1), i), payload: EntryPayload::Blank })
+            .collect();
+        let epoch = (epoch_key(group), mirrorq_storage::keys::encode(&Epoch::default(), "e").unwrap());
+        log.refound(&Vote::new_committed(7, 1), entries, (&epoch.0, epoch.1)).await.unwrap();
+        let next = Epoch { term: 4, node: 3 };
+        db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&next, "m").unwrap()).unwrap();
+
+        assert_eq!(load_epoch(&db, group, 1).unwrap(), next);
+        let mut log = LogStore::new(db.clone(), group);
+        assert_eq!(log.get_log_state().await.unwrap().last_log_id, None, "wiped");
+        let vote = log.read_vote().await.unwrap().expect("a vote is kept");
+        assert_eq!((vote.leader_id.term, vote.is_committed()), (7, false));
+
+        // A crash after the wipe, before that vote: the floor was durable.
+        db.drop_group(group).unwrap();
+        db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&next, "m").unwrap()).unwrap();
+        load_epoch(&db, group, 1).unwrap();
+        let vote = LogStore::new(db.clone(), group).read_vote().await.unwrap();
+        assert_eq!(vote.map(|v| v.leader_id.term), Some(7));
+    }
 
     #[test]
     fn a_refused_claim_leaves_the_holder_alone() {

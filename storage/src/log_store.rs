@@ -191,6 +191,21 @@ where
         Ok(self.read_entries(last, last)?.pop())
     }
 
+    /// The highest term this replica has seen: its vote's or its log's.
+    pub fn highest_term(&self) -> Result<u64, RaftStorageError<C>> {
+        let vote: Option<Vote<C::NodeId>> = self.read_meta(META_VOTE)?;
+        let purged = self.forget_purged()?;
+        let last = self.last_entry()?.map(|e| e.get_log_id().clone()).or(purged);
+        Ok(vote.map_or(0, |v| v.leader_id().get_term()).max(last.map_or(0, |l| l.leader_id.get_term())))
+    }
+
+    /// Adopt `vote` outside Raft and wait until it is durable. Only while
+    /// the group's Raft is stopped.
+    pub fn restore_vote(&self, vote: &Vote<C::NodeId>) -> Result<(), RaftStorageError<C>> {
+        self.write_meta(META_VOTE, vote)?;
+        self.db.flusher().sync_blocking().map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
+    }
+
     /// Forget the entries up to the recorded purge point. The log replays
     /// purged entries until their segment is reclaimed; the purge point in
     /// sled is what says they are gone.
