@@ -4,12 +4,12 @@
 use std::time::Duration;
 
 use crate::error::NodeError;
+use crate::ids::NodeId;
 use crate::metadata::QueueMeta;
 use crate::node::QueueInfo;
 use crate::queue::{Delivery, Message, QueueCmd, QueueReply};
 use crate::raft::network::{CallError, Transport};
 use crate::raft::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
-use crate::raft::types::NodeId;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {

@@ -10,8 +10,8 @@ use serde::Deserialize;
 use crate::alarms::Watermark;
 use crate::cli::ServeArgs;
 use crate::error::ServerError;
+use crate::ids::NodeId;
 use crate::node::{NodeConfig, Timing};
-use crate::raft::types::NodeId;
 
 /// The TOML file: the same keys as the flags, all optional.
 #[derive(Debug, Default, Deserialize)]

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::raft::types::NodeId;
+use crate::ids::NodeId;
 
 /// Why a queue or metadata operation did not complete. Serializable: a node
 /// forwarding an operation to the master passes the master's error on as is.

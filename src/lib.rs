@@ -37,6 +37,7 @@ pub mod config;
 pub mod ctl;
 pub mod error;
 pub mod http;
+pub mod ids;
 pub mod metadata;
 pub mod metrics;
 pub mod node;

@@ -24,6 +24,7 @@ use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 use crate::alarms::{Alarms, Watermark};
 use crate::clients::{Clients, ConnectionInfo, ConsumerInfo};
 use crate::error::{NodeError, ServerError};
+use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::metadata::{
     routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, Policy, QueueMeta,
 };
@@ -38,7 +39,7 @@ use crate::raft::network::{CallError, EpochNews, NetworkFactory, Transport};
 use crate::raft::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
 use crate::raft::server::{self, RpcHandler};
 use crate::raft::state_machine::StateMachine;
-use crate::raft::types::{GroupId, LogStore, NodeId, Raft, Request, Response, METADATA_GROUP};
+use crate::raft::types::{LogStore, Raft, Request, Response};
 
 mod catchup;
 mod compaction;

@@ -1,9 +1,10 @@
 //! openraft's storage conformance suite against mirrorq's real storage: the
 //! sled log store (group commit, fsync) and the on-disk queue state machine.
 
+use mirrorq::ids::NodeId;
 use mirrorq::queue::QueueMachine;
 use mirrorq::raft::state_machine::StateMachine;
-use mirrorq::raft::types::{LogStore, NodeId, TypeConfig};
+use mirrorq::raft::types::{LogStore, TypeConfig};
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 use openraft::testing::{StoreBuilder, Suite};
 use openraft::StorageError;

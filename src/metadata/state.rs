@@ -7,7 +7,7 @@ use super::names::{self, DEFAULT_VHOST};
 use super::policy::{self, Policy};
 use super::queue_args::QueueArgs;
 use super::routing::{builtin, Binding, ExchangeMeta};
-use crate::raft::types::{GroupId, NodeId, METADATA_GROUP};
+use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeInfo {

@@ -14,11 +14,12 @@ use mirrorq_storage::SmSpace;
 
 use super::{Inner, Node, QueueGroup};
 use crate::error::NodeError;
+use crate::ids::{GroupId, NodeId};
 use crate::queue::catchup::{Plan, SyncProgress};
 use crate::queue::QueueMachine;
 use crate::raft::rpc::{Body, BodyChunk, RpcRequest, RpcResponse};
 use crate::raft::state_machine::stored_applied;
-use crate::raft::types::{GroupId, NodeId, Raft};
+use crate::raft::types::Raft;
 
 /// Most ranges named in one request (a plan is usually one or two).
 const RANGES_PER_REQUEST: usize = 64;

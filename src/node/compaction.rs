@@ -20,7 +20,8 @@
 use std::time::Duration;
 
 use super::Node;
-use crate::raft::types::{Raft, METADATA_GROUP};
+use crate::ids::METADATA_GROUP;
+use crate::raft::types::Raft;
 
 /// How often the log is asked which groups pin its oldest segment.
 const EVERY: Duration = Duration::from_secs(1);

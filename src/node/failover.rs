@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use super::split::{add_defeated, defeated, formed, formed_key, wall_ms, Formed, Verdict};
 use super::{Inner, Node, QueueGroup};
 use crate::error::{NodeError, ServerError};
+use crate::ids::{GroupId, NodeId};
 use crate::metadata::{policy, MetaState, QueueMeta};
 use crate::queue::epoch::{divergence, Epoch, ForkRecord};
 use crate::queue::types::Origin;
@@ -25,7 +26,7 @@ use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::raft::network::EpochNews;
 use crate::raft::rpc::{RpcRequest, RpcResponse};
 use crate::raft::state_machine::stored_applied;
-use crate::raft::types::{GroupId, LogStore, NodeId, Request, TypeConfig};
+use crate::raft::types::{LogStore, Request, TypeConfig};
 use mirrorq_storage::{NodeDb, SmSpace, StorageError};
 
 /// How long a ping may take before the peer counts as unreachable.

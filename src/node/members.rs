@@ -16,9 +16,9 @@ use openraft::{BasicNode, ChangeMembers};
 
 use super::Node;
 use crate::error::NodeError;
+use crate::ids::NodeId;
 use crate::metadata::{MetaCmd, MetaReply, NodeInfo};
 use crate::raft::rpc::{RpcRequest, RpcResponse};
-use crate::raft::types::NodeId;
 
 impl Node {
     /// Ask the member at `via` to let this node in, until it is in.

@@ -28,11 +28,11 @@ use std::time::{Duration, Instant};
 use openraft::ServerState;
 
 use super::{Node, QueueGroup};
+use crate::ids::{GroupId, NodeId};
 use crate::owners;
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::rpc::{RpcRequest, RpcResponse};
-use crate::raft::types::{GroupId, NodeId};
 
 const EVERY: Duration = Duration::from_secs(1);
 /// How long a node may take to say which of its owners are alive.

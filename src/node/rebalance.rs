@@ -21,8 +21,9 @@ use serde::Serialize;
 use super::failover::Busy;
 use super::Node;
 use crate::error::NodeError;
+use crate::ids::{GroupId, NodeId};
 use crate::raft::rpc::{RpcRequest, RpcResponse};
-use crate::raft::types::{GroupId, LogStore, NodeId};
+use crate::raft::types::LogStore;
 
 /// One mastership move of a rebalance, and how it went.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -16,10 +16,10 @@ use openraft::ServerState;
 
 use super::failover::Busy;
 use super::{Node, QueueGroup};
+use crate::ids::{GroupId, NodeId};
 use crate::queue::epoch::Epoch;
 use crate::raft::network::EpochNews;
 use crate::raft::rpc::{RpcRequest, RpcResponse};
-use crate::raft::types::{GroupId, NodeId};
 use mirrorq_storage::{NodeDb, StorageError};
 
 /// When and where this node re-formed the group ([`Formed`]).

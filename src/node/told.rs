@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use crate::raft::types::GroupId;
+use crate::ids::GroupId;
 
 #[derive(Default)]
 pub(super) struct Told {

@@ -24,7 +24,7 @@ use std::fmt;
 use openraft::LogId;
 use serde::{Deserialize, Serialize};
 
-use crate::raft::types::NodeId;
+use crate::ids::NodeId;
 
 /// Which incarnation of a queue's group a replica belongs to. `(0, 0)` is
 /// the group as founded; a re-formation creates `(term, node)` with a term

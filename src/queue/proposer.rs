@@ -26,7 +26,8 @@ use super::sm::QueueStats;
 use super::sync::SyncState;
 use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
 use crate::error::NodeError;
-use crate::raft::types::{NodeId, Raft, Request, Response, TypeConfig};
+use crate::ids::NodeId;
+use crate::raft::types::{Raft, Request, Response, TypeConfig};
 
 /// Entries of one group in flight at once. Two keeps one appending while the
 /// previous one replicates; more only makes entries smaller.

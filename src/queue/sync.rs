@@ -21,7 +21,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::catchup::SyncProgress;
-use crate::raft::types::{NodeId, Raft};
+use crate::ids::NodeId;
+use crate::raft::types::Raft;
 
 /// Published after every change of the group's metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -25,7 +25,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
-use super::types::{GroupId, NodeId, TypeConfig};
+use super::types::TypeConfig;
+use crate::ids::{GroupId, NodeId};
 use crate::queue::epoch::Epoch;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);

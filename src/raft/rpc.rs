@@ -9,7 +9,9 @@ use openraft::raft::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::types::{GroupId, NodeId, TypeConfig};
+use crate::ids::{GroupId, NodeId};
+
+use super::types::TypeConfig;
 use crate::error::NodeError;
 use crate::metadata::{MetaCmd, MetaReply};
 use crate::queue::catchup::SyncProgress;

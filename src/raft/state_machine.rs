@@ -21,7 +21,9 @@ use tokio::sync::Mutex;
 
 use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 
-use super::types::{NodeId, Request, Response, TypeConfig};
+use crate::ids::NodeId;
+
+use super::types::{Request, Response, TypeConfig};
 
 type RaftStorageError = openraft::StorageError<NodeId>;
 

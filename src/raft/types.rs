@@ -8,11 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::metadata::{MetaCmd, MetaReply};
 use crate::queue::{QueueCmd, QueueReply};
 
-pub type NodeId = u64;
-pub use mirrorq_storage::GroupId;
-
-/// Group 0 is the cluster metadata group, over all nodes.
-pub const METADATA_GROUP: GroupId = 0;
+use crate::ids::NodeId;
 
 /// What a Raft entry carries. Queue groups only see `Queue`, the metadata
 /// group only `Meta`; sharing one type lets one network and one router carry
