@@ -38,6 +38,7 @@ pub mod ctl;
 pub mod error;
 pub mod http;
 pub mod ids;
+pub mod message;
 pub mod metadata;
 pub mod metrics;
 pub mod node;

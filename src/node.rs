@@ -761,9 +761,9 @@ impl Node {
     /// has them on disk.
     pub async fn publish(&self, queue: &str, msgs: Vec<Message>) -> Result<(), NodeError> {
         // Consumers are sent the stored properties as they are.
-        if let Some(bad) = msgs.iter().position(|m| !crate::amqp::valid_properties(&m.properties)) {
+        if let Some(bad) = msgs.iter().position(|m| !crate::message::valid_properties(&m.properties)) {
             return Err(NodeError::Invalid(format!(
-                "message {bad}: properties are not an AMQP property list (amqp::encode_properties makes one)"
+                "message {bad}: properties are not an AMQP property list (message::encode_properties makes one)"
             )));
         }
         let replies = self.queue_op(queue, vec![QueueCmd::Enqueue { msgs }]).await?;

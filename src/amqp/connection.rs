@@ -21,13 +21,14 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::auth::{self, Grants};
-use super::codec::{self, encode_properties, Parsed};
+use super::codec::{self, Parsed};
 use super::confirms;
 use super::consumer::Consumer;
 use super::deliveries::{ConsumerId, Deliveries};
 use crate::error::NodeError;
+use crate::message::{encode_properties, expiration_ms, to_args};
 use crate::metadata::names::{self, DEFAULT_VHOST};
-use crate::metadata::{Access, ArgValue, Args, Binding, ExchangeKind, ExchangeMeta, QueueArgs};
+use crate::metadata::{Access, Binding, ExchangeKind, ExchangeMeta, QueueArgs};
 use crate::node::{stored_all, stored_count, DeclareOpts, Node};
 use crate::queue::proposer::Lane;
 use crate::queue::{Message, QueueCmd};
@@ -1431,7 +1432,7 @@ impl Channel {
         let exchange = p.publish.exchange.as_str().to_string();
         let routing_key = p.publish.routing_key.as_str().to_string();
         let headers = header.properties.headers().as_ref().map(to_args).unwrap_or_default();
-        let ttl = codec::expiration_ms(&header.properties)
+        let ttl = expiration_ms(&header.properties)
             .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 60, 40)))?;
         let received = Instant::now();
         self.node.metrics().received.inc();
@@ -1619,29 +1620,6 @@ impl Channel {
             args: to_args(args),
         }
     }
-}
-
-/// AMQP table -> the values routing compares.
-pub(crate) fn to_args(t: &FieldTable) -> Args {
-    t.inner()
-        .iter()
-        .map(|(k, v)| {
-            let v = match v {
-                AMQPValue::LongString(s) => ArgValue::Str(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-                AMQPValue::ShortString(s) => ArgValue::Str(s.as_str().to_string()),
-                AMQPValue::Boolean(b) => ArgValue::Bool(*b),
-                AMQPValue::ShortShortInt(i) => ArgValue::Int(*i as i64),
-                AMQPValue::ShortShortUInt(i) => ArgValue::Int(*i as i64),
-                AMQPValue::ShortInt(i) => ArgValue::Int(*i as i64),
-                AMQPValue::ShortUInt(i) => ArgValue::Int(*i as i64),
-                AMQPValue::LongInt(i) => ArgValue::Int(*i as i64),
-                AMQPValue::LongUInt(i) => ArgValue::Int(*i as i64),
-                AMQPValue::LongLongInt(i) => ArgValue::Int(*i),
-                other => ArgValue::Other(format!("{other:?}")),
-            };
-            (k.as_str().to_string(), v)
-        })
-        .collect()
 }
 
 /// Frames an alarm holds back: the start of a publish.

@@ -29,11 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
 
-pub use codec::{
-    decode_properties, encode_properties, expiration_ms, parse, valid_properties, without_expiration, write_frame,
-    Parsed,
-};
-pub(crate) use connection::to_args;
+pub use codec::{parse, write_frame, Parsed};
 
 /// Accept AMQP connections until `stop` is cancelled. When the node starts
 /// closing (`Node::closing`) it stops accepting, so connecting is refused

@@ -737,7 +737,7 @@ async fn publish(
     };
     let properties = props::from_json(b.get("properties").unwrap_or(&Value::Null)).map_err(ApiError::bad_request)?;
     let headers = props::header_args(&properties);
-    let ttl = crate::amqp::expiration_ms(&properties).map_err(ApiError::bad_request)?;
+    let ttl = crate::message::expiration_ms(&properties).map_err(ApiError::bad_request)?;
     let received = std::time::Instant::now();
     node.metrics().received.inc();
     let Some(queues) = node.route_fresh(&key(&vhost, &exchange), &routing_key, &headers).await else {
@@ -749,7 +749,7 @@ async fn publish(
     let msg = Message {
         exchange: exchange.clone(),
         routing_key,
-        properties: crate::amqp::encode_properties(&properties),
+        properties: crate::message::encode_properties(&properties),
         body,
     };
     // Answer only after every queue it reached has confirmed it (CONTRACT 6).

@@ -32,7 +32,7 @@ fn table_to_json(t: &FieldTable) -> Value {
 
 /// Stored properties (wire bytes) as the API shows them.
 pub fn to_json(stored: &[u8]) -> Value {
-    let p = crate::amqp::decode_properties(stored);
+    let p = crate::message::decode_properties(stored);
     let mut m = Map::new();
     let mut put = |k: &str, v: Option<Value>| {
         if let Some(v) = v {
@@ -138,5 +138,5 @@ pub fn from_json(v: &Value) -> Result<AMQPProperties, String> {
 
 /// Message headers as routing compares them.
 pub fn header_args(p: &AMQPProperties) -> Args {
-    p.headers().as_ref().map(crate::amqp::to_args).unwrap_or_default()
+    p.headers().as_ref().map(crate::message::to_args).unwrap_or_default()
 }

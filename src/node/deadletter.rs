@@ -78,10 +78,10 @@ impl Node {
         for (msg, reason) in msgs {
             let key = args.dead_letter_routing_key.clone().unwrap_or_else(|| msg.routing_key.clone());
             let (dead, rejected_on_the_way, queues_seen) = with_death(msg, bare, reason, &dlx, &key);
-            let headers = crate::amqp::decode_properties(&dead.properties)
+            let headers = crate::message::decode_properties(&dead.properties)
                 .headers()
                 .as_ref()
-                .map(crate::amqp::to_args)
+                .map(crate::message::to_args)
                 .unwrap_or_default();
             let Some(targets) = self.route_fresh(&dlx_key, &key, &headers).await else {
                 tracing::warn!(queue, exchange = %dlx, "dead-letter exchange does not exist; message dropped");
@@ -165,7 +165,7 @@ fn with_death(
     dlx: &str,
     key: &str,
 ) -> (Message, bool, Vec<String>) {
-    let (props, expiration) = crate::amqp::without_expiration(crate::amqp::decode_properties(&msg.properties));
+    let (props, expiration) = crate::message::without_expiration(crate::message::decode_properties(&msg.properties));
     let mut headers = props.headers().clone().unwrap_or_default();
     let s = |v: &str| AMQPValue::LongString(LongString::from(v));
     let text = |t: &FieldTable, k: &str| match t.inner().get(k) {
@@ -217,7 +217,7 @@ fn with_death(
         ShortString::from("x-death"),
         AMQPValue::FieldArray(FieldArray::from(deaths.into_iter().map(AMQPValue::FieldTable).collect::<Vec<_>>())),
     );
-    msg.properties = crate::amqp::encode_properties(&props.with_headers(headers));
+    msg.properties = crate::message::encode_properties(&props.with_headers(headers));
     msg.exchange = dlx.to_string();
     msg.routing_key = key.to_string();
     (msg, rejected, seen)
@@ -228,7 +228,7 @@ mod tests {
     use super::*;
 
     fn deaths(m: &Message) -> Vec<FieldTable> {
-        let props = crate::amqp::decode_properties(&m.properties);
+        let props = crate::message::decode_properties(&m.properties);
         match props.headers().as_ref().and_then(|h| h.inner().get("x-death").cloned()) {
             Some(AMQPValue::FieldArray(a)) => a
                 .as_slice()
@@ -258,7 +258,7 @@ mod tests {
         assert_eq!(d[0].inner().get("count"), Some(&AMQPValue::LongLongInt(2)));
         assert_eq!(d[0].inner().get("queue"), Some(&AMQPValue::LongString("work".into())));
         assert_eq!(d[1].inner().get("reason"), Some(&AMQPValue::LongString("expired".into())));
-        let props = crate::amqp::decode_properties(&m.properties);
+        let props = crate::message::decode_properties(&m.properties);
         let h = props.headers().clone().unwrap();
         assert_eq!(h.inner().get("x-first-death-reason"), Some(&AMQPValue::LongString("rejected".into())));
         assert_eq!(h.inner().get("x-first-death-exchange"), Some(&AMQPValue::LongString("ex".into())));

@@ -5,18 +5,7 @@ use serde::{Deserialize, Serialize};
 /// A log entry's identity `(leader term, leader node, index)`.
 pub type Origin = (u64, u64, u64);
 
-/// A message as stored and replicated. `properties` are the AMQP content
-/// properties in their wire encoding (`amqp::encode_properties`; empty for
-/// none), opaque to the queue and sent to consumers as they are.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Message {
-    pub exchange: String,
-    pub routing_key: String,
-    #[serde(with = "serde_bytes")]
-    pub properties: Vec<u8>,
-    #[serde(with = "serde_bytes")]
-    pub body: Vec<u8>,
-}
+pub use crate::message::Message;
 
 /// Where a delivered message is in its life (never-delivered messages have
 /// no stored state: they are the range the queue's counters describe).

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 pub mod process;
 
 use amq_protocol::protocol::basic::AMQPProperties;
-use mirrorq::amqp::encode_properties;
+use mirrorq::message::encode_properties;
 use mirrorq::{Message, Node, NodeConfig, Timing};
 
 pub fn init_tracing() {
