@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
+use crate::api::QueueInfo;
 use crate::error::NodeError;
 use crate::ids::NodeId;
 use crate::metadata::QueueMeta;
-use crate::node::QueueInfo;
 use crate::queue::{Delivery, Message, QueueCmd, QueueReply};
 use crate::raft::network::{CallError, Transport};
 use crate::raft::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};

@@ -30,6 +30,7 @@
 
 pub mod alarms;
 pub mod amqp;
+pub mod api;
 pub mod cli;
 pub mod client;
 pub mod clients;

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ChangeMembers, ServerState};
-use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -22,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 
 use crate::alarms::{Alarms, Watermark};
+pub use crate::api::{DeclareOpts, GroupRaftMetrics, QueueInfo};
 use crate::clients::{Clients, ConnectionInfo, ConsumerInfo};
 use crate::error::{NodeError, ServerError};
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
@@ -30,7 +30,7 @@ use crate::metadata::{
 };
 use crate::metrics::Metrics;
 use crate::owners::Owners;
-use crate::queue::catchup::{Plan, SyncProgress};
+use crate::queue::catchup::Plan;
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::{Answer, Lane, Proposer};
 use crate::queue::sync::{self, SyncState};
@@ -134,53 +134,8 @@ impl NodeConfig {
     }
 }
 
-/// Options of [`Node::declare_queue_with`].
-#[derive(Debug, Clone, Default)]
-pub struct DeclareOpts {
-    /// `x-queue-master-locator`: `Some(true)` min-masters, `Some(false)` client-local.
-    pub min_masters: Option<bool>,
-    /// The AMQP connection owning an exclusive queue.
-    pub exclusive_owner: Option<u64>,
-    /// Delete the queue when its last consumer goes away.
-    pub auto_delete: bool,
-    /// Validated declare arguments (TTL, max length, dead-lettering).
-    pub args: crate::metadata::QueueArgs,
-}
-
 /// The wait for the replies of operations started with [`Node::submit`].
 pub type Submitted = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<QueueReply>, NodeError>> + Send>>;
-
-/// One hosted replica's Raft figures.
-#[derive(Debug, Clone)]
-pub struct GroupRaftMetrics {
-    pub queue: String,
-    pub term: u64,
-    /// Last log index applied here (committed, as far as this replica knows).
-    pub committed: Option<u64>,
-    pub leader: Option<NodeId>,
-}
-
-/// A queue as this node sees it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct QueueInfo {
-    pub name: String,
-    pub group: GroupId,
-    pub replicas: Vec<NodeId>,
-    /// Is this node a replica?
-    pub local: bool,
-    /// Master as known locally (replicas only).
-    pub leader: Option<NodeId>,
-    pub ready: u64,
-    pub unacked: u64,
-    /// Last log index applied locally.
-    pub applied: Option<u64>,
-    /// Synchronised members (only when this node is the master).
-    pub synchronised: Vec<NodeId>,
-    /// Members still fetching message bodies, as they last reported (only
-    /// when this node is the master).
-    #[serde(default)]
-    pub catching_up: Vec<(NodeId, SyncProgress)>,
-}
 
 /// One hosted queue replica.
 struct QueueGroup {

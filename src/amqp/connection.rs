@@ -25,11 +25,12 @@ use super::codec::{self, Parsed};
 use super::confirms;
 use super::consumer::Consumer;
 use super::deliveries::{ConsumerId, Deliveries};
+use crate::api::DeclareOpts;
 use crate::error::NodeError;
 use crate::message::{encode_properties, expiration_ms, to_args};
 use crate::metadata::names::{self, DEFAULT_VHOST};
 use crate::metadata::{Access, Binding, ExchangeKind, ExchangeMeta, QueueArgs};
-use crate::node::{stored_all, stored_count, DeclareOpts, Node};
+use crate::node::{stored_all, stored_count, Node};
 use crate::queue::proposer::Lane;
 use crate::queue::{Message, QueueCmd};
 

@@ -185,7 +185,7 @@ pub async fn import(
         node.declare_exchange(e).await?;
     }
     for (q, args) in queues {
-        node.declare_queue_with(&q, Vec::new(), crate::node::DeclareOpts { args, ..Default::default() }).await?;
+        node.declare_queue_with(&q, Vec::new(), crate::api::DeclareOpts { args, ..Default::default() }).await?;
     }
     for b in bindings {
         node.bind(b).await?;

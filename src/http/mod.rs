@@ -24,11 +24,12 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::DeclareOpts;
 use crate::metadata::names::{self, key};
 use crate::metadata::{
     policy, Access, ApplyTo, ArgValue, Args, Binding, ExchangeKind, ExchangeMeta, Policy, QueueArgs, QueueMeta,
 };
-use crate::node::{DeclareOpts, Node};
+use crate::node::Node;
 use crate::queue::{Message, QueueCmd};
 use access::Caller;
 pub use error::ApiError;

@@ -234,7 +234,7 @@ pub enum ClientRequest {
 pub enum ClientReply {
     Declared(crate::metadata::QueueMeta),
     Deleted,
-    QueueInfo(crate::node::QueueInfo),
+    QueueInfo(crate::api::QueueInfo),
     Queue(Vec<QueueReply>),
 }
 

@@ -1,0 +1,52 @@
+//! Value types of the library API (`node::Node`) that also travel on the
+//! node link: what a caller declares with and what it is told about a queue.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{GroupId, NodeId};
+use crate::queue::catchup::SyncProgress;
+
+/// Options of `Node::declare_queue_with`.
+#[derive(Debug, Clone, Default)]
+pub struct DeclareOpts {
+    /// `x-queue-master-locator`: `Some(true)` min-masters, `Some(false)` client-local.
+    pub min_masters: Option<bool>,
+    /// The AMQP connection owning an exclusive queue.
+    pub exclusive_owner: Option<u64>,
+    /// Delete the queue when its last consumer goes away.
+    pub auto_delete: bool,
+    /// Validated declare arguments (TTL, max length, dead-lettering).
+    pub args: crate::metadata::QueueArgs,
+}
+
+/// One hosted replica's Raft figures.
+#[derive(Debug, Clone)]
+pub struct GroupRaftMetrics {
+    pub queue: String,
+    pub term: u64,
+    /// Last log index applied here (committed, as far as this replica knows).
+    pub committed: Option<u64>,
+    pub leader: Option<NodeId>,
+}
+
+/// A queue as this node sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueInfo {
+    pub name: String,
+    pub group: GroupId,
+    pub replicas: Vec<NodeId>,
+    /// Is this node a replica?
+    pub local: bool,
+    /// Master as known locally (replicas only).
+    pub leader: Option<NodeId>,
+    pub ready: u64,
+    pub unacked: u64,
+    /// Last log index applied locally.
+    pub applied: Option<u64>,
+    /// Synchronised members (only when this node is the master).
+    pub synchronised: Vec<NodeId>,
+    /// Members still fetching message bodies, as they last reported (only
+    /// when this node is the master).
+    #[serde(default)]
+    pub catching_up: Vec<(NodeId, SyncProgress)>,
+}
