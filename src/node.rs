@@ -25,6 +25,9 @@ pub use crate::api::{DeclareOpts, GroupRaftMetrics, QueueInfo};
 use crate::clients::{Clients, ConnectionInfo, ConsumerInfo};
 use crate::error::{NodeError, ServerError};
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
+use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+use crate::link::server::{self, RpcHandler};
+use crate::link::transport::{CallError, Transport};
 use crate::metadata::{
     routing, Args, Binding, ExchangeMeta, MetaCmd, MetaMachine, MetaReply, MetaState, NodeInfo, Policy, QueueMeta,
 };
@@ -35,9 +38,7 @@ use crate::queue::epoch::Epoch;
 use crate::queue::proposer::{Answer, Lane, Proposer};
 use crate::queue::sync::{self, SyncState};
 use crate::queue::{Delivery, Message, QueueCmd, QueueMachine, QueueReply, QueueStats};
-use crate::raft::network::{CallError, EpochNews, NetworkFactory, Transport};
-use crate::raft::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
-use crate::raft::server::{self, RpcHandler};
+use crate::raft::network::{EpochNews, NetworkFactory};
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft, Request, Response};
 

@@ -15,9 +15,9 @@ use mirrorq_storage::SmSpace;
 use super::{Inner, Node, QueueGroup};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
+use crate::link::rpc::{Body, BodyChunk, RpcRequest, RpcResponse};
 use crate::queue::catchup::{Plan, SyncProgress};
 use crate::queue::QueueMachine;
-use crate::raft::rpc::{Body, BodyChunk, RpcRequest, RpcResponse};
 use crate::raft::state_machine::stored_applied;
 use crate::raft::types::Raft;
 

@@ -19,12 +19,12 @@ use super::split::{add_defeated, defeated, formed, formed_key, wall_ms, Formed, 
 use super::{Inner, Node, QueueGroup};
 use crate::error::{NodeError, ServerError};
 use crate::ids::{GroupId, NodeId};
+use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::{policy, MetaState, QueueMeta};
 use crate::queue::epoch::{divergence, Epoch, ForkRecord};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::raft::network::EpochNews;
-use crate::raft::rpc::{RpcRequest, RpcResponse};
 use crate::raft::state_machine::stored_applied;
 use crate::raft::types::{LogStore, Request, TypeConfig};
 use mirrorq_storage::{NodeDb, SmSpace, StorageError};

@@ -17,8 +17,8 @@ use openraft::{BasicNode, ChangeMembers};
 use super::Node;
 use crate::error::NodeError;
 use crate::ids::NodeId;
+use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::{MetaCmd, MetaReply, NodeInfo};
-use crate::raft::rpc::{RpcRequest, RpcResponse};
 
 impl Node {
     /// Ask the member at `via` to let this node in, until it is in.

@@ -29,10 +29,10 @@ use openraft::ServerState;
 
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
+use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::owners;
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
-use crate::raft::rpc::{RpcRequest, RpcResponse};
 
 const EVERY: Duration = Duration::from_secs(1);
 /// How long a node may take to say which of its owners are alive.

@@ -22,7 +22,7 @@ use super::failover::Busy;
 use super::Node;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
-use crate::raft::rpc::{RpcRequest, RpcResponse};
+use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::raft::types::LogStore;
 
 /// One mastership move of a rebalance, and how it went.

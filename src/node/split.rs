@@ -17,9 +17,9 @@ use openraft::ServerState;
 use super::failover::Busy;
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
+use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::queue::epoch::Epoch;
 use crate::raft::network::EpochNews;
-use crate::raft::rpc::{RpcRequest, RpcResponse};
 use mirrorq_storage::{NodeDb, StorageError};
 
 /// When and where this node re-formed the group ([`Formed`]).

@@ -1,9 +1,6 @@
 //! Raft plumbing shared by every group: the type configuration, the state
-//! machine adapter, the node-to-node wire format, the outbound network and
-//! the inbound server.
+//! machine adapter, and each group's openraft network over the node link.
 
 pub mod network;
-pub mod rpc;
-pub mod server;
 pub mod state_machine;
 pub mod types;

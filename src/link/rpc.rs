@@ -11,13 +11,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{GroupId, NodeId};
 
-use super::types::TypeConfig;
 use crate::error::NodeError;
 use crate::metadata::{MetaCmd, MetaReply};
 use crate::queue::catchup::SyncProgress;
 use crate::queue::epoch::{Epoch, ForkRecord};
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
+use crate::raft::types::TypeConfig;
 
 /// Largest frame accepted on the node link.
 pub const MAX_FRAME: usize = 256 << 20;

@@ -12,8 +12,8 @@ use tokio::sync::mpsc;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use super::network::{codec, write_frames};
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse};
+use super::transport::{codec, write_frames};
 
 /// The rest of a request's handling, after its admission.
 pub type Completion = Pin<Box<dyn Future<Output = RpcResponse> + Send>>;

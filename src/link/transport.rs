@@ -1,0 +1,326 @@
+//! Outbound node-to-node traffic: one multiplexed TCP connection per peer
+//! carries every group's Raft messages and forwarded queue operations.
+//!
+//! Each request gets an envelope id; a reader task matches replies to
+//! waiters, so many groups' RPCs are in flight on one connection at once.
+//! A broken connection fails its waiters and is re-dialled on the next call,
+//! with exponential backoff so a dead peer costs nothing but a fast error.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+
+use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
+use crate::ids::NodeId;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Why a call to a peer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("peer {0} unreachable: {1}")]
+    Unreachable(String, String),
+    #[error("call to {0} timed out")]
+    Timeout(String),
+    #[error("connection to {0} closed before the reply")]
+    Closed(String),
+    #[error("encode: {0}")]
+    Encode(#[from] bincode::error::EncodeError),
+}
+
+pub fn codec() -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder().max_frame_length(MAX_FRAME).new_codec()
+}
+
+/// Test and operations hooks on the outbound side.
+#[derive(Default)]
+pub struct NetControl {
+    /// Traffic to these peers (Raft and every other call) fails as if they
+    /// were unreachable.
+    blocked: RwLock<HashSet<NodeId>>,
+}
+
+impl NetControl {
+    pub fn block(&self, peer: NodeId) {
+        self.blocked.write().expect("poisoned").insert(peer);
+    }
+    pub fn unblock(&self, peer: NodeId) {
+        self.blocked.write().expect("poisoned").remove(&peer);
+    }
+    pub fn is_blocked(&self, peer: NodeId) -> bool {
+        self.blocked.read().expect("poisoned").contains(&peer)
+    }
+}
+
+/// All outbound connections of a node.
+pub struct Transport {
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    pub control: NetControl,
+}
+
+impl Default for Transport {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Transport {
+    pub fn new() -> Self {
+        Self { peers: Mutex::new(HashMap::new()), control: NetControl::default() }
+    }
+
+    fn peer(&self, addr: &str) -> Arc<Peer> {
+        self.peers
+            .lock()
+            .expect("poisoned")
+            .entry(addr.to_string())
+            .or_insert_with(|| Arc::new(Peer::new(addr.to_string())))
+            .clone()
+    }
+
+    /// Send a request to the node at `addr` and wait for its reply.
+    pub async fn call(&self, addr: &str, req: &RpcRequest, timeout: Duration) -> Result<RpcResponse, CallError> {
+        let peer = self.peer(addr);
+        match tokio::time::timeout(timeout, peer.call(req)).await {
+            Ok(r) => r,
+            Err(_) => Err(CallError::Timeout(addr.to_string())),
+        }
+    }
+
+    /// Write a request to the node at `addr` now (so requests started in
+    /// order travel in order) and return the wait for its reply.
+    pub async fn start_call(&self, addr: &str, req: &RpcRequest) -> Result<oneshot::Receiver<RpcResponse>, CallError> {
+        self.peer(addr).start_call(req).await
+    }
+
+    /// When the connection to `addr` broke by itself (the peer closed it or
+    /// the socket failed), if it is broken now. A process killed with
+    /// `kill -9` has its sockets closed by the kernel at once, so this is
+    /// within milliseconds of its death.
+    pub fn link_lost_at(&self, addr: &str) -> Option<Instant> {
+        let peer = self.peers.lock().expect("poisoned").get(addr).cloned()?;
+        let lost = *peer.lost_at.lock().expect("poisoned");
+        lost
+    }
+
+    /// Drop every connection (the peers are re-dialled on the next call).
+    pub fn close_all(&self) {
+        for p in self.peers.lock().expect("poisoned").values() {
+            p.close();
+        }
+    }
+}
+
+struct Conn {
+    tx: mpsc::Sender<Bytes>,
+    pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>>,
+    closed: Arc<AtomicBool>,
+    tasks: [tokio::task::AbortHandle; 2],
+}
+
+impl Conn {
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.pending.lock().expect("poisoned").clear();
+    }
+}
+
+struct Peer {
+    addr: String,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    /// When the last dial failed, and how long to wait before the next.
+    backoff: Mutex<Option<(Instant, Duration)>>,
+    /// When the last connection broke by itself; `None` while one is up.
+    lost_at: Arc<Mutex<Option<Instant>>>,
+    next_id: AtomicU64,
+}
+
+impl Peer {
+    fn new(addr: String) -> Self {
+        Self {
+            addr,
+            conn: tokio::sync::Mutex::new(None),
+            backoff: Mutex::new(None),
+            lost_at: Arc::default(),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    fn close(&self) {
+        if let Ok(mut c) = self.conn.try_lock() {
+            if let Some(c) = c.take() {
+                c.close();
+            }
+        }
+    }
+
+    async fn connection(&self) -> Result<Arc<Conn>, CallError> {
+        let mut slot = self.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if !c.closed.load(Ordering::Acquire) {
+                return Ok(c.clone());
+            }
+        }
+        if let Some((at, wait)) = *self.backoff.lock().expect("poisoned") {
+            if at.elapsed() < wait {
+                return Err(CallError::Unreachable(self.addr.clone(), "backing off after a failed dial".into()));
+            }
+        }
+        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(self.dial_failed(e.to_string())),
+            Err(_) => return Err(self.dial_failed("connect timed out".into())),
+        };
+        *self.backoff.lock().expect("poisoned") = None;
+        let _ = stream.set_nodelay(true);
+        *self.lost_at.lock().expect("poisoned") = None;
+        let conn = Arc::new(start_conn(stream, self.lost_at.clone()));
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    fn dial_failed(&self, why: String) -> CallError {
+        let mut b = self.backoff.lock().expect("poisoned");
+        let wait = match *b {
+            Some((_, w)) => (w * 2).min(BACKOFF_MAX),
+            None => BACKOFF_MIN,
+        };
+        *b = Some((Instant::now(), wait));
+        CallError::Unreachable(self.addr.clone(), why)
+    }
+
+    async fn start_call(&self, req: &RpcRequest) -> Result<oneshot::Receiver<RpcResponse>, CallError> {
+        let conn = self.connection().await?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = Bytes::from(rpc::encode(&Envelope { id, body: req })?);
+        let (tx, rx) = oneshot::channel();
+        conn.pending.lock().expect("poisoned").insert(id, tx);
+        if conn.tx.send(frame).await.is_err() {
+            conn.pending.lock().expect("poisoned").remove(&id);
+            conn.closed.store(true, Ordering::Release);
+            return Err(CallError::Closed(self.addr.clone()));
+        }
+        Ok(rx)
+    }
+
+    async fn call(&self, req: &RpcRequest) -> Result<RpcResponse, CallError> {
+        let conn = self.connection().await?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = Bytes::from(rpc::encode(&Envelope { id, body: req })?);
+        let (tx, rx) = oneshot::channel();
+        conn.pending.lock().expect("poisoned").insert(id, tx);
+        // Removes our waiter however this call ends (timeout drops the future).
+        struct Guard<'a>(&'a Conn, u64);
+        impl Drop for Guard<'_> {
+            fn drop(&mut self) {
+                self.0.pending.lock().expect("poisoned").remove(&self.1);
+            }
+        }
+        let _guard = Guard(&conn, id);
+        if conn.tx.send(frame).await.is_err() {
+            conn.closed.store(true, Ordering::Release);
+            return Err(CallError::Closed(self.addr.clone()));
+        }
+        rx.await.map_err(|_| CallError::Closed(self.addr.clone()))
+    }
+}
+
+/// Write queued frames until the queue closes or the socket fails; whatever
+/// is already queued goes out in one write.
+pub(crate) async fn write_frames(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
+    let mut out = FramedWrite::new(wr, codec());
+    'outer: while let Some(frame) = rx.recv().await {
+        if out.feed(frame).await.is_err() {
+            break;
+        }
+        while let Ok(frame) = rx.try_recv() {
+            if out.feed(frame).await.is_err() {
+                break 'outer;
+            }
+        }
+        if SinkExt::<Bytes>::flush(&mut out).await.is_err() {
+            break;
+        }
+    }
+}
+
+fn start_conn(stream: TcpStream, lost_at: Arc<Mutex<Option<Instant>>>) -> Conn {
+    let (rd, wr) = stream.into_split();
+    let (tx, rx) = mpsc::channel::<Bytes>(1024);
+    let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
+    let closed = Arc::new(AtomicBool::new(false));
+
+    let writer = {
+        let closed = closed.clone();
+        tokio::spawn(async move {
+            write_frames(wr, rx).await;
+            closed.store(true, Ordering::Release);
+        })
+    };
+    let reader = {
+        let (pending, closed) = (pending.clone(), closed.clone());
+        tokio::spawn(async move {
+            let mut input = FramedRead::new(rd, codec());
+            while let Some(Ok(frame)) = input.next().await {
+                match rpc::decode::<Envelope<RpcResponse>>(&frame) {
+                    Ok(env) => {
+                        if let Some(w) = pending.lock().expect("poisoned").remove(&env.id) {
+                            let _ = w.send(env.body);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "undecodable reply from peer; dropping connection");
+                        break;
+                    }
+                }
+            }
+            closed.store(true, Ordering::Release);
+            lost_at.lock().expect("poisoned").get_or_insert_with(Instant::now);
+            // Dropping the senders fails every waiter at once.
+            pending.lock().expect("poisoned").clear();
+        })
+    };
+    Conn { tx, pending, closed, tasks: [writer.abort_handle(), reader.abort_handle()] }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The failover timer starts from the moment a master's link broke: the
+    /// transport must notice a peer closing it, without any call pending.
+    #[tokio::test]
+    async fn a_link_closed_by_the_peer_is_noticed_at_once() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let t = Transport::new();
+        assert!(t.link_lost_at(&addr).is_none(), "never dialled");
+        let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
+        let _reply = t.start_call(&addr, &RpcRequest::Members { group: 0 }).await.unwrap();
+        let server_side = accept.await.unwrap();
+        assert!(t.link_lost_at(&addr).is_none(), "the link is up");
+        let before = Instant::now();
+        drop(server_side);
+        let mut lost = None;
+        for _ in 0..500 {
+            lost = t.link_lost_at(&addr);
+            if lost.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(lost.is_some_and(|at| at >= before), "the closed link was not noticed");
+    }
+}
