@@ -6,6 +6,7 @@
 mod access;
 mod definitions;
 mod error;
+mod prometheus;
 mod props;
 mod users;
 
@@ -102,10 +103,7 @@ async fn ui() -> Response {
 }
 
 async fn prometheus(State(node): State<Node>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-        crate::metrics::render(&node),
-    )
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], prometheus::render(&node))
         .into_response()
 }
 
