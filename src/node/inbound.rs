@@ -1,0 +1,204 @@
+//! Requests that reach this node over the node link: Raft messages for
+//! hosted groups (checked against the replica's epoch), queue operations
+//! for groups it masters, and the tools' client requests.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use openraft::ServerState;
+
+use super::{split, Inner, Node};
+use crate::error::NodeError;
+use crate::ids::{GroupId, NodeId, METADATA_GROUP};
+use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+use crate::link::server;
+use crate::link::server::RpcHandler;
+use crate::queue::epoch::Epoch;
+use crate::queue::proposer::Lane;
+use crate::queue::QueueCmd;
+use crate::raft::network::EpochNews;
+use crate::raft::types::Raft;
+
+impl RpcHandler for Inner {
+    async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion {
+        if let RpcRequest::Queue { group, cmds, lane } = req {
+            return match self.local_enqueue(group, cmds, lane).await {
+                Ok(answer) => {
+                    Box::pin(async move { RpcResponse::Queue(answer.await.unwrap_or(Err(NodeError::Stopped))) })
+                }
+                Err(e) => Box::pin(std::future::ready(RpcResponse::Queue(Err(e)))),
+            };
+        }
+        Box::pin(self.handle(req))
+    }
+}
+
+impl Inner {
+    /// The local Raft of `group` if the sender is in the same epoch. A
+    /// sender in an older epoch is told ours; one in a newer epoch means
+    /// this replica must heal before it takes part again.
+    pub(super) fn raft_in_epoch(&self, group: GroupId, epoch: Epoch, from: NodeId) -> Result<Raft, RpcResponse> {
+        if group == METADATA_GROUP {
+            return Ok(self.meta_raft.clone());
+        }
+        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        match g {
+            None => Err(RpcResponse::UnknownGroup(group)),
+            Some(g) if g.epoch == epoch => Ok(g.raft.clone()),
+            Some(g) if g.epoch > epoch => Err(RpcResponse::NewerEpoch(g.epoch)),
+            Some(_) => {
+                let _ = self.news.send(EpochNews { group, epoch, from });
+                Err(RpcResponse::UnknownGroup(group))
+            }
+        }
+    }
+
+    pub(super) async fn handle(self: Arc<Self>, req: RpcRequest) -> RpcResponse {
+        match req {
+            RpcRequest::Append { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
+                Ok(r) => {
+                    if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
+                        *g.master_heard.lock().expect("poisoned") = Some(Instant::now());
+                    }
+                    self.metrics.appends_received.inc();
+                    RpcResponse::Append(r.append_entries(req).await)
+                }
+                Err(refusal) => refusal,
+            },
+            RpcRequest::Vote { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
+                Ok(r) => RpcResponse::Vote(r.vote(req).await),
+                Err(refusal) => refusal,
+            },
+            RpcRequest::Snapshot { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
+                Ok(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
+                Err(refusal) => refusal,
+            },
+            RpcRequest::Fork { group } => {
+                let rec = self.fork_record(group);
+                let formed = rec.as_ref().and_then(|r| split::formed_at(&self.db, group, r.epoch));
+                RpcResponse::Fork(rec, formed)
+            }
+            RpcRequest::History { group } => RpcResponse::History(self.history(group).await),
+            RpcRequest::Yield { group, defeated, winner, from } => {
+                let node = Node { inner: self };
+                tokio::spawn(async move { node.yield_to(group, defeated, winner, from).await });
+                RpcResponse::Done
+            }
+            RpcRequest::Handback { group, epoch, batches } => {
+                let g = self.groups.read().expect("poisoned").get(&group).cloned();
+                match g {
+                    Some(g) if g.epoch == epoch => {
+                        let cmds =
+                            batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
+                        RpcResponse::Queue(self.local_queue_op(group, cmds, Lane::Arrival).await)
+                    }
+                    // The epoch moved on again: the sender must heal into this one.
+                    Some(g) if g.epoch > epoch => RpcResponse::NewerEpoch(g.epoch),
+                    _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),
+                }
+            }
+            RpcRequest::Bodies { group, from, ranges, max_bytes, totals, report } => {
+                RpcResponse::Bodies(self.serve_bodies(group, from, ranges, max_bytes, totals, report).await)
+            }
+            RpcRequest::SyncControl { group, run } => {
+                self.sync_control(group, run);
+                RpcResponse::Done
+            }
+            RpcRequest::Join { info } => {
+                let node = Node { inner: self };
+                RpcResponse::Member(node.admit(info).await)
+            }
+            RpcRequest::Forget { id } => {
+                let node = Node { inner: self };
+                RpcResponse::Member(node.forget_locally(id).await)
+            }
+            RpcRequest::MoveMaster { group, to } => {
+                let node = Node { inner: self };
+                RpcResponse::Moved(node.move_master(group, to, false).await)
+            }
+            RpcRequest::Elect { group, from, leaving } => {
+                if leaving {
+                    self.down.write().expect("poisoned").insert(from);
+                }
+                let g = self.groups.read().expect("poisoned").get(&group).cloned();
+                // A replica still fetching bodies never stands, asked or not:
+                // as master it would answer gets without those bodies.
+                if let Some(r) = g.filter(|g| g.plan.borrow().is_none()).map(|g| g.raft.clone()) {
+                    // The other mirrors refuse votes until the lease of the
+                    // old master's last heartbeat runs out: keep standing
+                    // until someone leads, a little longer than that lease.
+                    let (me, until) = (self.id, Instant::now() + self.timing.election_max * 2);
+                    let step = self.timing.heartbeat;
+                    tokio::spawn(async move {
+                        while Instant::now() < until {
+                            let m = r.metrics().borrow().clone();
+                            if m.current_leader.is_some_and(|l| l != from) || m.state == ServerState::Leader {
+                                return;
+                            }
+                            if m.state != ServerState::Candidate {
+                                let _ = r.trigger().elect().await;
+                            }
+                            tokio::time::sleep(step).await;
+                        }
+                        tracing::debug!(node = me, "gave up standing after a handover");
+                    });
+                }
+                RpcResponse::Done
+            }
+            RpcRequest::Queue { group, cmds, lane } => RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await),
+            RpcRequest::Clients => {
+                let (c, k) = self.clients.snapshot();
+                RpcResponse::Clients(c, k)
+            }
+            RpcRequest::Owners { owners, held } => RpcResponse::Owners(
+                self.owners.alive_of(&owners),
+                held.into_iter()
+                    .map(|(owner, queue, tags)| (owner, self.owners.unknown(owner, &queue, &tags)))
+                    .filter(|(_, unknown)| !unknown.is_empty())
+                    .collect(),
+            ),
+            RpcRequest::Readings => RpcResponse::Readings(self.alarms.readings()),
+            RpcRequest::MetaIndex => {
+                let m = self.meta_raft.metrics().borrow().clone();
+                RpcResponse::MetaIndex(if m.current_leader == Some(self.id) {
+                    m.last_applied.map(|l| l.index)
+                } else {
+                    None
+                })
+            }
+            // A replica that has received no membership yet (a new mirror
+            // not yet reached by the master) knows nothing: it must not look
+            // like a group that excludes the asker, which would then drop
+            // what may be the only complete copy of the queue.
+            RpcRequest::Members { group } => RpcResponse::Members(self.raft_of(group).and_then(|r| {
+                let m = r.metrics().borrow().membership_config.clone();
+                m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())
+            })),
+            RpcRequest::Meta { cmd } => {
+                let leader = self.meta_raft.metrics().borrow().current_leader;
+                RpcResponse::Meta(if leader == Some(self.id) {
+                    self.local_meta_write(cmd).await
+                } else {
+                    Err(NodeError::NotLeader { leader })
+                })
+            }
+            RpcRequest::Client(c) => {
+                let node = Node { inner: self };
+                RpcResponse::Client(node.client_request(c).await)
+            }
+        }
+    }
+}
+
+impl Node {
+    pub(super) async fn client_request(&self, req: ClientRequest) -> Result<ClientReply, NodeError> {
+        match req {
+            ClientRequest::DeclareQueue { name, replicas } => {
+                self.declare_queue(&name, replicas).await.map(ClientReply::Declared)
+            }
+            ClientRequest::DeleteQueue { name } => self.delete_queue(&name).await.map(|_| ClientReply::Deleted),
+            ClientRequest::QueueInfo { name } => self.queue_info(&name).map(ClientReply::QueueInfo),
+            ClientRequest::QueueOp { queue, cmds } => self.queue_op(&queue, cmds).await.map(ClientReply::Queue),
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Start-up (storage, identity, the metadata group, the node link's
+//! server, the background tasks) and shutdown, graceful or a crash for tests.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
+use openraft::BasicNode;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{told, Inner, Node, NodeConfig, INCARNATION_KEY, NODE_ID_KEY};
+use crate::alarms::Alarms;
+use crate::error::ServerError;
+use crate::ids::{NodeId, METADATA_GROUP};
+use crate::link::server;
+use crate::link::transport::Transport;
+use crate::metadata::{MetaCmd, MetaMachine, NodeInfo};
+use crate::metrics::Metrics;
+use crate::owners::Owners;
+use crate::queue::epoch::Epoch;
+use crate::queue::sync;
+use crate::raft::network::NetworkFactory;
+use crate::raft::state_machine::StateMachine;
+use crate::raft::types::{LogStore, Raft};
+
+impl Node {
+    /// Open the data dir, start every group it holds, listen on the node link
+    /// and (for a new cluster) bootstrap the metadata group.
+    pub async fn start(cfg: NodeConfig) -> Result<Node, ServerError> {
+        Self::start_with(cfg, None).await
+    }
+
+    /// [`Node::start`] on an already bound node-link listener (tests bind
+    /// every node's port first, so no other process can take it meanwhile).
+    pub async fn start_with_listener(cfg: NodeConfig, listener: std::net::TcpListener) -> Result<Node, ServerError> {
+        Self::start_with(cfg, Some(listener)).await
+    }
+
+    pub(super) async fn start_with(cfg: NodeConfig, bound: Option<std::net::TcpListener>) -> Result<Node, ServerError> {
+        if cfg.node_id == 0 {
+            return Err(ServerError::Config("--node-id must be >= 1".into()));
+        }
+        let started = Instant::now();
+        let db = NodeDb::open(
+            &cfg.data_dir,
+            &DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes },
+        )?;
+        tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
+        if cfg.crash_image {
+            db.keep_crash_image().map_err(|e| ServerError::Config(format!("crash image: {e}")))?;
+        }
+        match db.get_node_value(NODE_ID_KEY)? {
+            Some(b) => {
+                let found = u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8]));
+                if found != cfg.node_id {
+                    return Err(ServerError::WrongNode { path: cfg.data_dir.clone(), found, configured: cfg.node_id });
+                }
+            }
+            None => db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?,
+        }
+
+        // A new life: owners of unacked messages made before are dead.
+        let incarnation = match db.get_node_value(INCARNATION_KEY)? {
+            Some(b) => u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8])).wrapping_add(1),
+            None => 1,
+        };
+        db.put_node_value(INCARNATION_KEY, &incarnation.to_be_bytes())?;
+
+        let listen_err = |source| ServerError::Listen { addr: cfg.raft_listen.clone(), source };
+        let listener = match bound {
+            Some(l) => {
+                l.set_nonblocking(true).map_err(listen_err)?;
+                TcpListener::from_std(l).map_err(listen_err)?
+            }
+            None => TcpListener::bind(&cfg.raft_listen).await.map_err(listen_err)?,
+        };
+        let addr = listener
+            .local_addr()
+            .map_err(|source| ServerError::Listen { addr: cfg.raft_listen.clone(), source })?
+            .to_string();
+
+        let t = &cfg.timing;
+        let raft_config = openraft::Config {
+            cluster_name: "mirrorq".into(),
+            heartbeat_interval: t.heartbeat.as_millis() as u64,
+            election_timeout_min: t.election_min.as_millis() as u64,
+            election_timeout_max: t.election_max.as_millis() as u64,
+            install_snapshot_timeout: 10_000,
+            max_payload_entries: 64,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(crate::raft::state_machine::SNAPSHOT_EVERY),
+            max_in_snapshot_log_to_keep: 256,
+            ..Default::default()
+        }
+        .validate()
+        .map_err(|e| ServerError::Config(e.to_string()))?;
+        // A queue's mirrors learn a commit index with the next entry (or the
+        // next heartbeat) instead of in a round trip of its own: a confirm
+        // waits for every replica's append, never for a mirror's apply, and
+        // at one message in flight that extra round trip held the next
+        // entry back (openraft sends one AppendEntries at a time per mirror).
+        // The metadata group keeps telling commits at once: every node
+        // routes from its own applied copy of the metadata.
+        let queue_raft_config = Arc::new(openraft::Config { commit_rides_on_next_append: true, ..raft_config.clone() });
+        let raft_config = Arc::new(raft_config);
+        let transport = Arc::new(Transport::new());
+        let (news, news_rx) = mpsc::unbounded_channel();
+
+        let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?;
+        let meta = meta_sm.with(|m| m.subscribe()).await;
+        let meta_raft = Raft::new(
+            cfg.node_id,
+            raft_config.clone(),
+            NetworkFactory {
+                group: METADATA_GROUP,
+                epoch: Epoch::default(),
+                me: cfg.node_id,
+                news: news.clone(),
+                transport: transport.clone(),
+            },
+            LogStore::new(db.clone(), METADATA_GROUP),
+            meta_sm.clone(),
+        )
+        .await
+        .map_err(|e| ServerError::Raft(e.to_string()))?;
+        meta_sm.enable_snapshot_transfer();
+
+        let stop = CancellationToken::new();
+        let inner = Arc::new(Inner {
+            id: cfg.node_id,
+            name: cfg.node_name.clone(),
+            addr: addr.clone(),
+            db: db.clone(),
+            transport,
+            queue_raft_config,
+            timing: cfg.timing.clone(),
+            catch_up_bytes: cfg.sync_batch_bytes.max(1),
+            meta_raft: meta_raft.clone(),
+            meta,
+            groups: RwLock::new(HashMap::new()),
+            hints: Mutex::new(HashMap::new()),
+            clients: Arc::default(),
+            owners: Arc::new(Owners::new(cfg.node_id, incarnation)),
+            told: told::Told::default(),
+            alarms: Arc::new(Alarms::new(&cfg.data_dir, cfg.memory_high_watermark, cfg.disk_free_limit)),
+            metrics: Metrics::default(),
+            news,
+            busy: Mutex::default(),
+            reach: Mutex::default(),
+            seen: Mutex::default(),
+            down: sync::Down::default(),
+            leaving: AtomicBool::new(false),
+            quiet: Mutex::default(),
+            closing: stop.child_token(),
+            stop,
+        });
+
+        tokio::spawn(server::serve(listener, inner.clone(), inner.stop.clone()));
+        inner.alarms.clone().spawn(inner.stop.clone());
+
+        let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
+        let joining = pristine && cfg.join.is_some();
+        if pristine && !joining {
+            let mut members: BTreeMap<NodeId, BasicNode> =
+                cfg.cluster.iter().map(|(id, a)| (*id, BasicNode { addr: a.clone() })).collect();
+            if members.is_empty() {
+                members.insert(cfg.node_id, BasicNode { addr: addr.clone() });
+            }
+            if !members.contains_key(&cfg.node_id) {
+                return Err(ServerError::Config(format!("--cluster does not list this node ({})", cfg.node_id)));
+            }
+            // Every node of a new cluster does this with the same list, which
+            // openraft allows: they hold one election among themselves.
+            if let Err(e) = meta_raft.initialize(members).await {
+                tracing::info!(error = %e, "metadata group already initialized");
+            }
+        }
+
+        let node = Node { inner };
+        if let (true, Some(via)) = (joining, cfg.join.clone()) {
+            node.spawn_join(via);
+        }
+        node.spawn_reconciler();
+        node.spawn_epoch_watch(news_rx);
+        node.spawn_registration();
+        node.spawn_fatal_watch();
+        node.spawn_log_compactor();
+        node.spawn_reaper();
+        tracing::info!(
+            id = cfg.node_id,
+            %addr,
+            data_dir = %cfg.data_dir.display(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "node started"
+        );
+        Ok(node)
+    }
+
+    /// Stop the node: masterships handed over (`ha-promote-on-shutdown`), no
+    /// new work, every group shut down, storage synced.
+    pub async fn shutdown(&self) {
+        self.inner.closing.cancel();
+        let successors = self.prepare_hand_over();
+        // Move each mastership while this node can still vote for its
+        // successor (which then wins at once); what does not move in time
+        // is handed over the slow way below, after the groups stop.
+        let successors = self.move_masters_away(successors).await;
+        self.inner.stop.cancel();
+        let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
+        for g in groups {
+            g.stop.cancel();
+            let _ = g.raft.shutdown().await;
+        }
+        self.hand_over(successors).await;
+        self.inner.transport.close_all();
+        let _ = self.inner.meta_raft.shutdown().await;
+        if let Err(e) = self.inner.db.flusher().sync().await {
+            tracing::error!(error = %e, "final sync failed");
+        }
+    }
+
+    /// Stop abruptly, as a crash would: tasks end, connections drop, no
+    /// final sync or handover happens, and storage loses everything not
+    /// synced (the write-ahead log is cut back to its last sync, sled's
+    /// memory is lost, and with `crash_image` so is what sled wrote since
+    /// its last sync). For in-process failure tests; the node's handles
+    /// must not be used afterwards.
+    pub async fn crash(&self) {
+        self.inner.stop.cancel();
+        self.inner.transport.close_all();
+        if let Err(e) = self.inner.db.crash_for_tests() {
+            tracing::error!(error = %e, "crash of the storage failed");
+        }
+        let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
+        for g in groups {
+            let _ = g.raft.shutdown().await;
+        }
+        let _ = self.inner.meta_raft.shutdown().await;
+    }
+
+    pub(super) fn spawn_fatal_watch(&self) {
+        let node = self.clone();
+        let mut fatal = self.inner.db.fatal();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = node.inner.stop.cancelled() => {}
+                r = async { fatal.wait_for(|f| f.is_some()).await.map(|_| ()) } => if r.is_ok() {
+                    tracing::error!("stopping the node after a storage failure");
+                    node.shutdown().await;
+                }
+            }
+        });
+    }
+
+    /// Announce this node's name and address in the metadata until it sticks.
+    pub(super) fn spawn_registration(&self) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let info = NodeInfo { id: node.id(), name: node.inner.name.clone(), raft_addr: node.inner.addr.clone() };
+            loop {
+                if node.metadata().nodes.get(&info.id) == Some(&info) {
+                    return;
+                }
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    r = node.meta_write(MetaCmd::RegisterNode(info.clone())) => if r.is_ok() { return },
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+    }
+}

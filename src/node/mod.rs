@@ -1,0 +1,354 @@
+//! A running node: its storage, its Raft groups (the metadata group and one
+//! per hosted queue replica), the node link, and the library API that the
+//! front ends and tests use.
+//!
+//! Any node serves any queue: an operation on a queue whose master is
+//! elsewhere is forwarded over the node link to the master, which answers
+//! after the confirm.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use openraft::ServerState;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use mirrorq_storage::{DbOptions, NodeDb};
+
+use crate::alarms::{Alarms, Watermark};
+pub use crate::api::{DeclareOpts, GroupRaftMetrics, QueueInfo};
+use crate::clients::Clients;
+use crate::error::NodeError;
+use crate::ids::{GroupId, NodeId, METADATA_GROUP};
+use crate::link::transport::Transport;
+use crate::metadata::{MetaState, QueueMeta};
+use crate::metrics::Metrics;
+use crate::owners::Owners;
+use crate::queue::catchup::Plan;
+use crate::queue::epoch::Epoch;
+use crate::queue::proposer::Proposer;
+use crate::queue::sync::{self, SyncState};
+use crate::queue::{QueueMachine, QueueReply, QueueStats};
+use crate::raft::network::EpochNews;
+use crate::raft::state_machine::StateMachine;
+use crate::raft::types::Raft;
+
+mod catchup;
+mod compaction;
+mod deadletter;
+mod failover;
+mod forward;
+mod inbound;
+mod lifecycle;
+mod members;
+mod meta_ops;
+mod queue_ops;
+mod reaper;
+mod rebalance;
+mod reconcile;
+mod split;
+mod told;
+mod views;
+
+pub use queue_ops::{stored_all, stored_count};
+
+/// Everything a node needs to start.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Unique id >= 1.
+    pub node_id: NodeId,
+    /// Shown in every API. Default `mirrorq@<id>`.
+    pub node_name: String,
+    pub data_dir: PathBuf,
+    /// Where the node link listens; also the address peers dial.
+    pub raft_listen: String,
+    /// Initial members of a new cluster (id -> raft address). Empty: this node
+    /// alone. Ignored once the data dir holds a cluster.
+    pub cluster: BTreeMap<NodeId, String>,
+    /// Join a running cluster through this member (raft address) instead of
+    /// founding one. Ignored once the data dir holds a cluster.
+    pub join: Option<String>,
+    pub timing: Timing,
+    /// sled page cache in bytes.
+    pub cache_bytes: u64,
+    /// Size at which the write-ahead log moves on to a new segment file.
+    pub wal_segment_bytes: u64,
+    /// Message bytes a catching-up mirror fetches per request.
+    pub sync_batch_bytes: usize,
+    /// Memory use above which publishers are blocked.
+    pub memory_high_watermark: Watermark,
+    /// Free disk below which publishers are blocked.
+    pub disk_free_limit: u64,
+    /// Keep a copy of sled's file as of its last sync, so that
+    /// [`Node::crash`] loses what a power cut would (tests only).
+    #[doc(hidden)]
+    pub crash_image: bool,
+}
+
+/// Time limits. Defaults suit a loaded 2-core machine running three nodes.
+#[derive(Debug, Clone)]
+pub struct Timing {
+    pub heartbeat: Duration,
+    pub election_min: Duration,
+    pub election_max: Duration,
+    /// A replica that has not caught up with where the master was this long
+    /// ago stops counting as synchronised (confirms stop waiting for it).
+    pub sync_timeout: Duration,
+    /// How long an operation may look for a reachable master.
+    pub op_timeout: Duration,
+    /// How long a queue's replicas may be without a reachable majority of
+    /// their group before the most senior one left re-forms it
+    /// (`ha-promote-on-failure: always`).
+    pub failure_timeout: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_millis(250),
+            election_min: Duration::from_millis(1000),
+            election_max: Duration::from_millis(2000),
+            sync_timeout: Duration::from_secs(5),
+            op_timeout: Duration::from_secs(15),
+            failure_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl NodeConfig {
+    pub fn new(node_id: NodeId, data_dir: impl Into<PathBuf>, raft_listen: impl Into<String>) -> Self {
+        Self {
+            node_id,
+            node_name: format!("mirrorq@{node_id}"),
+            data_dir: data_dir.into(),
+            raft_listen: raft_listen.into(),
+            cluster: BTreeMap::new(),
+            join: None,
+            timing: Timing::default(),
+            cache_bytes: DbOptions::default().cache_bytes,
+            wal_segment_bytes: DbOptions::default().wal_segment_bytes,
+            sync_batch_bytes: 1 << 20,
+            memory_high_watermark: Watermark::default(),
+            disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
+            crash_image: false,
+        }
+    }
+}
+
+/// The wait for the replies of operations started with [`Node::submit`].
+pub type Submitted = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<QueueReply>, NodeError>> + Send>>;
+
+/// One hosted queue replica.
+struct QueueGroup {
+    meta: QueueMeta,
+    /// The epoch this replica is in; fixed for the life of this Raft instance
+    /// (re-forming and healing restart the group).
+    epoch: Epoch,
+    /// Last time a majority of the group's voters answered pings.
+    majority_seen: Mutex<Instant>,
+    /// Since when (wall clock, ms) a majority has been in reach without a
+    /// break as long as the failure timeout: a group that kept its
+    /// majority from before a minority re-formed it keeps the queue.
+    majority_since: Mutex<Option<u64>>,
+    /// When a master of this replica's epoch last sent it entries or a
+    /// heartbeat.
+    master_heard: Mutex<Option<Instant>>,
+    /// Since when this replica has known no master.
+    leaderless_since: Mutex<Option<Instant>>,
+    /// Since when the master this replica follows has not answered pings.
+    master_lost_since: Mutex<Option<Instant>>,
+    /// An election is timed to start when the lost master's lease is out.
+    elect_timed: AtomicBool,
+    raft: Raft,
+    /// A membership change towards the metadata's replicas is under way.
+    changing: AtomicBool,
+    proposer: Proposer,
+    sync: watch::Receiver<SyncState>,
+    stats: watch::Receiver<QueueStats>,
+    sm: StateMachine<QueueMachine>,
+    /// Bodies this replica still lacks (`None`: it has them all).
+    plan: watch::Receiver<Option<Plan>>,
+    /// A `sync` action asked this replica to fetch what it lacks.
+    sync_run: watch::Sender<bool>,
+    /// As master: members fetching bodies, by their reports.
+    catching: sync::CatchingUp,
+    stop: CancellationToken,
+}
+
+struct Inner {
+    id: NodeId,
+    name: String,
+    addr: String,
+    db: NodeDb,
+    transport: Arc<Transport>,
+    /// openraft's settings for queue groups (the metadata group's differ).
+    queue_raft_config: Arc<openraft::Config>,
+    timing: Timing,
+    catch_up_bytes: usize,
+    meta_raft: Raft,
+    meta: watch::Receiver<Arc<MetaState>>,
+    groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
+    /// Last master seen per group, so forwarding starts at the right node.
+    hints: Mutex<HashMap<GroupId, NodeId>>,
+    /// AMQP clients connected here.
+    clients: Arc<Clients>,
+    /// Who may hold unacked messages from here, and which of them live.
+    owners: Arc<Owners>,
+    /// Repeating failures already logged.
+    told: told::Told,
+    /// Memory and disk alarms, which block publishers.
+    alarms: Arc<Alarms>,
+    /// What the front ends count, for `/metrics`.
+    metrics: Metrics,
+    /// Peers' reports of newer epochs of our groups.
+    news: mpsc::UnboundedSender<EpochNews>,
+    /// Groups being re-formed or healed: not (re)started meanwhile.
+    busy: Mutex<HashSet<GroupId>>,
+    /// Peers that answered the last round of pings, and when it ran.
+    reach: Mutex<Option<(Instant, BTreeSet<NodeId>)>>,
+    /// When each peer last answered a ping (the start of that round).
+    seen: Mutex<HashMap<NodeId, Instant>>,
+    /// Peers known down (the complement of `reach`, plus masters that
+    /// announced their stop): confirms do not wait for them at a new term.
+    down: sync::Down,
+    /// Set once a graceful stop starts handing masterships over: no replica
+    /// here stands for election any more.
+    leaving: AtomicBool,
+    /// Groups whose replica here must not stand for election until then
+    /// (it just handed mastership over in a rebalance).
+    quiet: Mutex<HashMap<GroupId, Instant>>,
+    stop: CancellationToken,
+    /// Cancelled first thing in a graceful stop (and with `stop`): clients
+    /// are told to leave before masterships move.
+    closing: CancellationToken,
+}
+
+/// Handle to a running node. Clones share it.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+const NODE_ID_KEY: &str = "node_id";
+const INCARNATION_KEY: &str = "incarnation";
+
+/// A learner this close to the end of the master's log may become a voter.
+const CATCH_UP_SLACK: u64 = 64;
+
+impl Node {
+    pub fn id(&self) -> NodeId {
+        self.inner.id
+    }
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+    /// The node-link address peers and clients dial.
+    pub fn raft_addr(&self) -> &str {
+        &self.inner.addr
+    }
+    pub fn db(&self) -> &NodeDb {
+        &self.inner.db
+    }
+    /// Outbound network hooks (tests hold a peer's traffic back with them).
+    pub fn transport(&self) -> &Transport {
+        &self.inner.transport
+    }
+    pub fn metadata(&self) -> Arc<MetaState> {
+        self.inner.meta.borrow().clone()
+    }
+    /// The metadata, announced on every applied change.
+    pub fn watch_metadata(&self) -> watch::Receiver<Arc<MetaState>> {
+        self.inner.meta.clone()
+    }
+    pub fn metadata_raft(&self) -> &Raft {
+        &self.inner.meta_raft
+    }
+    /// Cancelled when the node stops (shutdown or a fatal disk error).
+    pub fn stopped(&self) -> CancellationToken {
+        self.inner.stop.clone()
+    }
+
+    /// Cancelled when the node begins to stop, before it hands its
+    /// masterships over: the AMQP front end stops accepting and closes its
+    /// connections (320, as RabbitMQ does on shutdown), so no client is
+    /// served by a node on its way out.
+    pub fn closing(&self) -> CancellationToken {
+        self.inner.closing.clone()
+    }
+
+    /// Begin closing: cancel [`Node::closing`] ([`Node::shutdown`] does it too).
+    pub fn close_clients(&self) {
+        self.inner.closing.cancel();
+    }
+
+    /// The local replica's Raft handle of a queue, if this node hosts one.
+    pub fn queue_raft(&self, name: &str) -> Option<Raft> {
+        let q = self.metadata().queues.get(name)?.group;
+        self.inner.groups.read().expect("poisoned").get(&q).map(|g| g.raft.clone())
+    }
+
+    /// This node's AMQP client registry.
+    /// Memory and disk alarms (`connection.blocked`).
+    pub fn alarms(&self) -> &Alarms {
+        &self.inner.alarms
+    }
+
+    /// Counters the front ends keep, for `/metrics`.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// Owners of deliveries made on this node.
+    pub fn owners(&self) -> &Arc<Owners> {
+        &self.inner.owners
+    }
+
+    pub fn clients(&self) -> &Arc<Clients> {
+        &self.inner.clients
+    }
+}
+
+impl QueueGroup {
+    fn is_member(&self, id: NodeId) -> bool {
+        self.raft.metrics().borrow().membership_config.membership().get_node(&id).is_some()
+    }
+    fn is_leader(&self, id: NodeId) -> bool {
+        let rx = self.raft.metrics();
+        let m = rx.borrow();
+        m.state == ServerState::Leader && m.current_leader == Some(id)
+    }
+}
+
+impl Inner {
+    /// `what` failed again for `group` with `text`: counted; true if it is
+    /// news (first time, or another text), which the caller logs.
+    fn repeated(&self, group: GroupId, what: &'static str, text: &str) -> bool {
+        self.metrics.repeated_failures.inc();
+        self.told.first(group, what, text)
+    }
+
+    /// Delete this node's replica of a group (it left the group or the
+    /// queue was deleted).
+    fn drop_replica(&self, group: GroupId) -> Result<(), mirrorq_storage::StorageError> {
+        self.db.drop_group(group)?;
+        self.db.remove_node_value(&failover::term_floor_key(group))?;
+        self.db.remove_node_value(&catchup::new_mirror_key(group))
+    }
+
+    fn raft_of(&self, group: GroupId) -> Option<Raft> {
+        if group == METADATA_GROUP {
+            return Some(self.meta_raft.clone());
+        }
+        self.groups.read().expect("poisoned").get(&group).map(|g| g.raft.clone())
+    }
+}
+
+impl Node {
+    /// Is this node the master of the queue right now?
+    pub fn is_master(&self, queue: &str) -> bool {
+        self.queue_raft(queue).map(|r| r.metrics().borrow().state == ServerState::Leader).unwrap_or(false)
+    }
+}

@@ -1,0 +1,342 @@
+//! Bringing hosted replicas in line with the metadata, every half second and
+//! on each change: start and stop queue groups, steer their membership
+//! toward the wanted replicas, then watch for failures.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mirrorq_storage::SmSpace;
+use openraft::{BasicNode, ChangeMembers};
+use tokio::sync::watch;
+
+use super::{catchup, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK};
+use crate::error::ServerError;
+use crate::ids::{GroupId, NodeId};
+use crate::link::rpc::{RpcRequest, RpcResponse};
+use crate::metadata::{MetaState, QueueMeta};
+use crate::queue::epoch::Epoch;
+use crate::queue::proposer::Proposer;
+use crate::queue::{sync, QueueMachine};
+use crate::raft::network::NetworkFactory;
+use crate::raft::state_machine::StateMachine;
+use crate::raft::types::{LogStore, Raft};
+
+impl Node {
+    /// Keep the hosted groups equal to the metadata's wish.
+    pub(super) fn spawn_reconciler(&self) {
+        let node = self.clone();
+        let mut meta = self.inner.meta.clone();
+        tokio::spawn(async move {
+            // Also on a timer: a replica leaves only once the group's
+            // membership no longer has it, and masters move.
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            // What each failing group last reported: a failure that repeats
+            // every round is logged once, and counted.
+            let mut told: HashMap<GroupId, String> = HashMap::new();
+            loop {
+                let state = meta.borrow_and_update().clone();
+                let failed = node.reconcile(&state).await;
+                let now_failing: HashSet<GroupId> = failed.iter().map(|(g, _)| *g).collect();
+                for (group, e) in failed {
+                    node.inner.metrics.reconcile_failures.inc();
+                    let text = e.to_string();
+                    if told.get(&group) != Some(&text) {
+                        tracing::error!(group, error = %text, "cannot start or stop a queue replica; retrying (told once until it changes)");
+                        told.insert(group, text);
+                    }
+                }
+                told.retain(|group, _| {
+                    let still = now_failing.contains(group);
+                    if !still {
+                        tracing::info!(group, "queue replica no longer failing");
+                    }
+                    still
+                });
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    r = meta.changed() => if r.is_err() { return },
+                    _ = tick.tick() => {}
+                }
+            }
+        });
+    }
+
+    /// One round: start, stop and steer the hosted groups, then watch for
+    /// failures. A group that fails is reported and the others go on (one
+    /// replica that cannot start must not keep every other queue on the
+    /// node from failing over).
+    pub(super) async fn reconcile(&self, state: &MetaState) -> Vec<(GroupId, ServerError)> {
+        let mut failed = Vec::new();
+        let wanted: HashMap<GroupId, &QueueMeta> =
+            state.queues.values().filter(|q| q.replicas.contains(&self.id())).map(|q| (q.group, q)).collect();
+        let exists: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
+        let (to_start, to_stop, to_steer): (Vec<QueueMeta>, Vec<Arc<QueueGroup>>, Vec<Arc<QueueGroup>>) = {
+            let groups = self.inner.groups.read().expect("poisoned");
+            (
+                {
+                    let busy = self.inner.busy.lock().expect("poisoned");
+                    wanted
+                        .values()
+                        .filter(|q| !groups.contains_key(&q.group) && !busy.contains(&q.group))
+                        .map(|q| (*q).clone())
+                        .collect()
+                },
+                groups
+                    .values()
+                    .filter(|g| {
+                        // Deleted, or moved away and already out of the group's
+                        // membership (so stopping cannot cost the group a vote).
+                        !exists.contains_key(&g.meta.group)
+                            || (!wanted.contains_key(&g.meta.group) && !g.is_member(self.id()))
+                    })
+                    .cloned()
+                    .collect(),
+                groups.values().filter(|g| g.is_leader(self.id())).cloned().collect(),
+            )
+        };
+        // Moved away but still a member in our own view: the final
+        // membership entry never reaches a removed node, so ask the replicas
+        // that stay whether the change excluding us is in effect.
+        let moved: Vec<(Arc<QueueGroup>, Vec<NodeId>)> = {
+            let groups = self.inner.groups.read().expect("poisoned");
+            groups
+                .values()
+                .filter(|g| !wanted.contains_key(&g.meta.group) && g.is_member(self.id()))
+                .filter_map(|g| exists.get(&g.meta.group).map(|q| (g.clone(), q.replicas.clone())))
+                .collect()
+        };
+        for (g, stay) in moved {
+            if self.excluded_by_peers(g.meta.group, &stay).await {
+                self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
+                g.stop.cancel();
+                let _ = g.raft.shutdown().await;
+                match self.inner.drop_replica(g.meta.group) {
+                    Ok(()) => tracing::info!(queue = %g.meta.name, "queue replica moved away"),
+                    Err(e) => failed.push((g.meta.group, e.into())),
+                }
+            }
+        }
+        for g in to_steer {
+            if let Some(q) = exists.get(&g.meta.group) {
+                self.steer_membership(g, (*q).clone(), state);
+            }
+        }
+        for g in to_stop {
+            self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
+            g.stop.cancel();
+            let _ = g.raft.shutdown().await;
+            match self.inner.drop_replica(g.meta.group) {
+                Ok(()) => tracing::info!(queue = %g.meta.name, "queue replica removed"),
+                Err(e) => failed.push((g.meta.group, e.into())),
+            }
+        }
+        for q in to_start {
+            // A heal may have begun since the list was made.
+            if self.inner.busy.lock().expect("poisoned").contains(&q.group) {
+                continue;
+            }
+            let group = q.group;
+            if let Err(e) = self.start_group(q, state).await {
+                failed.push((group, e));
+            }
+        }
+        self.watch_failures(state).await;
+        failed
+    }
+
+    pub(super) async fn excluded_by_peers(&self, group: GroupId, peers: &[NodeId]) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        for peer in peers.iter().filter(|p| **p != self.id()) {
+            if let Ok(RpcResponse::Members(Some(members))) =
+                self.inner.call(*peer, &RpcRequest::Members { group }, deadline).await
+            {
+                if !members.contains(&self.id()) {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// As master, move the group's membership to the metadata's replica set,
+    /// one step per call: new replicas join as learners; learners that have
+    /// caught up become voters (one joint-consensus change); unwanted ones
+    /// go. A replica that is down stays a learner until it returns, so the
+    /// voters are always replicas that answer and the change can commit.
+    pub(super) fn steer_membership(&self, g: Arc<QueueGroup>, q: QueueMeta, state: &MetaState) {
+        let wanted: BTreeSet<NodeId> = q.replicas.iter().copied().collect();
+        let m = g.raft.metrics().borrow().clone();
+        let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
+        let all: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
+        if voters == wanted && all == wanted {
+            return;
+        }
+        if g.changing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let addrs: BTreeMap<NodeId, String> = state.nodes.values().map(|n| (n.id, n.raft_addr.clone())).collect();
+        let manual = !failover::ha_of(state, &q).sync_automatic;
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let result: Result<(), String> = async {
+                if manual && wanted.difference(&all).next().is_some() {
+                    catchup::snapshot_and_purge(&g.raft, &q.name).await;
+                }
+                for id in wanted.difference(&all) {
+                    let addr = addrs.get(id).cloned().ok_or_else(|| format!("no address for node {id}"))?;
+                    tracing::info!(queue = %q.name, node = id, "adding a mirror; it catches up as a learner");
+                    g.raft.add_learner(*id, BasicNode { addr }, false).await.map_err(|e| e.to_string())?;
+                }
+                let m = g.raft.metrics().borrow().clone();
+                let last = m.last_log_index.unwrap_or(0);
+                let matched =
+                    |id: &NodeId| m.replication.as_ref().and_then(|r| r.get(id).cloned().flatten()).map(|l| l.index);
+                // Voters that stay, and learners close enough to the end of
+                // the log to be waited for without stalling commits.
+                let next: BTreeSet<NodeId> = wanted
+                    .iter()
+                    .copied()
+                    .filter(|id| voters.contains(id) || matched(id).is_some_and(|i| i + CATCH_UP_SLACK >= last))
+                    .collect();
+                // No voter leaves while a replica that stays lacks bodies
+                // (a new mirror fetching what its snapshot left out): the
+                // one leaving may hold their only other copy, and a group of
+                // replicas that all lack bodies has no one to stand.
+                let complete = {
+                    let book = g.catching.read().expect("poisoned");
+                    next.iter().all(|id| *id == m.id || book.complete_in(m.current_term, *id))
+                };
+                let next: BTreeSet<NodeId> = if complete { next } else { next.union(&voters).copied().collect() };
+                if !next.is_empty() && next != voters {
+                    g.raft
+                        .change_membership(ChangeMembers::ReplaceAllVoters(next.clone()), true)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    tracing::info!(queue = %q.name, voters = ?next, "queue membership changed");
+                }
+                let m = g.raft.metrics().borrow().clone();
+                let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
+                let gone: BTreeSet<NodeId> = m
+                    .membership_config
+                    .membership()
+                    .nodes()
+                    .map(|(id, _)| *id)
+                    .filter(|id| !wanted.contains(id) && !voters.contains(id))
+                    .collect();
+                if !gone.is_empty() {
+                    g.raft
+                        .change_membership(ChangeMembers::RemoveNodes(gone.clone()), false)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    tracing::info!(queue = %q.name, removed = ?gone, "replicas left the queue");
+                }
+                Ok(())
+            }
+            .await;
+            match result {
+                Ok(()) => inner.told.cleared(q.group, "membership"),
+                Err(e) => {
+                    if inner.repeated(q.group, "membership", &e) {
+                        tracing::warn!(queue = %q.name, error = %e, "membership change did not complete; will retry (told once until it changes)");
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+            g.changing.store(false, Ordering::Release);
+        });
+    }
+
+    pub(super) async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
+        let started = Instant::now();
+        let db = &self.inner.db;
+        let epoch = failover::load_epoch(db, q.group, self.id())?;
+        let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?;
+        let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
+        let raft = Raft::new(
+            self.id(),
+            self.inner.queue_raft_config.clone(),
+            NetworkFactory {
+                group: q.group,
+                epoch,
+                me: self.id(),
+                news: self.inner.news.clone(),
+                transport: self.inner.transport.clone(),
+            },
+            LogStore::new(db.clone(), q.group),
+            sm.clone(),
+        )
+        .await
+        .map_err(|e| ServerError::Raft(e.to_string()))?;
+        sm.enable_snapshot_transfer();
+        let stop = self.inner.stop.child_token();
+        let catching = sync::CatchingUp::default();
+        let sync = sync::spawn(
+            q.group,
+            raft.clone(),
+            self.inner.timing.sync_timeout,
+            self.inner.down.clone(),
+            catching.clone(),
+            stop.clone(),
+        );
+        let proposer = Proposer::spawn(
+            raft.clone(),
+            sync.clone(),
+            self.inner.timing.sync_timeout,
+            deadletter::sink(Arc::downgrade(&self.inner), q.name.clone()),
+            stats.clone(),
+            stop.clone(),
+        );
+        proposer.set_limits(deadletter::limits_of(state, &q));
+        let group = Arc::new(QueueGroup {
+            meta: q.clone(),
+            epoch,
+            majority_seen: Mutex::new(Instant::now()),
+            majority_since: Mutex::new(None),
+            master_heard: Mutex::new(None),
+            leaderless_since: Mutex::new(None),
+            master_lost_since: Mutex::new(None),
+            elect_timed: AtomicBool::new(false),
+            raft: raft.clone(),
+            changing: AtomicBool::new(false),
+            proposer,
+            sync,
+            stats,
+            sm,
+            plan,
+            sync_run: watch::channel(false).0,
+            catching,
+            stop,
+        });
+        self.inner.groups.write().expect("poisoned").insert(q.group, group.clone());
+
+        // The designated master starts a new group; the others wait to be
+        // contacted. A restarted replica finds its group already initialized,
+        // and one that joined a re-formed epoch waits for that epoch's master.
+        let pristine = !raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
+        if pristine && epoch == Epoch::default() && !q.initial.contains(&self.id()) {
+            db.put_node_value(&catchup::new_mirror_key(q.group), &[])?;
+        }
+        if group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
+            raft.runtime_config().elect(false);
+        }
+        self.spawn_catch_up(group.clone());
+        self.spawn_expiry(group);
+        if pristine && epoch == Epoch::default() && q.initial.first() == Some(&self.id()) {
+            let members: BTreeMap<NodeId, BasicNode> = q
+                .initial
+                .iter()
+                .map(|id| {
+                    let addr = state.nodes.get(id).map(|n| n.raft_addr.clone()).unwrap_or_default();
+                    (*id, BasicNode { addr })
+                })
+                .collect();
+            if let Err(e) = raft.initialize(members).await {
+                tracing::info!(queue = %q.name, error = %e, "queue group already initialized");
+            }
+        }
+        tracing::info!(queue = %q.name, group = q.group, %epoch, pristine, elapsed_ms = started.elapsed().as_millis() as u64, "queue replica started");
+        Ok(())
+    }
+}

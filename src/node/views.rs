@@ -1,0 +1,188 @@
+//! What a node tells about queues, clients and itself: queue info (local
+//! and at the master), Raft figures, cluster-wide client lists, pings;
+//! and read-only inspection of a local replica for tests.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mirrorq_storage::SmSpace;
+
+use super::{Node, QueueGroup};
+use crate::api::{GroupRaftMetrics, QueueInfo};
+use crate::clients::{ConnectionInfo, ConsumerInfo};
+use crate::error::NodeError;
+use crate::ids::{GroupId, NodeId, METADATA_GROUP};
+use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+use crate::queue::{sync, Message, QueueCmd, QueueMachine};
+use crate::raft::types::{LogStore, Request};
+
+impl Node {
+    /// The queue as its master sees it (counts, synchronised mirrors), asked
+    /// over the node link when the master is elsewhere.
+    pub async fn master_view(&self, name: &str) -> Result<QueueInfo, NodeError> {
+        let q = self.find_queue(name).await?;
+        let mut target = self.leader_guess(&q);
+        for _ in 0..3 {
+            let info = if target == self.id() {
+                self.queue_info(name)?
+            } else {
+                let deadline = Instant::now() + Duration::from_secs(2);
+                match self
+                    .inner
+                    .call(target, &RpcRequest::Client(ClientRequest::QueueInfo { name: name.into() }), deadline)
+                    .await
+                {
+                    Ok(RpcResponse::Client(Ok(ClientReply::QueueInfo(i)))) => i,
+                    Ok(RpcResponse::Client(Err(e))) => return Err(e),
+                    _ => return Err(NodeError::Unavailable(format!("node {target} did not answer"))),
+                }
+            };
+            match info.leader {
+                Some(l) if l != target && info.local => target = l,
+                _ => return Ok(info),
+            }
+        }
+        Err(NodeError::Unavailable(format!("no master of '{name}' found")))
+    }
+
+    /// Memory and disk readings of node `id` (this one's own, or asked over
+    /// the node link; `None` if it does not answer in time).
+    pub async fn readings_of(&self, id: NodeId, limit: Duration) -> Option<crate::alarms::Readings> {
+        if id == self.id() {
+            return Some(self.alarms().readings());
+        }
+        match self.inner.call(id, &RpcRequest::Readings, Instant::now() + limit).await {
+            Ok(RpcResponse::Readings(r)) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// Raft figures of every queue replica hosted here.
+    pub fn local_raft_metrics(&self) -> Vec<GroupRaftMetrics> {
+        let by_group: HashMap<GroupId, String> =
+            self.metadata().queues.values().map(|q| (q.group, q.name.clone())).collect();
+        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        groups
+            .iter()
+            .filter_map(|g| {
+                let queue = by_group.get(&g.meta.group)?.clone();
+                let m = g.raft.metrics().borrow().clone();
+                Some(GroupRaftMetrics {
+                    queue,
+                    term: m.current_term,
+                    committed: m.last_applied.map(|l| l.index),
+                    leader: m.current_leader,
+                })
+            })
+            .collect()
+    }
+
+    /// AMQP connections and consumers of every reachable node.
+    pub async fn cluster_clients(&self) -> (Vec<ConnectionInfo>, Vec<ConsumerInfo>) {
+        let (mut conns, mut consumers) = self.inner.clients.snapshot();
+        let peers: Vec<NodeId> = self.metadata().nodes.keys().copied().filter(|id| *id != self.id()).collect();
+        // All at once: a peer that does not answer costs the deadline once.
+        let deadline = Instant::now() + Duration::from_millis(1000);
+        let asks = peers.iter().map(|peer| self.inner.call(*peer, &RpcRequest::Clients, deadline));
+        for answer in futures::future::join_all(asks).await {
+            if let Ok(RpcResponse::Clients(c, k)) = answer {
+                conns.extend(c);
+                consumers.extend(k);
+            }
+        }
+        (conns, consumers)
+    }
+
+    /// The consumers of `queue` on every node that answers.
+    pub async fn consumers_of(&self, queue: &str) -> Vec<ConsumerInfo> {
+        self.cluster_clients().await.1.into_iter().filter(|k| k.queue == queue).collect()
+    }
+
+    /// Does node `id` answer on the node link?
+    pub async fn ping(&self, id: NodeId, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        matches!(
+            self.inner.call(id, &RpcRequest::Members { group: METADATA_GROUP }, deadline).await,
+            Ok(RpcResponse::Members(_))
+        )
+    }
+
+    /// Voters of the queue's group as this node's replica sees them.
+    pub fn queue_members(&self, queue: &str) -> Option<BTreeSet<NodeId>> {
+        self.queue_raft(queue).map(|r| r.metrics().borrow().membership_config.membership().voter_ids().collect())
+    }
+
+    /// The queue as this node sees it, without asking anyone.
+    pub fn queue_info(&self, name: &str) -> Result<QueueInfo, NodeError> {
+        let meta = self.metadata();
+        let q = meta.queues.get(name).ok_or_else(|| NodeError::NoSuchQueue(name.to_string()))?;
+        let group = self.inner.groups.read().expect("poisoned").get(&q.group).cloned();
+        let mut info = QueueInfo {
+            name: q.name.clone(),
+            group: q.group,
+            replicas: q.replicas.clone(),
+            local: group.is_some(),
+            leader: None,
+            ready: 0,
+            unacked: 0,
+            applied: None,
+            synchronised: Vec::new(),
+            catching_up: Vec::new(),
+        };
+        if let Some(g) = group {
+            let m = g.raft.metrics().borrow().clone();
+            info.leader = m.current_leader;
+            info.applied = m.last_applied.map(|l| l.index);
+            let s = *g.stats.borrow();
+            (info.ready, info.unacked) = (s.ready, s.unacked);
+            info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
+            if g.is_leader(self.id()) {
+                info.catching_up = sync::catching_up(&g.catching).into_iter().collect();
+            }
+        }
+        Ok(info)
+    }
+
+    /// Number of message bodies in this replica's applied state for `queue`.
+    pub fn local_stored_count(&self, queue: &str) -> Result<usize, NodeError> {
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        QueueMachine::stored_messages(&SmSpace::new(self.inner.db.clone(), q.group))
+            .map(|m| m.len())
+            .map_err(|e| NodeError::Unavailable(e.to_string()))
+    }
+
+    /// Number of log entries this replica keeps for `queue` (not yet purged).
+    pub async fn local_log_len(&self, queue: &str) -> Result<usize, NodeError> {
+        use openraft::storage::RaftLogStorage;
+        use openraft::RaftLogReader;
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let mut log = LogStore::new(self.inner.db.clone(), q.group);
+        let mut reader = log.get_log_reader().await;
+        let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        Ok(entries.len())
+    }
+
+    /// Every message this replica holds for `queue`: in its applied state and
+    /// in its log, whether applied yet or not. Reads only the local disk.
+    pub async fn local_messages(&self, queue: &str) -> Result<Vec<Message>, NodeError> {
+        use openraft::storage::RaftLogStorage;
+        use openraft::RaftLogReader;
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let mut out = QueueMachine::stored_messages(&SmSpace::new(self.inner.db.clone(), q.group))
+            .map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        let mut log = LogStore::new(self.inner.db.clone(), q.group);
+        let mut reader = log.get_log_reader().await;
+        let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        for e in entries {
+            if let openraft::EntryPayload::Normal(Request::Queue(cmds)) = e.payload {
+                for c in std::sync::Arc::unwrap_or_clone(cmds) {
+                    if let QueueCmd::Enqueue { msgs } | QueueCmd::EnqueueExpiring { msgs, .. } = c {
+                        out.extend(msgs);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
