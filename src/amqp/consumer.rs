@@ -18,8 +18,8 @@ use futures::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
 
 use super::codec;
-use super::connection::{method, push_frames, ss, Out};
 use super::deliveries::{Claim, ConsumerId, Deliveries};
+use super::writer::{method, push_frames, ss, Out};
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::queue::Delivery;

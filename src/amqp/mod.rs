@@ -15,11 +15,14 @@
 //! under memory and disk alarms. Exchange-to-exchange bindings answer 540.
 
 mod auth;
+mod channel;
 mod codec;
 mod confirms;
 mod connection;
 mod consumer;
 mod deliveries;
+mod reply;
+mod writer;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -1,0 +1,213 @@
+//! `basic.*` other than publish: qos, consume, cancel, get, ack, nack,
+//! reject, recover.
+
+use amq_protocol::protocol::{basic, AMQPClass};
+
+use crate::amqp::channel::{Channel, PendingPublish};
+use crate::amqp::connection::rand_id;
+use crate::amqp::consumer::Consumer;
+use crate::amqp::reply::{
+    hard, node_soft, soft, unknown_tag, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, NOT_ALLOWED,
+};
+use crate::amqp::writer::ss;
+use crate::metadata::Access;
+use crate::queue::proposer::Lane;
+use crate::queue::QueueCmd;
+
+#[derive(Clone, Copy)]
+pub(in crate::amqp) enum Settle {
+    Ack,
+    Nack { requeue: bool },
+}
+
+impl Settle {
+    pub(in crate::amqp) fn cmd(self, tags: Vec<u64>) -> QueueCmd {
+        match self {
+            Settle::Ack => QueueCmd::Ack { tags },
+            Settle::Nack { requeue } => QueueCmd::Nack { tags, requeue },
+        }
+    }
+}
+
+impl Channel {
+    pub(in crate::amqp) async fn basic_method(&mut self, m: basic::AMQPMethod) -> Result<bool, Result<Soft, Hard>> {
+        use basic::AMQPMethod as B;
+        match m {
+            B::Publish(p) => {
+                self.may(Access::Write, "exchange", p.exchange.as_str(), 60, 40)?;
+                self.pending = Some(PendingPublish { publish: p, header: None, body: Vec::new() });
+                Ok(true)
+            }
+            B::Qos(q) => {
+                self.deliveries.set_prefetch(q.prefetch_count, q.global);
+                self.reply(AMQPClass::Basic(B::QosOk(basic::QosOk {}))).await;
+                Ok(true)
+            }
+            B::Get(g) => {
+                self.may(Access::Read, "queue", g.queue.as_str(), 60, 70)?;
+                let queue = self.key(g.queue.as_str());
+                self.locked_check(&queue, 60, 70).await?;
+                let (got, remaining) =
+                    self.node.fetch(&queue, self.owner, 1, g.no_ack).await.map_err(|e| Ok(node_soft(e, 60, 70)))?;
+                match got.into_iter().next() {
+                    None => self.reply(AMQPClass::Basic(B::GetEmpty(basic::GetEmpty {}))).await,
+                    Some(d) => {
+                        self.node.metrics().delivered.inc();
+                        let tag = self.deliveries.assign(&queue, d.tag, !g.no_ack, None);
+                        let m = B::GetOk(basic::GetOk {
+                            delivery_tag: tag,
+                            redelivered: d.redelivered,
+                            exchange: ss(&d.message.exchange),
+                            routing_key: ss(&d.message.routing_key),
+                            message_count: remaining as u32,
+                        });
+                        self.out.content(self.id, AMQPClass::Basic(m), &d.message, self.frame_max).await;
+                    }
+                }
+                Ok(true)
+            }
+            B::Consume(c) => {
+                let bare = c.queue.as_str().to_string();
+                self.may(Access::Read, "queue", &bare, 60, 20)?;
+                let queue = self.key(&bare);
+                match self.node.find_queue(&queue).await {
+                    Ok(q) => self.check_exclusive(&q, 60, 20)?,
+                    Err(_) => return Err(self.not_found("queue", &bare, 60, 20)),
+                }
+                let tag = if c.consumer_tag.as_str().is_empty() {
+                    format!("amq.ctag-{:016x}", rand_id())
+                } else {
+                    c.consumer_tag.as_str().to_string()
+                };
+                if self.consumers.contains_key(&tag) {
+                    return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
+                }
+                // Cluster-wide, as the consumers of a queue may be on any node.
+                let present = self.node.consumers_of(&queue).await;
+                if (c.exclusive && !present.is_empty()) || present.iter().any(|k| k.exclusive) {
+                    return Err(Ok(soft(
+                        ACCESS_REFUSED,
+                        format!("ACCESS_REFUSED - queue '{bare}' in vhost '{}' in exclusive use", self.vhost),
+                        60,
+                        20,
+                    )));
+                }
+                self.next_consumer += 1;
+                let id = self.next_consumer;
+                let prefetch = self.deliveries.consumer_started(id);
+                let stop = self.closed.child_token();
+                self.consumers.insert(tag.clone(), stop.clone());
+                self.node.clients().consuming(crate::clients::ConsumerInfo {
+                    connection: self.conn_id,
+                    channel: self.id,
+                    tag: tag.clone(),
+                    queue: queue.clone(),
+                    ack_required: !c.no_ack,
+                    prefetch,
+                    exclusive: c.exclusive,
+                });
+                if !c.nowait {
+                    self.reply(AMQPClass::Basic(B::ConsumeOk(basic::ConsumeOk { consumer_tag: ss(&tag) }))).await;
+                }
+                let consumer = Consumer {
+                    id,
+                    channel: self.id,
+                    tag,
+                    queue,
+                    no_ack: c.no_ack,
+                    owner: self.owner,
+                    connection: self.conn_id,
+                    node: self.node.clone(),
+                    out: self.out.clone(),
+                    deliveries: self.deliveries.clone(),
+                    frame_max: self.frame_max,
+                    stop,
+                    gate: self.delivery_gate.clone(),
+                };
+                tokio::spawn(consumer.run());
+                Ok(true)
+            }
+            B::Cancel(c) => {
+                if let Some(t) = self.consumers.remove(c.consumer_tag.as_str()) {
+                    let _gate = self.delivery_gate.lock().await;
+                    t.cancel();
+                }
+                if let Some(q) = self.node.clients().stopped_consuming(self.conn_id, self.id, c.consumer_tag.as_str()) {
+                    let node = self.node.clone();
+                    tokio::spawn(async move { node.consumer_gone(&q).await });
+                }
+                if !c.nowait {
+                    self.reply(AMQPClass::Basic(B::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag }))).await;
+                }
+                Ok(true)
+            }
+            B::Ack(a) => self.settle(a.delivery_tag, a.multiple, Settle::Ack, 80).await,
+            B::Nack(n) => self.settle(n.delivery_tag, n.multiple, Settle::Nack { requeue: n.requeue }, 120).await,
+            B::Reject(r) => self.settle(r.delivery_tag, false, Settle::Nack { requeue: r.requeue }, 90).await,
+            B::Recover(r) => {
+                self.requeue_all(r.requeue).await;
+                self.reply(AMQPClass::Basic(B::RecoverOk(basic::RecoverOk {}))).await;
+                Ok(true)
+            }
+            B::RecoverAsync(r) => {
+                self.requeue_all(r.requeue).await;
+                Ok(true)
+            }
+            other => Err(Err(hard(COMMAND_INVALID, format!("basic.{other:?} is not a client method")))),
+        }
+    }
+
+    pub(in crate::amqp) async fn requeue_all(&mut self, _requeue: bool) {
+        // RabbitMQ requeues in both cases; so do we.
+        if let Ok(mut taken) = self.deliveries.take(0, true, true) {
+            for (q, tags) in std::mem::take(&mut taken.by_queue) {
+                let _ = self.node.nack(&q, tags, true).await;
+                self.deliveries.settled(&taken.holders(&q));
+            }
+        }
+    }
+
+    pub(in crate::amqp) async fn settle(
+        &mut self,
+        tag: u64,
+        multiple: bool,
+        how: Settle,
+        method_id: u16,
+    ) -> Result<bool, Result<Soft, Hard>> {
+        let unknown = |t: u64| Ok(unknown_tag(t, 60, method_id));
+        if let Some(tx) = self.tx.as_mut() {
+            if !multiple && !self.deliveries.is_unacked(tag) {
+                return Err(unknown(tag));
+            }
+            tx.settles.push((tag, multiple, how));
+            return Ok(true);
+        }
+        let requeued = matches!(how, Settle::Nack { requeue: true });
+        let mut taken = self.deliveries.take(tag, multiple, requeued).map_err(unknown)?;
+        if matches!(how, Settle::Ack) {
+            let n: usize = taken.by_queue.values().map(Vec::len).sum();
+            self.node.metrics().acknowledged.inc_by(n as u64);
+        }
+        for (q, tags) in std::mem::take(&mut taken.by_queue) {
+            let holders = taken.holders(&q);
+            // Submitted here, in the channel's order: a message requeued
+            // before a basic.consume or basic.get on the channel is back
+            // before that takes anything (the consumer lane goes first into
+            // an entry, and a get comes after). Only the answer is awaited
+            // apart.
+            let submitted = self.node.submit_in(&q, vec![how.cmd(tags)], Lane::Consumer).await;
+            let deliveries = self.deliveries.clone();
+            tokio::spawn(async move {
+                let r = match submitted {
+                    Ok(wait) => wait.await.map(|_| ()),
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = r {
+                    tracing::warn!(queue = %q, error = %e, "settling deliveries failed");
+                }
+                deliveries.settled(&holders);
+            });
+        }
+        Ok(true)
+    }
+}

@@ -1,0 +1,87 @@
+//! `exchange.*`: declare, delete, bind (exchange-to-exchange bindings
+//! answer 540).
+
+use amq_protocol::protocol::{exchange, AMQPClass};
+use amq_protocol::types::{FieldTable, ShortString};
+
+use crate::amqp::channel::Channel;
+use crate::amqp::reply::{hard, node_soft, soft, Hard, Soft, COMMAND_INVALID, NOT_IMPLEMENTED, PRECONDITION_FAILED};
+use crate::message::to_args;
+use crate::metadata::names;
+use crate::metadata::{Access, Binding, ExchangeKind, ExchangeMeta};
+
+impl Channel {
+    pub(in crate::amqp) async fn exchange_method(
+        &mut self,
+        m: exchange::AMQPMethod,
+    ) -> Result<bool, Result<Soft, Hard>> {
+        use exchange::AMQPMethod as E;
+        match m {
+            E::Declare(d) => {
+                let bare = d.exchange.as_str();
+                if let Err(why) = names::check("exchange", bare) {
+                    return Err(Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 40, 10)));
+                }
+                let name = self.key(bare);
+                if d.passive {
+                    if self.node.metadata().exchange(&name).is_none() && {
+                        self.node.meta_barrier().await;
+                        self.node.metadata().exchange(&name).is_none()
+                    } {
+                        return Err(self.not_found("exchange", bare, 40, 10));
+                    }
+                } else {
+                    self.may(Access::Configure, "exchange", bare, 40, 10)?;
+                    let Some(kind) = ExchangeKind::parse(d.kind.as_str()) else {
+                        return Err(Err(hard(
+                            COMMAND_INVALID,
+                            format!("COMMAND_INVALID - unknown exchange type '{}'", d.kind.as_str()),
+                        )));
+                    };
+                    let ex = ExchangeMeta {
+                        name,
+                        kind,
+                        durable: d.durable,
+                        auto_delete: d.auto_delete,
+                        internal: d.internal,
+                    };
+                    self.node.declare_exchange(ex).await.map_err(|e| Ok(node_soft(e, 40, 10)))?;
+                }
+                if !d.nowait {
+                    self.reply(AMQPClass::Exchange(E::DeclareOk(exchange::DeclareOk {}))).await;
+                }
+                Ok(true)
+            }
+            E::Delete(d) => {
+                self.may(Access::Configure, "exchange", d.exchange.as_str(), 40, 20)?;
+                self.node
+                    .delete_exchange(&self.key(d.exchange.as_str()), d.if_unused)
+                    .await
+                    .map_err(|e| Ok(node_soft(e, 40, 20)))?;
+                if !d.nowait {
+                    self.reply(AMQPClass::Exchange(E::DeleteOk(exchange::DeleteOk {}))).await;
+                }
+                Ok(true)
+            }
+            other => Err(Err(hard(
+                NOT_IMPLEMENTED,
+                format!("NOT_IMPLEMENTED - exchange.{other:?} (exchange-to-exchange bindings)"),
+            ))),
+        }
+    }
+
+    pub(in crate::amqp) fn binding_of(
+        &self,
+        exchange: &ShortString,
+        queue: &ShortString,
+        key: &ShortString,
+        args: &FieldTable,
+    ) -> Binding {
+        Binding {
+            exchange: self.key(exchange.as_str()),
+            queue: self.key(queue.as_str()),
+            routing_key: key.as_str().to_string(),
+            args: to_args(args),
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! `queue.*`: declare (with its arguments and exclusive queues), bind,
+//! unbind, purge, delete.
+
+use amq_protocol::protocol::{queue, AMQPClass};
+use amq_protocol::types::AMQPValue;
+
+use crate::amqp::channel::Channel;
+use crate::amqp::connection::rand_id;
+use crate::amqp::reply::{
+    hard, node_soft, soft, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, PRECONDITION_FAILED, RESOURCE_LOCKED,
+};
+use crate::amqp::writer::ss;
+use crate::api::DeclareOpts;
+use crate::message::to_args;
+use crate::metadata::names;
+use crate::metadata::{Access, QueueArgs};
+
+impl Channel {
+    pub(in crate::amqp) async fn queue_method(&mut self, m: queue::AMQPMethod) -> Result<bool, Result<Soft, Hard>> {
+        use queue::AMQPMethod as Q;
+        match m {
+            Q::Declare(d) => {
+                let mut name = d.queue.as_str().to_string();
+                if name.is_empty() {
+                    name = format!("amq.gen-{:016x}", rand_id());
+                }
+                if let Err(why) = names::check("queue", &name) {
+                    return Err(Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 50, 10)));
+                }
+                if !d.passive {
+                    self.may(Access::Configure, "queue", &name, 50, 10)?;
+                }
+                let bare = name;
+                let name = self.key(&bare);
+                if name.starts_with("amq.") && !d.queue.as_str().is_empty() && !d.passive {
+                    return Err(Ok(soft(
+                        ACCESS_REFUSED,
+                        format!("ACCESS_REFUSED - queue name '{name}' contains reserved prefix 'amq.*'"),
+                        50,
+                        10,
+                    )));
+                }
+                let existing = self.node.find_queue(&name).await.ok();
+                if d.passive && existing.is_none() {
+                    return Err(self.not_found("queue", &bare, 50, 10));
+                }
+                let args = if d.passive {
+                    None
+                } else {
+                    let parsed = QueueArgs::parse(&to_args(&d.arguments))
+                        .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 50, 10)))?;
+                    Some(parsed)
+                };
+                let q = match existing {
+                    Some(q) => {
+                        if let Some(arg) = args.as_ref().and_then(|a| a.inequivalent(&q.args)) {
+                            return Err(Ok(soft(
+                                PRECONDITION_FAILED,
+                                format!(
+                                    "PRECONDITION_FAILED - inequivalent arg '{arg}' for queue '{bare}' in vhost '{}': \
+                                     received {} but current is {}",
+                                    self.vhost,
+                                    args.as_ref().map(|a| a.to_json()).unwrap_or_default(),
+                                    q.args.to_json()
+                                ),
+                                50,
+                                10,
+                            )));
+                        }
+                        q
+                    }
+                    None => {
+                        let min_masters = match d.arguments.inner().get(&ss("x-queue-master-locator")) {
+                            None => None,
+                            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"min-masters" => Some(true),
+                            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"client-local" => Some(false),
+                            Some(other) => {
+                                return Err(Ok(soft(
+                                    PRECONDITION_FAILED,
+                                    format!("PRECONDITION_FAILED - invalid x-queue-master-locator {other:?}"),
+                                    50,
+                                    10,
+                                )))
+                            }
+                        };
+                        let opts = DeclareOpts {
+                            min_masters,
+                            exclusive_owner: d.exclusive.then_some(self.conn_id),
+                            auto_delete: d.auto_delete,
+                            args: args.clone().unwrap_or_default(),
+                        };
+                        // Placed by the effective policy (none: one replica, here).
+                        let (q, created) = self
+                            .node
+                            .declare_queue_with(&name, Vec::new(), opts)
+                            .await
+                            .map_err(|e| Ok(node_soft(e, 50, 10)))?;
+                        if created && d.exclusive {
+                            self.exclusive.lock().expect("poisoned").insert(name.clone());
+                        }
+                        q
+                    }
+                };
+                self.check_exclusive(&q, 50, 10)?;
+                let (ready, _) = self.node.status(&name).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
+                if !d.nowait {
+                    let consumers = self.node.consumers_of(&name).await.len();
+                    self.reply(AMQPClass::Queue(Q::DeclareOk(queue::DeclareOk {
+                        queue: ss(&bare),
+                        message_count: ready.min(u32::MAX as u64) as u32,
+                        consumer_count: consumers as u32,
+                    })))
+                    .await;
+                }
+                Ok(true)
+            }
+            Q::Purge(p) => {
+                self.may(Access::Read, "queue", p.queue.as_str(), 50, 30)?;
+                let name = self.key(p.queue.as_str());
+                self.locked_check(&name, 50, 30).await?;
+                let n = self.node.purge(&name).await.map_err(|e| Ok(node_soft(e, 50, 30)))?;
+                if !p.nowait {
+                    self.reply(AMQPClass::Queue(Q::PurgeOk(queue::PurgeOk { message_count: n as u32 }))).await;
+                }
+                Ok(true)
+            }
+            Q::Delete(d) => {
+                let bare = d.queue.as_str();
+                self.may(Access::Configure, "queue", bare, 50, 40)?;
+                let key = self.key(bare);
+                let name = key.as_str();
+                self.locked_check(name, 50, 40).await?;
+                let (ready, unacked) = self.node.status(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
+                if d.if_unused && !self.node.consumers_of(name).await.is_empty() {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        format!("PRECONDITION_FAILED - queue '{bare}' in vhost '{}' in use", self.vhost),
+                        50,
+                        40,
+                    )));
+                }
+                if d.if_empty && ready + unacked > 0 {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        format!("PRECONDITION_FAILED - queue '{bare}' in vhost '{}' not empty", self.vhost),
+                        50,
+                        40,
+                    )));
+                }
+                self.node.delete_queue(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
+                if !d.nowait {
+                    self.reply(AMQPClass::Queue(Q::DeleteOk(queue::DeleteOk { message_count: ready as u32 }))).await;
+                }
+                Ok(true)
+            }
+            Q::Bind(b) => {
+                self.may(Access::Write, "queue", b.queue.as_str(), 50, 20)?;
+                self.may(Access::Read, "exchange", b.exchange.as_str(), 50, 20)?;
+                let binding = self.binding_of(&b.exchange, &b.queue, &b.routing_key, &b.arguments);
+                self.node.bind(binding).await.map_err(|e| Ok(node_soft(e, 50, 20)))?;
+                if !b.nowait {
+                    self.reply(AMQPClass::Queue(Q::BindOk(queue::BindOk {}))).await;
+                }
+                Ok(true)
+            }
+            Q::Unbind(b) => {
+                self.may(Access::Write, "queue", b.queue.as_str(), 50, 50)?;
+                self.may(Access::Read, "exchange", b.exchange.as_str(), 50, 50)?;
+                let binding = self.binding_of(&b.exchange, &b.queue, &b.routing_key, &b.arguments);
+                self.node.unbind(binding).await.map_err(|e| Ok(node_soft(e, 50, 50)))?;
+                self.reply(AMQPClass::Queue(Q::UnbindOk(queue::UnbindOk {}))).await;
+                Ok(true)
+            }
+            other => Err(Err(hard(COMMAND_INVALID, format!("queue.{other:?} is not a client method")))),
+        }
+    }
+
+    /// Another connection's exclusive queue: 405 RESOURCE_LOCKED.
+    pub(in crate::amqp) fn check_exclusive(
+        &self,
+        q: &crate::metadata::QueueMeta,
+        class: u16,
+        method: u16,
+    ) -> Result<(), Result<Soft, Hard>> {
+        match q.exclusive_owner {
+            Some(owner) if owner != self.conn_id => Err(Ok(soft(
+                RESOURCE_LOCKED,
+                format!(
+                    "RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{}' in vhost '{}'",
+                    names::name_of(&q.name),
+                    self.vhost
+                ),
+                class,
+                method,
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    pub(in crate::amqp) async fn locked_check(
+        &self,
+        queue: &str,
+        class: u16,
+        method: u16,
+    ) -> Result<(), Result<Soft, Hard>> {
+        match self.node.find_queue(queue).await {
+            Ok(q) => self.check_exclusive(&q, class, method),
+            Err(_) => Ok(()),
+        }
+    }
+}
