@@ -523,20 +523,8 @@ impl Conn {
 }
 
 /// Frames an alarm holds back: the start of a publish.
-pub(in crate::amqp) fn is_publish(frame: &AMQPFrame) -> bool {
+fn is_publish(frame: &AMQPFrame) -> bool {
     matches!(frame, AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Publish(_))))
-}
-
-pub(in crate::amqp) fn class_name(c: &AMQPClass) -> String {
-    let s = format!("{c:?}");
-    s.split('(').take(2).collect::<Vec<_>>().join(".").to_lowercase()
-}
-
-pub(in crate::amqp) fn rand_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(Instant::now().elapsed().as_nanos());
-    h.finish()
 }
 
 #[cfg(test)]

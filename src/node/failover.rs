@@ -483,6 +483,19 @@ impl Node {
         self.rejoin(g, news, false).await;
     }
 
+    /// Our replica is in `defeated`, a minority's fork; the group of
+    /// `winner` (whose replica on `from` told us) kept its majority: hand
+    /// back to it what it may lack and rejoin it.
+    pub(super) async fn yield_to(&self, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) {
+        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
+        let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
+        if g.epoch != defeated {
+            return;
+        }
+        tracing::warn!(queue = %g.meta.name, ours = %g.epoch, winner = %winner, from, "this replica's epoch is a minority's fork and yields to the group that kept its majority");
+        self.rejoin(g, EpochNews { group, epoch: winner, from }, true).await;
+    }
+
     /// Stop our replica of `g`, hand back to the master of `news.epoch`
     /// what that epoch may lack, wipe the replica and restart it in that
     /// epoch. `yielding`: the target epoch is the group our fork came

@@ -3,8 +3,8 @@
 
 use amq_protocol::protocol::{basic, AMQPClass};
 
+use crate::amqp::channel::rand_id;
 use crate::amqp::channel::{Channel, PendingPublish};
-use crate::amqp::connection::rand_id;
 use crate::amqp::consumer::Consumer;
 use crate::amqp::reply::{
     hard, node_soft, soft, unknown_tag, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, NOT_ALLOWED,

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
 use amq_protocol::protocol::{basic, channel, confirm, AMQPClass};
@@ -15,7 +16,6 @@ use crate::amqp::auth::Grants;
 use crate::amqp::channel::publish::PublishBatch;
 use crate::amqp::channel::tx_methods::TxBuffer;
 use crate::amqp::confirms;
-use crate::amqp::connection::class_name;
 use crate::amqp::deliveries::{ConsumerId, Deliveries};
 use crate::amqp::reply::{
     hard, soft, Hard, Soft, ACCESS_REFUSED, FRAME_ERROR, NOT_FOUND, NOT_IMPLEMENTED, PRECONDITION_FAILED,
@@ -272,4 +272,16 @@ impl Channel {
             ))),
         }
     }
+}
+
+fn class_name(c: &AMQPClass) -> String {
+    let s = format!("{c:?}");
+    s.split('(').take(2).collect::<Vec<_>>().join(".").to_lowercase()
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    h.finish()
 }

@@ -4,8 +4,8 @@
 use amq_protocol::protocol::{queue, AMQPClass};
 use amq_protocol::types::AMQPValue;
 
+use crate::amqp::channel::rand_id;
 use crate::amqp::channel::Channel;
-use crate::amqp::connection::rand_id;
 use crate::amqp::reply::{
     hard, node_soft, soft, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, PRECONDITION_FAILED, RESOURCE_LOCKED,
 };
