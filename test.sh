@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs every test on a fresh machine, installing what the tests drive: the
+# stock Python clients (pika, Celery) in a virtual environment under
+# target/, Debian's Chromium and playwright-core for the browser test of
+# the web UI. Extra arguments go to `cargo test` (e.g. `./test.sh --test t40_amqp`).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+venv=target/test-venv
+if [ ! -x "$venv/bin/python3" ]; then
+  mkdir -p target
+  python3 -m venv "$venv"
+fi
+"$venv/bin/python3" -m pip install --quiet --disable-pip-version-check pika celery
+# The tests run `python3`: this one, with the clients.
+export PATH="$PWD/$venv/bin:$PATH"
+
+if ! command -v chromium >/dev/null; then
+  SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get install -y -q chromium || { $SUDO apt-get update -q && $SUDO apt-get install -y -q chromium; }
+fi
+npm install --prefix tests/ui --no-audit --no-fund --silent
+
+exec cargo test --workspace "$@"
