@@ -1,0 +1,130 @@
+//! The shape of `src/` that docs/architecture.md promises: no two files
+//! import each other, directly or around a circle (a folder's `mod.rs` and
+//! its own files aside), and the lower layers never import the ones above.
+//! Read from the source text (`crate::` and `super::` paths outside comments
+//! and unit tests), so a move that breaks the shape fails here, by name.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Module path ("node::forward") -> the text of its file.
+fn modules() -> BTreeMap<String, String> {
+    fn walk(dir: &Path, out: &mut BTreeMap<String, String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let rel = p.strip_prefix(concat!(env!("CARGO_MANIFEST_DIR"), "/src")).unwrap();
+                let mut parts: Vec<String> =
+                    rel.with_extension("").iter().map(|s| s.to_string_lossy().into_owned()).collect();
+                if matches!(parts.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+                    parts.pop();
+                }
+                let text = std::fs::read_to_string(&p).unwrap();
+                out.insert(parts.join("::"), text);
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")), &mut out);
+    out
+}
+
+/// The code of a file: without comments and without its unit tests.
+fn code(text: &str) -> String {
+    let text = text.split("#[cfg(test)]").next().unwrap_or("");
+    text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n")
+}
+
+/// Paths following `prefix` in `code`, e.g. `crate::` -> ["node::Node", ...].
+fn paths_after<'a>(code: &'a str, prefix: &str) -> Vec<&'a str> {
+    code.match_indices(prefix)
+        .filter(|(i, _)| *i == 0 || !code.as_bytes()[i - 1].is_ascii_alphanumeric())
+        .map(|(i, _)| {
+            let rest = &code[i + prefix.len()..];
+            let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')).unwrap_or(rest.len());
+            &rest[..end]
+        })
+        .collect()
+}
+
+/// The longest module that `path` names.
+fn resolve<'m>(mods: &'m BTreeMap<String, String>, path: &str) -> Option<&'m String> {
+    let parts: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
+    (1..=parts.len()).rev().find_map(|k| mods.get_key_value(&parts[..k].join("::")).map(|(k, _)| k))
+}
+
+/// Which modules each module imports (its ancestors, its own descendants excluded).
+fn imports(mods: &BTreeMap<String, String>) -> BTreeMap<String, BTreeSet<String>> {
+    let mut out = BTreeMap::new();
+    for (m, text) in mods {
+        let c = code(text);
+        let parent: Vec<&str> = m.split("::").collect();
+        let is_dir_module = mods.keys().any(|k| k.starts_with(&format!("{m}::")));
+        let base = if is_dir_module { parent.clone() } else { parent[..parent.len().saturating_sub(1)].to_vec() };
+        let mut set = BTreeSet::new();
+        for p in paths_after(&c, "crate::") {
+            set.extend(resolve(mods, p).cloned());
+        }
+        for p in paths_after(&c, "super::") {
+            let up = if is_dir_module { &base[..base.len().saturating_sub(1)] } else { &base[..] };
+            set.extend(resolve(mods, &format!("{}::{p}", up.join("::"))).cloned());
+        }
+        set.retain(|t| t != m && !m.starts_with(&format!("{t}::")) && !t.starts_with(&format!("{m}::")));
+        out.insert(m.clone(), set);
+    }
+    out
+}
+
+#[test]
+fn no_file_of_src_imports_around_a_circle() {
+    let mods = modules();
+    assert!(mods.contains_key("node::forward") && mods.contains_key("link::transport"), "read the wrong tree");
+    let graph = imports(&mods);
+    // For each module, every module it reaches; a module that reaches itself is in a circle.
+    let mut circles = Vec::new();
+    for start in graph.keys() {
+        let mut seen = BTreeSet::new();
+        let mut todo: Vec<&String> = graph[start].iter().collect();
+        let mut back = BTreeMap::new();
+        while let Some(m) = todo.pop() {
+            if !seen.insert(m.clone()) {
+                continue;
+            }
+            for n in &graph[m] {
+                back.entry(n.clone()).or_insert_with(|| m.clone());
+                todo.push(n);
+            }
+        }
+        if seen.contains(start) {
+            circles.push(format!("{start} (via {})", back[start]));
+        }
+    }
+    assert!(circles.is_empty(), "files importing around a circle: {circles:?}");
+}
+
+#[test]
+fn lower_layers_never_import_the_ones_above() {
+    let graph = imports(&modules());
+    let above = ["node", "amqp", "http", "serve", "ctl", "perf"];
+    let layers = ["ids", "message", "api", "link", "raft", "queue", "metadata", "owners", "metrics"];
+    let mut wrong = Vec::new();
+    for (m, to) in &graph {
+        if !layers.iter().any(|l| m == l || m.starts_with(&format!("{l}::"))) {
+            continue;
+        }
+        for t in to {
+            if above.iter().any(|a| t == a || t.starts_with(&format!("{a}::"))) {
+                wrong.push(format!("{m} -> {t}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "a lower layer imports an upper one: {wrong:?}");
+    // The leaves import nothing of the crate but each other and metadata's router types.
+    for leaf in ["ids", "message"] {
+        let allowed = ["ids", "metadata::routing"];
+        let bad: Vec<&String> = graph[leaf].iter().filter(|t| !allowed.contains(&t.as_str())).collect();
+        assert!(bad.is_empty(), "the leaf {leaf} imports {bad:?}");
+    }
+}
