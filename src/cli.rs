@@ -46,6 +46,7 @@ pub enum CtlCommand {
     ClusterStatus,
     /// Queues with master, mirrors and counts.
     ListQueues,
+    /// Policies with their pattern, apply-to, priority and definition.
     ListPolicies,
     /// Add or replace a policy: NAME PATTERN DEFINITION_JSON.
     SetPolicy {
@@ -57,27 +58,22 @@ pub enum CtlCommand {
         #[arg(long, default_value = "all")]
         apply_to: String,
     },
-    ClearPolicy {
-        name: String,
-    },
-    SyncQueue {
-        name: String,
-    },
-    CancelSyncQueue {
-        name: String,
-    },
+    /// Remove a policy: NAME.
+    ClearPolicy { name: String },
+    /// Make a queue's unsynchronised mirrors fetch what they lack: NAME.
+    SyncQueue { name: String },
+    /// Stop a queue's mirrors synchronising: NAME.
+    CancelSyncQueue { name: String },
+    /// Spread queue masters evenly over the running nodes.
     Rebalance,
     /// Remove a stopped node from the cluster for good (its replicas move
     /// elsewhere as policies say): NAME as shown by cluster-status.
-    ForgetNode {
-        name: String,
-    },
-    ExportDefinitions {
-        file: PathBuf,
-    },
-    ImportDefinitions {
-        file: PathBuf,
-    },
+    ForgetNode { name: String },
+    /// Write users, vhosts, permissions, policies, exchanges, queues and bindings to FILE (JSON, as RabbitMQ's).
+    ExportDefinitions { file: PathBuf },
+    /// Load definitions from FILE (JSON, RabbitMQ's format).
+    ImportDefinitions { file: PathBuf },
+    /// Users and their tags.
     ListUsers,
     /// Add or replace a user: NAME PASSWORD.
     AddUser {
@@ -87,29 +83,20 @@ pub enum CtlCommand {
         #[arg(long, default_value = "")]
         tags: String,
     },
-    DeleteUser {
-        name: String,
-    },
+    /// Delete a user: NAME.
+    DeleteUser { name: String },
+    /// Virtual hosts.
     ListVhosts,
-    AddVhost {
-        name: String,
-    },
+    /// Add a virtual host: NAME.
+    AddVhost { name: String },
     /// Delete a vhost and everything in it.
-    DeleteVhost {
-        name: String,
-    },
+    DeleteVhost { name: String },
     /// Permissions in the vhost given by --vhost.
     ListPermissions,
     /// USER CONFIGURE WRITE READ (regexes) in the vhost given by --vhost.
-    SetPermissions {
-        user: String,
-        configure: String,
-        write: String,
-        read: String,
-    },
-    ClearPermissions {
-        user: String,
-    },
+    SetPermissions { user: String, configure: String, write: String, read: String },
+    /// Remove USER's permissions in the vhost given by --vhost.
+    ClearPermissions { user: String },
 }
 
 #[derive(Debug, Clone, Args)]
@@ -237,4 +224,28 @@ pub struct ServeArgs {
     /// [default: one per core]
     #[arg(long, env = "MIRRORQ_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn every_subcommand_says_what_it_does() {
+        let cli = Cli::command();
+        let mut silent = Vec::new();
+        for sub in cli.get_subcommands() {
+            if sub.get_about().is_none() {
+                silent.push(sub.get_name().to_string());
+            }
+            for inner in sub.get_subcommands().filter(|s| s.get_name() != "help") {
+                if inner.get_about().is_none() {
+                    silent.push(format!("{} {}", sub.get_name(), inner.get_name()));
+                }
+            }
+        }
+        assert!(silent.is_empty(), "subcommands without a one-line help: {silent:?}");
+    }
 }
