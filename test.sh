@@ -2,7 +2,8 @@
 # Runs every test on a fresh machine, installing what the tests drive: the
 # stock Python clients (pika, Celery) in a virtual environment under
 # target/, Debian's Chromium and playwright-core for the browser test of
-# the web UI. Extra arguments go to `cargo test` (e.g. `./test.sh --test t40_amqp`).
+# the web UI. Formatting and clippy's lints are checked first. Extra
+# arguments go to `cargo test` (e.g. `./test.sh --test t40_amqp`).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -20,5 +21,9 @@ if ! command -v chromium >/dev/null; then
   $SUDO apt-get install -y -q chromium || { $SUDO apt-get update -q && $SUDO apt-get install -y -q chromium; }
 fi
 npm install --prefix tests/ui --no-audit --no-fund --silent
+
+# The code's form first: formatting and lints are part of the tests.
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
 
 exec cargo test --workspace "$@"

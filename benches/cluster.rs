@@ -46,7 +46,7 @@ async fn main() {
     let only = std::env::var("CASES").ok();
     let cases = [(100usize, 1usize), (100, 1000), (4096, 1), (4096, 1000)]
         .into_iter()
-        .filter(|(s, f)| only.as_ref().map_or(true, |o| o.split(',').any(|c| c == format!("{s}x{f}"))));
+        .filter(|(s, f)| only.as_ref().is_none_or(|o| o.split(',').any(|c| c == format!("{s}x{f}"))));
     for (case, (size, inflight)) in cases.enumerate() {
         let queue = format!("bench-{case}");
         nodes[0].declare_queue(&queue, vec![1, 2, 3]).await.unwrap();
@@ -80,14 +80,16 @@ async fn main() {
             total += t.await.unwrap();
         }
         let elapsed = start.elapsed().as_secs_f64();
-        let h = hist.lock().unwrap();
-        println!(
-            "| {size} B | {inflight} | {:.0} | {:.2} | {:.2} | {:.2} |",
-            total as f64 / elapsed,
-            h.value_at_quantile(0.50) as f64 / 1000.0,
-            h.value_at_quantile(0.99) as f64 / 1000.0,
-            h.max() as f64 / 1000.0
-        );
+        {
+            let h = hist.lock().unwrap();
+            println!(
+                "| {size} B | {inflight} | {:.0} | {:.2} | {:.2} | {:.2} |",
+                total as f64 / elapsed,
+                h.value_at_quantile(0.50) as f64 / 1000.0,
+                h.value_at_quantile(0.99) as f64 / 1000.0,
+                h.max() as f64 / 1000.0
+            );
+        }
         nodes[0].purge(&queue).await.unwrap();
     }
     for n in nodes {

@@ -41,9 +41,7 @@ impl Client {
             Err(ureq::Error::Status(code, r)) => {
                 let v: Value = r.into_json().unwrap_or(Value::Null);
                 let reason = v["reason"].as_str().unwrap_or("").to_string();
-                Err(CtlError::Api(match code {
-                    _ => format!("{method} {path}: {code} {} {reason}", v["error"].as_str().unwrap_or("")),
-                }))
+                Err(CtlError::Api(format!("{method} {path}: {code} {} {reason}", v["error"].as_str().unwrap_or(""))))
             }
             Err(e) => Err(CtlError::Transport { url, reason: e.to_string() }),
         }

@@ -185,12 +185,12 @@ async fn confirm_waits_for_the_slowest_replica() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     // ...but not confirmed: the slow mirror does not have it.
     assert!(!publisher.is_finished(), "confirm fired before the slow mirror had the message");
-    assert!(!bodies(&c.node(slow).local_messages("q3").await.unwrap()).contains(&b"held".to_vec()));
+    assert!(!bodies(&c.node(slow).local_messages("q3").await.unwrap()).contains(b"held".as_slice()));
 
     tracing::info!("--- release: the confirm follows the slow mirror's fsync");
     c.node(master).transport().control.unblock(slow);
     tokio::time::timeout(Duration::from_secs(10), publisher).await.expect("confirm after release").unwrap().unwrap();
-    assert!(bodies(&c.node(slow).local_messages("q3").await.unwrap()).contains(&b"held".to_vec()));
+    assert!(bodies(&c.node(slow).local_messages("q3").await.unwrap()).contains(b"held".as_slice()));
     c.shutdown().await;
 }
 
@@ -378,7 +378,7 @@ async fn unreachable_mirror_leaves_and_rejoins_the_synchronised_set() {
         m.queue_info("q4").unwrap().synchronised.contains(&slow)
     })
     .await;
-    assert!(bodies(&c.node(slow).local_messages("q4").await.unwrap()).contains(&b"b".to_vec()));
+    assert!(bodies(&c.node(slow).local_messages("q4").await.unwrap()).contains(b"b".as_slice()));
     c.shutdown().await;
 }
 

@@ -49,7 +49,7 @@ async fn policy_grows_and_shrinks_a_queue_without_losing_messages() {
     let nc = c.node(newcomer).clone();
     let mut has = false;
     for _ in 0..200 {
-        has = bodies(nc.local_messages("ha-q").await.unwrap()).contains(&b"m1".to_vec());
+        has = bodies(nc.local_messages("ha-q").await.unwrap()).contains(b"m1".as_slice());
         if has {
             break;
         }
@@ -58,7 +58,7 @@ async fn policy_grows_and_shrinks_a_queue_without_losing_messages() {
     assert!(has, "new mirror did not catch up with m1");
     common::publish_retrying(c.node(3), "ha-q", b"m2".to_vec()).await;
     for id in 1..=3 {
-        assert!(bodies(c.node(id).local_messages("ha-q").await.unwrap()).contains(&b"m2".to_vec()), "node {id}");
+        assert!(bodies(c.node(id).local_messages("ha-q").await.unwrap()).contains(b"m2".as_slice()), "node {id}");
     }
 
     tracing::info!("--- exactly 1: shrinks to one replica; the others drop their copy");

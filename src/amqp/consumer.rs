@@ -72,7 +72,7 @@ impl Consumer {
                 // next publish unless this node's replica shows messages
                 // ready (without a replica here, the master decides).
                 let ready = self.node.ready_hint(&self.queue);
-                let park = first && !ready.is_some_and(|r| r > 0);
+                let park = first && ready.is_none_or(|r| r == 0);
                 let worth = first || ready.is_some_and(|r| r > asked);
                 if !worth {
                     break;

@@ -175,7 +175,7 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
     };
     for k in ["message-ttl", "expires", "max-length", "max-length-bytes", "ha-sync-batch-size"] {
         if let Some(v) = obj.get(k) {
-            if !v.as_i64().is_some_and(|n| n >= 0) {
+            if v.as_i64().is_none_or(|n| n < 0) {
                 return Err(format!("{k} must be a non-negative integer"));
             }
         }

@@ -7,7 +7,7 @@ use super::names::{self, DEFAULT_VHOST};
 use super::policy::{self, Policy};
 use super::queue_args::QueueArgs;
 use super::routing::{builtin, Binding, ExchangeMeta};
-use crate::ids::{GroupId, NodeId, METADATA_GROUP};
+use crate::ids::{GroupId, NodeId};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeInfo {
@@ -241,7 +241,7 @@ impl MetaState {
                 if let Some(r) = replicas.iter().find(|r| !self.nodes.contains_key(r)) {
                     return MetaReply::Invalid(format!("node {r} is not a cluster member"));
                 }
-                self.next_group = self.next_group.max(METADATA_GROUP) + 1;
+                self.next_group += 1;
                 let q = QueueMeta {
                     name: name.clone(),
                     group: self.next_group,
@@ -479,6 +479,7 @@ impl MetaState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::METADATA_GROUP;
 
     fn decl(name: &str, replicas: Vec<NodeId>, durable: bool) -> MetaCmd {
         MetaCmd::DeclareQueue {

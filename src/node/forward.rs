@@ -127,7 +127,7 @@ impl Node {
                 Err(NodeError::NotLeader { leader }) => {
                     // Deleted meanwhile (its group gone on the master): say
                     // so now rather than look for a master until the deadline.
-                    if !self.metadata().queues.get(queue).is_some_and(|m| m.group == q.group) {
+                    if self.metadata().queues.get(queue).is_none_or(|m| m.group != q.group) {
                         return Err(NodeError::NoSuchQueue(queue.to_string()));
                     }
                     if Instant::now() >= deadline {

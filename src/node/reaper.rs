@@ -38,6 +38,9 @@ const EVERY: Duration = Duration::from_secs(1);
 /// How long a node may take to say which of its owners are alive.
 const ASK_LIMIT: Duration = Duration::from_millis(800);
 
+/// One mastered queue's unacked deliveries: `(group, queue, owner -> tags)`.
+type Held = (GroupId, String, BTreeMap<u64, Vec<u64>>);
+
 /// What the reaper knows between sweeps.
 #[derive(Default)]
 struct Absence {
@@ -84,7 +87,7 @@ impl Node {
             .filter(|g| g.raft.metrics().borrow().state == ServerState::Leader)
             .cloned()
             .collect();
-        let mut held: Vec<(GroupId, String, BTreeMap<u64, Vec<u64>>)> = Vec::new();
+        let mut held: Vec<Held> = Vec::new();
         for g in groups {
             let mut owners = g.sm.with(|m| m.held()).await;
             owners.retain(|o, _| owners::is_tracked(*o));
@@ -153,7 +156,7 @@ impl Node {
     /// made by a node that has not answered for the failure timeout, or by
     /// no node of the cluster), and which deliveries of the live ones their
     /// holder does not know.
-    async fn ask_owners(&self, held: &[(GroupId, String, BTreeMap<u64, Vec<u64>>)], absence: &mut Absence) -> Verdicts {
+    async fn ask_owners(&self, held: &[Held], absence: &mut Absence) -> Verdicts {
         // Per node bits, every owner's deliveries, queue by queue.
         let mut asks: BTreeMap<u16, Vec<(u64, String, Vec<u64>)>> = BTreeMap::new();
         let mut group_of: HashMap<(String, u64), GroupId> = HashMap::new();

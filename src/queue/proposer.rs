@@ -128,9 +128,7 @@ impl Batch {
 
 fn approx_size(cmds: &[QueueCmd]) -> usize {
     cmds.iter()
-        .map(|c| match c {
-            c => c.messages().map_or(32, |msgs| msgs.iter().map(|m| m.body.len() + m.properties.len() + 64).sum()),
-        })
+        .map(|c| c.messages().map_or(32, |msgs| msgs.iter().map(|m| m.body.len() + m.properties.len() + 64).sum()))
         .sum()
 }
 

@@ -61,7 +61,7 @@ struct Samples {
 
 impl Samples {
     fn record(&mut self, now: Instant, last: u64, timeout: Duration) {
-        if self.points.back().map_or(true, |(t, _)| now.duration_since(*t) >= Duration::from_millis(20)) {
+        if self.points.back().is_none_or(|(t, _)| now.duration_since(*t) >= Duration::from_millis(20)) {
             self.points.push_back((now, last));
         }
         // Keep exactly one point older than `timeout`: it is the threshold.
