@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 pub mod process;
+pub mod raw_amqp;
 
 use amq_protocol::protocol::basic::AMQPProperties;
 use mirrorq::message::encode_properties;
