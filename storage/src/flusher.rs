@@ -493,7 +493,7 @@ mod tests {
             if n < self.ok {
                 Ok(())
             } else {
-                Err(io::Error::new(io::ErrorKind::Other, "EIO (injected)"))
+                Err(io::Error::other("EIO (injected)"))
             }
         }
     }
