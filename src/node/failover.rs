@@ -387,14 +387,8 @@ impl Node {
         let raft_err = |e: openraft::StorageError<NodeId>| ServerError::Raft(e.to_string());
         let mut log = LogStore::new(self.inner.db.clone(), group);
         let log_state = log.get_log_state().await.map_err(raft_err)?;
-        let vote = log.read_vote().await.map_err(raft_err)?;
         let ids = log.log_ids().map_err(raft_err)?;
-        let term =
-            [vote.map_or(0, |v| v.leader_id.term), log_state.last_log_id.map_or(0, |l| l.leader_id.term), g.epoch.term]
-                .into_iter()
-                .max()
-                .unwrap_or(0)
-                + 1;
+        let term = log.highest_term().map_err(raft_err)?.max(g.epoch.term) + 1;
         let me = self.id();
         let epoch = Epoch { term, node: me };
         let record = ForkRecord::from_log(epoch, log_state.last_purged_log_id, ids);
