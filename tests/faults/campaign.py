@@ -40,6 +40,11 @@ USER, PASSWORD = "mqf", "mqf-campaign"
 RAFT_PORT, AMQP_PORT, HTTP_PORT = 25672, 5672, 15672
 CLIENT_HOST = 250  # the client namespace's last octet
 PUBLISH_STUCK_SECS = 60  # longer than any fault: a publish may rightly wait for a heal
+PREFETCH = 100  # each consumer's window of unacked deliveries
+# After a heal the minority's fork still serves until it learns that it
+# yields; what it confirms or delivers meanwhile counts as "during" the split.
+HEAL_GRACE_SECS = 10
+FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "restart", "move", "classic")
 THIS = os.path.abspath(__file__)
 TAG = f"mqf{os.getpid()}"
 
@@ -378,8 +383,10 @@ def plan(seed, args):
     kinds = {"kill9": 3, "kill9-unacked": 2, "sigstop": 2, "partition": 3, "restart": 2, "move": 1}
     if args.classic:
         kinds["classic"] = 1
+    if args.faults:
+        kinds = {k: w for k, w in kinds.items() if k in args.faults} or {k: 1 for k in args.faults}
     faults, t = [], rng.uniform(2, 5)
-    while t < args.duration:
+    while t < args.duration and kinds:
         kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
         f = {"kind": kind, "at": round(t, 1), "hold": round(rng.uniform(3, 20), 1), "gap": round(rng.uniform(1, 6), 1)}
         if kind in ("kill9", "sigstop"):
@@ -467,8 +474,10 @@ def run_fault(f, c, net, ctl):
                 net.cut(x, y)
         for i in c.nodes:
             c.nodes[i].note(f"partition {describe(f)}")
+        f["cut_at"] = now()
         c.sleep(f["hold"])
         net.heal()
+        f["healed_at"] = now()
         for i in c.nodes:
             c.nodes[i].note("healed")
     c.sleep(f["gap"])
@@ -785,6 +794,48 @@ def queue_of(mid):
     return parts[-2] if len(parts) >= 4 else None
 
 
+def minority_of(f, n):
+    """The nodes of a partition that could not reach a majority."""
+    bridge = 1 if f["bridge"] else 0
+    return sorted(i for s in f["sides"] if len(s) + bridge < n // 2 + 1 for i in s)
+
+
+def duplicate_bound(args, faults, out):
+    """The duplicates the issue allows. A partition may duplicate at most
+    what its minority side confirmed or delivered during it (the minority's
+    fork hands back what it confirmed; what it delivered the majority may
+    deliver again), plus the unacked windows of that side's consumers,
+    which the master gives back when their node stays unreachable. Every
+    other fault, and the final restart of every node, may give back every
+    affected consumer's unacked window (at least once, marked redelivered).
+    None when the run had the classic demo: the re-formed epoch then becomes
+    the queue, and the issue sets no bound for that."""
+    if any(f["kind"] == "classic" for f in faults):
+        return None
+    window = PREFETCH * len(QUEUES)  # one node's consumers
+    bound = window * args.nodes  # the final restarts
+    by_node = {}
+    for name in os.listdir(out):
+        m = re.match(r"(pub|cons)-n(\d+)-", name)
+        if m:
+            want = "C" if m.group(1) == "pub" else "D"
+            times = [float(r[1]) for r in read_lines(os.path.join(out, name)) if r and r[0] == want and len(r) >= 3]
+            by_node.setdefault(int(m.group(2)), []).extend(times)
+    for f in faults:
+        if f["kind"] == "partition":
+            if "cut_at" not in f:
+                continue
+            lo, hi = f["cut_at"], f.get("healed_at", f["cut_at"] + f["hold"]) + HEAL_GRACE_SECS
+            minority = minority_of(f, args.nodes)
+            bound += sum(1 for i in minority for t in by_node.get(i, []) if lo <= t <= hi)
+            bound += window * len(minority)
+        elif f["kind"] == "move":
+            bound += PREFETCH * args.nodes  # fq1's consumers
+        else:
+            bound += window * len(f["nodes"])
+    return bound
+
+
 def analyse(args, seed, root, faults, c, out, wedged, undrained):
     attempted, confirmed, errors = {}, {}, 0
     for f in sorted(os.listdir(out)):
@@ -811,14 +862,18 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained):
     dups = sum(n - 1 for n in delivered.values())
     stuck = sum(1 for l in read_lines(os.path.join(out, "watchdog.log")) if l and l[0] == "W")
     panics = [i for i, n in c.nodes.items() if "panicked" in open(n.log, errors="replace").read()]
-    ok = not lost and not unexpected and not wedged and not undrained
+    bound = duplicate_bound(args, faults, out)
+    if bound is not None and dups > bound:
+        c.anomalies.append(f"{dups} duplicates, more than the {bound} the faults allow")
+    ok = not lost and not unexpected and not wedged and not undrained and (bound is None or dups <= bound)
     if not confirmed:
         # Nothing confirmed means the workload never ran, not that all is well.
         c.anomalies.append(f"no publish was confirmed: see {os.path.join(root, 'clients.log')}")
         ok = False
     print(f"seed={seed} nodes={args.nodes} faults=[{', '.join(describe(f) for f in faults)}] "
           f"attempted={len(attempted)} confirmed={len(confirmed)} delivered_unique={len(delivered)} "
-          f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} wedged={len(wedged)} "
+          f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} "
+          f"duplicate_bound={'-' if bound is None else bound} wedged={len(wedged)} "
           f"undrained={sum(undrained.values())} client_errors={errors} stuck_publishes={stuck} "
           f"node_panics={len(panics)} result={'PASS' if ok else 'FAIL'}", flush=True)
     for a in c.anomalies + [f"n{i} log contains 'panicked'" for i in panics]:
@@ -864,8 +919,12 @@ def main():
                     help="stop draining when no delivery came for this long, even if queues count messages")
     ap.add_argument("--no-classic", dest="classic", action="store_false",
                     help="never kill all nodes but one (the classic demo)")
+    ap.add_argument("--faults", type=lambda s: s.split(","), default=None,
+                    help=f"only these fault kinds, comma-separated, of {','.join(FAULT_KINDS)}")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
+    if args.faults and not set(args.faults) <= set(FAULT_KINDS):
+        ap.error(f"--faults: unknown kind in {args.faults}; known: {','.join(FAULT_KINDS)}")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed if args.seed is not None else
                                                                          random.SystemRandom().randrange(10**6)]
     if os.geteuid() != 0:
