@@ -222,6 +222,10 @@ impl Node {
         self.call_master(g, head(plan).to_vec(), max_bytes, totals, Some(plan.progress(true))).await
     }
 
+    /// Ask the master this replica's Raft follows, and no other: a
+    /// redirect or a guess could reach the master of another epoch, whose
+    /// sequence numbers name other messages. So this is not
+    /// [`Node::forward`]; the catch-up loop tries again.
     async fn call_master(
         &self,
         g: &QueueGroup,

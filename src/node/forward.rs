@@ -1,7 +1,16 @@
 //! The one way to reach a queue's master or the metadata leader: run the
-//! operation here when this node leads, else send it over the node link,
-//! following redirects and retrying what was not sent.
+//! operation here when this node leads, else send it over the node link;
+//! follow the leader's hint or wait for an election, and try again until a
+//! deadline. One rule says what may be tried again: an operation that was
+//! not run (not the leader, not reached, stopped before applying it) goes
+//! again; one that was sent and got no answer goes again only if running it
+//! twice does no harm ([`Resend`]).
+//!
+//! Catch-up and hand-back do not come here: they must reach the master of
+//! one epoch (their replica's own, or the newer one), and a redirect or a
+//! guess could reach another epoch's master.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use openraft::error::{ClientWriteError, RaftError};
@@ -16,7 +25,135 @@ use crate::queue::proposer::{Answer, Lane};
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::types::{Request, Response};
 
+/// The leader an operation must run at.
+#[derive(Clone, Copy)]
+pub(super) enum Leader<'a> {
+    /// The master of this queue.
+    Of(&'a QueueMeta),
+    /// The leader of the metadata group.
+    Metadata,
+}
+
+/// Whether an operation that was sent and got no answer may be sent again.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Resend {
+    /// It may have run: running it again would do it twice (a publish
+    /// stored twice, a get that takes more). The caller is told instead.
+    Never,
+    /// Reads, and changes that find their target state already reached.
+    Safe,
+}
+
+/// How one attempt at one node went.
+pub(super) enum Attempt<T> {
+    /// Run there, with this result.
+    Done(Result<T, NodeError>),
+    /// Not run there: not the leader (and maybe who is), not reached, or
+    /// stopped before applying it.
+    Elsewhere(Option<NodeId>),
+    /// Sent, and no answer came: it may have run.
+    Unanswered(String),
+}
+
+impl<T> Attempt<T> {
+    /// A leader's answer: "not the leader" means try elsewhere.
+    pub(super) fn answered(r: Result<T, NodeError>) -> Self {
+        match r {
+            Err(NodeError::NotLeader { leader }) => Attempt::Elsewhere(leader),
+            r => Attempt::Done(r),
+        }
+    }
+
+    /// A node link call that did not get an answer.
+    pub(super) fn failed(e: CallError) -> Self {
+        match e {
+            CallError::Unreachable(..) => Attempt::Elsewhere(None),
+            CallError::Encode(e) => Attempt::Done(Err(NodeError::Invalid(e.to_string()))),
+            e @ (CallError::Timeout(_) | CallError::Closed(_)) => Attempt::Unanswered(e.to_string()),
+        }
+    }
+
+    /// The rule: `Ok(hint)` to try again (at the hinted leader if any),
+    /// `Err(result)` to stop with it.
+    fn again(self, resend: Resend) -> Result<Option<NodeId>, Result<T, NodeError>> {
+        match self {
+            Attempt::Done(r) => Err(r),
+            Attempt::Unanswered(why) if resend == Resend::Never => Err(Err(NodeError::Unavailable(why))),
+            Attempt::Unanswered(_) => Ok(None),
+            Attempt::Elsewhere(hint) => Ok(hint),
+        }
+    }
+}
+
+/// How long to wait for an election before trying again: it ends the wait
+/// as soon as a new leader is known, so this bounds only a wait in vain.
+fn patience(tries: u32) -> Duration {
+    Duration::from_millis(50 * u64::from(tries.min(10)))
+}
+
 impl Node {
+    /// Run `attempt` at `leader` until it is run there or `deadline`
+    /// passes. `attempt(target)` runs the operation locally when `target` is
+    /// this node, else sends it to `target`.
+    pub(super) async fn forward<T, F, Fut>(
+        &self,
+        leader: Leader<'_>,
+        resend: Resend,
+        deadline: Instant,
+        mut attempt: F,
+    ) -> Result<T, NodeError>
+    where
+        F: FnMut(NodeId) -> Fut,
+        Fut: Future<Output = Attempt<T>>,
+    {
+        let mut target = match leader {
+            Leader::Of(q) => Some(self.leader_guess(q)),
+            Leader::Metadata => self.inner.meta_raft.metrics().borrow().current_leader,
+        };
+        let mut tries = 0u32;
+        loop {
+            let outcome = match target {
+                Some(t) => attempt(t).await,
+                None => Attempt::Elsewhere(None),
+            };
+            let hint = match outcome.again(resend) {
+                Ok(hint) => hint,
+                Err(r) => {
+                    if let (Ok(_), Leader::Of(q), Some(t)) = (&r, leader, target) {
+                        self.inner.hints.lock().expect("poisoned").insert(q.group, t);
+                    }
+                    return r;
+                }
+            };
+            if let Leader::Of(q) = leader {
+                // Deleted meanwhile (its group gone on the master): say so
+                // now rather than look for a master until the deadline.
+                if self.metadata().queues.get(&q.name).is_none_or(|m| m.group != q.group) {
+                    return Err(NodeError::NoSuchQueue(q.name.clone()));
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(NodeError::Unavailable(match leader {
+                    Leader::Of(q) => format!("no master of '{}' reachable", q.name),
+                    Leader::Metadata => "no metadata majority reachable".into(),
+                }));
+            }
+            tries += 1;
+            target = match hint {
+                Some(l) if Some(l) != target => Some(l),
+                _ => match leader {
+                    // No hint: wait for an election, then try the new master
+                    // or else the next replica.
+                    Leader::Of(q) => Some(match self.new_leader(q.group, target, patience(tries)).await {
+                        Some(l) => l,
+                        None => q.replicas[tries as usize % q.replicas.len()],
+                    }),
+                    Leader::Metadata => self.new_meta_leader(target, patience(tries)).await,
+                },
+            };
+        }
+    }
+
     /// Start queue operations at the queue's master and return the wait for
     /// their replies. Operations started one after another (awaiting each
     /// start) reach the queue's log in that order, as AMQP requires for one
@@ -28,50 +165,57 @@ impl Node {
 
     /// [`Node::submit`] in `lane` at the master: [`Lane::Consumer`] for a
     /// consumer's settlements, which need not wait behind queued publishes.
+    ///
+    /// The first attempt is started here, in call order, at the master this
+    /// node knows of; whatever it cannot settle goes through
+    /// [`Node::forward`] ([`Node::queue_op`]).
     pub async fn submit_in(&self, queue: &str, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Submitted, NodeError> {
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.to_string()))?;
         let target = self.leader_guess(&q);
-        let fast: Option<Result<Answer, NodeError>> =
-            if target == self.id() { Some(self.inner.local_enqueue(q.group, cmds.clone(), lane).await) } else { None };
+        let (started, cmds) = if target == self.id() {
+            (self.inner.local_enqueue(q.group, cmds.clone(), lane).await.ok().map(Started::Here), cmds)
+        } else {
+            self.start_at(target, q.group, cmds, lane).await
+        };
         let node = self.clone();
         let queue = queue.to_string();
-        match fast {
-            Some(Ok(answer)) => Ok(Box::pin(async move {
-                match answer.await.unwrap_or(Err(NodeError::Stopped)) {
-                    Err(NodeError::NotLeader { .. }) => node.queue_op_in(&queue, cmds, lane).await,
-                    other => other,
-                }
-            })),
-            Some(Err(_)) => Ok(Box::pin(async move { node.queue_op_in(&queue, cmds, lane).await })),
-            None => {
-                let addr =
-                    if self.inner.transport.control.is_blocked(target) { None } else { self.inner.addr_of(target) };
-                let Some(addr) = addr else {
-                    return Ok(Box::pin(async move { node.queue_op_in(&queue, cmds, lane).await }));
-                };
-                let req = RpcRequest::Queue { group: q.group, cmds, lane };
-                match self.inner.transport.start_call(&addr, &req).await {
-                    Ok(rx) => {
-                        let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
-                        let timeout = self.inner.timing.op_timeout;
-                        Ok(Box::pin(async move {
-                            match tokio::time::timeout(timeout, rx).await {
-                                Ok(Ok(RpcResponse::Queue(Err(NodeError::NotLeader { .. })))) => {
-                                    node.queue_op_in(&queue, cmds, lane).await
-                                }
-                                Ok(Ok(RpcResponse::Queue(r))) => r,
-                                Ok(Ok(other)) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-                                Ok(Err(_)) => Err(NodeError::Unavailable(format!("connection to {addr} lost"))),
-                                Err(_) => Err(NodeError::Unavailable(format!("no answer from {addr} in time"))),
-                            }
-                        }))
-                    }
-                    Err(_) => {
-                        let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
-                        Ok(Box::pin(async move { node.queue_op_in(&queue, cmds, lane).await }))
-                    }
-                }
+        let timeout = self.inner.timing.op_timeout;
+        Ok(Box::pin(async move {
+            let first = match started {
+                Some(Started::Here(answer)) => Attempt::answered(answer.await.unwrap_or(Err(NodeError::Stopped))),
+                Some(Started::There(addr, rx)) => match tokio::time::timeout(timeout, rx).await {
+                    Ok(Ok(RpcResponse::Queue(r))) => Attempt::answered(r),
+                    Ok(Ok(other)) => Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
+                    Ok(Err(_)) => Attempt::Unanswered(format!("connection to {addr} lost")),
+                    Err(_) => Attempt::Unanswered(format!("no answer from {addr} in time")),
+                },
+                None => Attempt::Elsewhere(None),
+            };
+            match first {
+                Attempt::Done(r) => r,
+                Attempt::Unanswered(why) => Err(NodeError::Unavailable(why)),
+                Attempt::Elsewhere(_) => node.queue_op_in(&queue, cmds, lane).await,
             }
+        }))
+    }
+
+    /// Send queue operations to `target` without waiting for the answer;
+    /// `None` (and the operations back) if they could not be sent.
+    async fn start_at(
+        &self,
+        target: NodeId,
+        group: GroupId,
+        cmds: Vec<QueueCmd>,
+        lane: Lane,
+    ) -> (Option<Started>, Vec<QueueCmd>) {
+        let addr = if self.inner.transport.control.is_blocked(target) { None } else { self.inner.addr_of(target) };
+        let Some(addr) = addr else { return (None, cmds) };
+        let req = RpcRequest::Queue { group, cmds, lane };
+        let started = self.inner.transport.start_call(&addr, &req).await;
+        let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
+        match started {
+            Ok(rx) => (Some(Started::There(addr, rx)), cmds),
+            Err(_) => (None, cmds),
         }
     }
 
@@ -89,78 +233,47 @@ impl Node {
     ) -> Result<Vec<QueueReply>, NodeError> {
         let deadline = Instant::now() + self.inner.timing.op_timeout;
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.to_string()))?;
-        let mut target = self.leader_guess(&q);
-        let mut attempt = 0usize;
-        loop {
-            let result = if target == self.id() {
-                self.inner.local_queue_op(q.group, cmds.clone(), lane).await
+        let gets = cmds.iter().any(|c| matches!(c, QueueCmd::Get { .. }));
+        let (cmds, q) = (&cmds, &q);
+        self.forward(Leader::Of(q), Resend::Never, deadline, |target| async move {
+            let (result, here) = if target == self.id() {
+                (self.inner.local_queue_op(q.group, cmds.clone(), lane).await, true)
             } else {
                 let req = RpcRequest::Queue { group: q.group, cmds: cmds.clone(), lane };
                 match self.inner.call(target, &req, deadline).await {
-                    Ok(RpcResponse::Queue(r)) => r,
-                    Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-                    // Not sent: safe to try elsewhere.
-                    Err(CallError::Unreachable(..)) => Err(NodeError::NotLeader { leader: None }),
-                    // Sent, outcome unknown: the caller decides whether to resend.
-                    Err(e) => Err(NodeError::Unavailable(e.to_string())),
+                    Ok(RpcResponse::Queue(r)) => (r, false),
+                    Ok(other) => return Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
+                    Err(e) => return Attempt::failed(e),
                 }
-            };
-            // A replica that stopped under the operation (re-forming,
-            // healing, moved away) is about to be replaced: look for the
-            // master again. Unless the operation takes messages: it may
-            // have been applied before the stop, and a second get would
-            // take more (an auto-ack get's first messages were lost so).
-            // (A replica here that stopped to re-form or heal drops the gets
-            // it never applied: those may go again.)
-            let takes = cmds.iter().any(|c| matches!(c, QueueCmd::Get { .. }))
-                && !(target == self.id() && self.inner.busy.lock().expect("poisoned").contains(&q.group));
-            let result = match result {
-                Err(NodeError::Stopped) if takes => Err(NodeError::Unavailable(format!(
-                    "the master of '{queue}' stopped with the get in flight; it may have been served"
-                ))),
-                Err(NodeError::Stopped) if !self.inner.stop.is_cancelled() => {
-                    Err(NodeError::NotLeader { leader: None })
-                }
-                other => other,
             };
             match result {
-                Err(NodeError::NotLeader { leader }) => {
-                    // Deleted meanwhile (its group gone on the master): say
-                    // so now rather than look for a master until the deadline.
-                    if self.metadata().queues.get(queue).is_none_or(|m| m.group != q.group) {
-                        return Err(NodeError::NoSuchQueue(queue.to_string()));
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(NodeError::Unavailable(format!("no master of '{queue}' reachable")));
-                    }
-                    attempt += 1;
-                    target = match leader {
-                        Some(l) if l != target => l,
-                        _ => {
-                            // No hint: wait for an election, then try the
-                            // new master or else the next replica.
-                            let wait = Duration::from_millis(50 * attempt.min(10) as u64);
-                            match self.new_leader(q.group, target, wait).await {
-                                Some(l) => l,
-                                None => q.replicas[attempt % q.replicas.len()],
-                            }
-                        }
-                    };
+                // A replica that stopped under the operation (re-forming,
+                // healing, moved away) is about to be replaced: look for the
+                // master again. Unless the operation takes messages: it may
+                // have been applied before the stop, and a second get would
+                // take more (an auto-ack get's first messages were lost so).
+                // A replica here that stopped to re-form or heal drops the
+                // gets it never applied: those may go again.
+                Err(NodeError::Stopped)
+                    if gets && !(here && self.inner.busy.lock().expect("poisoned").contains(&q.group)) =>
+                {
+                    Attempt::Done(Err(NodeError::Unavailable(format!(
+                        "the master of '{}' stopped with the get in flight; it may have been served",
+                        q.name
+                    ))))
                 }
-                Ok(r) => {
-                    self.inner.hints.lock().expect("poisoned").insert(q.group, target);
-                    return Ok(r);
-                }
-                Err(e) => return Err(e),
+                Err(NodeError::Stopped) if !self.inner.stop.is_cancelled() => Attempt::Elsewhere(None),
+                r => Attempt::answered(r),
             }
-        }
+        })
+        .await
     }
 
     /// A leader of `group` other than `not`, as this node's replica learns
     /// of it within `wait` (at once when an election ends: a publisher
     /// waiting out a failover goes on as soon as there is a new master,
     /// not at its next retry). `None` after `wait` or without a replica here.
-    pub(super) async fn new_leader(&self, group: GroupId, not: NodeId, wait: Duration) -> Option<NodeId> {
+    pub(super) async fn new_leader(&self, group: GroupId, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
         let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
         let Some(g) = g else {
             tokio::time::sleep(wait).await;
@@ -168,10 +281,29 @@ impl Node {
         };
         let mut metrics = g.raft.metrics();
         let found = tokio::time::timeout(wait, async {
-            metrics.wait_for(|m| m.current_leader.is_some_and(|l| l != not)).await.ok().and_then(|m| m.current_leader)
+            metrics
+                .wait_for(|m| m.current_leader.is_some_and(|l| Some(l) != not))
+                .await
+                .ok()
+                .and_then(|m| m.current_leader)
         })
         .await;
         found.ok().flatten()
+    }
+
+    /// The metadata leader once it is another than `not`, or whichever this
+    /// node knows of after `wait`.
+    async fn new_meta_leader(&self, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
+        let mut metrics = self.inner.meta_raft.metrics();
+        let found = tokio::time::timeout(wait, async {
+            metrics
+                .wait_for(|m| m.current_leader.is_some_and(|l| Some(l) != not))
+                .await
+                .ok()
+                .and_then(|m| m.current_leader)
+        })
+        .await;
+        found.ok().flatten().or_else(|| self.inner.meta_raft.metrics().borrow().current_leader)
     }
 
     pub(super) fn leader_guess(&self, q: &QueueMeta) -> NodeId {
@@ -212,41 +344,34 @@ impl Node {
     /// node has applied it (so local reads see the change).
     pub async fn meta_write(&self, cmd: MetaCmd) -> Result<MetaReply, NodeError> {
         let deadline = Instant::now() + self.inner.timing.op_timeout;
-        let mut attempt = 0u64;
-        loop {
-            let leader = self.inner.meta_raft.metrics().borrow().current_leader;
-            let result = match leader {
-                Some(l) if l == self.id() => self.inner.local_meta_write(cmd.clone()).await,
-                Some(l) => match self.inner.call(l, &RpcRequest::Meta { cmd: cmd.clone() }, deadline).await {
-                    Ok(RpcResponse::Meta(r)) => r,
-                    Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-                    Err(CallError::Unreachable(..)) => Err(NodeError::NotLeader { leader: None }),
-                    Err(e) => Err(NodeError::Unavailable(e.to_string())),
-                },
-                None => Err(NodeError::NotLeader { leader: None }),
-            };
-            match result {
-                Ok((reply, index)) => {
-                    let wait = deadline.saturating_duration_since(Instant::now());
-                    self.inner
-                        .meta_raft
-                        .wait(Some(wait))
-                        .applied_index_at_least(Some(index), "metadata change applied locally")
-                        .await
-                        .map_err(|e| NodeError::Unavailable(e.to_string()))?;
-                    return Ok(reply);
+        let cmd = &cmd;
+        let (reply, index) = self
+            .forward(Leader::Metadata, Resend::Never, deadline, |target| async move {
+                if target == self.id() {
+                    return Attempt::answered(self.inner.local_meta_write(cmd.clone()).await);
                 }
-                Err(NodeError::NotLeader { .. }) if Instant::now() < deadline => {
-                    attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(20 * attempt.min(10))).await;
+                match self.inner.call(target, &RpcRequest::Meta { cmd: cmd.clone() }, deadline).await {
+                    Ok(RpcResponse::Meta(r)) => Attempt::answered(r),
+                    Ok(other) => Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
+                    Err(e) => Attempt::failed(e),
                 }
-                Err(NodeError::NotLeader { .. }) => {
-                    return Err(NodeError::Unavailable("no metadata majority reachable".into()))
-                }
-                Err(e) => return Err(e),
-            }
-        }
+            })
+            .await?;
+        let wait = deadline.saturating_duration_since(Instant::now());
+        self.inner
+            .meta_raft
+            .wait(Some(wait))
+            .applied_index_at_least(Some(index), "metadata change applied locally")
+            .await
+            .map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        Ok(reply)
     }
+}
+
+/// The first attempt of [`Node::submit_in`], started and not yet answered.
+enum Started {
+    Here(Answer),
+    There(String, tokio::sync::oneshot::Receiver<RpcResponse>),
 }
 
 impl Inner {
@@ -314,5 +439,36 @@ impl Inner {
             }
             Err(e) => Err(NodeError::Unavailable(e.to_string())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn again(a: Attempt<u8>, resend: Resend) -> Result<Option<NodeId>, Result<u8, NodeError>> {
+        a.again(resend)
+    }
+
+    #[test]
+    fn what_was_sent_and_unanswered_goes_again_only_when_safe() {
+        let timeout = || Attempt::<u8>::failed(CallError::Timeout("n2".into()));
+        let closed = || Attempt::<u8>::failed(CallError::Closed("n2".into()));
+        assert!(matches!(again(timeout(), Resend::Never), Err(Err(NodeError::Unavailable(_)))));
+        assert!(matches!(again(closed(), Resend::Never), Err(Err(NodeError::Unavailable(_)))));
+        assert!(matches!(again(timeout(), Resend::Safe), Ok(None)));
+        assert!(matches!(again(closed(), Resend::Safe), Ok(None)));
+    }
+
+    #[test]
+    fn what_was_not_run_goes_again_to_the_leader_named() {
+        let unreachable = Attempt::<u8>::failed(CallError::Unreachable("n2".into(), "refused".into()));
+        assert!(matches!(again(unreachable, Resend::Never), Ok(None)));
+        let refused = Attempt::<u8>::answered(Err(NodeError::NotLeader { leader: Some(3) }));
+        assert!(matches!(again(refused, Resend::Never), Ok(Some(3))));
+        let done = Attempt::answered(Ok(7));
+        assert!(matches!(again(done, Resend::Never), Err(Ok(7))));
+        let failed = Attempt::<u8>::answered(Err(NodeError::NoSuchQueue("q".into())));
+        assert!(matches!(again(failed, Resend::Safe), Err(Err(NodeError::NoSuchQueue(_)))));
     }
 }

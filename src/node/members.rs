@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use openraft::{BasicNode, ChangeMembers};
 
+use super::forward::{Attempt, Leader, Resend};
 use super::Node;
 use crate::error::NodeError;
 use crate::ids::NodeId;
@@ -114,35 +115,26 @@ impl Node {
     }
 
     /// Run `local` if this node leads the metadata group, else send `req`
-    /// to the leader; retry while the leader is unknown or moves.
+    /// to the leader. Joining and forgetting find their work done when it
+    /// was (a member is not added twice, a forgotten node is not found), so
+    /// a request that got no answer may go again.
     async fn at_meta_leader<F, Fut>(&self, req: RpcRequest, local: F) -> Result<(), NodeError>
     where
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Result<(), NodeError>>,
     {
         let deadline = Instant::now() + self.inner.timing.op_timeout;
-        let mut attempt = 0u64;
-        loop {
-            let leader = self.inner.meta_raft.metrics().borrow().current_leader;
-            let result = match leader {
-                Some(l) if l == self.id() => local().await,
-                Some(l) => match self.inner.call(l, &req, deadline).await {
-                    Ok(RpcResponse::Member(r)) => r,
-                    Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-                    Err(_) => Err(NodeError::NotLeader { leader: None }),
-                },
-                None => Err(NodeError::NotLeader { leader: None }),
-            };
-            match result {
-                Err(NodeError::NotLeader { .. }) if Instant::now() < deadline => {
-                    attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(50 * attempt.min(10))).await;
-                }
-                Err(NodeError::NotLeader { .. }) => {
-                    return Err(NodeError::Unavailable("no metadata majority reachable".into()))
-                }
-                other => return other,
+        let (req, local) = (&req, &local);
+        self.forward(Leader::Metadata, Resend::Safe, deadline, |target| async move {
+            if target == self.id() {
+                return Attempt::answered(local().await);
             }
-        }
+            match self.inner.call(target, req, deadline).await {
+                Ok(RpcResponse::Member(r)) => Attempt::answered(r),
+                Ok(other) => Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
+                Err(e) => Attempt::failed(e),
+            }
+        })
+        .await
     }
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use mirrorq_storage::SmSpace;
 
+use super::forward::{Attempt, Leader, Resend};
 use super::{Node, QueueGroup};
 use crate::api::{GroupRaftMetrics, QueueInfo};
 use crate::clients::{ConnectionInfo, ConsumerInfo};
@@ -22,28 +23,26 @@ impl Node {
     /// over the node link when the master is elsewhere.
     pub async fn master_view(&self, name: &str) -> Result<QueueInfo, NodeError> {
         let q = self.find_queue(name).await?;
-        let mut target = self.leader_guess(&q);
-        for _ in 0..3 {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        self.forward(Leader::Of(&q), Resend::Safe, deadline, |target| async move {
             let info = if target == self.id() {
-                self.queue_info(name)?
+                self.queue_info(name)
             } else {
-                let deadline = Instant::now() + Duration::from_secs(2);
-                match self
-                    .inner
-                    .call(target, &RpcRequest::Client(ClientRequest::QueueInfo { name: name.into() }), deadline)
-                    .await
-                {
-                    Ok(RpcResponse::Client(Ok(ClientReply::QueueInfo(i)))) => i,
-                    Ok(RpcResponse::Client(Err(e))) => return Err(e),
-                    _ => return Err(NodeError::Unavailable(format!("node {target} did not answer"))),
+                let req = RpcRequest::Client(ClientRequest::QueueInfo { name: name.into() });
+                match self.inner.call(target, &req, deadline).await {
+                    Ok(RpcResponse::Client(Ok(ClientReply::QueueInfo(i)))) => Ok(i),
+                    Ok(RpcResponse::Client(Err(e))) => Err(e),
+                    Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+                    Err(e) => return Attempt::failed(e),
                 }
             };
-            match info.leader {
-                Some(l) if l != target && info.local => target = l,
-                _ => return Ok(info),
+            match info {
+                // A replica that knows of another master: ask that one.
+                Ok(i) if i.local && i.leader.is_some_and(|l| l != target) => Attempt::Elsewhere(i.leader),
+                r => Attempt::Done(r),
             }
-        }
-        Err(NodeError::Unavailable(format!("no master of '{name}' found")))
+        })
+        .await
     }
 
     /// Memory and disk readings of node `id` (this one's own, or asked over
