@@ -50,9 +50,12 @@ pub struct NetControl {
 }
 
 impl NetControl {
+    /// Hold back every call to `peer` (a test's one-way cut).
+    #[cfg(feature = "test-hooks")]
     pub fn block(&self, peer: NodeId) {
         self.blocked.write().expect("poisoned").insert(peer);
     }
+    #[cfg(feature = "test-hooks")]
     pub fn unblock(&self, peer: NodeId) {
         self.blocked.write().expect("poisoned").remove(&peer);
     }

@@ -50,6 +50,7 @@ impl Node {
             &DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes },
         )?;
         tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
+        #[cfg(feature = "test-hooks")]
         if cfg.crash_image {
             db.keep_crash_image().map_err(|e| ServerError::Config(format!("crash image: {e}")))?;
         }
@@ -220,25 +221,6 @@ impl Node {
         if let Err(e) = self.inner.db.flusher().sync().await {
             tracing::error!(error = %e, "final sync failed");
         }
-    }
-
-    /// Stop abruptly, as a crash would: tasks end, connections drop, no
-    /// final sync or handover happens, and storage loses everything not
-    /// synced (the write-ahead log is cut back to its last sync, sled's
-    /// memory is lost, and with `crash_image` so is what sled wrote since
-    /// its last sync). For in-process failure tests; the node's handles
-    /// must not be used afterwards.
-    pub async fn crash(&self) {
-        self.inner.stop.cancel();
-        self.inner.transport.close_all();
-        if let Err(e) = self.inner.db.crash_for_tests() {
-            tracing::error!(error = %e, "crash of the storage failed");
-        }
-        let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
-        for g in groups {
-            let _ = g.raft.shutdown().await;
-        }
-        let _ = self.inner.meta_raft.shutdown().await;
     }
 
     pub(super) fn spawn_fatal_watch(&self) {

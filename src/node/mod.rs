@@ -50,6 +50,8 @@ mod reaper;
 mod rebalance;
 mod reconcile;
 mod split;
+#[cfg(feature = "test-hooks")]
+mod test_hooks;
 mod told;
 mod views;
 
@@ -83,8 +85,8 @@ pub struct NodeConfig {
     /// Free disk below which publishers are blocked.
     pub disk_free_limit: u64,
     /// Keep a copy of sled's file as of its last sync, so that
-    /// [`Node::crash`] loses what a power cut would (tests only).
-    #[doc(hidden)]
+    /// `Node::crash` loses what a power cut would.
+    #[cfg(feature = "test-hooks")]
     pub crash_image: bool,
 }
 
@@ -133,6 +135,7 @@ impl NodeConfig {
             sync_batch_bytes: 1 << 20,
             memory_high_watermark: Watermark::default(),
             disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
+            #[cfg(feature = "test-hooks")]
             crash_image: false,
         }
     }
@@ -262,9 +265,6 @@ impl Node {
     /// The metadata, announced on every applied change.
     pub fn watch_metadata(&self) -> watch::Receiver<Arc<MetaState>> {
         self.inner.meta.clone()
-    }
-    pub fn metadata_raft(&self) -> &Raft {
-        &self.inner.meta_raft
     }
     /// Cancelled when the node stops (shutdown or a fatal disk error).
     pub fn stopped(&self) -> CancellationToken {

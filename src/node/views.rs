@@ -6,8 +6,6 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mirrorq_storage::SmSpace;
-
 use super::forward::{Attempt, Leader, Resend};
 use super::{Node, QueueGroup};
 use crate::api::{GroupRaftMetrics, QueueInfo};
@@ -15,8 +13,7 @@ use crate::clients::{ConnectionInfo, ConsumerInfo};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
-use crate::queue::{sync, Message, QueueCmd, QueueMachine};
-use crate::raft::types::{LogStore, Request};
+use crate::queue::sync;
 
 impl Node {
     /// The queue as its master sees it (counts, synchronised mirrors), asked
@@ -141,47 +138,5 @@ impl Node {
             }
         }
         Ok(info)
-    }
-
-    /// Number of message bodies in this replica's applied state for `queue`.
-    pub fn local_stored_count(&self, queue: &str) -> Result<usize, NodeError> {
-        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
-        QueueMachine::stored_messages(&SmSpace::new(self.inner.db.clone(), q.group))
-            .map(|m| m.len())
-            .map_err(|e| NodeError::Unavailable(e.to_string()))
-    }
-
-    /// Number of log entries this replica keeps for `queue` (not yet purged).
-    pub async fn local_log_len(&self, queue: &str) -> Result<usize, NodeError> {
-        use openraft::storage::RaftLogStorage;
-        use openraft::RaftLogReader;
-        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
-        let mut log = LogStore::new(self.inner.db.clone(), q.group);
-        let mut reader = log.get_log_reader().await;
-        let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
-        Ok(entries.len())
-    }
-
-    /// Every message this replica holds for `queue`: in its applied state and
-    /// in its log, whether applied yet or not. Reads only the local disk.
-    pub async fn local_messages(&self, queue: &str) -> Result<Vec<Message>, NodeError> {
-        use openraft::storage::RaftLogStorage;
-        use openraft::RaftLogReader;
-        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
-        let mut out = QueueMachine::stored_messages(&SmSpace::new(self.inner.db.clone(), q.group))
-            .map_err(|e| NodeError::Unavailable(e.to_string()))?;
-        let mut log = LogStore::new(self.inner.db.clone(), q.group);
-        let mut reader = log.get_log_reader().await;
-        let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
-        for e in entries {
-            if let openraft::EntryPayload::Normal(Request::Queue(cmds)) = e.payload {
-                for c in std::sync::Arc::unwrap_or_clone(cmds) {
-                    if let QueueCmd::Enqueue { msgs } | QueueCmd::EnqueueExpiring { msgs, .. } = c {
-                        out.extend(msgs);
-                    }
-                }
-            }
-        }
-        Ok(out)
     }
 }

@@ -60,7 +60,8 @@ struct Inner {
     fatal: tokio::sync::watch::Receiver<Option<String>>,
     /// Set by [`NodeDb::crash_for_tests`].
     crashed: AtomicBool,
-    /// See [`NodeDb::keep_crash_image`].
+    /// See `NodeDb::keep_crash_image`.
+    #[cfg(any(test, feature = "test-hooks"))]
     crash_image: CrashImage,
     /// Held for the life of the process: a second process on the same dir is refused.
     _lock: File,
@@ -123,6 +124,7 @@ impl NodeDb {
                 flusher_thread: Mutex::new(Some(flusher_thread)),
                 fatal,
                 crashed: AtomicBool::new(false),
+                #[cfg(any(test, feature = "test-hooks"))]
                 crash_image,
                 _lock: lock,
             }),
@@ -288,7 +290,7 @@ impl NodeDb {
     /// (without it, what sled wrote to its file unsynced survives, as
     /// after `kill -9`). Costs a read of the whole file per sled sync: for
     /// tests only. The first copy is the file as it is now.
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn keep_crash_image(&self) -> std::io::Result<()> {
         let image = std::fs::read(self.inner.path.join("sled").join("db"))?;
         *self.inner.crash_image.lock().expect("poisoned") = Some(image);
@@ -319,7 +321,7 @@ impl NodeDb {
     /// of those writes, as a disk may keep some unsynced blocks. Every
     /// clone of this handle must be dropped afterwards, not used: its
     /// writes go nowhere and its reads may fail.
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn crash_for_tests(&self) -> std::io::Result<()> {
         let inner = &self.inner;
         if inner.crashed.swap(true, Ordering::AcqRel) {
@@ -344,6 +346,7 @@ impl NodeDb {
 /// Point every descriptor this process has open on `path` at `/dev/null`:
 /// whatever is written through them goes nowhere, and their lock on the
 /// file is released (its open file description is closed).
+#[cfg(any(test, feature = "test-hooks"))]
 fn detach(path: &Path) -> std::io::Result<()> {
     let target = std::fs::canonicalize(path)?;
     let null = OpenOptions::new().read(true).write(true).open("/dev/null")?;

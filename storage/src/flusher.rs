@@ -201,6 +201,7 @@ impl Flusher {
     /// Ask the thread to exit as if the process died: a sync under way
     /// ends, nothing is synced after it, and every waiter, present or
     /// later, fails.
+    #[cfg(any(test, feature = "test-hooks"))]
     pub(crate) fn crash_for_tests(&self) {
         self.failed.store(true, Ordering::Release);
         // Under the lock, so that a flusher waiting for held syncs cannot

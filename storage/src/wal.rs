@@ -782,6 +782,7 @@ impl Wal {
     /// loses what was written to it after its last sync (cut back to its
     /// synced length), and the log refuses everything from now on. File
     /// names (new segments, spares) stay as they are.
+    #[cfg(any(test, feature = "test-hooks"))]
     pub(crate) fn crash_for_tests(&self) -> Result<(), WalError> {
         let mut inner = self.lock();
         inner.failed = true;

@@ -1,0 +1,78 @@
+//! What tests and benches use to look inside a node and to crash it; built
+//! only with the `test-hooks` feature (the dev-dependencies turn it on).
+
+use mirrorq_storage::SmSpace;
+
+use super::Node;
+use crate::error::NodeError;
+use crate::message::Message;
+use crate::queue::{QueueCmd, QueueMachine};
+use crate::raft::types::{LogStore, Raft, Request};
+
+impl Node {
+    /// The metadata group's Raft handle.
+    pub fn metadata_raft(&self) -> &Raft {
+        &self.inner.meta_raft
+    }
+
+    /// Number of message bodies in this replica's applied state for `queue`.
+    pub fn local_stored_count(&self, queue: &str) -> Result<usize, NodeError> {
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        QueueMachine::stored_messages(&SmSpace::new(self.inner.db.clone(), q.group))
+            .map(|m| m.len())
+            .map_err(|e| NodeError::Unavailable(e.to_string()))
+    }
+
+    /// Number of log entries this replica keeps for `queue` (not yet purged).
+    pub async fn local_log_len(&self, queue: &str) -> Result<usize, NodeError> {
+        use openraft::storage::RaftLogStorage;
+        use openraft::RaftLogReader;
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let mut log = LogStore::new(self.inner.db.clone(), q.group);
+        let mut reader = log.get_log_reader().await;
+        let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        Ok(entries.len())
+    }
+
+    /// Every message this replica holds for `queue`: in its applied state and
+    /// in its log, whether applied yet or not. Reads only the local disk.
+    pub async fn local_messages(&self, queue: &str) -> Result<Vec<Message>, NodeError> {
+        use openraft::storage::RaftLogStorage;
+        use openraft::RaftLogReader;
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let mut out = QueueMachine::stored_messages(&SmSpace::new(self.inner.db.clone(), q.group))
+            .map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        let mut log = LogStore::new(self.inner.db.clone(), q.group);
+        let mut reader = log.get_log_reader().await;
+        let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        for e in entries {
+            if let openraft::EntryPayload::Normal(Request::Queue(cmds)) = e.payload {
+                for c in std::sync::Arc::unwrap_or_clone(cmds) {
+                    if let QueueCmd::Enqueue { msgs } | QueueCmd::EnqueueExpiring { msgs, .. } = c {
+                        out.extend(msgs);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stop abruptly, as a crash would: tasks end, connections drop, no
+    /// final sync or handover happens, and storage loses everything not
+    /// synced (the write-ahead log is cut back to its last sync, sled's
+    /// memory is lost, and with `crash_image` so is what sled wrote since
+    /// its last sync). For in-process failure tests; the node's handles
+    /// must not be used afterwards.
+    pub async fn crash(&self) {
+        self.inner.stop.cancel();
+        self.inner.transport.close_all();
+        if let Err(e) = self.inner.db.crash_for_tests() {
+            tracing::error!(error = %e, "crash of the storage failed");
+        }
+        let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
+        for g in groups {
+            let _ = g.raft.shutdown().await;
+        }
+        let _ = self.inner.meta_raft.shutdown().await;
+    }
+}
