@@ -11,7 +11,7 @@
 //!   (declare, publish, get, ack, nack, purge, delete, shutdown).
 //! - [`queue`]: the queue state machine (pure [`queue::state`], on disk
 //!   [`queue::sm`]), batching into entries ([`queue::proposer`]) and the
-//!   synchronised-replica tracking behind confirms ([`queue::sync`]).
+//!   synchronised-replica tracking behind confirms ([`queue::confirm_gate`]).
 //! - [`metadata`]: the cluster metadata state machine.
 //! - [`raft`]: type config, state-machine adapter, node-to-node wire format,
 //!   outbound network and inbound server shared by all groups.

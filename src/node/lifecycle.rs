@@ -22,7 +22,7 @@ use crate::metadata::{MetaCmd, MetaMachine, NodeInfo};
 use crate::metrics::Metrics;
 use crate::owners::Owners;
 use crate::queue::epoch::Epoch;
-use crate::queue::sync;
+use crate::queue::confirm_gate;
 use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft};
@@ -152,7 +152,7 @@ impl Node {
             busy: Mutex::default(),
             reach: Mutex::default(),
             seen: Mutex::default(),
-            down: sync::Down::default(),
+            down: confirm_gate::Down::default(),
             leaving: AtomicBool::new(false),
             quiet: Mutex::default(),
             closing: stop.child_token(),

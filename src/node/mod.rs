@@ -30,13 +30,13 @@ use crate::owners::Owners;
 use crate::queue::catchup::Plan;
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::Proposer;
-use crate::queue::sync::{self, SyncState};
+use crate::queue::confirm_gate::{self, SyncState};
 use crate::queue::{QueueMachine, QueueReply, QueueStats};
 use crate::raft::network::EpochNews;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::Raft;
 
-mod catchup;
+mod body_fetch;
 mod compaction;
 mod deadletter;
 mod failover;
@@ -177,7 +177,7 @@ struct QueueGroup {
     /// A `sync` action asked this replica to fetch what it lacks.
     sync_run: watch::Sender<bool>,
     /// As master: members fetching bodies, by their reports.
-    catching: sync::CatchingUp,
+    catching: confirm_gate::CatchingUp,
     stop: CancellationToken,
 }
 
@@ -216,7 +216,7 @@ struct Inner {
     seen: Mutex<HashMap<NodeId, Instant>>,
     /// Peers known down (the complement of `reach`, plus masters that
     /// announced their stop): confirms do not wait for them at a new term.
-    down: sync::Down,
+    down: confirm_gate::Down,
     /// Set once a graceful stop starts handing masterships over: no replica
     /// here stands for election any more.
     leaving: AtomicBool,
@@ -335,7 +335,7 @@ impl Inner {
     fn drop_replica(&self, group: GroupId) -> Result<(), mirrorq_storage::StorageError> {
         self.db.drop_group(group)?;
         self.db.remove_node_value(&failover::term_floor_key(group))?;
-        self.db.remove_node_value(&catchup::new_mirror_key(group))
+        self.db.remove_node_value(&body_fetch::new_mirror_key(group))
     }
 
     fn raft_of(&self, group: GroupId) -> Option<Raft> {

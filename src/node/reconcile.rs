@@ -11,14 +11,14 @@ use mirrorq_storage::SmSpace;
 use openraft::{BasicNode, ChangeMembers};
 use tokio::sync::watch;
 
-use super::{catchup, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK};
+use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK};
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::{MetaState, QueueMeta};
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::Proposer;
-use crate::queue::{sync, QueueMachine};
+use crate::queue::{confirm_gate, QueueMachine};
 use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft};
@@ -182,7 +182,7 @@ impl Node {
         tokio::spawn(async move {
             let result: Result<(), String> = async {
                 if manual && wanted.difference(&all).next().is_some() {
-                    catchup::snapshot_and_purge(&g.raft, &q.name).await;
+                    body_fetch::snapshot_and_purge(&g.raft, &q.name).await;
                 }
                 for id in wanted.difference(&all) {
                     let addr = addrs.get(id).cloned().ok_or_else(|| format!("no address for node {id}"))?;
@@ -271,8 +271,8 @@ impl Node {
         .map_err(|e| ServerError::Raft(e.to_string()))?;
         sm.enable_snapshot_transfer();
         let stop = self.inner.stop.child_token();
-        let catching = sync::CatchingUp::default();
-        let sync = sync::spawn(
+        let catching = confirm_gate::CatchingUp::default();
+        let sync = confirm_gate::spawn(
             q.group,
             raft.clone(),
             self.inner.timing.sync_timeout,
@@ -316,7 +316,7 @@ impl Node {
         // and one that joined a re-formed epoch waits for that epoch's master.
         let pristine = !raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
         if pristine && epoch == Epoch::default() && !q.initial.contains(&self.id()) {
-            db.put_node_value(&catchup::new_mirror_key(q.group), &[])?;
+            db.put_node_value(&body_fetch::new_mirror_key(q.group), &[])?;
         }
         if group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
             raft.runtime_config().elect(false);

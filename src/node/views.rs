@@ -13,7 +13,7 @@ use crate::clients::{ConnectionInfo, ConsumerInfo};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
-use crate::queue::sync;
+use crate::queue::confirm_gate;
 
 impl Node {
     /// The queue as its master sees it (counts, synchronised mirrors), asked
@@ -134,7 +134,7 @@ impl Node {
             (info.ready, info.unacked) = (s.ready, s.unacked);
             info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
             if g.is_leader(self.id()) {
-                info.catching_up = sync::catching_up(&g.catching).into_iter().collect();
+                info.catching_up = confirm_gate::catching_up(&g.catching).into_iter().collect();
             }
         }
         Ok(info)

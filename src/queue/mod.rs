@@ -1,7 +1,7 @@
 //! Queues: the deterministic state ([`state`]), its commands ([`types`]), its
 //! on-disk state machine ([`sm`]), and the per-group machinery on the master
 //! that batches operations into entries and holds confirms until every
-//! synchronised replica has them ([`proposer`], [`sync`]); and the epochs
+//! synchronised replica has them ([`proposer`], [`confirm_gate`]); and the epochs
 //! a group goes through when it is re-formed after losing its majority ([`epoch`]);
 //! the bodies a replica still has to fetch after a snapshot ([`catchup`]);
 //! how bodies and deliveries are laid out on disk ([`bodies`], [`runs`]).
@@ -13,7 +13,7 @@ pub mod proposer;
 mod runs;
 pub mod sm;
 pub mod state;
-pub mod sync;
+pub mod confirm_gate;
 pub mod types;
 
 pub use sm::{QueueMachine, QueueStats};

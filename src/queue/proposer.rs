@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::sm::QueueStats;
-use super::sync::SyncState;
+use super::confirm_gate::SyncState;
 use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
 use crate::error::NodeError;
 use crate::ids::NodeId;

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A/B of mirrorq binaries on this noisy machine: each binary gets a fresh
-# 3-node cluster (benches/clusters.sh) and runs the same short cases, the
+# 3-node cluster (benches/scripts/clusters.sh) and runs the same short cases, the
 # binaries alternating ROUNDS times so drift hits them alike. One line per
 # case: name, confirmed msg/s, consumed msg/s, confirm p99 ms.
-# Usage: benches/ab.sh OLD_BIN NEW_BIN [...]   (ROUNDS=2, T=6 s per case,
+# Usage: benches/scripts/ab.sh OLD_BIN NEW_BIN [...]   (ROUNDS=2, T=6 s per case,
 #        CASES="w1-100 w1000-100 w1-4k w1000-4k drain")
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-2}
 T=${T:-6}
 CASES=${CASES:-"w1-100 w1000-100 w1-4k w1000-4k drain"}
@@ -14,8 +14,8 @@ CASES=${CASES:-"w1-100 w1000-100 w1-4k w1000-4k drain"}
 DIR=$(mktemp -d /tmp/ab.XXXXXX)
 MIRRORQ_ONLY=1
 BIN=$(realpath "$1")
-# shellcheck source=benches/clusters.sh
-. benches/clusters.sh
+# shellcheck source=benches/scripts/clusters.sh
+. benches/scripts/clusters.sh
 trap cleanup EXIT
 
 run() {

@@ -4,15 +4,15 @@
 # quorum, or classic), the broker's RSS with them queued, and the time from
 # `kill -9` and restart to serving the queue with all N again (an AMQP
 # passive declare answers with the count). Loopback only; stops what it
-# started. Usage: N=1000000 KIND=quorum benches/deep-queue-rabbitmq.sh
+# started. Usage: N=1000000 KIND=quorum benches/scripts/deep-queue-rabbitmq.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 N=${N:-1000000}
 KIND=${KIND:-quorum}
 DIR=$(mktemp -d /tmp/deep-rabbitmq.XXXXXX)
 # One node of the side-by-side set-up: rmq1@localhost, AMQP 5681.
-# shellcheck source=benches/clusters.sh
-. benches/clusters.sh
+# shellcheck source=benches/scripts/clusters.sh
+. benches/scripts/clusters.sh
 trap cleanup EXIT
 # Seconds until the queue answers with N messages.
 serving() {

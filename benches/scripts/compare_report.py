@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Turn benches/compare-rabbitmq.sh results into the table in
+"""Turn benches/scripts/compare-rabbitmq.sh results into the table in
 docs/benchmarks.md (between the compare-rabbitmq markers) and the chart
 docs/compare-rabbitmq.png."""
 import datetime
@@ -55,7 +55,7 @@ def main(path):
             cases.append(case)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = [START, "", f"Run {datetime.date.today()} at commit `{commit}` on {machine()};",
-           "command: `benches/compare-rabbitmq.sh` (TIME=10 s per case, one `mirrorq perf` client,",
+           "command: `benches/scripts/compare-rabbitmq.sh` (TIME=10 s per case, one `mirrorq perf` client,",
            "persistent messages, publisher confirms, 1 producer and 1 consumer unless the case says otherwise).",
            "RabbitMQ 3.10.8 (Debian); every server is a 3-node cluster on loopback, queues declared on node 1,",
            "client on node 1. RabbitMQ is stopped before mirrorq starts, and each system starts after a `sync` and",

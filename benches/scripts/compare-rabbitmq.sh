@@ -5,13 +5,13 @@
 #   - mirrorq (ha-mode all: every replica fsyncs before a confirm), 3 nodes
 # Every server listens on loopback only. Installs Debian's rabbitmq-server if
 # missing; stops everything it started. Results: $OUT/results.jsonl, then
-# benches/compare_report.py writes the table into docs/benchmarks.md and the
+# benches/scripts/compare_report.py writes the table into docs/benchmarks.md and the
 # chart docs/compare-rabbitmq.png.
 #
-# Usage: benches/compare-rabbitmq.sh            (TIME=10 seconds per case, DRAIN=50000)
-#        MIRRORQ_BIN=target/release/mirrorq SYSTEMS="mirrorq" benches/compare-rabbitmq.sh
+# Usage: benches/scripts/compare-rabbitmq.sh            (TIME=10 seconds per case, DRAIN=50000)
+#        MIRRORQ_BIN=target/release/mirrorq SYSTEMS="mirrorq" benches/scripts/compare-rabbitmq.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 TIME=${TIME:-10}
 DRAIN=${DRAIN:-50000}
 SYSTEMS=${SYSTEMS:-"rabbitmq-mirrored rabbitmq-quorum mirrorq"}
@@ -19,8 +19,8 @@ OUT=${OUT:-target/compare}
 mkdir -p "$OUT"
 : > "$OUT/results.jsonl"
 DIR=$(mktemp -d /tmp/compare-rabbitmq.XXXXXX)
-# shellcheck source=benches/clusters.sh
-. benches/clusters.sh
+# shellcheck source=benches/scripts/clusters.sh
+. benches/scripts/clusters.sh
 trap cleanup EXIT
 
 # perf SYSTEM CASE ARGS...: one JSON line, tagged, appended to the results.
@@ -70,4 +70,4 @@ trap - EXIT
 # REPORT=0: results only, docs untouched (a smoke run).
 [ "${REPORT:-1}" = 1 ] || exit 0
 python3 -c "import matplotlib" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check matplotlib
-python3 benches/compare_report.py "$OUT/results.jsonl"
+python3 benches/scripts/compare_report.py "$OUT/results.jsonl"

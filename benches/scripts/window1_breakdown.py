@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Segments of a window-1 message from a `perf script` trace (see
-benches/window1-breakdown.sh). Node 1 is the master; nodes 2 and 3 mirrors.
+benches/scripts/window1-breakdown.sh). Node 1 is the master; nodes 2 and 3 mirrors.
 Usage: window1_breakdown.py TRACE.txt THREADS (lines "tid N<node>")."""
 import collections
 import re

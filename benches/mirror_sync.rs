@@ -1,7 +1,7 @@
 //! How long a new mirror takes to synchronise a deep queue while publishing
 //! goes on, and what the sync costs the publishers.
 //!
-//! `cargo bench --bench sync [-- MESSAGES [SECONDS]]` (default 100000 messages
+//! `cargo bench --bench mirror_sync [-- MESSAGES [SECONDS]]` (default 100000 messages
 //! of 1 KiB, 5 s per rate window). Two in-process nodes over loopback TCP:
 //! the queue is filled on one replica, a `manual` policy adds a mirror on the
 //! other (it joins empty), the publish rate is measured with that mirror in

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Where a message's time goes at one message in flight: a 3-node mirrorq
-# cluster (benches/clusters.sh), `mirrorq perf --size 100 --confirm 1`, and
+# cluster (benches/scripts/clusters.sh), `mirrorq perf --size 100 --confirm 1`, and
 # one second of scheduler and syscall tracepoints across the machine
-# (`perf record -a`, Debian's linux-perf; root). benches/window1_breakdown.py
+# (`perf record -a`, Debian's linux-perf; root). benches/scripts/window1_breakdown.py
 # pairs each publish the master receives with the syscalls that follow it
 # (AppendEntries written, mirrors' receive, sync and answer, the confirm)
 # and prints each segment's p50/p90, then how long woken node threads
 # waited to run.
-# Usage: benches/window1-breakdown.sh     (MIRRORQ_BIN=... to skip the build)
+# Usage: benches/scripts/window1-breakdown.sh     (MIRRORQ_BIN=... to skip the build)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 command -v perf >/dev/null || { echo "needs perf (Debian: linux-perf)" >&2; exit 2; }
 DIR=$(mktemp -d /tmp/window1.XXXXXX)
 MIRRORQ_ONLY=1
-# shellcheck source=benches/clusters.sh
-. benches/clusters.sh
+# shellcheck source=benches/scripts/clusters.sh
+. benches/scripts/clusters.sh
 trap cleanup EXIT
 start_mirrorq
 # Thread ids of each node, to tell the nodes apart in the trace.
@@ -31,4 +31,4 @@ perf record -q -a -o "$DIR/trace.data" -e sched:sched_switch,sched:sched_wakeup 
 wait "$PERF"
 grep -A1 summary "$DIR/perf.out"
 perf script -i "$DIR/trace.data" -F comm,tid,cpu,time,event,trace 2>/dev/null > "$DIR/trace.txt"
-python3 benches/window1_breakdown.py "$DIR/trace.txt" "$DIR/threads"
+python3 benches/scripts/window1_breakdown.py "$DIR/trace.txt" "$DIR/threads"

@@ -5,14 +5,14 @@
 # cluster on loopback, the queue declared on node 1 (its master there), one
 # `mirrorq perf` publisher on node 2 with one publish in flight, node 1
 # killed 6 s in; the gap is the run's longest confirm latency.
-# Usage: benches/failover-gap.sh   (RUNS=1, TIME=16 seconds per run)
+# Usage: benches/scripts/failover-gap.sh   (RUNS=1, TIME=16 seconds per run)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-1}
 TIME=${TIME:-16}
 DIR=$(mktemp -d /tmp/failover-gap.XXXXXX)
-# shellcheck source=benches/clusters.sh
-. benches/clusters.sh
+# shellcheck source=benches/scripts/clusters.sh
+. benches/scripts/clusters.sh
 trap cleanup EXIT
 
 # gap SYSTEM QUEUE PORT1 PORT2 KILL...: declare on node 1, publish on node 2, kill node 1.

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Three `mirrorq serve` processes on loopback, a policy `ha-mode: all`, and
 # `mirrorq perf` over AMQP for each case. Prints one JSON line per case.
-# Usage: benches/cluster-perf.sh [SECONDS]   (builds the release binary)
+# Usage: benches/scripts/cluster-perf.sh [SECONDS]   (builds the release binary)
 # CONSUMERS=0 measures publishing alone (default: one consumer running too).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SECS=${1:-10}
 CONSUMERS=${CONSUMERS:-1}
 # MIRRORQ_BIN=path uses an already built binary.
