@@ -8,12 +8,12 @@
 
 mod bodies;
 pub mod catchup;
+pub mod confirm_gate;
 pub mod epoch;
 pub mod proposer;
 mod runs;
 pub mod sm;
 pub mod state;
-pub mod confirm_gate;
 pub mod types;
 
 pub use sm::{QueueMachine, QueueStats};

@@ -22,8 +22,8 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use super::sm::QueueStats;
 use super::confirm_gate::SyncState;
+use super::sm::QueueStats;
 use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
 use crate::error::NodeError;
 use crate::ids::NodeId;
