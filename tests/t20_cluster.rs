@@ -182,6 +182,7 @@ async fn confirm_waits_for_the_slowest_replica() {
     };
     // Committed on the majority (master + fast mirror)...
     assert!(comes_to_hold(c.node(fast), "q3", b"held").await, "the fast mirror never got the entry");
+    // Time in which a confirm that did not wait for the slow mirror would fire.
     tokio::time::sleep(Duration::from_secs(1)).await;
     // ...but not confirmed: the slow mirror does not have it.
     assert!(!publisher.is_finished(), "confirm fired before the slow mirror had the message");
@@ -227,6 +228,7 @@ async fn mirrors_sync_an_entry_while_the_master_syncs_it_and_the_confirm_waits_f
         let applied = comes_to_hold(c.node(*id), "q4", b"held").await;
         assert!(applied, "mirror {id} never applied the entry its majority committed");
     }
+    // Time in which a confirm that did not wait for the master's disk would fire.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(matched(master), last, "the master counted its own copy before its sync");
     assert!(!publisher.is_finished(), "confirm fired before the master's copy was on its disk");
@@ -260,11 +262,14 @@ async fn a_consumers_get_goes_ahead_of_publishes_waiting_at_the_master() {
         tokio::spawn(async move { node.consumer_fetch("q-lane", 7, 100, false).await })
     };
     // Started after the consumer get (it is in the proposer when this one is).
+    // What waits in a proposer cannot be seen from outside: the spawned get
+    // is given time to get there.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let plain = {
         let node = node.clone();
         tokio::spawn(async move { node.fetch("q-lane", 8, 100, false).await })
     };
+    // Likewise for the plain get, before the slots free up.
     tokio::time::sleep(Duration::from_millis(200)).await;
     drop(held);
 
@@ -296,8 +301,11 @@ async fn publishes_go_on_behind_a_flood_of_consumer_gets() {
             tokio::spawn(async move { node.consumer_fetch("q-flood", owner, 1, false).await })
         })
         .collect();
+    // Time for the spawned gets to reach the proposer (not visible from outside).
     tokio::time::sleep(Duration::from_millis(500)).await;
     let publish = node.submit("q-flood", vec![mirrorq::QueueCmd::Enqueue { msgs: vec![msg("late")] }]).await.unwrap();
+    // The publish is queued once its submit returns; this is more time for
+    // the 2,100 gets (still not visible from outside).
     tokio::time::sleep(Duration::from_millis(200)).await;
     drop(held);
 

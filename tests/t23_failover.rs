@@ -178,7 +178,14 @@ async fn the_most_senior_synchronised_mirror_takes_over() {
     assert_eq!(next, 3, "the senior mirror 3 must win, not 1");
     // And after 2 returns, 3 stays master (no flapping back).
     c.restart(2).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Back in the group: node 2 has heard from a master of the current term
+    // (its own vote from before the crash names itself, in an older term).
+    wait_until(Duration::from_secs(20), "node 2 rejoined the group in the current term", || {
+        let term = |id: u64| c.node(id).queue_raft("q").map(|r| r.metrics().borrow().current_term);
+        let leader = c.node(2).queue_info("q").ok().and_then(|i| i.leader);
+        term(2).is_some() && term(2) == term(3) && leader.is_some()
+    })
+    .await;
     assert_eq!(c.master_of("q").await, 3);
     c.shutdown().await;
 }

@@ -123,6 +123,7 @@ async fn manual_mirror_gets_only_new_messages_until_sync_which_runs_while_the_qu
     assert_eq!(v.catching_up[0].0, mirror);
     let p = v.catching_up[0].1;
     assert_eq!((p.msgs_total, p.msgs_done, p.running), (2000, 0, false), "{p:?}");
+    // Time passes: without `sync` nothing may change.
     tokio::time::sleep(Duration::from_secs(4)).await;
     let v = view(c.node(1), "man-q").await;
     assert!(!v.synchronised.contains(&mirror), "manual mirror synchronised without sync: {v:?}");
@@ -228,6 +229,7 @@ async fn cancel_sync_pauses_and_an_unsynchronised_mirror_never_becomes_master() 
     assert_eq!(q["sync_progress"][0]["running"], false, "{q}");
     assert!(!q["synchronised_slave_nodes"].as_array().unwrap().contains(&format!("mirrorq@{mirror}").into()), "{q}");
     assert!(paused.msgs_done < paused.msgs_total, "finished before the cancel could count: {paused:?}");
+    // Time in which a sync that was not paused would fetch on.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let v = view(c.node(1), "man-c").await;
     assert_eq!(v.catching_up.first().map(|(_, p)| p.msgs_done), Some(paused.msgs_done), "kept fetching after cancel");
@@ -238,6 +240,7 @@ async fn cancel_sync_pauses_and_an_unsynchronised_mirror_never_becomes_master() 
     c.crash(master).await;
     let m = c.node(mirror).clone();
     let waited = std::time::Instant::now();
+    // Watched for well past the 3 s failure timeout, when a lone replica may re-form.
     while waited.elapsed() < Duration::from_secs(7) {
         assert!(!m.is_master("man-c"), "an unsynchronised mirror became master");
         tokio::time::sleep(Duration::from_millis(50)).await;

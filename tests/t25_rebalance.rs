@@ -93,9 +93,19 @@ async fn masters_spread_on_declare_and_rebalance_evens_them_out_while_publishing
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Every publisher is under way (each has had its two queues confirm).
+    let confirms = || -> BTreeMap<String, usize> {
+        confirmed.lock().unwrap().iter().map(|(q, bodies)| (q.clone(), bodies.len())).collect()
+    };
+    wait_until(Duration::from_secs(30), "all six busy queues confirm publishes", || confirms().len() == 6).await;
     let moves = c.node(2).rebalance().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Publishing goes on after the moves: every busy queue confirms again.
+    let at_moves = confirms();
+    wait_until(Duration::from_secs(30), "every busy queue confirms after the rebalance", || {
+        let now = confirms();
+        at_moves.iter().all(|(q, before)| now.get(q).is_some_and(|n| n > before))
+    })
+    .await;
     stop.store(true, Ordering::Release);
     for p in publishers {
         p.await.unwrap();

@@ -126,6 +126,8 @@ async fn single_node_kill9_keeps_every_confirmed_message() {
             }
         }));
     }
+    // A duration, not an ordering: the kill lands at an arbitrary point of
+    // the stream (the assert below checks enough was confirmed by then).
     tokio::time::sleep(Duration::from_millis(1500)).await;
     node.kill9();
     for t in tasks {

@@ -385,8 +385,10 @@ async fn graceful_stop_hands_mastership_to_the_senior_mirror() {
     let done = Arc::new(AtomicBool::new(false));
     let stopping = Arc::new(AtomicBool::new(false));
     let after_stop = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let acked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let publisher = {
-        let (ch, done, stopping, after_stop) = (ch.clone(), done.clone(), stopping.clone(), after_stop.clone());
+        let (ch, done, stopping, after_stop, acked) =
+            (ch.clone(), done.clone(), stopping.clone(), after_stop.clone(), acked.clone());
         tokio::spawn(async move {
             let mut confirmed: Vec<(u64, Instant)> = Vec::new();
             let mut id = 0u64;
@@ -406,6 +408,7 @@ async fn graceful_stop_hands_mastership_to_the_senior_mirror() {
                     .expect("confirm");
                 if c.is_ack() {
                     confirmed.push((id, Instant::now()));
+                    acked.fetch_add(1, Ordering::AcqRel);
                     if stopping.load(Ordering::Acquire) {
                         after_stop.fetch_add(1, Ordering::AcqRel);
                     }
@@ -414,7 +417,11 @@ async fn graceful_stop_hands_mastership_to_the_senior_mirror() {
             confirmed
         })
     };
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The stream is under way: confirms come before the SIGTERM.
+    common::wait_until(Duration::from_secs(30), "the publisher's first confirms", || {
+        acked.load(Ordering::Acquire) >= 20
+    })
+    .await;
     tracing::info!(master, "--- SIGTERM the master");
     let sigterm = Instant::now();
     stopping.store(true, Ordering::Release);

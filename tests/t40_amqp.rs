@@ -263,7 +263,7 @@ async fn errors_get_the_right_reply_codes() {
 
     // Acking a tag never delivered: 406 on that channel, connection lives.
     ch.basic_ack(99, BasicAckOptions::default()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    common::wait_until(Duration::from_secs(10), "the broker closes the channel", || !ch.status().connected()).await;
     assert!(!ch.status().connected(), "channel should be closed after 406");
     let ch2 = conn.create_channel().await.expect("connection still usable");
     ch2.queue_declare(s("fine"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
@@ -358,7 +358,7 @@ async fn exchanges_route_and_validate() {
     if let Ok(conf) = r {
         assert!(conf.await.is_err() || !ch2.status().connected(), "publish to a missing exchange must fail");
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    common::wait_until(Duration::from_secs(10), "the broker closes the channel", || !ch2.status().connected()).await;
     assert!(!ch2.status().connected());
     // Binding to the default exchange: 403.
     let ch3 = conn.create_channel().await.unwrap();
@@ -496,6 +496,7 @@ async fn auto_delete_queue_goes_with_its_last_consumer() {
         other.basic_consume(s("ad"), s("a2"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
     // (Both consumer handles stay alive: lapin cancels a dropped consumer.)
     ch.basic_cancel(s("a1"), Default::default()).await.unwrap();
+    // Time for a wrong auto-delete to happen (there is no event to wait for).
     tokio::time::sleep(Duration::from_millis(500)).await;
     let node1 = c.cluster.node(1).clone();
     node1.meta_barrier().await;
@@ -783,7 +784,9 @@ async fn ttl_max_length_and_dead_lettering() {
     p.name = "ttl".into();
     p.priority = 1;
     c.cluster.node(2).set_policy(p).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await; // the master applies the policy on its next round
+    // The master applies the policy on its next reconcile round (every
+    // 500 ms); its proposer's limits cannot be seen from outside.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(publish(&ch, "lim.bypolicy", b"p").await);
     wait_ready(&c, "lim.bypolicy", 0).await;
 
@@ -1058,6 +1061,7 @@ async fn per_message_ttl_and_retry_through_a_wait_queue() {
     // A long-lived message at the head keeps a short-lived one behind it.
     assert!(send(b"slow", expiring("60000")).await);
     assert!(send(b"fast", expiring("200")).await);
+    // Well past "fast"'s expiration, which must not take it from behind the head.
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(c.cluster.node(1).status("pm.wait").await.unwrap(), (2, 0), "expiry only at the head");
     let slow = ch.basic_get(s("pm.wait"), BasicGetOptions { no_ack: true }).await.unwrap().expect("head");
@@ -1066,6 +1070,7 @@ async fn per_message_ttl_and_retry_through_a_wait_queue() {
     // Now at the head and overdue: dead-lettered into the work queue.
     wait_ready(&c, "pm.work", 1).await;
     wait_ready(&c, "pm.wait", 0).await;
+    // Past the original 200 ms: the dead letter must not expire again.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let got = ch.basic_get(s("pm.work"), BasicGetOptions { no_ack: true }).await.unwrap().expect("retried message");
     assert_eq!(got.delivery.data, b"fast");
@@ -1286,10 +1291,12 @@ async fn a_waiting_consumer_is_served_by_the_entry_that_publishes() {
                 .expect("delivery");
             assert_eq!(d.data, body.to_vec());
             // Not acked yet: an ack would be an entry of its own.
-            entries_per_message.push(applied() - before);
+            let delivered = applied();
+            entries_per_message.push(delivered - before);
             d.ack(BasicAckOptions::default()).await.unwrap();
-            // The ack's entry; then the consumer waits again.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // The ack's entry; then the consumer waits again (its get,
+            // answered empty by that entry, parks again at once).
+            common::wait_until(Duration::from_secs(5), "the ack's entry is applied", || applied() > delivered).await;
             before = applied();
         }
         if entries_per_message.iter().all(|n| *n == 1) {
