@@ -5,7 +5,8 @@
 # cluster on loopback, the queue declared on node 1 (its master there), one
 # `mirrorq perf` publisher on node 2 with one publish in flight, node 1
 # killed 6 s in; the gap is the run's longest confirm latency.
-# Usage: benches/scripts/failover-gap.sh   (RUNS=1, TIME=16 seconds per run)
+# Usage: benches/scripts/failover-gap.sh   (RUNS=1, TIME=16 seconds per run;
+# MIRRORQ_ONLY=1 skips RabbitMQ)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-1}
@@ -34,11 +35,13 @@ print(f'$system: longest confirm wait {r[\"confirm_latency_ms\"][\"max\"]:.0f} m
 }
 
 for run in $(seq "$RUNS"); do
-  start_rabbitmq
-  gap rabbitmq-mirrored "mirrored-gap-$run" 5681 5682 kill -9 "$(cat "$DIR/r1/pid")"
-  start_rabbit_node 1
-  gap rabbitmq-quorum "quorum-gap-$run" 5681 5682 kill -9 "$(cat "$DIR/r1/pid")"
-  cleanup; mkdir -p "$DIR"; printf MIRRORQCOMPARECOOKIE > "$DIR/.erlang.cookie"; chmod 400 "$DIR/.erlang.cookie"
+  if [ -z "${MIRRORQ_ONLY:-}" ]; then
+    start_rabbitmq
+    gap rabbitmq-mirrored "mirrored-gap-$run" 5681 5682 kill -9 "$(cat "$DIR/r1/pid")"
+    start_rabbit_node 1
+    gap rabbitmq-quorum "quorum-gap-$run" 5681 5682 kill -9 "$(cat "$DIR/r1/pid")"
+    cleanup; mkdir -p "$DIR"; printf MIRRORQCOMPARECOOKIE > "$DIR/.erlang.cookie"; chmod 400 "$DIR/.erlang.cookie"
+  fi
   start_mirrorq
   gap mirrorq "mirrored-gap-$run" 5691 5692 kill -9 "$(cat "$DIR/m1.pid")"
   cleanup; mkdir -p "$DIR"; printf MIRRORQCOMPARECOOKIE > "$DIR/.erlang.cookie"; chmod 400 "$DIR/.erlang.cookie"

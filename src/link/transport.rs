@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
@@ -68,6 +68,8 @@ impl NetControl {
 pub struct Transport {
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     pub control: NetControl,
+    /// The address of each peer whose connection broke by itself, as it breaks.
+    losses: broadcast::Sender<String>,
 }
 
 impl Default for Transport {
@@ -78,7 +80,7 @@ impl Default for Transport {
 
 impl Transport {
     pub fn new() -> Self {
-        Self { peers: Mutex::new(HashMap::new()), control: NetControl::default() }
+        Self { peers: Mutex::new(HashMap::new()), control: NetControl::default(), losses: broadcast::channel(64).0 }
     }
 
     fn peer(&self, addr: &str) -> Arc<Peer> {
@@ -86,8 +88,14 @@ impl Transport {
             .lock()
             .expect("poisoned")
             .entry(addr.to_string())
-            .or_insert_with(|| Arc::new(Peer::new(addr.to_string())))
+            .or_insert_with(|| Arc::new(Peer::new(addr.to_string(), self.losses.clone())))
             .clone()
+    }
+
+    /// Told the address of every peer whose connection breaks by itself
+    /// (the moment [`Transport::link_lost_at`] records), as it happens.
+    pub fn losses(&self) -> broadcast::Receiver<String> {
+        self.losses.subscribe()
     }
 
     /// Send a request to the node at `addr` and wait for its reply.
@@ -147,16 +155,18 @@ struct Peer {
     backoff: Mutex<Option<(Instant, Duration)>>,
     /// When the last connection broke by itself; `None` while one is up.
     lost_at: Arc<Mutex<Option<Instant>>>,
+    losses: broadcast::Sender<String>,
     next_id: AtomicU64,
 }
 
 impl Peer {
-    fn new(addr: String) -> Self {
+    fn new(addr: String, losses: broadcast::Sender<String>) -> Self {
         Self {
             addr,
             conn: tokio::sync::Mutex::new(None),
             backoff: Mutex::new(None),
             lost_at: Arc::default(),
+            losses,
             next_id: AtomicU64::new(1),
         }
     }
@@ -189,7 +199,8 @@ impl Peer {
         *self.backoff.lock().expect("poisoned") = None;
         let _ = stream.set_nodelay(true);
         *self.lost_at.lock().expect("poisoned") = None;
-        let conn = Arc::new(start_conn(stream, self.lost_at.clone()));
+        let lost = (self.lost_at.clone(), self.losses.clone(), self.addr.clone());
+        let conn = Arc::new(start_conn(stream, lost));
         *slot = Some(conn.clone());
         Ok(conn)
     }
@@ -259,7 +270,8 @@ pub(crate) async fn write_frames(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mp
     }
 }
 
-fn start_conn(stream: TcpStream, lost_at: Arc<Mutex<Option<Instant>>>) -> Conn {
+fn start_conn(stream: TcpStream, lost: (Arc<Mutex<Option<Instant>>>, broadcast::Sender<String>, String)) -> Conn {
+    let (lost_at, losses, addr) = lost;
     let (rd, wr) = stream.into_split();
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
@@ -291,6 +303,7 @@ fn start_conn(stream: TcpStream, lost_at: Arc<Mutex<Option<Instant>>>) -> Conn {
             }
             closed.store(true, Ordering::Release);
             lost_at.lock().expect("poisoned").get_or_insert_with(Instant::now);
+            let _ = losses.send(addr);
             // Dropping the senders fails every waiter at once.
             pending.lock().expect("poisoned").clear();
         })

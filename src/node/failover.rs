@@ -208,8 +208,13 @@ impl Node {
         let pings = peers.iter().map(|id| self.ping(*id, PING_LIMIT));
         let answers = futures::future::join_all(pings).await;
         let mut set: BTreeSet<NodeId> =
-            peers.into_iter().zip(answers).filter(|(_, ok)| *ok).map(|(id, _)| id).collect();
+            peers.iter().copied().zip(answers).filter(|(_, ok)| *ok).map(|(id, _)| id).collect();
         set.insert(self.id());
+        self.inner.dead.lock().expect("poisoned").retain(|id, _| !set.contains(id));
+        // A silent peer whose port refuses a dial is gone: the same proof
+        // as on a broken link, for a peer this node had no link to.
+        let silent = peers.iter().filter(|id| !set.contains(id) && !self.is_dead(**id));
+        futures::future::join_all(silent.map(|id| self.probe_dead(*id))).await;
         {
             let mut seen = self.inner.seen.lock().expect("poisoned");
             for id in &set {
@@ -327,7 +332,12 @@ impl Node {
                 if let (true, Some(lost), Some(leader)) =
                     (stand && m.state != ServerState::Candidate, lost_since, m.current_leader)
                 {
-                    self.elect_after_lease(&g, leader, lost + timing.election_max + LEASE_MARGIN);
+                    // A master whose process is gone holds no lease: the
+                    // other voters forget it as they see the death
+                    // (`liveness`), and whoever has not yet refuses only
+                    // the first ask.
+                    let at = if self.is_dead(leader) { now } else { lost + timing.election_max + LEASE_MARGIN };
+                    self.elect_after_lease(&g, leader, at);
                 }
             }
 
@@ -351,27 +361,64 @@ impl Node {
         }
     }
 
-    /// Stand for election at `at` (now if it has passed), once, if the
-    /// master is still lost then and no one has won meanwhile: timed rather
-    /// than left to the next reconcile, which may come half a second late.
+    /// Stand for election at `at` (now if it has passed; an earlier `at`
+    /// given meanwhile moves it), if the master is still lost then and no
+    /// one has won meanwhile: timed rather than left to the next reconcile,
+    /// which may come half a second late. Against a master whose process is
+    /// gone, ask again while no one wins, a few times: a voter that has not
+    /// yet seen the death still keeps its lease and refuses the first ask.
     fn elect_after_lease(&self, g: &Arc<QueueGroup>, lost_leader: NodeId, at: Instant) {
-        if g.elect_timed.swap(true, Ordering::AcqRel) {
-            return;
+        {
+            let mut slot = g.elect_at.lock().expect("poisoned");
+            match *slot {
+                Some(t) if t <= at => return,
+                Some(_) => {
+                    *slot = Some(at);
+                    return;
+                }
+                None => *slot = Some(at),
+            }
         }
         let g = g.clone();
-        let stop = self.inner.stop.clone();
+        let node = self.clone();
         tokio::spawn(async move {
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = tokio::time::sleep_until(at.into()) => {
-                    let lost = g.master_lost_since.lock().expect("poisoned").is_some();
-                    let m = g.raft.metrics().borrow().clone();
-                    if lost && m.state == ServerState::Follower && m.current_leader == Some(lost_leader) {
-                        let _ = g.raft.trigger().elect().await;
-                    }
+            let stop = node.inner.stop.clone();
+            loop {
+                let Some(at) = *g.elect_at.lock().expect("poisoned") else { return };
+                let now = Instant::now();
+                if now >= at {
+                    break;
+                }
+                // In steps, so that an earlier time set meanwhile is kept.
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep((at - now).min(Duration::from_millis(50))) => {}
                 }
             }
-            g.elect_timed.store(false, Ordering::Release);
+            for ask in 1..=3u32 {
+                if stop.is_cancelled() || g.master_lost_since.lock().expect("poisoned").is_none() {
+                    break;
+                }
+                let m = g.raft.metrics().borrow().clone();
+                let waiting = match m.state {
+                    ServerState::Follower => m.current_leader == Some(lost_leader),
+                    // Still asking since the last round: it was refused.
+                    ServerState::Candidate => ask > 1,
+                    _ => false,
+                };
+                if !waiting {
+                    break;
+                }
+                let _ = g.raft.trigger().elect().await;
+                if !node.is_dead(lost_leader) {
+                    break;
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(super::liveness::ELECT_RETRY * ask) => {}
+                }
+            }
+            *g.elect_at.lock().expect("poisoned") = None;
         });
     }
 

@@ -152,6 +152,7 @@ impl Node {
             busy: Mutex::default(),
             reach: Mutex::default(),
             seen: Mutex::default(),
+            dead: Mutex::default(),
             down: confirm_gate::Down::default(),
             leaving: AtomicBool::new(false),
             quiet: Mutex::default(),
@@ -190,6 +191,7 @@ impl Node {
         node.spawn_fatal_watch();
         node.spawn_log_compactor();
         node.spawn_reaper();
+        node.spawn_liveness();
         tracing::info!(
             id = cfg.node_id,
             %addr,

@@ -43,6 +43,7 @@ mod failover;
 mod forward;
 mod inbound;
 mod lifecycle;
+mod liveness;
 mod members;
 mod meta_ops;
 mod queue_ops;
@@ -164,7 +165,7 @@ struct QueueGroup {
     /// Since when the master this replica follows has not answered pings.
     master_lost_since: Mutex<Option<Instant>>,
     /// An election is timed to start when the lost master's lease is out.
-    elect_timed: AtomicBool,
+    elect_at: Mutex<Option<Instant>>,
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,
@@ -214,6 +215,10 @@ struct Inner {
     reach: Mutex<Option<(Instant, BTreeSet<NodeId>)>>,
     /// When each peer last answered a ping (the start of that round).
     seen: Mutex<HashMap<NodeId, Instant>>,
+    /// Peers whose process is gone: their link broke and a fresh dial was
+    /// refused (nothing listens on their port), and when that was seen.
+    /// Cleared when they answer a ping.
+    dead: Mutex<HashMap<NodeId, Instant>>,
     /// Peers known down (the complement of `reach`, plus masters that
     /// announced their stop): confirms do not wait for them at a new term.
     down: confirm_gate::Down,

@@ -297,7 +297,7 @@ impl Node {
             master_heard: Mutex::new(None),
             leaderless_since: Mutex::new(None),
             master_lost_since: Mutex::new(None),
-            elect_timed: AtomicBool::new(false),
+            elect_at: Mutex::new(None),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
             proposer,

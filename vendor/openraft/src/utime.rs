@@ -90,6 +90,11 @@ impl<T, I: Instant> UTime<T, I> {
         self.utime = Some(now);
     }
 
+    /// mirrorq patch: forget when it was last updated, as if never.
+    pub(crate) fn forget_time(&mut self) {
+        self.utime = None;
+    }
+
     /// Update the last updated time.
     pub(crate) fn touch(&mut self, now: I) {
         debug_assert!(

@@ -1215,6 +1215,19 @@ where
                             // Node is switched to learner.
                         }
                     }
+                    ExternalCommand::ExpireLease { leader } => {
+                        // mirrorq patch: only a follower of that very leader
+                        // forgets; a vote for anyone else keeps its lease. A
+                        // later message from the leader renews the lease.
+                        let vote = self.engine.state.vote_ref();
+                        if self.engine.leader.is_none()
+                            && vote.is_committed()
+                            && vote.leader_id().voted_for().as_ref() == Some(&leader)
+                        {
+                            self.engine.state.vote.forget_time();
+                            tracing::info!(leader = display(&leader), "ExternalCommand: leader lease expired");
+                        }
+                    }
                     ExternalCommand::Heartbeat => {
                         self.send_heartbeat("ExternalCommand");
                     }

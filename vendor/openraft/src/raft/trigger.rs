@@ -46,6 +46,18 @@ where C: RaftTypeConfig
         self.raft_inner.send_external_command(ExternalCommand::Elect, "trigger_elect").await
     }
 
+    /// mirrorq patch: forget the leader lease of `leader` on this follower,
+    /// so that it grants a vote at once (and, with election enabled, stands
+    /// at its next tick) instead of refusing votes until the lease runs
+    /// out. For a caller that knows `leader` is gone (its process no longer
+    /// listens): the lease protects a live leader from being unseated, and
+    /// a dead one needs no protection. A no-op unless this node follows a
+    /// committed vote for `leader`; a message from `leader` renews the
+    /// lease, so a wrong call costs at most an election.
+    pub async fn expire_lease(&self, leader: C::NodeId) -> Result<(), Fatal<C::NodeId>> {
+        self.raft_inner.send_external_command(ExternalCommand::ExpireLease { leader }, "expire_lease").await
+    }
+
     /// Trigger a heartbeat at once and return at once.
     ///
     /// Returns error when RaftCore has [`Fatal`] error, e.g. shut down or having storage error.

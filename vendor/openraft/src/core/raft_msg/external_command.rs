@@ -25,6 +25,10 @@ pub(crate) enum ExternalCommand<C: RaftTypeConfig> {
     /// Get a snapshot from the state machine, send back via a oneshot::Sender.
     GetSnapshot { tx: ResultSender<C, Option<Snapshot<C>>> },
 
+    /// mirrorq patch: forget the leader lease of `leader`'s vote, so that
+    /// this follower grants a vote at once (see `Trigger::expire_lease`).
+    ExpireLease { leader: C::NodeId },
+
     /// Purge logs covered by a snapshot up to a specified index.
     ///
     /// Openraft respects the [`max_in_snapshot_log_to_keep`] config when purging.
@@ -60,6 +64,9 @@ where C: RaftTypeConfig
             }
             ExternalCommand::PurgeLog { upto } => {
                 write!(f, "PurgeLog[..={}]", upto)
+            }
+            ExternalCommand::ExpireLease { leader } => {
+                write!(f, "ExpireLease[{}]", leader)
             }
         }
     }
