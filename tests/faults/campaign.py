@@ -41,6 +41,7 @@ RAFT_PORT, AMQP_PORT, HTTP_PORT = 25672, 5672, 15672
 CLIENT_HOST = 250  # the client namespace's last octet
 PUBLISH_STUCK_SECS = 60  # longer than any fault: a publish may rightly wait for a heal
 PREFETCH = 100  # each consumer's window of unacked deliveries
+UNACKED_BACK_SECS = 15  # the issue's 10 s for a lost consumer's unacked, plus a sweep
 # After a heal the minority's fork still serves until it learns that it
 # yields; what it confirms or delivers meanwhile counts as "during" the split.
 HEAL_GRACE_SECS = 10
@@ -646,7 +647,7 @@ def run_one(args, seed, root):
     net = Net(args.nodes)
     c = Cluster(args, net, root, secret)
     clients = None
-    wedged, undrained = [], {}
+    wedged, undrained, held = [], {}, {}
     run = f"s{seed}"
     try:
         net.setup()
@@ -696,13 +697,13 @@ def run_one(args, seed, root):
         except subprocess.TimeoutExpired:
             c.anomalies.append("client process did not stop in 30s")
         reap(clients)
-        undrained = leftovers(c, out)
+        undrained, held = leftovers(c, out)
     finally:
         if clients:
             reap(clients)
         cleanup_all()
 
-    return analyse(args, seed, root, faults, c, out, wedged, undrained)
+    return analyse(args, seed, root, faults, c, out, wedged, undrained, held)
 
 
 def probe_queues(c, out, run):
@@ -770,22 +771,30 @@ def leftovers(c, out):
     """Whatever the consumers never got: fetched with basic.get over HTTP so
     that a message stuck in a queue is told apart from a lost one."""
     found = {}
+    # Every consumer is gone: what they held unacked must be back within
+    # UNACKED_BACK_SECS (the issue's bound), so fetch until then.
+    until = time.time() + UNACKED_BACK_SECS
     with open(os.path.join(out, "leftover.log"), "w") as log:
-        for q in QUEUES:
-            for _ in range(200):
-                s, b = c.api("POST", f"/api/queues/%2F/{q}/get", timeout=10,
-                             body={"count": 500, "ackmode": "ack_requeue_false", "encoding": "auto"})
-                if s != 200 or not b:
-                    break
-                for m in b:
-                    log.write(f"L 0 {m.get('payload')} 0 {q}\n")
-                    found[q] = found.get(q, 0) + 1
-    counts = queue_counts(c)
-    if any(v != (0, 0) for v in counts.values()):
-        # Nothing left to get, yet counted: a count that never goes away.
-        say(f"!! after draining and basic.get, the queues still count (ready, unacked) {counts}")
+        while True:
+            for q in QUEUES:
+                for _ in range(200):
+                    s, b = c.api("POST", f"/api/queues/%2F/{q}/get", timeout=10,
+                                 body={"count": 500, "ackmode": "ack_requeue_false", "encoding": "auto"})
+                    if s != 200 or not b:
+                        break
+                    for m in b:
+                        log.write(f"L 0 {m.get('payload')} 0 {q}\n")
+                        found[q] = found.get(q, 0) + 1
+            counts = queue_counts(c)
+            if all(v == (0, 0) for v in counts.values()) or time.time() > until:
+                break
+            c.sleep(1)
+    stuck = {q: v for q, v in counts.items() if v != (0, 0)}
+    if stuck:
+        # Nothing left to get, yet counted: held by no consumer, never back.
+        say(f"!! {UNACKED_BACK_SECS}s after the consumers left, the queues still count (ready, unacked) {counts}")
         c.anomalies.append(f"queues count messages no one can get: (ready, unacked) {counts}")
-    return found
+    return found, stuck
 
 
 def queue_of(mid):
@@ -836,7 +845,7 @@ def duplicate_bound(args, faults, out):
     return bound
 
 
-def analyse(args, seed, root, faults, c, out, wedged, undrained):
+def analyse(args, seed, root, faults, c, out, wedged, undrained, held):
     attempted, confirmed, errors = {}, {}, 0
     for f in sorted(os.listdir(out)):
         if not f.startswith("pub-"):
@@ -865,7 +874,7 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained):
     bound = duplicate_bound(args, faults, out)
     if bound is not None and dups > bound:
         c.anomalies.append(f"{dups} duplicates, more than the {bound} the faults allow")
-    ok = not lost and not unexpected and not wedged and not undrained and (bound is None or dups <= bound)
+    ok = not lost and not unexpected and not wedged and not undrained and not held and (bound is None or dups <= bound)
     if not confirmed:
         # Nothing confirmed means the workload never ran, not that all is well.
         c.anomalies.append(f"no publish was confirmed: see {os.path.join(root, 'clients.log')}")
@@ -874,7 +883,7 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained):
           f"attempted={len(attempted)} confirmed={len(confirmed)} delivered_unique={len(delivered)} "
           f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} "
           f"duplicate_bound={'-' if bound is None else bound} wedged={len(wedged)} "
-          f"undrained={sum(undrained.values())} client_errors={errors} stuck_publishes={stuck} "
+          f"undrained={sum(undrained.values())} held={sum(r + u for r, u in held.values())} client_errors={errors} stuck_publishes={stuck} "
           f"node_panics={len(panics)} result={'PASS' if ok else 'FAIL'}", flush=True)
     for a in c.anomalies + [f"n{i} log contains 'panicked'" for i in panics]:
         print(f"  anomaly: {a}")
