@@ -242,8 +242,14 @@ async fn classic_demo_through_the_http_api_alone() {
     let (a, b) = nodes.split_at_mut(1);
     a[0].kill9();
     b[0].kill9();
+    let killed_at = Instant::now();
     let n3 = &nodes[2];
     let served = get_when_served(n3, "ha-http-demo", "ack_requeue_false").await;
+    let took = killed_at.elapsed();
+    println!("classic demo over HTTP: node 3 served {} ms after the kills", took.as_millis());
+    // The dead nodes' ports refuse a dial: no partition to wait out for
+    // the failure timeout (2 s here) before node 3 re-forms the queue.
+    assert!(took < Duration::from_millis(1500), "node 3 served only after {took:?}");
     assert_eq!(served[0]["payload"], "hello over http");
     assert_eq!(served[0]["properties"]["delivery_mode"], 2);
     let (_, q) = http(n3, "GET", "/api/queues/%2F/ha-http-demo", None).await;

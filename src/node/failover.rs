@@ -343,12 +343,18 @@ impl Node {
 
             // Re-form: no majority reachable for the failure timeout, the
             // policy allows it, and we are the most senior replica left.
-            if now.duration_since(seen) >= timing.failure_timeout
+            // Every voter out of reach seen dead (its port refuses a dial)
+            // is no partition that may heal into a second master: no need
+            // to wait (the classic demo serves at once).
+            let all_dead = voters.iter().filter(|v| !reach.contains(v)).all(|v| self.is_dead(*v));
+            let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
+            if now.duration_since(seen) >= wait
+                && alive_voters * 2 <= voters.len()
                 && senior == Some(self.id())
                 && ha.promote_on_failure_always
                 && g.plan.borrow().is_none()
             {
-                tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas for the failure timeout: re-forming it");
+                tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-forming it");
                 match self.reform(g, q.clone(), state).await {
                     Ok(()) => self.inner.told.cleared(q.group, "re-form"),
                     Err(e) => {
