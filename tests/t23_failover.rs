@@ -234,6 +234,12 @@ async fn an_unanswered_get_does_not_consume_across_re_formation() {
     c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
     publish_retrying(c.node(1), "q", b"keep me".to_vec()).await;
     assert_eq!(c.master_of("q").await, 1);
+    // Cut off first, so node 1 cannot tell their deaths from a partition
+    // and waits out the failure timeout before re-forming (a death it can
+    // see, it re-forms at once, before the get below would be sent).
+    for id in [2, 3] {
+        c.node(1).transport().control.block(id);
+    }
     c.crash(2).await;
     c.crash(3).await;
     let n1 = c.node(1).clone();

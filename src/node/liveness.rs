@@ -82,7 +82,8 @@ impl Node {
     /// confirms and forget its leases. Whether it is dead.
     pub(super) async fn probe_dead(&self, id: NodeId) -> bool {
         let Some(addr) = self.inner.addr_of(id) else { return false };
-        if !refused(&addr).await {
+        // A link a test cut stands for a partition, where dials go unanswered.
+        if self.inner.transport.control.is_blocked(id) || !refused(&addr).await {
             return false;
         }
         if self.inner.dead.lock().expect("poisoned").insert(id, Instant::now()).is_none() {
