@@ -43,6 +43,11 @@ pub struct QueueInfo {
     pub unacked: u64,
     /// Last log index applied locally.
     pub applied: Option<u64>,
+    /// This node is the master and has applied an entry of its own term, so
+    /// its counts include all its predecessor committed (a master just
+    /// elected may not have applied its predecessor's last entries yet).
+    #[serde(default)]
+    pub settled: bool,
     /// Synchronised members (only when this node is the master).
     pub synchronised: Vec<NodeId>,
     /// Members still fetching message bodies, as they last reported (only

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use openraft::storage::RaftLogStorage;
@@ -37,6 +37,38 @@ const PING_LIMIT: Duration = Duration::from_millis(800);
 const LEASE_MARGIN: Duration = Duration::from_millis(50);
 /// Handed-back messages travel in chunks of at most this many bytes.
 const HANDBACK_CHUNK_BYTES: usize = 1 << 20;
+
+/// What failover watches about one replica of a group, kept with it.
+pub(super) struct GroupWatch {
+    /// Last time a majority of the group's voters answered pings.
+    pub(super) majority_seen: Mutex<Instant>,
+    /// Since when (wall clock, ms) a majority has been in reach without a
+    /// break as long as the failure timeout: a group that kept its
+    /// majority from before a minority re-formed it keeps the queue.
+    pub(super) majority_since: Mutex<Option<u64>>,
+    /// When a master of this replica's epoch last sent it entries or a
+    /// heartbeat.
+    pub(super) master_heard: Mutex<Option<Instant>>,
+    /// Since when this replica has known no master.
+    pub(super) leaderless_since: Mutex<Option<Instant>>,
+    /// Since when the master this replica follows has not answered pings.
+    pub(super) master_lost_since: Mutex<Option<Instant>>,
+    /// An election is timed to start when the lost master's lease is out.
+    pub(super) elect_at: Mutex<Option<Instant>>,
+}
+
+impl GroupWatch {
+    pub(super) fn new() -> Self {
+        GroupWatch {
+            majority_seen: Mutex::new(Instant::now()),
+            majority_since: Mutex::new(None),
+            master_heard: Mutex::new(None),
+            leaderless_since: Mutex::new(None),
+            master_lost_since: Mutex::new(None),
+            elect_at: Mutex::new(None),
+        }
+    }
+}
 
 fn epoch_key(group: GroupId) -> String {
     format!("epoch/{group}")
@@ -261,8 +293,8 @@ impl Node {
             let alive: BTreeSet<NodeId> = members.intersection(&reach).copied().collect();
             let now = Instant::now();
             let seen = {
-                let mut seen = g.majority_seen.lock().expect("poisoned");
-                let mut since = g.majority_since.lock().expect("poisoned");
+                let mut seen = g.watch.majority_seen.lock().expect("poisoned");
+                let mut since = g.watch.majority_since.lock().expect("poisoned");
                 if alive_voters * 2 > voters.len() {
                     *seen = now;
                     since.get_or_insert_with(wall_ms);
@@ -288,7 +320,7 @@ impl Node {
                 // deferring to it would leave the queue without a master
                 // until the old one came back.
                 let leaderless_since = {
-                    let mut l = g.leaderless_since.lock().expect("poisoned");
+                    let mut l = g.watch.leaderless_since.lock().expect("poisoned");
                     match m.current_leader.filter(|l| still_leads(*l, self.id(), &reach, &voters)) {
                         Some(_) => *l = None,
                         None => {
@@ -314,7 +346,7 @@ impl Node {
                 // ping (a killed process's sockets close at once), that
                 // moment bounds its death, else the moment the pings failed.
                 let lost_since = {
-                    let mut l = g.master_lost_since.lock().expect("poisoned");
+                    let mut l = g.watch.master_lost_since.lock().expect("poisoned");
                     match m.current_leader.filter(|leader| !reach.contains(leader)) {
                         Some(leader) => Some(*l.get_or_insert_with(|| {
                             let seen = self.inner.seen.lock().expect("poisoned").get(&leader).copied();
@@ -375,7 +407,7 @@ impl Node {
     /// yet seen the death still keeps its lease and refuses the first ask.
     fn elect_after_lease(&self, g: &Arc<QueueGroup>, lost_leader: NodeId, at: Instant) {
         {
-            let mut slot = g.elect_at.lock().expect("poisoned");
+            let mut slot = g.watch.elect_at.lock().expect("poisoned");
             match *slot {
                 Some(t) if t <= at => return,
                 Some(_) => {
@@ -390,7 +422,7 @@ impl Node {
         tokio::spawn(async move {
             let stop = node.inner.stop.clone();
             loop {
-                let Some(at) = *g.elect_at.lock().expect("poisoned") else { return };
+                let Some(at) = *g.watch.elect_at.lock().expect("poisoned") else { return };
                 let now = Instant::now();
                 if now >= at {
                     break;
@@ -402,7 +434,7 @@ impl Node {
                 }
             }
             for ask in 1..=3u32 {
-                if stop.is_cancelled() || g.master_lost_since.lock().expect("poisoned").is_none() {
+                if stop.is_cancelled() || g.watch.master_lost_since.lock().expect("poisoned").is_none() {
                     break;
                 }
                 let m = g.raft.metrics().borrow().clone();
@@ -424,7 +456,7 @@ impl Node {
                     _ = tokio::time::sleep(super::liveness::ELECT_RETRY * ask) => {}
                 }
             }
-            *g.elect_at.lock().expect("poisoned") = None;
+            *g.watch.elect_at.lock().expect("poisoned") = None;
         });
     }
 

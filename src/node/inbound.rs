@@ -58,7 +58,7 @@ impl Inner {
             RpcRequest::Append { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
                 Ok(r) => {
                     if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
-                        *g.master_heard.lock().expect("poisoned") = Some(Instant::now());
+                        *g.watch.master_heard.lock().expect("poisoned") = Some(Instant::now());
                     }
                     self.metrics.appends_received.inc();
                     RpcResponse::Append(r.append_entries(req).await)

@@ -151,21 +151,8 @@ struct QueueGroup {
     /// The epoch this replica is in; fixed for the life of this Raft instance
     /// (re-forming and healing restart the group).
     epoch: Epoch,
-    /// Last time a majority of the group's voters answered pings.
-    majority_seen: Mutex<Instant>,
-    /// Since when (wall clock, ms) a majority has been in reach without a
-    /// break as long as the failure timeout: a group that kept its
-    /// majority from before a minority re-formed it keeps the queue.
-    majority_since: Mutex<Option<u64>>,
-    /// When a master of this replica's epoch last sent it entries or a
-    /// heartbeat.
-    master_heard: Mutex<Option<Instant>>,
-    /// Since when this replica has known no master.
-    leaderless_since: Mutex<Option<Instant>>,
-    /// Since when the master this replica follows has not answered pings.
-    master_lost_since: Mutex<Option<Instant>>,
-    /// An election is timed to start when the lost master's lease is out.
-    elect_at: Mutex<Option<Instant>>,
+    /// What failover watches about this replica (`failover.rs`).
+    watch: failover::GroupWatch,
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mirrorq_storage::SmSpace;
@@ -292,12 +292,7 @@ impl Node {
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
             epoch,
-            majority_seen: Mutex::new(Instant::now()),
-            majority_since: Mutex::new(None),
-            master_heard: Mutex::new(None),
-            leaderless_since: Mutex::new(None),
-            master_lost_since: Mutex::new(None),
-            elect_at: Mutex::new(None),
+            watch: failover::GroupWatch::new(),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
             proposer,

@@ -100,13 +100,13 @@ impl Node {
         if m.state != ServerState::Leader {
             // In reach and still sending us appends: a master restored
             // from a vote on disk that has left our epoch sends none.
-            let heard = *g.master_heard.lock().expect("poisoned");
+            let heard = *g.watch.master_heard.lock().expect("poisoned");
             let master_alive = m.current_leader.is_some_and(|l| l != me)
                 && heard.is_some_and(|t| t.elapsed() < timing.failure_timeout);
             return if master_alive { Verdict::Defer } else { Verdict::Heal };
         }
-        let kept_since = *g.majority_since.lock().expect("poisoned");
-        let in_reach = g.majority_seen.lock().expect("poisoned").elapsed() < timing.failure_timeout;
+        let kept_since = *g.watch.majority_since.lock().expect("poisoned");
+        let in_reach = g.watch.majority_seen.lock().expect("poisoned").elapsed() < timing.failure_timeout;
         let Some(since) = kept_since.filter(|_| in_reach) else { return Verdict::Heal };
         let Some(formed) = self.fetch_formed_at(news).await else { return Verdict::Heal };
         // Clocks of different machines differ a little; the newer epoch

@@ -36,6 +36,9 @@ impl Node {
             match info {
                 // A replica that knows of another master: ask that one.
                 Ok(i) if i.local && i.leader.is_some_and(|l| l != target) => Attempt::Elsewhere(i.leader),
+                // A master just elected, still applying what its
+                // predecessor committed: its counts are not yet right.
+                Ok(i) if i.leader == Some(target) && !i.settled => Attempt::Elsewhere(None),
                 r => Attempt::Done(r),
             }
         })
@@ -123,6 +126,7 @@ impl Node {
             ready: 0,
             unacked: 0,
             applied: None,
+            settled: false,
             synchronised: Vec::new(),
             catching_up: Vec::new(),
         };
@@ -130,6 +134,8 @@ impl Node {
             let m = g.raft.metrics().borrow().clone();
             info.leader = m.current_leader;
             info.applied = m.last_applied.map(|l| l.index);
+            info.settled = m.state == openraft::ServerState::Leader
+                && m.last_applied.is_some_and(|l| l.leader_id.term == m.current_term);
             let s = *g.stats.borrow();
             (info.ready, info.unacked) = (s.ready, s.unacked);
             info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
