@@ -434,7 +434,15 @@ impl Node {
                 }
             }
             for ask in 1..=3u32 {
-                if stop.is_cancelled() || g.watch.master_lost_since.lock().expect("poisoned").is_none() {
+                // A candidate knows no leader, so the reconcile has stopped
+                // counting the master as lost by the next ask: a later ask
+                // goes on the death alone.
+                let lost = if ask == 1 {
+                    g.watch.master_lost_since.lock().expect("poisoned").is_some()
+                } else {
+                    node.is_dead(lost_leader)
+                };
+                if stop.is_cancelled() || !lost {
                     break;
                 }
                 let m = g.raft.metrics().borrow().clone();
