@@ -23,7 +23,7 @@ use crate::link::transport::CallError;
 use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
 use crate::queue::proposer::{Answer, Lane};
 use crate::queue::{QueueCmd, QueueReply};
-use crate::raft::types::{Request, Response};
+use crate::raft::types::{Raft, Request, Response};
 
 /// The leader an operation must run at.
 #[derive(Clone, Copy)]
@@ -83,6 +83,16 @@ impl<T> Attempt<T> {
             Attempt::Elsewhere(hint) => Ok(hint),
         }
     }
+}
+
+/// The leader `raft` knows once it is another than `not`, within `wait`.
+async fn leader_other_than(raft: &Raft, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
+    let mut metrics = raft.metrics();
+    let found = tokio::time::timeout(wait, async {
+        metrics.wait_for(|m| m.current_leader.is_some_and(|l| Some(l) != not)).await.ok().and_then(|m| m.current_leader)
+    })
+    .await;
+    found.ok().flatten()
 }
 
 /// How long to wait for an election before trying again: it ends the wait
@@ -279,31 +289,14 @@ impl Node {
             tokio::time::sleep(wait).await;
             return None;
         };
-        let mut metrics = g.raft.metrics();
-        let found = tokio::time::timeout(wait, async {
-            metrics
-                .wait_for(|m| m.current_leader.is_some_and(|l| Some(l) != not))
-                .await
-                .ok()
-                .and_then(|m| m.current_leader)
-        })
-        .await;
-        found.ok().flatten()
+        leader_other_than(&g.raft, not, wait).await
     }
 
     /// The metadata leader once it is another than `not`, or whichever this
     /// node knows of after `wait`.
     async fn new_meta_leader(&self, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
-        let mut metrics = self.inner.meta_raft.metrics();
-        let found = tokio::time::timeout(wait, async {
-            metrics
-                .wait_for(|m| m.current_leader.is_some_and(|l| Some(l) != not))
-                .await
-                .ok()
-                .and_then(|m| m.current_leader)
-        })
-        .await;
-        found.ok().flatten().or_else(|| self.inner.meta_raft.metrics().borrow().current_leader)
+        let found = leader_other_than(&self.inner.meta_raft, not, wait).await;
+        found.or_else(|| self.inner.meta_raft.metrics().borrow().current_leader)
     }
 
     pub(super) fn leader_guess(&self, q: &QueueMeta) -> NodeId {
