@@ -403,6 +403,48 @@ impl mirrorq::owners::Holder for Holder {
     }
 }
 
+/// Knows every delivery of one queue and none of any other.
+struct KnowsOnly(&'static str);
+impl mirrorq::owners::Holder for KnowsOnly {
+    fn unknown(&self, queue: &str, qtags: &[u64]) -> Vec<u64> {
+        if queue == self.0 {
+            Vec::new()
+        } else {
+            qtags.to_vec()
+        }
+    }
+}
+
+/// One channel holds deliveries of three queues with the same master, the
+/// same delivery tags in each: only those of the two queues it never got
+/// come back, and those of the third stay held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stranded_deliveries_are_told_apart_by_queue() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    let queues = ["known", "stranded-a", "stranded-b"];
+    for q in queues {
+        c.node(1).declare_queue(q, vec![1, 2, 3]).await.unwrap();
+        for i in 0..3 {
+            publish_retrying(c.node(1), q, format!("{q}{i}").into_bytes()).await;
+        }
+    }
+    let n2 = c.node(2).clone();
+    let owner = n2.owners().new_owner_held(std::sync::Arc::new(KnowsOnly("known")));
+    for q in queues {
+        assert_eq!(n2.get(q, owner, 3, false).await.unwrap().len(), 3);
+    }
+    wait_until(Duration::from_secs(20), "the six never got are ready again", || {
+        ["stranded-a", "stranded-b"]
+            .iter()
+            .all(|q| c.node(1).queue_info(q).is_ok_and(|i| i.ready == 3 && i.unacked == 0))
+    })
+    .await;
+    let i = c.node(1).queue_info("known").unwrap();
+    assert_eq!((i.ready, i.unacked), (0, 3), "deliveries the holder knows were requeued");
+    c.shutdown().await;
+}
+
 /// A get served by a master that stopped before its answer got through
 /// leaves its messages recorded under a live owner whose channel never saw
 /// them. The master finds such deliveries (the owner's node says its holder

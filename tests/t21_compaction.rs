@@ -90,3 +90,76 @@ async fn an_idle_queue_log_is_compacted_and_its_messages_stay() {
     assert_eq!(node.queue_info("idle").unwrap().ready, 0);
     c.shutdown().await;
 }
+
+/// A master cut off with a publish in flight is deposed; the majority goes
+/// on far enough to purge its log, so on healing the old master is sent a
+/// snapshot that covers the index of that publish. The publish must still
+/// be answered (its outcome is unknown: an error, and the caller retries),
+/// not hang forever holding one of the queue's proposal slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_left_on_a_deposed_master_is_answered_when_a_snapshot_covers_it() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    // Strict Raft: the cut-off master must not re-form the queue alone.
+    c.node(1)
+        .set_policy(common::policy(
+            "^q$",
+            r#"{"ha-mode":"all","ha-sync-mode":"automatic","ha-promote-on-failure":"when-synced"}"#,
+        ))
+        .await
+        .unwrap();
+    c.node(1).declare_queue("q", vec![]).await.unwrap();
+    wait_until(Duration::from_secs(20), "three synchronised replicas", || {
+        c.node(1).queue_info("q").is_ok_and(|i| i.synchronised.len() == 3)
+    })
+    .await;
+    common::publish_retrying(c.node(1), "q", b"first".to_vec()).await;
+    assert_eq!(c.master_of("q").await, 1);
+    for id in [2, 3] {
+        c.node(1).transport().control.block(id);
+        c.node(id).transport().control.block(1);
+    }
+    let stranded = {
+        let node = c.node(1).clone();
+        tokio::spawn(async move { node.publish("q", vec![msg("stranded")]).await })
+    };
+    wait_until(Duration::from_secs(20), "a new master on the majority side", || {
+        c.node(2).queue_info("q").is_ok_and(|i| i.leader.is_some_and(|l| l != 1))
+    })
+    .await;
+    let master = c.node(2).queue_info("q").unwrap().leader.unwrap();
+    let raft = c.node(master).queue_raft("q").unwrap();
+    let mut i = 0;
+    while raft.metrics().borrow().purged.is_none_or(|p| p.index < 1100) {
+        c.node(master).publish("q", vec![msg(format!("m{i}"))]).await.unwrap();
+        i += 1;
+        assert!(i < 5000, "the majority's log was never purged");
+    }
+    if stranded.is_finished() {
+        panic!("the cut-off master answered a publish it could not commit: {:?}", stranded.await);
+    }
+    for id in [2, 3] {
+        c.node(1).transport().control.unblock(id);
+        c.node(id).transport().control.unblock(1);
+    }
+    wait_until(Duration::from_secs(20), "the old master installed the snapshot", || {
+        c.node(1).queue_raft("q").is_some_and(|r| r.metrics().borrow().purged.is_some_and(|p| p.index >= 1100))
+    })
+    .await;
+    let answer = tokio::time::timeout(Duration::from_secs(10), stranded)
+        .await
+        .expect("the publish left on the deposed master was never answered");
+    let confirmed = matches!(answer, Ok(Ok(())));
+    // Confirmed (sent again to the new master) means it is there; an error
+    // leaves it to the publisher, who sends it again.
+    let mut found = false;
+    loop {
+        let got = c.node(master).get("q", 1, 500, true).await.unwrap();
+        if got.is_empty() {
+            break;
+        }
+        found |= got.iter().any(|d| d.message.body == b"stranded");
+    }
+    assert!(found || !confirmed, "the stranded publish was confirmed but is not in the queue");
+    c.shutdown().await;
+}

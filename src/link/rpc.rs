@@ -170,9 +170,9 @@ pub enum RpcResponse {
     MetaIndex(Option<u64>),
     Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),
     Readings(crate::alarms::Readings),
-    /// The live subset of the owners asked about, and per live owner the
-    /// tags asked about that its holder does not know.
-    Owners(Vec<u64>, Vec<(u64, Vec<u64>)>),
+    /// The live subset of the owners asked about, and per live owner and
+    /// queue the tags asked about that its holder does not know.
+    Owners(Vec<u64>, Vec<(u64, String, Vec<u64>)>),
     /// The receiver does not host this group (yet): the sender retries later.
     UnknownGroup(GroupId),
     /// The receiver's replica is in a newer epoch than the sender's.

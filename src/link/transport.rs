@@ -123,6 +123,13 @@ impl Transport {
         lost
     }
 
+    /// Let requests to the node at `addr` go out but lose every reply (a
+    /// test's one-way cut: this side sends and hears nothing back).
+    #[cfg(feature = "test-hooks")]
+    pub fn deafen(&self, addr: &str, deaf: bool) {
+        self.peer(addr).deaf.store(deaf, Ordering::Release);
+    }
+
     /// Drop every connection (the peers are re-dialled on the next call).
     pub fn close_all(&self) {
         for p in self.peers.lock().expect("poisoned").values() {
@@ -157,6 +164,8 @@ struct Peer {
     lost_at: Arc<Mutex<Option<Instant>>>,
     losses: broadcast::Sender<String>,
     next_id: AtomicU64,
+    /// Replies are dropped on arrival ([`Transport::deafen`]).
+    deaf: Arc<AtomicBool>,
 }
 
 impl Peer {
@@ -168,6 +177,7 @@ impl Peer {
             lost_at: Arc::default(),
             losses,
             next_id: AtomicU64::new(1),
+            deaf: Arc::default(),
         }
     }
 
@@ -200,7 +210,7 @@ impl Peer {
         let _ = stream.set_nodelay(true);
         *self.lost_at.lock().expect("poisoned") = None;
         let lost = (self.lost_at.clone(), self.losses.clone(), self.addr.clone());
-        let conn = Arc::new(start_conn(stream, lost));
+        let conn = Arc::new(start_conn(stream, lost, self.deaf.clone()));
         *slot = Some(conn.clone());
         Ok(conn)
     }
@@ -270,7 +280,11 @@ pub(crate) async fn write_frames(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mp
     }
 }
 
-fn start_conn(stream: TcpStream, lost: (Arc<Mutex<Option<Instant>>>, broadcast::Sender<String>, String)) -> Conn {
+fn start_conn(
+    stream: TcpStream,
+    lost: (Arc<Mutex<Option<Instant>>>, broadcast::Sender<String>, String),
+    deaf: Arc<AtomicBool>,
+) -> Conn {
     let (lost_at, losses, addr) = lost;
     let (rd, wr) = stream.into_split();
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
@@ -289,6 +303,9 @@ fn start_conn(stream: TcpStream, lost: (Arc<Mutex<Option<Instant>>>, broadcast::
         tokio::spawn(async move {
             let mut input = FramedRead::new(rd, codec());
             while let Some(Ok(frame)) = input.next().await {
+                if deaf.load(Ordering::Acquire) {
+                    continue;
+                }
                 match rpc::decode::<Envelope<RpcResponse>>(&frame) {
                     Ok(env) => {
                         if let Some(w) = pending.lock().expect("poisoned").remove(&env.id) {

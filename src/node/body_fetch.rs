@@ -84,8 +84,9 @@ impl Node {
         let mut plan_rx = g.plan.clone();
         let mut run_rx = g.sync_run.subscribe();
         let mut metrics = g.raft.metrics();
-        // The master this replica last reported to.
-        let mut told: Option<NodeId> = None;
+        // The master this replica last reported to, and its term: a master
+        // re-elected in a new term has forgotten the reports of the old one.
+        let mut told: Option<(NodeId, u64)> = None;
         let started = Instant::now();
         let mut last_log = Instant::now();
         let mut last_report: Option<Instant> = None;
@@ -96,7 +97,10 @@ impl Node {
             let Some(plan) = plan_rx.borrow_and_update().clone() else {
                 // Complete: say so to each new master, which counts this
                 // replica as synchronised only after hearing it.
-                let master = metrics.borrow_and_update().current_leader.filter(|m| *m != self.id());
+                let master = {
+                    let m = metrics.borrow_and_update();
+                    m.current_leader.filter(|l| *l != self.id()).map(|l| (l, m.current_term))
+                };
                 // A node that is stopping stays silent: a master that counted
                 // it as synchronised would wait for it after it is gone.
                 let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);

@@ -557,14 +557,22 @@ impl Node {
         }
         match self.split_verdict(&g, news).await {
             Verdict::Defer => return,
+            Verdict::Undecided => {
+                let what = format!("epoch {} formed by node {}", news.epoch, news.epoch.node);
+                if self.inner.repeated(group, "split-undecided", &what) {
+                    tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists, but the node that formed it cannot be asked when: this group keeps its majority and goes on serving until it can (told once)");
+                }
+                return;
+            }
             Verdict::Keep => {
+                self.inner.told.cleared(group, "split-undecided");
                 tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a minority re-formed the queue while this group kept its majority: its epoch yields to ours");
                 if let Err(e) = add_defeated(&self.inner.db, group, news.epoch) {
                     return io(e);
                 }
                 return self.tell_to_yield(&g, news).await;
             }
-            Verdict::Heal => {}
+            Verdict::Heal => self.inner.told.cleared(group, "split-undecided"),
         }
         tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "replica is in an older epoch: healing");
         self.rejoin(g, news, false).await;

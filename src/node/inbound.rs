@@ -153,8 +153,11 @@ impl Inner {
             RpcRequest::Owners { owners, held } => RpcResponse::Owners(
                 self.owners.alive_of(&owners),
                 held.into_iter()
-                    .map(|(owner, queue, tags)| (owner, self.owners.unknown(owner, &queue, &tags)))
-                    .filter(|(_, unknown)| !unknown.is_empty())
+                    .map(|(owner, queue, tags)| {
+                        let unknown = self.owners.unknown(owner, &queue, &tags);
+                        (owner, queue, unknown)
+                    })
+                    .filter(|(_, _, unknown)| !unknown.is_empty())
                     .collect(),
             ),
             RpcRequest::Readings => RpcResponse::Readings(self.alarms.readings()),

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use openraft::ServerState;
 
 use super::{Node, QueueGroup};
+use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::owners;
@@ -123,7 +124,12 @@ impl Node {
             if !stranded.is_empty() {
                 cmds.push(QueueCmd::Nack { tags: stranded.clone(), requeue: true });
             }
-            match self.inner.local_queue_op(group, cmds, Lane::Consumer).await {
+            // Bounded: a proposal the group never answers (it lost its
+            // majority under us) must not stop the sweeps of every queue.
+            let limit = self.inner.timing.op_timeout;
+            let op = tokio::time::timeout(limit, self.inner.local_queue_op(group, cmds, Lane::Consumer));
+            let result = op.await.unwrap_or_else(|_| Err(NodeError::Unavailable("no answer in time".into())));
+            match result {
                 Ok(replies) => {
                     let count: u64 = replies
                         .iter()
@@ -188,9 +194,7 @@ impl Node {
                     Ok(RpcResponse::Owners(live, not_known)) => {
                         absence.failing_since.remove(&id);
                         alive.extend(live);
-                        unknown.extend(not_known.into_iter().filter_map(|(o, tags)| {
-                            held.iter().find(|(h, _, _)| *h == o).map(|(_, q, _)| (o, q.clone(), tags))
-                        }));
+                        unknown.extend(not_known);
                     }
                     _ => {
                         let since = *absence.failing_since.entry(id).or_insert(now);

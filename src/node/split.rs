@@ -85,6 +85,12 @@ pub(super) enum Verdict {
     Keep,
     /// We follow a master that is alive: it decides for the group.
     Defer,
+    /// We are the master, our group has its majority, and the node that
+    /// formed the newer epoch cannot be asked when it did (a one-way cut:
+    /// its messages reach us, ours do not reach it). Keep serving and ask
+    /// again on its next message: healing now would hand a healthy queue
+    /// to a node nobody can reach.
+    Undecided,
 }
 
 impl Node {
@@ -108,7 +114,7 @@ impl Node {
         let kept_since = *g.watch.majority_since.lock().expect("poisoned");
         let in_reach = g.watch.majority_seen.lock().expect("poisoned").elapsed() < timing.failure_timeout;
         let Some(since) = kept_since.filter(|_| in_reach) else { return Verdict::Heal };
-        let Some(formed) = self.fetch_formed_at(news).await else { return Verdict::Heal };
+        let Some(formed) = self.fetch_formed_at(news).await else { return Verdict::Undecided };
         // Clocks of different machines differ a little; the newer epoch
         // formed a failure timeout after its node lost our majority, so a
         // majority kept from before that is well clear of it.

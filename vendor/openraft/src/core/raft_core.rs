@@ -1126,6 +1126,25 @@ where
     pub(super) fn handle_vote_request(&mut self, req: VoteRequest<C::NodeId>, tx: VoteTx<C>) {
         tracing::info!(req = display(req.summary()), func = func_name!());
 
+        // mirrorq patch: a leader that a quorum has acknowledged within its
+        // lease refuses to vote, as its followers already do. Upstream the
+        // leader's own vote time is the moment it was elected, so once that
+        // was a lease ago any candidate with an up-to-date log unseats it:
+        // a node that hears nothing (a one-way cut) but whose requests still
+        // arrive would depose a healthy leader over and over.
+        if let Some(acked) = self.last_quorum_acked_time() {
+            if C::now() <= acked + self.engine.config.timer_config.leader_lease {
+                tracing::info!(req = display(req.summary()), "reject vote-request: this leader's quorum answered within its lease");
+                let st = &self.engine.state;
+                let resp = VoteResponse::new(st.vote_ref(), st.last_log_id().cloned(), false);
+                self.engine.output.push_command(Command::Respond {
+                    when: None,
+                    resp: Respond::new(Ok(resp), tx),
+                });
+                return;
+            }
+        }
+
         let resp = self.engine.handle_vote_req(req);
         self.engine.output.push_command(Command::Respond {
             when: None,
@@ -1712,6 +1731,16 @@ where
             }
             Command::PurgeLog { upto } => {
                 self.log_store.purge(upto.clone()).await?;
+                // mirrorq patch: a write still waiting at a purged index was
+                // never applied here, and never will be: a snapshot from a
+                // later leader covered it (a leader purges only what it has
+                // applied). Dropping its responder tells the proposer its
+                // outcome is unknown; upstream it waited forever.
+                let kept = self.client_resp_channels.split_off(&(upto.index + 1));
+                let stale = std::mem::replace(&mut self.client_resp_channels, kept);
+                if !stale.is_empty() {
+                    tracing::info!(upto = display(&upto), writes = stale.len(), "dropping writes a snapshot covered before they were applied here");
+                }
                 self.engine.state.io_state_mut().update_purged(Some(upto));
             }
             Command::DeleteConflictLog { since } => {
