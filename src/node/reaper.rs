@@ -109,21 +109,29 @@ impl Node {
         let timeout = self.inner.timing.failure_timeout;
         for (group, _, owners) in held {
             let gone: Vec<u64> = owners.keys().copied().filter(|o| v.dead.contains(o)).collect();
-            let stranded: Vec<u64> = owners
+            // Per live owner, its deliveries its holder has not known for
+            // the failure timeout.
+            let stranded: Vec<(u64, Vec<u64>)> = owners
                 .iter()
                 .filter(|(o, _)| !v.dead.contains(o))
-                .flat_map(|(_, tags)| tags.iter().copied())
-                .filter(|t| {
-                    absence.unknown_since.get(&(group, *t)).is_some_and(|at| now.duration_since(*at) >= timeout)
+                .map(|(o, tags)| {
+                    let lost = tags.iter().copied().filter(|t| {
+                        absence.unknown_since.get(&(group, *t)).is_some_and(|at| now.duration_since(*at) >= timeout)
+                    });
+                    (*o, lost.collect::<Vec<u64>>())
                 })
+                .filter(|(_, tags)| !tags.is_empty())
                 .collect();
             if gone.is_empty() && stranded.is_empty() {
                 continue;
             }
             let mut cmds: Vec<QueueCmd> = gone.iter().map(|owner| QueueCmd::Release { owner: *owner }).collect();
-            if !stranded.is_empty() {
-                cmds.push(QueueCmd::Nack { tags: stranded.clone(), requeue: true });
-            }
+            cmds.extend(stranded.iter().map(|(owner, tags)| QueueCmd::NackOf {
+                owner: *owner,
+                tags: tags.clone(),
+                requeue: true,
+            }));
+            let stranded: Vec<u64> = stranded.into_iter().flat_map(|(_, tags)| tags).collect();
             // Bounded: a proposal the group never answers (it lost its
             // majority under us) must not stop the sweeps of every queue.
             let limit = self.inner.timing.op_timeout;

@@ -236,26 +236,10 @@ impl QueueState {
                 }
                 QueueReply::Got { msgs: Vec::new(), remaining: self.ready_count() }
             }
-            QueueCmd::Ack { tags } => {
-                let mut unknown = Vec::new();
-                for tag in tags {
-                    match self.unacked.remove(tag) {
-                        Some(u) => self.remove(u.seq, true, changes),
-                        None => unknown.push(*tag),
-                    }
-                }
-                QueueReply::Settled { count: (tags.len() - unknown.len()) as u32, unknown }
-            }
-            QueueCmd::Nack { tags, requeue } => {
-                let mut unknown = Vec::new();
-                for tag in tags {
-                    match self.unacked.remove(tag) {
-                        Some(u) => self.settle_nack(u.seq, *requeue, changes),
-                        None => unknown.push(*tag),
-                    }
-                }
-                QueueReply::Settled { count: (tags.len() - unknown.len()) as u32, unknown }
-            }
+            QueueCmd::Ack { tags } => self.settle(tags, None, None, changes),
+            QueueCmd::AckOf { owner, tags } => self.settle(tags, Some(*owner), None, changes),
+            QueueCmd::Nack { tags, requeue } => self.settle(tags, None, Some(*requeue), changes),
+            QueueCmd::NackOf { owner, tags, requeue } => self.settle(tags, Some(*owner), Some(*requeue), changes),
             QueueCmd::Release { owner } => {
                 // Tags ascend with delivery order, so requeue in that order.
                 let mut tags: Vec<u64> =
@@ -452,6 +436,29 @@ impl QueueState {
         self.counters.ready_head = self.counters.next_seq;
     }
 
+    /// Ack (`nack` `None`) or nack the deliveries `tags`, of `owner` only
+    /// if one is named; the others are unknown.
+    fn settle(
+        &mut self,
+        tags: &[u64],
+        owner: Option<u64>,
+        nack: Option<bool>,
+        changes: &mut Vec<Change>,
+    ) -> QueueReply {
+        let mut unknown = Vec::new();
+        for tag in tags {
+            let theirs = self.unacked.get(tag).is_some_and(|u| owner.is_none_or(|o| u.owner == o));
+            match theirs.then(|| self.unacked.remove(tag)).flatten() {
+                Some(u) => match nack {
+                    None => self.remove(u.seq, true, changes),
+                    Some(requeue) => self.settle_nack(u.seq, requeue, changes),
+                },
+                None => unknown.push(*tag),
+            }
+        }
+        QueueReply::Settled { count: (tags.len() - unknown.len()) as u32, unknown }
+    }
+
     fn settle_nack(&mut self, seq: u64, requeue: bool, changes: &mut Vec<Change>) {
         if requeue {
             let order = self.counters.next_requeue;
@@ -554,6 +561,24 @@ mod tests {
         let r = s.apply(&QueueCmd::Ack { tags: vec![1] }, &mut c);
         assert_eq!(r, QueueReply::Settled { count: 0, unknown: vec![1] });
         assert_eq!(s.unacked_count(), 1);
+    }
+
+    #[test]
+    fn an_owner_settles_only_its_own_deliveries() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 3);
+        get(&mut s, 1, 1, false); // tag 0 to owner 1
+        get(&mut s, 2, 2, false); // tags 1, 2 to owner 2
+        let mut c = Vec::new();
+        let r = s.apply(&QueueCmd::AckOf { owner: 1, tags: vec![0, 1] }, &mut c);
+        assert_eq!(r, QueueReply::Settled { count: 1, unknown: vec![1] });
+        let r = s.apply(&QueueCmd::NackOf { owner: 1, tags: vec![2], requeue: true }, &mut c);
+        assert_eq!(r, QueueReply::Settled { count: 0, unknown: vec![2] });
+        // Owner 2's deliveries are untouched, and its own settle works.
+        assert_eq!(s.unacked_count(), 2);
+        let r = s.apply(&QueueCmd::NackOf { owner: 2, tags: vec![2, 1], requeue: true }, &mut c);
+        assert_eq!(r, QueueReply::Settled { count: 2, unknown: vec![] });
+        assert_eq!((s.ready_count(), s.unacked_count()), (2, 0));
     }
 
     #[test]

@@ -75,6 +75,21 @@ pub enum QueueCmd {
         msgs: Vec<Message>,
         ttl_ms: Vec<Option<u64>>,
     },
+    /// [`QueueCmd::Ack`] of deliveries to `owner` only. A tag the queue
+    /// has given to another owner is unknown: a re-formed epoch, or a
+    /// fork that yielded, numbers deliveries from its own counter, so a
+    /// channel still holding a tag of the other epoch must not settle the
+    /// message another consumer now holds under that number.
+    AckOf {
+        owner: u64,
+        tags: Vec<u64>,
+    },
+    /// [`QueueCmd::Nack`] of deliveries to `owner` only (as `AckOf`).
+    NackOf {
+        owner: u64,
+        tags: Vec<u64>,
+        requeue: bool,
+    },
 }
 
 /// What `x-overflow` does when a queue is at `x-max-length`.

@@ -21,10 +21,11 @@ pub(in crate::amqp) enum Settle {
 }
 
 impl Settle {
-    pub(in crate::amqp) fn cmd(self, tags: Vec<u64>) -> QueueCmd {
+    /// Settle `owner`'s deliveries `tags`: only its own.
+    pub(in crate::amqp) fn cmd(self, owner: u64, tags: Vec<u64>) -> QueueCmd {
         match self {
-            Settle::Ack => QueueCmd::Ack { tags },
-            Settle::Nack { requeue } => QueueCmd::Nack { tags, requeue },
+            Settle::Ack => QueueCmd::AckOf { owner, tags },
+            Settle::Nack { requeue } => QueueCmd::NackOf { owner, tags, requeue },
         }
     }
 }
@@ -195,7 +196,7 @@ impl Channel {
             // before that takes anything (the consumer lane goes first into
             // an entry, and a get comes after). Only the answer is awaited
             // apart.
-            let submitted = self.node.submit_in(&q, vec![how.cmd(tags)], Lane::Consumer).await;
+            let submitted = self.node.submit_in(&q, vec![how.cmd(self.owner, tags)], Lane::Consumer).await;
             let deliveries = self.deliveries.clone();
             tokio::spawn(async move {
                 let r = match submitted {

@@ -64,7 +64,7 @@ impl Channel {
                         self.deliveries.take(tag, multiple, requeued).map_err(|t| Ok(unknown_tag(t, 90, 20)))?;
                     for (q, tags) in std::mem::take(&mut taken.by_queue) {
                         settled.extend(taken.holders(&q));
-                        per_queue.entry(q).or_default().push(how.cmd(tags));
+                        per_queue.entry(q).or_default().push(how.cmd(self.owner, tags));
                     }
                 }
                 // One batch per queue: it lands in one Raft entry, all or
