@@ -29,6 +29,13 @@ pub struct Metrics {
     /// Retried failures (re-forming, membership changes, catch-up,
     /// rejoining), each logged only when new.
     pub repeated_failures: Counter,
+    /// Leaderships of queue groups won here (a replica here became master
+    /// in a new term), the first of each queue's included.
+    pub queue_leaderships: Counter,
+    /// Queue groups re-formed here after losing their majority.
+    pub queue_reforms: Counter,
+    /// Leaderships of the metadata group won here.
+    pub metadata_leaderships: Counter,
 }
 
 impl Default for Metrics {
@@ -44,6 +51,9 @@ impl Default for Metrics {
             released_of_gone: Counter::default(),
             reconcile_failures: Counter::default(),
             repeated_failures: Counter::default(),
+            queue_leaderships: Counter::default(),
+            queue_reforms: Counter::default(),
+            metadata_leaderships: Counter::default(),
         }
     }
 }

@@ -41,6 +41,7 @@ async fn last_replica_standing_serves_and_the_others_heal_into_its_epoch() {
     let bodies: Vec<String> = got.iter().map(|d| String::from_utf8(d.message.body.clone()).unwrap()).collect();
     assert_eq!(bodies, vec!["m0", "m1", "m2", "m3"]);
     assert_eq!(n3.queue_members("q").unwrap(), BTreeSet::from([3]));
+    assert!(n3.metrics().queue_reforms.get() >= 1, "the re-form is not counted in /metrics");
     publish_retrying(&n3, "q", b"during".to_vec()).await;
 
     tracing::info!("--- nodes 1 and 2 come back");
@@ -173,9 +174,11 @@ async fn the_most_senior_synchronised_mirror_takes_over() {
         c.node(2).queue_info("q").unwrap().synchronised.len() == 3
     })
     .await;
+    let won = c.node(3).metrics().queue_leaderships.get();
     c.crash(2).await;
     let next = c.master_of("q").await;
     assert_eq!(next, 3, "the senior mirror 3 must win, not 1");
+    assert_eq!(c.node(3).metrics().queue_leaderships.get(), won + 1, "the takeover is counted in /metrics");
     // And after 2 returns, 3 stays master (no flapping back).
     c.restart(2).await;
     // Back in the group: node 2 has heard from a master of the current term
@@ -514,6 +517,12 @@ async fn a_one_way_cut_does_not_unseat_a_healthy_master() {
     let queue_term = c.node(1).queue_raft("q").unwrap().metrics().borrow().current_term;
     let meta = c.node(1).metadata_raft().metrics().borrow().clone();
     let (meta_leader, meta_term) = (meta.current_leader, meta.current_term);
+    // What /metrics counts: leaderships won, by the healthy nodes.
+    let won = |id: u64| {
+        let m = c.node(id).metrics();
+        (m.queue_leaderships.get(), m.metadata_leaderships.get())
+    };
+    let won_before = [won(1), won(3)];
 
     for id in [1, 3] {
         c.node(id).transport().control.block(2);
@@ -539,6 +548,7 @@ async fn a_one_way_cut_does_not_unseat_a_healthy_master() {
     let m = c.node(1).metadata_raft().metrics().borrow().clone();
     assert_eq!(m.current_leader, meta_leader, "the metadata changed leader: {m:?}");
     assert_eq!(m.current_term, meta_term, "the metadata leader was disturbed (term moved)");
+    assert_eq!([won(1), won(3)], won_before, "an election was won during the cut");
     for id in [1, 3] {
         c.node(id).transport().control.unblock(2);
         c.node(2).transport().deafen(&c.configs[id as usize - 1].raft_listen, false);

@@ -81,6 +81,21 @@ pub fn render(node: &Node) -> String {
         m.repeated_failures.clone(),
     );
     r.register(
+        "mirrorq_queue_leaderships",
+        "Times a queue replica on this node became master in a new term (elections won, first ones included)",
+        m.queue_leaderships.clone(),
+    );
+    r.register(
+        "mirrorq_queue_reforms",
+        "Queues re-formed on this node after their group lost its majority",
+        m.queue_reforms.clone(),
+    );
+    r.register(
+        "mirrorq_metadata_leaderships",
+        "Times this node became leader of the metadata group in a new term",
+        m.metadata_leaderships.clone(),
+    );
+    r.register(
         "mirrorq_confirm_latency_seconds",
         "Time from a publish to its confirm (every synchronised replica fsync'd)",
         m.confirm_latency.clone(),

@@ -388,7 +388,10 @@ impl Node {
             {
                 tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-forming it");
                 match self.reform(g, q.clone(), state).await {
-                    Ok(()) => self.inner.told.cleared(q.group, "re-form"),
+                    Ok(()) => {
+                        self.inner.metrics.queue_reforms.inc();
+                        self.inner.told.cleared(q.group, "re-form");
+                    }
                     Err(e) => {
                         if self.inner.repeated(q.group, "re-form", &e.to_string()) {
                             tracing::error!(queue = %q.name, error = %e, "re-forming the queue failed; retrying (told once until it changes)");

@@ -189,6 +189,7 @@ impl Node {
         node.spawn_epoch_watch(news_rx);
         node.spawn_registration();
         node.spawn_fatal_watch();
+        node.spawn_metadata_leadership_count();
         node.spawn_log_compactor();
         node.spawn_reaper();
         node.spawn_liveness();
@@ -234,6 +235,30 @@ impl Node {
                 r = async { fatal.wait_for(|f| f.is_some()).await.map(|_| ()) } => if r.is_ok() {
                     tracing::error!("stopping the node after a storage failure");
                     node.shutdown().await;
+                }
+            }
+        });
+    }
+
+    /// Count the metadata group's leaderships won here (`/metrics`): an
+    /// election with nothing wrong is a false alarm worth seeing.
+    fn spawn_metadata_leadership_count(&self) {
+        let node = self.clone();
+        let mut m = self.inner.meta_raft.metrics();
+        tokio::spawn(async move {
+            let mut led: Option<u64> = None;
+            loop {
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    r = m.changed() => if r.is_err() { return },
+                }
+                let (state, term) = {
+                    let now = m.borrow_and_update();
+                    (now.state, now.current_term)
+                };
+                if state == openraft::ServerState::Leader && led != Some(term) {
+                    led = Some(term);
+                    node.inner.metrics.metadata_leaderships.inc();
                 }
             }
         });

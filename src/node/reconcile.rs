@@ -278,6 +278,7 @@ impl Node {
             self.inner.timing.sync_timeout,
             self.inner.down.clone(),
             catching.clone(),
+            self.inner.metrics.queue_leaderships.clone(),
             stop.clone(),
         );
         let proposer = Proposer::spawn(

@@ -17,6 +17,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use openraft::ServerState;
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -155,6 +156,7 @@ pub fn spawn(
     timeout: Duration,
     down: Down,
     catching: CatchingUp,
+    leaderships: Counter,
     stop: CancellationToken,
 ) -> watch::Receiver<SyncState> {
     let (tx, rx) = watch::channel(SyncState::default());
@@ -187,6 +189,7 @@ pub fn spawn(
                     // leader's log as it was at takeover; until then, and for
                     // one timeout at most, confirms wait for them too.
                     samples = Samples { term: m.current_term, points: VecDeque::new() };
+                    leaderships.inc();
                     in_sync = BTreeSet::from([m.id]);
                     floor = m.last_log_index;
                     grace_until = now + timeout;
