@@ -11,12 +11,22 @@
 #   get every 20 ms; the time until it serves the message (or "never" after
 #   30 s: a quorum queue without a majority refuses).
 #
+# - the false-failover soak: SOAK seconds (default 600; 0 skips it) of
+#   `mirrorq perf` at full rate (2 producers and 2 consumers, 1,000 in
+#   flight each, on nodes 2 and 3) against a queue mastered on node 1,
+#   plus two busy loops, so both cores are at 100%. Counted: elections won
+#   and re-forms (mirrorq's /metrics, every node, before and after), and
+#   for both systems every change of the queue's master seen by sampling
+#   the HTTP API each second.
+#
 # Usage: benches/scripts/failover-gap.sh   (RUNS=1, TIME=16 seconds per
-# publishing run; MIRRORQ_ONLY=1 skips RabbitMQ)
+# publishing run; MIRRORQ_ONLY=1 skips RabbitMQ; SOAK=600; SOAK_ONLY=1 runs
+# the soak alone)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-1}
 TIME=${TIME:-16}
+SOAK=${SOAK:-600}
 DIR=$(mktemp -d /tmp/failover-gap.XXXXXX)
 # shellcheck source=benches/scripts/clusters.sh
 . benches/scripts/clusters.sh
@@ -73,6 +83,71 @@ print(f"{system} classic demo: node 3 never served the message in 30 s")
 PY
 }
 
+# Sum of a counter over mirrorq's three nodes' /metrics.
+mq_counter() {
+  local sum=0 v
+  for h in 15691 15692 15693; do
+    v=$(curl -sf "http://127.0.0.1:$h/metrics" | awk -v n="$1" '$1 == n || $1 == n"_total" {print $2}' | head -1)
+    sum=$((sum + ${v:-0}))
+  done
+  echo "$sum"
+}
+
+# soak SYSTEM QUEUE PORT1 PORT2 PORT3 HTTP1 [--quorum]: SOAK seconds of full-rate
+# load plus busy loops; prints the master changes seen.
+soak() {
+  local system=$1 queue=$2 p1=$3 p2=$4 p3=$5 h1=$6; shift 6
+  "$BIN" perf --uri "amqp://guest:guest@127.0.0.1:$p1/%2f" "$@" --queue "$queue" --consumers 0 \
+    --pmessages 1 --time 10 --json > /dev/null
+  local before=()
+  if [ "$system" = mirrorq ]; then
+    before=("$(mq_counter mirrorq_queue_leaderships)" "$(mq_counter mirrorq_queue_reforms)" \
+      "$(mq_counter mirrorq_metadata_leaderships)")
+  fi
+  local pids=()
+  for p in "$p2" "$p3"; do
+    "$BIN" perf --uri "amqp://guest:guest@127.0.0.1:$p/%2f" "$@" --queue "$queue" --consumers 1 \
+      --time "$SOAK" --json > "$DIR/soak-$p.json" 2>/dev/null &
+    pids+=($!)
+  done
+  local hogs=()
+  for _ in 1 2; do python3 -c 'while True: pass' & hogs+=($!); done
+  python3 - "$h1" "$queue" "$SOAK" "$system" > "$DIR/soak-masters.txt" <<'PY'
+import base64, json, sys, time, urllib.request
+port, queue, secs, system = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+auth = "Basic " + base64.b64encode(b"guest:guest").decode()
+key = "node" if system == "mirrorq" else "leader"
+seen, changes, unanswered = None, 0, 0
+end = time.monotonic() + secs
+while time.monotonic() < end:
+    try:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/api/queues/%2F/{queue}", headers={"authorization": auth})
+        master = json.load(urllib.request.urlopen(req, timeout=5)).get(key)
+        if seen is not None and master != seen:
+            changes += 1
+        seen = master
+    except Exception:
+        unanswered += 1
+    time.sleep(1)
+print(changes, unanswered)
+PY
+  kill "${hogs[@]}" 2>/dev/null || true
+  for p in "${pids[@]}"; do wait "$p" || true; done
+  local changes unanswered; read -r changes unanswered < "$DIR/soak-masters.txt"
+  local rates; rates=$(python3 -c "
+import json
+rs = [json.load(open('$DIR/soak-$p.json')) for p in ('$p2', '$p3')]
+print(f'{sum(r[\"confirmed\"] for r in rs) / $SOAK:.0f} confirmed msg/s, longest confirm wait {max(r[\"confirm_latency_ms\"][\"max\"] for r in rs):.0f} ms')")
+  if [ "$system" = mirrorq ]; then
+    local won=$(( $(mq_counter mirrorq_queue_leaderships) - before[0] ))
+    local reforms=$(( $(mq_counter mirrorq_queue_reforms) - before[1] ))
+    local meta=$(( $(mq_counter mirrorq_metadata_leaderships) - before[2] ))
+    echo "$system soak ${SOAK}s at full CPU: $won queue elections won, $reforms re-forms, $meta metadata elections won, $changes master changes seen, $unanswered API samples unanswered; $rates"
+  else
+    echo "$system soak ${SOAK}s at full CPU: $changes leader changes seen, $unanswered API samples unanswered; $rates"
+  fi
+}
+
 # Stop RabbitMQ node 1 with SIGTERM (a clean stop) and wait for it to exit.
 stop_rabbit_node_1() {
   local pid; pid=$(cat "$DIR/r1/pid")
@@ -88,7 +163,7 @@ term_mirrorq() {
 fresh() { cleanup; mkdir -p "$DIR"; printf MIRRORQCOMPARECOOKIE > "$DIR/.erlang.cookie"; chmod 400 "$DIR/.erlang.cookie"; }
 
 for run in $(seq "$RUNS"); do
-  if [ -z "${MIRRORQ_ONLY:-}" ]; then
+  if [ -z "${MIRRORQ_ONLY:-}" ] && [ -z "${SOAK_ONLY:-}" ]; then
     start_rabbitmq
     gap rabbitmq-mirrored kill-9 "mirrored-gap-$run" 5681 5682 kill -9 "$(cat "$DIR/r1/pid")"
     start_rabbit_node 1
@@ -104,13 +179,25 @@ for run in $(seq "$RUNS"); do
       '{"x-queue-type":"quorum"}'
     fresh
   fi
-  start_mirrorq
-  gap mirrorq kill-9 "mirrored-gap-$run" 5691 5692 kill -9 "$(cat "$DIR/m1.pid")"
-  fresh
-  start_mirrorq
-  gap mirrorq SIGTERM "mirrored-term-$run" 5691 5692 term_mirrorq 1
-  fresh
-  start_mirrorq
-  demo mirrorq "mirrored-demo-$run" 15691 15693 "$(cat "$DIR/m1.pid")" "$(cat "$DIR/m2.pid")"
-  fresh
+  if [ -z "${MIRRORQ_ONLY:-}" ] && [ "$run" = 1 ] && [ "$SOAK" != 0 ]; then
+    start_rabbitmq
+    soak rabbitmq-quorum "quorum-soak" 5681 5682 5683 15681 --quorum
+    fresh
+  fi
+  if [ -z "${SOAK_ONLY:-}" ]; then
+    start_mirrorq
+    gap mirrorq kill-9 "mirrored-gap-$run" 5691 5692 kill -9 "$(cat "$DIR/m1.pid")"
+    fresh
+    start_mirrorq
+    gap mirrorq SIGTERM "mirrored-term-$run" 5691 5692 term_mirrorq 1
+    fresh
+    start_mirrorq
+    demo mirrorq "mirrored-demo-$run" 15691 15693 "$(cat "$DIR/m1.pid")" "$(cat "$DIR/m2.pid")"
+    fresh
+  fi
+  if [ "$run" = 1 ] && [ "$SOAK" != 0 ]; then
+    start_mirrorq
+    soak mirrorq "mirrored-soak" 5691 5692 5693 15691
+    fresh
+  fi
 done
