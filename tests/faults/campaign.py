@@ -160,6 +160,12 @@ class Net:
                 sh("ip", "-n", self.ns[x], "route", "add", "blackhole", f"{self.addr(y)}/32")
                 self.cuts.add((x, y))
 
+    def cut_from(self, a, b):
+        """`a` can no longer send to `b` (one way: `b` still sends to `a`)."""
+        if (a, b) not in self.cuts:
+            sh("ip", "-n", self.ns[a], "route", "add", "blackhole", f"{self.addr(b)}/32")
+            self.cuts.add((a, b))
+
     def heal(self):
         for x, y in sorted(self.cuts):
             sh("ip", "-n", self.ns[x], "route", "del", "blackhole", f"{self.addr(y)}/32", check=False)
@@ -404,9 +410,11 @@ def plan(seed, args):
             f["hold"] = max(f["hold"], 8.0)  # past the failure timeout, so the survivor re-forms
             kinds.pop("classic")  # once a run is "occasionally"
         else:
-            shape = rng.choice(["halves", "isolate", "bridge"])
+            shape = rng.choice(["halves", "isolate", "bridge", "oneway"])
             order = rng.sample(ids, len(ids))
-            if shape == "isolate":
+            # oneway: nothing reaches the first node, which still sends to
+            # every other (its packets arrive; nothing comes back).
+            if shape in ("isolate", "oneway"):
                 f["sides"], f["bridge"] = [order[:1], order[1:]], None
             elif shape == "halves":
                 half = len(ids) // 2  # 1|2 of three, 2|3 of five
@@ -472,7 +480,10 @@ def run_fault(f, c, net, ctl):
         a, b = f["sides"]
         for x in a:
             for y in b:
-                net.cut(x, y)
+                if f["shape"] == "oneway":
+                    net.cut_from(y, x)
+                else:
+                    net.cut(x, y)
         for i in c.nodes:
             c.nodes[i].note(f"partition {describe(f)}")
         f["cut_at"] = now()
