@@ -134,10 +134,14 @@ PY
   kill "${hogs[@]}" 2>/dev/null || true
   for p in "${pids[@]}"; do wait "$p" || true; done
   local changes unanswered; read -r changes unanswered < "$DIR/soak-masters.txt"
-  local rates; rates=$(python3 -c "
-import json
-rs = [json.load(open('$DIR/soak-$p.json')) for p in ('$p2', '$p3')]
-print(f'{sum(r[\"confirmed\"] for r in rs) / $SOAK:.0f} confirmed msg/s, longest confirm wait {max(r[\"confirm_latency_ms\"][\"max\"] for r in rs):.0f} ms')")
+  local rates; rates=$(python3 - "$SOAK" "$DIR/soak-$p2.json" "$DIR/soak-$p3.json" <<'PY'
+import json, sys
+rs = [json.load(open(f)) for f in sys.argv[2:]]
+secs = int(sys.argv[1])
+print(f"{sum(r['confirmed'] for r in rs) / secs:.0f} confirmed msg/s, "
+      f"longest confirm wait {max(r['confirm_latency_ms']['max'] for r in rs):.0f} ms")
+PY
+)
   if [ "$system" = mirrorq ]; then
     local won=$(( $(mq_counter mirrorq_queue_leaderships) - before[0] ))
     local reforms=$(( $(mq_counter mirrorq_queue_reforms) - before[1] ))
