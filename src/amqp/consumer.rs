@@ -206,7 +206,7 @@ impl Consumer {
     async fn requeue(&self, msgs: Vec<Delivery>) {
         if !self.no_ack && !msgs.is_empty() {
             let tags = msgs.iter().map(|d| d.tag).collect();
-            let _ = self.node.nack(&self.queue, tags, true).await;
+            let _ = self.node.nack_of(&self.queue, self.owner, tags).await;
         }
     }
 

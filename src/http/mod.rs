@@ -538,7 +538,7 @@ async fn get_messages(
         node.metrics().acknowledged.inc_by(msgs.len() as u64);
     }
     if requeue && !msgs.is_empty() {
-        node.nack(&name, msgs.iter().map(|d| d.tag).collect(), true).await?;
+        node.nack_of(&name, owner.owner, msgs.iter().map(|d| d.tag).collect()).await?;
     }
     let total = msgs.len() as u64;
     let out: Vec<Value> = msgs

@@ -55,6 +55,9 @@ pub(super) struct GroupWatch {
     pub(super) master_lost_since: Mutex<Option<Instant>>,
     /// An election is timed to start when the lost master's lease is out.
     pub(super) elect_at: Mutex<Option<Instant>>,
+    /// The newer epoch this replica, as master, last could not decide a
+    /// split against (its node could not be asked), and when.
+    pub(super) undecided: Mutex<Option<(Epoch, Instant)>>,
 }
 
 impl GroupWatch {
@@ -66,6 +69,7 @@ impl GroupWatch {
             leaderless_since: Mutex::new(None),
             master_lost_since: Mutex::new(None),
             elect_at: Mutex::new(None),
+            undecided: Mutex::new(None),
         }
     }
 }
@@ -546,6 +550,21 @@ impl Node {
     /// wipe our replica and rejoin it as a new mirror.
     async fn heal(&self, news: EpochNews) {
         let group = news.group;
+        // Undecided a moment ago about this epoch: every message of the
+        // fork brings news of it, and asking again at each would hold the
+        // group busy (no master move, no graceful hand-over) all along.
+        let asked = self
+            .inner
+            .groups
+            .read()
+            .expect("poisoned")
+            .get(&group)
+            .map(|g| *g.watch.undecided.lock().expect("poisoned"));
+        if let Some(Some((epoch, at))) = asked {
+            if epoch == news.epoch && at.elapsed() < self.inner.timing.failure_timeout {
+                return;
+            }
+        }
         let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
         let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
         if g.epoch >= news.epoch {
@@ -561,6 +580,7 @@ impl Node {
         match self.split_verdict(&g, news).await {
             Verdict::Defer => return,
             Verdict::Undecided => {
+                *g.watch.undecided.lock().expect("poisoned") = Some((news.epoch, Instant::now()));
                 let what = format!("epoch {} formed by node {}", news.epoch, news.epoch.node);
                 if self.inner.repeated(group, "split-undecided", &what) {
                     tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists, but the node that formed it cannot be asked when: this group keeps its majority and goes on serving until it can (told once)");

@@ -192,6 +192,11 @@ impl Node {
         self.single(queue, QueueCmd::Nack { tags, requeue }).await
     }
 
+    /// Requeue `owner`'s deliveries `tags` (only its own: [`QueueCmd::NackOf`]).
+    pub async fn nack_of(&self, queue: &str, owner: u64, tags: Vec<u64>) -> Result<QueueReply, NodeError> {
+        self.single(queue, QueueCmd::NackOf { owner, tags, requeue: true }).await
+    }
+
     pub async fn purge(&self, queue: &str) -> Result<u64, NodeError> {
         match self.single(queue, QueueCmd::Purge).await? {
             QueueReply::Purged { count } => Ok(count),

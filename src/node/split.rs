@@ -78,7 +78,7 @@ pub(super) fn add_defeated(db: &NodeDb, group: GroupId, epoch: Epoch) -> Result<
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Verdict {
     /// Hand back and join the newer epoch: our group lost its majority
-    /// before that epoch formed (the classic demo), or we cannot tell.
+    /// before that epoch formed (the classic demo), or has none now.
     Heal,
     /// Our group kept its majority from before the newer epoch formed
     /// until now: that epoch is a minority's fork, and it yields.

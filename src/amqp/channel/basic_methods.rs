@@ -162,7 +162,7 @@ impl Channel {
         // RabbitMQ requeues in both cases; so do we.
         if let Ok(mut taken) = self.deliveries.take(0, true, true) {
             for (q, tags) in std::mem::take(&mut taken.by_queue) {
-                let _ = self.node.nack(&q, tags, true).await;
+                let _ = self.node.nack_of(&q, self.owner, tags).await;
                 self.deliveries.settled(&taken.holders(&q));
             }
         }

@@ -196,6 +196,13 @@ where
     /// When writing a change-membership entry.
     #[error(transparent)]
     ChangeMembershipError(#[from] ChangeMembershipError<NID>),
+
+    /// mirrorq patch: a later leader's snapshot covered this write's index
+    /// on this node before the write was applied here, so whether it took
+    /// effect is unknown to this node (unlike `ForwardToLeader`, which
+    /// means it did not).
+    #[error("the outcome of the write at index {0} is unknown here: a later leader's snapshot covered it")]
+    OutcomeUnknown(u64),
 }
 
 impl<NID, N> TryAsRef<ForwardToLeader<NID, N>> for ClientWriteError<NID, N>

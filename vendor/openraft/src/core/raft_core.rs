@@ -1731,15 +1731,21 @@ where
             }
             Command::PurgeLog { upto } => {
                 self.log_store.purge(upto.clone()).await?;
-                // mirrorq patch: a write still waiting at a purged index was
-                // never applied here, and never will be: a snapshot from a
-                // later leader covered it (a leader purges only what it has
-                // applied). Dropping its responder tells the proposer its
-                // outcome is unknown; upstream it waited forever.
-                let kept = self.client_resp_channels.split_off(&(upto.index + 1));
-                let stale = std::mem::replace(&mut self.client_resp_channels, kept);
-                if !stale.is_empty() {
-                    tracing::info!(upto = display(&upto), writes = stale.len(), "dropping writes a snapshot covered before they were applied here");
+                // mirrorq patch: on a node that no longer leads, a write
+                // still waiting at a purged index will never be applied
+                // here: a later leader's snapshot covered it. Whether it
+                // took effect is unknown; upstream it waited forever. A
+                // leader is left alone: its purges follow its own applies,
+                // whose results may still be on their way to this core.
+                if self.engine.leader.is_none() {
+                    let kept = self.client_resp_channels.split_off(&(upto.index + 1));
+                    let stale = std::mem::replace(&mut self.client_resp_channels, kept);
+                    if !stale.is_empty() {
+                        tracing::info!(upto = display(&upto), writes = stale.len(), "writes a later leader's snapshot covered before they were applied here: outcome unknown");
+                    }
+                    for (index, tx) in stale {
+                        tx.send(Err(ClientWriteError::OutcomeUnknown(index)));
+                    }
                 }
                 self.engine.state.io_state_mut().update_purged(Some(upto));
             }
