@@ -410,8 +410,9 @@ impl Node {
     /// given meanwhile moves it), if the master is still lost then and no
     /// one has won meanwhile: timed rather than left to the next reconcile,
     /// which may come half a second late. Against a master whose process is
-    /// gone, ask again while no one wins, a few times: a voter that has not
-    /// yet seen the death still keeps its lease and refuses the first ask.
+    /// gone, ask again while no one wins, for up to an election timeout: a
+    /// voter that has not yet seen the death still keeps its lease and
+    /// refuses.
     fn elect_after_lease(&self, g: &Arc<QueueGroup>, lost_leader: NodeId, at: Instant) {
         {
             let mut slot = g.watch.elect_at.lock().expect("poisoned");
@@ -440,7 +441,14 @@ impl Node {
                     _ = tokio::time::sleep((at - now).min(Duration::from_millis(50))) => {}
                 }
             }
-            for ask in 1..=3u32 {
+            // Until the lease would have run out on every voter anyway: a
+            // voter slow to see the death (a loaded machine) refuses a few
+            // asks, and after the last one openraft's own timer would wait
+            // out a whole election timeout more.
+            let until = Instant::now() + node.inner.timing.election_max;
+            let mut ask = 0u32;
+            while Instant::now() < until {
+                ask += 1;
                 // A candidate knows no leader, so the reconcile has stopped
                 // counting the master as lost by the next ask: a later ask
                 // goes on the death alone.
@@ -468,7 +476,7 @@ impl Node {
                 }
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(super::liveness::ELECT_RETRY * ask) => {}
+                    _ = tokio::time::sleep(super::liveness::ELECT_RETRY * ask.min(3)) => {}
                 }
             }
             *g.watch.elect_at.lock().expect("poisoned") = None;
