@@ -300,6 +300,14 @@ impl Node {
                 let mut seen = g.watch.majority_seen.lock().expect("poisoned");
                 let mut since = g.watch.majority_since.lock().expect("poisoned");
                 if alive_voters * 2 > voters.len() {
+                    // A stretch needs watching without a break: after a gap
+                    // as long as the failure timeout (this process was
+                    // paused, SIGSTOP, or starved) a new one begins, or a
+                    // master paused while a fork formed would judge the fork
+                    // a minority's and keep a queue the others left.
+                    if now.duration_since(*seen) >= timing.failure_timeout {
+                        *since = None;
+                    }
                     *seen = now;
                     since.get_or_insert_with(wall_ms);
                 } else if now.duration_since(*seen) >= timing.failure_timeout {
