@@ -242,6 +242,12 @@ impl Proposer {
                         let dead = stamped.then(|| dead_letters());
                         tokio::spawn(finish(rx, sync, waiters, min, dead, permit));
                     }
+                    // The group stopped (its mastership moved, or the node
+                    // stops) before the entry reached it: nothing was
+                    // proposed, so the callers may go to the new master.
+                    // Refused as unavailable, an ack sent during a move was
+                    // lost and its message redelivered.
+                    Err(openraft::error::Fatal::Stopped) => fail(waiters, NodeError::NotLeader { leader: None }),
                     Err(fatal) => fail(waiters, NodeError::Unavailable(fatal.to_string())),
                 }
             }
