@@ -41,6 +41,7 @@ pub mod ids;
 pub mod link;
 pub mod message;
 pub mod metadata;
+pub mod log_throttle;
 pub mod metrics;
 pub mod node;
 pub mod owners;

@@ -27,13 +27,19 @@ fn main() -> anyhow::Result<()> {
         // SAFETY: sets a global allocator option before any thread is started.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) };
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MIRRORQ_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        let filter = tracing_subscriber::EnvFilter::try_from_env("MIRRORQ_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn"));
+        // The outermost layer decides first: what the filter drops is not
+        // counted against a callsite's allowance.
+        tracing_subscriber::registry()
+            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .with(mirrorq::log_throttle::layer())
+            .with(filter)
+            .init();
+    }
     let cli = Cli::parse();
     let args = match cli.command {
         Some(Command::Serve(a)) => a,

@@ -80,6 +80,13 @@ pub fn render(node: &Node) -> String {
         "Retried failures (re-forming, membership changes, catch-up, rejoining); each is logged only when new",
         m.repeated_failures.clone(),
     );
+    let dropped: Counter = Counter::default();
+    dropped.inc_by(crate::log_throttle::dropped_total());
+    r.register(
+        "mirrorq_log_lines_dropped",
+        "Log lines dropped because their callsite repeated more than its allowance in a minute (the process's log, all nodes in it)",
+        dropped,
+    );
     r.register(
         "mirrorq_queue_leaderships",
         "Times a queue replica on this node became master in a new term (elections won, first ones included)",

@@ -630,6 +630,33 @@ def clients_main(spec_path):
 # ---------------------------------------------------------------- one run
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+FIELD = re.compile(r"\s\w+=")
+# A node writes each log line at most 5 times a minute (its log throttle); a
+# line seen far more often than that in one minute is a log storm.
+STORM_LINES_PER_MINUTE = 30
+
+
+def log_storms(path):
+    """The lines of a node's log that repeated more than STORM_LINES_PER_MINUTE
+    times within one minute: {(minute, shape): count} over the limit."""
+    seen = Counter()
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                line = ANSI.sub("", line)
+                if len(line) < 30 or not line[:4].isdigit():
+                    continue
+                minute, rest = line[:16], line[28:]
+                # Level, target and message; field values (queue names,
+                # indexes, addresses) and digits do not make a new line.
+                shape = re.sub(r"\d+", "#", FIELD.split(rest, 1)[0].strip())[:120]
+                seen[(minute, shape)] += 1
+    except OSError:
+        return {}
+    return {k: n for k, n in seen.items() if n > STORM_LINES_PER_MINUTE}
+
+
 def read_lines(path):
     try:
         with open(path) as f:
@@ -882,10 +909,17 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held):
     dups = sum(n - 1 for n in delivered.values())
     stuck = sum(1 for l in read_lines(os.path.join(out, "watchdog.log")) if l and l[0] == "W")
     panics = [i for i, n in c.nodes.items() if "panicked" in open(n.log, errors="replace").read()]
+    storms = {i: log_storms(n.log) for i, n in c.nodes.items()}
+    storms = {i: st for i, st in storms.items() if st}
+    for i, st in storms.items():
+        (minute, shape), n = max(st.items(), key=lambda kv: kv[1])
+        c.anomalies.append(f"n{i} log storm: {len(st)} line(s) over {STORM_LINES_PER_MINUTE}/min, "
+                           f"worst {n} in {minute}: {shape}")
     bound = duplicate_bound(args, faults, out)
     if bound is not None and dups > bound:
         c.anomalies.append(f"{dups} duplicates, more than the {bound} the faults allow")
-    ok = not lost and not unexpected and not wedged and not undrained and not held and (bound is None or dups <= bound)
+    ok = (not lost and not unexpected and not wedged and not undrained and not held and not storms
+          and (bound is None or dups <= bound))
     if not confirmed:
         # Nothing confirmed means the workload never ran, not that all is well.
         c.anomalies.append(f"no publish was confirmed: see {os.path.join(root, 'clients.log')}")
@@ -895,7 +929,7 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held):
           f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} "
           f"duplicate_bound={'-' if bound is None else bound} wedged={len(wedged)} "
           f"undrained={sum(undrained.values())} held={sum(r + u for r, u in held.values())} client_errors={errors} stuck_publishes={stuck} "
-          f"node_panics={len(panics)} result={'PASS' if ok else 'FAIL'}", flush=True)
+          f"node_panics={len(panics)} log_storms={len(storms)} result={'PASS' if ok else 'FAIL'}", flush=True)
     for a in c.anomalies + [f"n{i} log contains 'panicked'" for i in panics]:
         print(f"  anomaly: {a}")
     if wedged:
