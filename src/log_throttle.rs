@@ -91,7 +91,7 @@ impl Throttle {
             out.push(Dropped { level: *m.level(), target: m.target().to_string(), source, count: site.dropped });
             site.dropped = 0;
         }
-        out.sort_by(|a, b| b.count.cmp(&a.count));
+        out.sort_by_key(|d| std::cmp::Reverse(d.count));
         out
     }
 
