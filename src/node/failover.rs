@@ -15,7 +15,7 @@ use openraft::{
 };
 use tokio::sync::mpsc;
 
-use super::split::{add_defeated, defeated, formed, formed_key, wall_ms, Formed, Verdict};
+use super::split::{add_defeated, defeated, formed, formed_key, wall_ms, Formed, MajorityStretch, Verdict};
 use super::{Inner, Node, QueueGroup};
 use crate::error::{NodeError, ServerError};
 use crate::ids::{GroupId, NodeId};
@@ -40,12 +40,9 @@ const HANDBACK_CHUNK_BYTES: usize = 1 << 20;
 
 /// What failover watches about one replica of a group, kept with it.
 pub(super) struct GroupWatch {
-    /// Last time a majority of the group's voters answered pings.
-    pub(super) majority_seen: Mutex<Instant>,
-    /// Since when (wall clock, ms) a majority has been in reach without a
-    /// break as long as the failure timeout: a group that kept its
-    /// majority from before a minority re-formed it keeps the queue.
-    pub(super) majority_since: Mutex<Option<u64>>,
+    /// When a majority of the group's voters last answered pings, and
+    /// since when without a break.
+    pub(super) majority: Mutex<MajorityStretch>,
     /// When a master of this replica's epoch last sent it entries or a
     /// heartbeat.
     pub(super) master_heard: Mutex<Option<Instant>>,
@@ -63,8 +60,7 @@ pub(super) struct GroupWatch {
 impl GroupWatch {
     pub(super) fn new() -> Self {
         GroupWatch {
-            majority_seen: Mutex::new(Instant::now()),
-            majority_since: Mutex::new(None),
+            majority: Mutex::new(MajorityStretch::new(Instant::now())),
             master_heard: Mutex::new(None),
             leaderless_since: Mutex::new(None),
             master_lost_since: Mutex::new(None),
@@ -297,23 +293,9 @@ impl Node {
             let alive: BTreeSet<NodeId> = members.intersection(&reach).copied().collect();
             let now = Instant::now();
             let seen = {
-                let mut seen = g.watch.majority_seen.lock().expect("poisoned");
-                let mut since = g.watch.majority_since.lock().expect("poisoned");
-                if alive_voters * 2 > voters.len() {
-                    // A stretch needs watching without a break: after a gap
-                    // as long as the failure timeout (this process was
-                    // paused, SIGSTOP, or starved) a new one begins, or a
-                    // master paused while a fork formed would judge the fork
-                    // a minority's and keep a queue the others left.
-                    if now.duration_since(*seen) >= timing.failure_timeout {
-                        *since = None;
-                    }
-                    *seen = now;
-                    since.get_or_insert_with(wall_ms);
-                } else if now.duration_since(*seen) >= timing.failure_timeout {
-                    *since = None;
-                }
-                *seen
+                let mut stretch = g.watch.majority.lock().expect("poisoned");
+                stretch.observe(alive_voters * 2 > voters.len(), now, wall_ms(), timing.failure_timeout);
+                stretch.seen()
             };
             let senior = by_seniority(q, &alive).first().copied();
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();

@@ -35,6 +35,52 @@ pub(super) fn wall_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// How long a group's majority has been in reach without a break: the
+/// split rule's evidence that a group kept its majority from before a
+/// minority re-formed the queue.
+#[derive(Debug)]
+pub(super) struct MajorityStretch {
+    /// When a majority of the voters last answered.
+    seen: Instant,
+    /// Since when (wall clock, ms) the majority has answered without a gap
+    /// as long as the failure timeout.
+    since: Option<u64>,
+}
+
+impl MajorityStretch {
+    pub(super) fn new(now: Instant) -> Self {
+        Self { seen: now, since: None }
+    }
+
+    /// One look at the group at `now`: whether a majority of its voters
+    /// answered.
+    pub(super) fn observe(&mut self, majority: bool, now: Instant, wall_ms: u64, failure_timeout: Duration) {
+        // A stretch needs watching without a break: after a gap as long as
+        // the failure timeout (this process was paused, SIGSTOP, or
+        // starved) a new one begins, or a master paused while a fork
+        // formed would judge the fork a minority's and keep a queue the
+        // others left.
+        let gap = now.duration_since(self.seen) >= failure_timeout;
+        if gap {
+            self.since = None;
+        }
+        if majority {
+            self.seen = now;
+            self.since.get_or_insert(wall_ms);
+        }
+    }
+
+    /// When a majority last answered.
+    pub(super) fn seen(&self) -> Instant {
+        self.seen
+    }
+
+    /// Since when the majority has been kept, while it is still in reach.
+    pub(super) fn kept_since(&self, now: Instant, failure_timeout: Duration) -> Option<u64> {
+        self.since.filter(|_| now.duration_since(self.seen) < failure_timeout)
+    }
+}
+
 /// A re-formation as the node that made it remembers it.
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub(super) struct Formed {
@@ -111,9 +157,8 @@ impl Node {
                 && heard.is_some_and(|t| t.elapsed() < timing.failure_timeout);
             return if master_alive { Verdict::Defer } else { Verdict::Heal };
         }
-        let kept_since = *g.watch.majority_since.lock().expect("poisoned");
-        let in_reach = g.watch.majority_seen.lock().expect("poisoned").elapsed() < timing.failure_timeout;
-        let Some(since) = kept_since.filter(|_| in_reach) else { return Verdict::Heal };
+        let kept_since = g.watch.majority.lock().expect("poisoned").kept_since(Instant::now(), timing.failure_timeout);
+        let Some(since) = kept_since else { return Verdict::Heal };
         let Some(formed) = self.fetch_formed_at(news).await else { return Verdict::Undecided };
         // Clocks of different machines differ a little; the newer epoch
         // formed a failure timeout after its node lost our majority, so a
@@ -194,5 +239,52 @@ impl Node {
                 false
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TIMEOUT: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn a_majority_watched_without_a_break_is_kept_from_its_start() {
+        let t0 = Instant::now();
+        let mut s = MajorityStretch::new(t0);
+        for i in 0..20u64 {
+            s.observe(true, t0 + Duration::from_millis(500 * i), 1_000 + 500 * i, TIMEOUT);
+        }
+        assert_eq!(s.kept_since(t0 + Duration::from_millis(9_600), TIMEOUT), Some(1_000));
+        // Out of reach for the failure timeout: no longer kept.
+        assert_eq!(s.kept_since(t0 + Duration::from_millis(9_500) + TIMEOUT, TIMEOUT), None);
+    }
+
+    #[test]
+    fn a_stretch_broken_by_a_pause_starts_again() {
+        // Campaign seed 648: the master was SIGSTOPped for 19 s while a
+        // fork formed. Nothing watched meanwhile, so the majority it sees
+        // on waking is no evidence it kept one while the fork formed.
+        let t0 = Instant::now();
+        let mut s = MajorityStretch::new(t0);
+        s.observe(true, t0, 1_000, TIMEOUT);
+        s.observe(true, t0 + Duration::from_secs(1), 2_000, TIMEOUT);
+        let woke = t0 + Duration::from_secs(20);
+        s.observe(true, woke, 21_000, TIMEOUT);
+        assert_eq!(s.kept_since(woke, TIMEOUT), Some(21_000));
+    }
+
+    #[test]
+    fn a_lost_majority_ends_the_stretch_after_the_failure_timeout() {
+        let t0 = Instant::now();
+        let mut s = MajorityStretch::new(t0);
+        s.observe(true, t0, 1_000, TIMEOUT);
+        // Short losses (a slow ping) do not end it.
+        s.observe(false, t0 + Duration::from_secs(2), 3_000, TIMEOUT);
+        s.observe(true, t0 + Duration::from_secs(3), 4_000, TIMEOUT);
+        assert_eq!(s.kept_since(t0 + Duration::from_secs(3), TIMEOUT), Some(1_000));
+        s.observe(false, t0 + Duration::from_secs(9), 10_000, TIMEOUT);
+        s.observe(true, t0 + Duration::from_secs(10), 11_000, TIMEOUT);
+        assert_eq!(s.kept_since(t0 + Duration::from_secs(10), TIMEOUT), Some(11_000));
     }
 }

@@ -45,7 +45,8 @@ UNACKED_BACK_SECS = 15  # the issue's 10 s for a lost consumer's unacked, plus a
 # After a heal the minority's fork still serves until it learns that it
 # yields; what it confirms or delivers meanwhile counts as "during" the split.
 HEAL_GRACE_SECS = 10
-FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "restart", "move", "classic")
+FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "restart", "move", "classic", "pause-heal")
+FAILURE_TIMEOUT_SECS = 5  # mirrorq's default, which the nodes run with
 THIS = os.path.abspath(__file__)
 TAG = f"mqf{os.getpid()}"
 
@@ -381,6 +382,17 @@ def setup_broker(c):
 # ---------------------------------------------------------------- faults
 
 
+def fq1_master(c):
+    """fq1's master node id, as the cluster tells it now (None if unknown)."""
+    try:
+        s, b = c.api("GET", "/api/queues/%2F/fq1")
+        if s == 200 and b.get("node", "").startswith("mirrorq@"):
+            return int(b["node"].split("@", 1)[1])
+    except Exception:
+        pass
+    return None
+
+
 def plan(seed, args):
     """The whole schedule from the seed alone, before anything runs: the
     same seed gives the same faults whatever the timing does."""
@@ -390,6 +402,7 @@ def plan(seed, args):
     kinds = {"kill9": 3, "kill9-unacked": 2, "sigstop": 2, "partition": 3, "restart": 2, "move": 1}
     if args.classic:
         kinds["classic"] = 1
+        kinds["pause-heal"] = 1
     if args.faults:
         kinds = {k: w for k, w in kinds.items() if k in args.faults} or {k: 1 for k in args.faults}
     faults, t = [], rng.uniform(2, 5)
@@ -409,6 +422,12 @@ def plan(seed, args):
             f["nodes"] = [i for i in ids if i != keep]
             f["hold"] = max(f["hold"], 8.0)  # past the failure timeout, so the survivor re-forms
             kinds.pop("classic")  # once a run is "occasionally"
+        elif kind == "pause-heal":
+            # Who is isolated and who is paused depends on where fq1's
+            # master is when it runs; this order picks them.
+            f["nodes"] = rng.sample(ids, len(ids))
+            f["hold"] = max(f["hold"], 12.0)  # the paused wake past the failure timeout
+            kinds.pop("pause-heal")
         else:
             shape = rng.choice(["halves", "isolate", "bridge", "oneway"])
             order = rng.sample(ids, len(ids))
@@ -435,6 +454,8 @@ def describe(f):
         x = f"|x=n{f['bridge']}" if f["bridge"] else ""
         who = "|".join("".join(map(str, s)) for s in f["sides"]) + x
         return f"partition-{f['shape']}({who},{f['hold']:.0f}s)"
+    if f["kind"] == "pause-heal":
+        return f"pause-heal({f['hold']:.0f}s)"
     return f"{f['kind']}({','.join(f'n{i}' for i in f['nodes'])},{f['hold']:.0f}s)"
 
 
@@ -458,6 +479,30 @@ def run_fault(f, c, net, ctl):
         os.unlink(hold)
         c.sleep(f["hold"])
         c.start(i)
+    elif kind == "pause-heal":
+        # A node cut off alone re-forms fq1 (a minority's fork); fq1's
+        # master and enough others to leave the old group without a
+        # majority are paused just before the heal, so the rest heal into
+        # the fork while the master sleeps. When it wakes, the old epoch it
+        # mastered is gone: it must rejoin the fork, not go on alone.
+        master = fq1_master(c) or nodes[0]
+        others = [i for i in nodes if i != master]
+        iso, paused = others[0], [master] + others[1:(len(nodes) - 1) // 2]
+        say(f"  n{iso} isolated, then n{','.join(map(str, paused))} paused through the heal")
+        for y in c.nodes:
+            if y != iso:
+                net.cut(iso, y)
+        f["cut_at"] = now()
+        c.sleep(FAILURE_TIMEOUT_SECS + 4)  # the isolated node re-forms alone
+        for i in paused:
+            c.nodes[i].stop()
+        net.heal()
+        f["healed_at"] = now()
+        for i in c.nodes:
+            c.nodes[i].note(f"healed; n{','.join(map(str, paused))} paused")
+        c.sleep(f["hold"])
+        for i in paused:
+            c.nodes[i].cont()
     elif kind == "sigstop":
         for i in nodes:
             c.nodes[i].stop()
@@ -855,9 +900,10 @@ def duplicate_bound(args, faults, out):
     which the master gives back when their node stays unreachable. Every
     other fault, and the final restart of every node, may give back every
     affected consumer's unacked window (at least once, marked redelivered).
-    None when the run had the classic demo: the re-formed epoch then becomes
-    the queue, and the issue sets no bound for that."""
-    if any(f["kind"] == "classic" for f in faults):
+    None when the run had the classic demo or a pause through a heal: the
+    re-formed epoch then becomes the queue, and the issue sets no bound for
+    that."""
+    if any(f["kind"] in ("classic", "pause-heal") for f in faults):
         return None
     window = PREFETCH * len(QUEUES)  # one node's consumers
     bound = window * args.nodes  # the final restarts
