@@ -50,7 +50,13 @@ fn main() -> anyhow::Result<()> {
         // The outermost layer decides first: what the filter drops is not
         // counted against a callsite's allowance.
         tracing_subscriber::registry()
-            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    // Colours for a person at a terminal, not escape codes
+                    // in a log file or journald.
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+            )
             .with(mirrorq::log_throttle::layer())
             .with(filter)
             .init();

@@ -668,3 +668,41 @@ async fn a_consumer_on_the_dead_masters_node_has_its_messages_given_back_by_the_
         n.assert_no_panic();
     }
 }
+
+/// The senior mirror stops first; the queue, idle, still counts it
+/// synchronised. When the master then stops, its mastership goes to the
+/// mirror still running, at once, not to the stopped one (whose handover
+/// could only time out, holding the stop for seconds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_master_hands_over_to_a_running_mirror_not_a_stopped_senior() {
+    init_tracing();
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = start_cluster(root.path()).await;
+    ha_all_policy(&nodes[0]).await;
+    declare_durable(&nodes[0], "ha-stopped-senior").await;
+    publish_confirmed(&nodes[0], "ha-stopped-senior", 3).await;
+    let q = wait_mirrored(&nodes[0], "ha-stopped-senior", 3).await;
+    let master = node_id(&q["node"]);
+    let senior = node_id(&q["slave_nodes"][0]);
+    let other = (1..=3).find(|id| *id != master && *id != senior).unwrap();
+
+    assert_eq!(nodes[(senior - 1) as usize].terminate(), Some(0), "the senior mirror stops cleanly");
+    // The master has seen the senior's node go (its port refuses).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let sigterm = Instant::now();
+    assert_eq!(nodes[(master - 1) as usize].terminate(), Some(0), "the master stops cleanly");
+    let took = sigterm.elapsed();
+    let log = nodes[(master - 1) as usize].log_text();
+    assert!(
+        log.contains("masterships moved before stopping") && log.contains("moved=1 left=0"),
+        "the mastership did not move before the stop (took {} ms):\n{log}",
+        took.as_millis()
+    );
+    assert!(took < Duration::from_secs(3), "the stop took {} ms", took.as_millis());
+    let (_, q) = http(&nodes[(other - 1) as usize], "GET", "/api/queues/%2F/ha-stopped-senior", None).await;
+    assert_eq!(node_id(&q["node"]), other, "the running mirror masters the queue: {q}");
+    assert_eq!(q["messages"].as_u64(), Some(3), "{q}");
+    for n in &nodes {
+        n.assert_no_panic();
+    }
+}

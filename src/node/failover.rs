@@ -886,6 +886,7 @@ impl Node {
         let state = self.metadata();
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
         let mut out = Vec::new();
+        let mut stranded = Vec::new();
         for g in groups {
             if !g.is_leader(self.id()) {
                 continue;
@@ -898,13 +899,20 @@ impl Node {
             let voters: BTreeSet<NodeId> =
                 m.membership_config.membership().voter_ids().filter(|id| *id != me).collect();
             let eligible = if ha_of(&state, q).promote_on_shutdown_always { voters } else { synced };
+            // A mirror whose node is gone (stopped before us: an idle
+            // queue still counts it synchronised) cannot take over.
+            let eligible: BTreeSet<NodeId> = eligible.into_iter().filter(|id| !self.is_dead(*id)).collect();
             match by_seniority(q, &eligible).first() {
                 Some(next) => out.push((g.meta.group, *next)),
-                None => tracing::warn!(
-                    queue = %q.name,
-                    "stopping with no synchronised mirror: the queue waits for this node rather than lose messages"
-                ),
+                None => stranded.push(q.name.clone()),
             }
+        }
+        if !stranded.is_empty() {
+            tracing::warn!(
+                queues = stranded.len(),
+                first = %stranded[0],
+                "stopping with no synchronised mirror running: these queues wait for this node rather than lose messages"
+            );
         }
         out
     }

@@ -127,18 +127,20 @@ impl Node {
             return successors;
         }
         let started = Instant::now();
+        // Each move has its own bound: one that hangs must not make the
+        // others, already done, count as not moved.
+        let limit = self.inner.timing.election_max * 2 + Duration::from_secs(1);
         let moves = successors.iter().map(|(group, to)| async move {
-            let r = self.move_master(*group, *to, true).await;
+            let r = match tokio::time::timeout(limit, self.move_master(*group, *to, true)).await {
+                Ok(r) => r,
+                Err(_) => Err(NodeError::Unavailable("no new master in time".into())),
+            };
             if let Err(e) = &r {
                 tracing::warn!(group, to, error = %e, "mastership not moved; handing over after stopping");
             }
             r.is_ok()
         });
-        let limit = self.inner.timing.election_max * 2 + Duration::from_secs(1);
-        let moved = match tokio::time::timeout(limit, futures::future::join_all(moves)).await {
-            Ok(moved) => moved,
-            Err(_) => vec![false; successors.len()],
-        };
+        let moved = futures::future::join_all(moves).await;
         let left: Vec<(GroupId, NodeId)> =
             successors.into_iter().zip(&moved).filter(|(_, ok)| !**ok).map(|(s, _)| s).collect();
         tracing::info!(
