@@ -125,7 +125,7 @@ pub(super) fn ha_of(state: &MetaState, q: &QueueMeta) -> policy::HaPolicy {
     q.policy
         .as_ref()
         .and_then(|n| state.policies.get(n))
-        .and_then(|p| policy::parse_definition(&p.definition).ok())
+        .and_then(|p| policy::ha_policy_of(&p.definition))
         .unwrap_or_default()
 }
 
@@ -885,13 +885,14 @@ impl Node {
     fn successors(&self) -> Vec<(GroupId, NodeId)> {
         let state = self.metadata();
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        let by_group: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
         let mut out = Vec::new();
         let mut stranded = Vec::new();
         for g in groups {
             if !g.is_leader(self.id()) {
                 continue;
             }
-            let Some(q) = state.queues.values().find(|q| q.group == g.meta.group) else { continue };
+            let Some(q) = by_group.get(&g.meta.group).copied() else { continue };
             let me = self.id();
             let synced: BTreeSet<NodeId> =
                 g.sync.borrow().synchronised.iter().copied().filter(|id| *id != me).collect();
