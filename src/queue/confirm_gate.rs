@@ -71,6 +71,12 @@ impl Samples {
         }
     }
 
+    /// Whether time alone can no longer move the threshold: the index one
+    /// timeout ago is the last one.
+    fn settled(&self, now: Instant, timeout: Duration, last: u64) -> bool {
+        self.threshold(now, timeout) == Some(last)
+    }
+
     /// The index a member must have reached to count as synchronised.
     fn threshold(&self, now: Instant, timeout: Duration) -> Option<u64> {
         match self.points.front() {
@@ -164,6 +170,13 @@ pub fn spawn(
         let mut metrics = raft.metrics();
         let mut samples = Samples { term: 0, points: VecDeque::new() };
         let mut tick = tokio::time::interval(Duration::from_millis(100));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Only a master with something that time can change (a member
+        // lagging or catching up, the grace period, a threshold still
+        // moving) looks again on its own; otherwise metrics changes wake
+        // it. Thousands of idle replicas each waking ten times a second
+        // were most of an idle node's CPU.
+        let mut ticking = true;
         // Per lagging member: the index it was at, and since when.
         let mut lagging: HashMap<NodeId, (Option<u64>, Instant)> = HashMap::new();
         let mut last_kick = Instant::now();
@@ -176,12 +189,13 @@ pub fn spawn(
             tokio::select! {
                 _ = stop.cancelled() => return,
                 r = metrics.changed() => if r.is_err() { return },
-                _ = tick.tick() => {}
+                _ = tick.tick(), if ticking => {}
             }
             let now = Instant::now();
             let m = metrics.borrow_and_update().clone();
             let members: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
             let mut st = SyncState { term: m.current_term, members, ..SyncState::default() };
+            ticking = false;
             if let (ServerState::Leader, Some(repl)) = (m.state, m.replication.as_ref()) {
                 if samples.term != m.current_term {
                     // New leadership: only the leader is known to hold every
@@ -249,6 +263,11 @@ pub fn spawn(
                     tracing::info!(group, term = m.current_term, synchronised = ?in_sync, was = ?reported, "synchronised replicas changed");
                     reported = in_sync.clone();
                 }
+                ticking = !lagging.is_empty()
+                    || now < grace_until
+                    || in_sync != st.members
+                    || !behind.is_empty()
+                    || !samples.settled(now, timeout, last.unwrap_or(0));
                 st.synchronised = in_sync.clone();
                 st.confirmed = confirmed;
                 st.leader_term = Some(m.current_term);
