@@ -623,11 +623,28 @@ where
         });
 
         tracing::debug!("report_metrics: {}", m.summary());
-        let res = self.tx_metrics.send(m);
-
-        if let Err(err) = res {
-            tracing::error!(error=%err, id=display(&self.id), "error reporting metrics");
-        }
+        // mirrorq patch: publish only a change. The time since the quorum's
+        // last ack moves on every tick, and sending for it woke every
+        // watcher of every idle group about three times a second; it is
+        // refreshed whenever anything else changes.
+        self.tx_metrics.send_if_modified(|cur| {
+            let changed = cur.running_state != m.running_state
+                || cur.current_term != m.current_term
+                || cur.vote != m.vote
+                || cur.last_log_index != m.last_log_index
+                || cur.last_applied != m.last_applied
+                || cur.snapshot != m.snapshot
+                || cur.purged != m.purged
+                || cur.state != m.state
+                || cur.current_leader != m.current_leader
+                || cur.membership_config != m.membership_config
+                || cur.replication != m.replication
+                || cur.millis_since_quorum_ack.is_some() != m.millis_since_quorum_ack.is_some();
+            if changed {
+                *cur = m;
+            }
+            changed
+        });
     }
 
     /// Handle the admin command `initialize`.
