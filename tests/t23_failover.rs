@@ -575,3 +575,106 @@ async fn a_one_way_cut_does_not_unseat_a_healthy_master() {
     assert_eq!(got, want);
     c.shutdown().await;
 }
+
+/// Campaign seed 743. Nodes 4 and 5 are cut off from 1, 2 and 3 and
+/// re-form the queue between them (epoch A); then one of them stops and the
+/// other re-forms it again alone (epoch B). When the partition heals, B
+/// yields to the majority's group, which kept serving all along; when the
+/// stopped node comes back, still in A, A must yield as well: it was formed
+/// by a minority while the majority kept its group, and it has no master
+/// any more. Every message confirmed in A or B is delivered afterwards.
+/// `restart_master`: the majority's master is restarted before the stopped
+/// node returns, so the master that meets A never watched the split.
+async fn a_fork_of_a_fork_yields_too(restart_master: bool) {
+    init_tracing();
+    let mut c = Cluster::start(5, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3, 4, 5]).await.unwrap();
+    for i in 0..5 {
+        publish_retrying(c.node(1), "q", format!("a{i}").into_bytes()).await;
+    }
+    wait_until(Duration::from_secs(10), "every replica applied all", || {
+        (1..=5).all(|id| c.node(id).queue_info("q").unwrap().ready == 5)
+    })
+    .await;
+
+    tracing::info!("--- partition {{1,2,3}} | {{4,5}}");
+    let (majority, minority) = ([1u64, 2, 3], [4u64, 5]);
+    for a in majority {
+        for b in minority {
+            c.node(a).transport().control.block(b);
+            c.node(b).transport().control.block(a);
+        }
+    }
+    for i in 0..3 {
+        publish_retrying(c.node(1), "q", format!("b{i}").into_bytes()).await;
+    }
+    wait_until(Duration::from_secs(30), "4 and 5 re-formed the queue between them", || {
+        minority.iter().all(|id| c.node(*id).queue_members("q") == Some(BTreeSet::from(minority)))
+            && minority.iter().any(|id| c.node(*id).is_master("q"))
+    })
+    .await;
+    let former = *minority.iter().find(|id| c.node(**id).is_master("q")).unwrap();
+    let other = if former == 4 { 5 } else { 4 };
+    let f = c.node(former).clone();
+    publish_retrying(&f, "q", b"c0".to_vec()).await;
+    wait_until(Duration::from_secs(10), "the other one has c0", || {
+        c.node(other).queue_info("q").is_ok_and(|i| i.applied == f.queue_info("q").unwrap().applied)
+    })
+    .await;
+
+    tracing::info!(former, other, "--- the other one stops; the former re-forms alone");
+    c.crash(other).await;
+    wait_until(Duration::from_secs(30), "the former re-formed alone", || {
+        f.queue_members("q") == Some(BTreeSet::from([former])) && f.is_master("q")
+    })
+    .await;
+    publish_retrying(&f, "q", b"d0".to_vec()).await;
+
+    tracing::info!("--- the former's cut heals: its epoch yields");
+    for a in majority {
+        c.node(a).transport().control.unblock(former);
+        f.transport().control.unblock(a);
+    }
+    wait_until(Duration::from_secs(40), "the former follows the majority's master", || {
+        f.queue_info("q").ok().and_then(|i| i.leader).is_some_and(|l| majority.contains(&l))
+    })
+    .await;
+    if restart_master {
+        let m = c.master_of("q").await;
+        tracing::info!(m, "--- the majority's master restarts");
+        c.crash(m).await;
+        c.restart(m).await;
+        wait_until(Duration::from_secs(30), "a master again", || {
+            (1..=5).filter(|id| *id != other).any(|id| c.node(id).is_master("q"))
+        })
+        .await;
+    }
+
+    tracing::info!("--- the stopped one returns in its old epoch");
+    for a in majority {
+        c.node(a).transport().control.unblock(other);
+    }
+    c.restart(other).await;
+    wait_until(Duration::from_secs(60), "one group of five, serving", || {
+        (1..=5).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3, 4, 5])))
+            && (1..=5).any(|id| c.node(id).is_master("q"))
+    })
+    .await;
+    let m = c.master_of("q").await;
+    assert!(majority.contains(&m), "the majority's group keeps the queue, master {m}");
+    let got = drain(c.node(m), "q").await;
+    let distinct: BTreeSet<&str> = got.iter().map(String::as_str).collect();
+    let want: BTreeSet<&str> = ["a0", "a1", "a2", "a3", "a4", "b0", "b1", "b2", "c0", "d0"].into();
+    assert_eq!(distinct, want, "every confirmed message is delivered");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_of_a_fork_yields_when_its_last_replica_returns() {
+    a_fork_of_a_fork_yields_too(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_of_a_fork_yields_to_a_master_that_never_saw_the_split() {
+    a_fork_of_a_fork_yields_too(true).await;
+}

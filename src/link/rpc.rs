@@ -177,9 +177,9 @@ pub enum RpcResponse {
     UnknownGroup(GroupId),
     /// The receiver's replica is in a newer epoch than the sender's.
     NewerEpoch(Epoch),
-    /// The fork record, and when (wall clock, ms) the epoch was formed if
-    /// the receiver formed it.
-    Fork(Option<ForkRecord>, Option<u64>),
+    /// The fork record of the receiver's epoch, and that epoch's master if
+    /// the receiver knows one in reach.
+    Fork(Option<ForkRecord>, Option<NodeId>),
     History(Option<ForkRecord>),
     Bodies(Result<BodyChunk, NodeError>),
     Moved(Result<(), NodeError>),

@@ -15,7 +15,9 @@ use openraft::{
 };
 use tokio::sync::mpsc;
 
-use super::split::{add_defeated, defeated, formed, formed_key, wall_ms, Formed, MajorityStretch, Verdict};
+use super::split::{
+    add_defeated, add_formed, defeated, left_through_own_forks, wall_ms, Formed, MajorityStretch, Undecided, Verdict,
+};
 use super::{Inner, Node, QueueGroup};
 use crate::error::{NodeError, ServerError};
 use crate::ids::{GroupId, NodeId};
@@ -55,6 +57,8 @@ pub(super) struct GroupWatch {
     /// The newer epoch this replica, as master, last could not decide a
     /// split against (its node could not be asked), and when.
     pub(super) undecided: Mutex<Option<(Epoch, Instant)>>,
+    /// When this replica started.
+    pub(super) started: Instant,
 }
 
 impl GroupWatch {
@@ -66,6 +70,7 @@ impl GroupWatch {
             master_lost_since: Mutex::new(None),
             elect_at: Mutex::new(None),
             undecided: Mutex::new(None),
+            started: Instant::now(),
         }
     }
 }
@@ -201,11 +206,21 @@ impl Inner {
         Some(ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids))
     }
 
-    /// The fork record of our replica's epoch of `group`, if it has one.
-    pub(super) fn fork_record(&self, group: GroupId) -> Option<ForkRecord> {
+    /// The fork record of our replica's epoch of `group`, if it has one,
+    /// and the master of that epoch in reach as our replica knows it.
+    pub(super) fn fork_record(&self, group: GroupId) -> Option<(ForkRecord, Option<NodeId>)> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
         let rec = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok()??;
-        (rec.epoch == g.epoch).then_some(rec)
+        if rec.epoch != g.epoch {
+            return None;
+        }
+        let m = g.raft.metrics().borrow().clone();
+        let heard = *g.watch.master_heard.lock().expect("poisoned");
+        let master = match m.state {
+            ServerState::Leader => Some(self.id),
+            _ => m.current_leader.filter(|_| heard.is_some_and(|t| t.elapsed() < self.timing.failure_timeout)),
+        };
+        Some((rec, master))
     }
 }
 
@@ -489,7 +504,8 @@ impl Node {
         let term = log.highest_term().map_err(raft_err)?.max(g.epoch.term) + 1;
         let me = self.id();
         let epoch = Epoch { term, node: me };
-        let record = ForkRecord::from_log(epoch, log_state.last_purged_log_id, ids);
+        let mut record = ForkRecord::from_log(epoch, log_state.last_purged_log_id, ids);
+        record.formed_ms = wall_ms();
         let index = log_state.last_log_id.map_or(0, |l| l.index + 1);
         let members = Membership::new(
             vec![BTreeSet::from([me])],
@@ -521,8 +537,7 @@ impl Node {
         // Before the epoch itself: a replica of the old group that kept its
         // majority across this moment keeps the queue when the two meet.
         let c = QueueMachine::stored_counters(&SmSpace::new(self.inner.db.clone(), group))?;
-        let formed = Formed { epoch, at_ms: wall_ms(), next_seq: c.next_seq, next_tag: c.next_tag };
-        self.inner.db.put_node_value(&formed_key(group), &mirrorq_storage::keys::encode(&formed, "formed")?)?;
+        add_formed(&self.inner.db, group, Formed { epoch, from: g.epoch, next_seq: c.next_seq, next_tag: c.next_tag })?;
         let epoch_value = (epoch_key(group), mirrorq_storage::keys::encode(&epoch, "group epoch")?);
         log.refound(&Vote::new_committed(term, me), entries, (&epoch_value.0, epoch_value.1))
             .await
@@ -577,11 +592,18 @@ impl Node {
         }
         match self.split_verdict(&g, news).await {
             Verdict::Defer => return,
-            Verdict::Undecided => {
+            Verdict::Undecided(why) => {
                 *g.watch.undecided.lock().expect("poisoned") = Some((news.epoch, Instant::now()));
-                let what = format!("epoch {} formed by node {}", news.epoch, news.epoch.node);
+                let what = format!("epoch {} formed by node {}: {why:?}", news.epoch, news.epoch.node);
                 if self.inner.repeated(group, "split-undecided", &what) {
-                    tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists, but the node that formed it cannot be asked when: this group keeps its majority and goes on serving until it can (told once)");
+                    match why {
+                        Undecided::CannotAsk => {
+                            tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists, but none of its replicas can be asked when it formed: this group keeps its majority and goes on serving until one can (told once)")
+                        }
+                        Undecided::NoMaster => {
+                            tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists but has no master to hand back to; waiting for one, or for this group's master to decide (told once)")
+                        }
+                    }
                 }
                 return;
             }
@@ -630,7 +652,7 @@ impl Node {
             // The hand-back goes to the newest epoch we hear of; our log is
             // untouched until it is taken, so starting over is safe.
             loop {
-                let fork = formed(&self.inner.db, group, g.epoch).filter(|_| yielding);
+                let fork = left_through_own_forks(&self.inner.db, group, g.epoch, news.epoch).filter(|_| yielding);
                 let batches = match fork {
                     // We formed the fork: what we stored since is ours alone.
                     Some(f) => self.stored_since_fork(group, f).await?,

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use openraft::ServerState;
 
-use super::{split, Inner, Node};
+use super::{Inner, Node};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
@@ -73,11 +73,10 @@ impl Inner {
                 Ok(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
                 Err(refusal) => refusal,
             },
-            RpcRequest::Fork { group } => {
-                let rec = self.fork_record(group);
-                let formed = rec.as_ref().and_then(|r| split::formed_at(&self.db, group, r.epoch));
-                RpcResponse::Fork(rec, formed)
-            }
+            RpcRequest::Fork { group } => match self.fork_record(group) {
+                Some((rec, master)) => RpcResponse::Fork(Some(rec), master),
+                None => RpcResponse::Fork(None, None),
+            },
             RpcRequest::History { group } => RpcResponse::History(self.history(group).await),
             RpcRequest::Yield { group, defeated, winner, from } => {
                 let node = Node { inner: self };

@@ -21,7 +21,8 @@ use crate::queue::epoch::Epoch;
 use crate::raft::network::EpochNews;
 use mirrorq_storage::{NodeDb, StorageError};
 
-/// When and where this node re-formed the group ([`Formed`]).
+/// The epochs of the group this node formed, each from the one before
+/// ([`Formed`]).
 pub(super) fn formed_key(group: GroupId) -> String {
     format!("formed/{group}")
 }
@@ -85,8 +86,8 @@ impl MajorityStretch {
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub(super) struct Formed {
     pub(super) epoch: Epoch,
-    /// Wall clock, ms.
-    pub(super) at_ms: u64,
+    /// The epoch this replica was in when it re-formed the group.
+    pub(super) from: Epoch,
     /// The queue's counters as applied when it re-formed: what it stored
     /// since is what only this epoch has (its log's older entries were
     /// committed in the old group).
@@ -94,15 +95,36 @@ pub(super) struct Formed {
     pub(super) next_tag: u64,
 }
 
-pub(super) fn formed(db: &NodeDb, group: GroupId, epoch: Epoch) -> Option<Formed> {
-    let b = db.get_node_value(&formed_key(group)).ok()??;
-    let f = mirrorq_storage::keys::decode::<Formed>(&b, "formed").ok()?;
-    (f.epoch == epoch).then_some(f)
+fn formed_chain(db: &NodeDb, group: GroupId) -> Result<Vec<Formed>, StorageError> {
+    match db.get_node_value(&formed_key(group))? {
+        Some(b) => mirrorq_storage::keys::decode(&b, "formed epochs"),
+        None => Ok(Vec::new()),
+    }
 }
 
-/// When this node formed `epoch` of `group`, if it did.
-pub(super) fn formed_at(db: &NodeDb, group: GroupId, epoch: Epoch) -> Option<u64> {
-    formed(db, group, epoch).map(|f| f.at_ms)
+/// Remember that this node formed `f.epoch`. A chain of forks is kept
+/// whole: a minority of two re-forms the queue, one of them stops and the
+/// other re-forms it again alone (campaign seed 743). When that fork
+/// yields, what it must hand back is everything stored since it left the
+/// winning group, in both of its epochs.
+pub(super) fn add_formed(db: &NodeDb, group: GroupId, f: Formed) -> Result<(), StorageError> {
+    let mut chain = formed_chain(db, group)?;
+    if chain.last().is_none_or(|last| last.epoch != f.from) {
+        chain.clear();
+    }
+    chain.push(f);
+    db.put_node_value(&formed_key(group), &mirrorq_storage::keys::encode(&chain, "formed epochs")?)
+}
+
+/// The re-formation by which this node's replica, now in `ours`, left
+/// `winner`, if it got from there to `ours` through epochs it formed itself:
+/// its counters then bound what only those epochs have.
+pub(super) fn left_through_own_forks(db: &NodeDb, group: GroupId, ours: Epoch, winner: Epoch) -> Option<Formed> {
+    let chain = formed_chain(db, group).ok()?;
+    if chain.last()?.epoch != ours {
+        return None;
+    }
+    chain.iter().rev().find(|f| f.from == winner).copied()
 }
 
 pub(super) fn defeated(db: &NodeDb, group: GroupId) -> Result<BTreeSet<Epoch>, StorageError> {
@@ -127,16 +149,59 @@ pub(super) enum Verdict {
     /// before that epoch formed (the classic demo), or has none now.
     Heal,
     /// Our group kept its majority from before the newer epoch formed
-    /// until now: that epoch is a minority's fork, and it yields.
+    /// until now, or serves while that epoch cannot: that epoch is a
+    /// minority's fork, and it yields.
     Keep,
-    /// We follow a master that is alive: it decides for the group.
+    /// We follow a master that is alive, or may soon (just started): it
+    /// decides for the group.
     Defer,
-    /// We are the master, our group has its majority, and the node that
-    /// formed the newer epoch cannot be asked when it did (a one-way cut:
-    /// its messages reach us, ours do not reach it). Keep serving and ask
-    /// again on its next message: healing now would hand a healthy queue
-    /// to a node nobody can reach.
-    Undecided,
+    /// Not now; ask again on news of that epoch a failure timeout from now.
+    /// Healing would hand the queue to no one or to a fork.
+    Undecided(Undecided),
+}
+
+/// Why a split could not be decided yet.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub(super) enum Undecided {
+    /// We are the master, our group has its majority, and no replica of
+    /// the newer epoch can be asked when it formed (a one-way cut: its
+    /// messages reach us, ours do not reach it). Keep serving.
+    CannotAsk,
+    /// The newer epoch has no master to take a hand-back (its replicas
+    /// lost theirs), and our group cannot decide either: wait for one.
+    NoMaster,
+}
+
+/// What the replicas of a newer epoch tell of it.
+#[derive(Debug, Clone, Copy)]
+struct ForkNews {
+    /// When the epoch was formed (wall clock, ms).
+    formed_ms: u64,
+    /// Its master, if one of its replicas knows one in reach.
+    master: Option<NodeId>,
+}
+
+/// The split rule for a master (see [`Verdict`]). `kept_since`: since
+/// when (wall clock, ms) our group has kept its majority, if it has one.
+/// `fork`: what the newer epoch's replicas told, if any answered.
+fn master_verdict(kept_since: Option<u64>, fork: Option<ForkNews>, failure_timeout: Duration) -> Verdict {
+    // Clocks of different machines differ a little; the newer epoch
+    // formed a failure timeout after its node lost our majority, so a
+    // majority kept from before that is well clear of it.
+    let margin = failure_timeout.as_millis() as u64 / 2;
+    match (kept_since, fork) {
+        (Some(since), Some(f)) if since.saturating_add(margin) <= f.formed_ms => Verdict::Keep,
+        // Formed while our group had no majority (the classic demo), but
+        // that epoch has lost its master since and ours serves: healing
+        // would hand a serving queue to a group that cannot elect one
+        // (campaign seed 743: the fork's former had moved on to a newer
+        // fork of its own). Its replicas give back what they hold instead.
+        (Some(_), Some(ForkNews { master: None, .. })) => Verdict::Keep,
+        (Some(_), Some(_)) => Verdict::Heal,
+        (Some(_), None) => Verdict::Undecided(Undecided::CannotAsk),
+        (None, Some(ForkNews { master: None, .. })) => Verdict::Undecided(Undecided::NoMaster),
+        (None, _) => Verdict::Heal,
+    }
 }
 
 impl Node {
@@ -155,40 +220,51 @@ impl Node {
             let heard = *g.watch.master_heard.lock().expect("poisoned");
             let master_alive = m.current_leader.is_some_and(|l| l != me)
                 && heard.is_some_and(|t| t.elapsed() < timing.failure_timeout);
-            return if master_alive { Verdict::Defer } else { Verdict::Heal };
+            if master_alive {
+                return Verdict::Defer;
+            }
+            // Just (re)started: our group may be about to elect a master,
+            // which decides for it. A mirror healing alone the moment it
+            // restarts takes a group that kept its majority into a
+            // minority's fork, one replica at a time (seed 743, whose
+            // cluster was restarted node by node after the heal).
+            if heard.unwrap_or(g.watch.started).elapsed() < timing.failure_timeout {
+                return Verdict::Defer;
+            }
+            return match self.fetch_fork_news(news).await {
+                Some(ForkNews { master: None, .. }) => Verdict::Undecided(Undecided::NoMaster),
+                _ => Verdict::Heal,
+            };
         }
         let kept_since = g.watch.majority.lock().expect("poisoned").kept_since(Instant::now(), timing.failure_timeout);
-        let Some(since) = kept_since else { return Verdict::Heal };
-        let Some(formed) = self.fetch_formed_at(news).await else { return Verdict::Undecided };
-        // Clocks of different machines differ a little; the newer epoch
-        // formed a failure timeout after its node lost our majority, so a
-        // majority kept from before that is well clear of it.
-        let margin = timing.failure_timeout.as_millis() as u64 / 2;
-        if since.saturating_add(margin) <= formed {
-            Verdict::Keep
-        } else {
-            Verdict::Heal
-        }
+        let fork = self.fetch_fork_news(news).await;
+        master_verdict(kept_since, fork, timing.failure_timeout)
     }
 
-    /// When the newer epoch of `news` was formed, from the node that
-    /// formed it (the one that told us first, else the other replicas).
-    async fn fetch_formed_at(&self, news: EpochNews) -> Option<u64> {
+    /// Ask the replicas of the newer epoch of `news` (the one that told us
+    /// first, its former, then the queue's other replicas) when it formed
+    /// and who masters it.
+    async fn fetch_fork_news(&self, news: EpochNews) -> Option<ForkNews> {
         let q = self.metadata().queues.values().find(|q| q.group == news.group).cloned()?;
-        let mut peers = vec![news.from, news.epoch.node];
-        peers.extend(q.replicas.iter().copied());
-        peers.dedup();
-        for peer in peers.into_iter().filter(|p| *p != self.id()) {
-            let limit = Instant::now() + Duration::from_secs(1);
-            if let Ok(RpcResponse::Fork(Some(rec), Some(at))) =
-                self.inner.call(peer, &RpcRequest::Fork { group: news.group }, limit).await
-            {
-                if rec.epoch == news.epoch {
-                    return Some(at);
+        let mut peers: Vec<NodeId> = Vec::new();
+        for p in [news.from, news.epoch.node].into_iter().chain(q.replicas.iter().copied()) {
+            if p != self.id() && !peers.contains(&p) {
+                peers.push(p);
+            }
+        }
+        let limit = Instant::now() + Duration::from_secs(1);
+        let req = RpcRequest::Fork { group: news.group };
+        let answers = futures::future::join_all(peers.iter().map(|p| self.inner.call(*p, &req, limit))).await;
+        let mut found: Option<ForkNews> = None;
+        for answer in answers {
+            if let Ok(RpcResponse::Fork(Some(rec), master)) = answer {
+                if rec.epoch == news.epoch && rec.formed_ms > 0 {
+                    let f = found.get_or_insert(ForkNews { formed_ms: rec.formed_ms, master });
+                    f.master = f.master.or(master);
                 }
             }
         }
-        None
+        found
     }
 
     /// Tell a replica of a defeated epoch to yield to ours. It comes back
@@ -272,6 +348,71 @@ mod tests {
         let woke = t0 + Duration::from_secs(20);
         s.observe(true, woke, 21_000, TIMEOUT);
         assert_eq!(s.kept_since(woke, TIMEOUT), Some(21_000));
+    }
+
+    fn fork(formed_ms: u64, master: Option<NodeId>) -> Option<ForkNews> {
+        Some(ForkNews { formed_ms, master })
+    }
+
+    #[test]
+    fn a_fork_formed_while_the_group_kept_its_majority_yields() {
+        assert_eq!(master_verdict(Some(1_000), fork(10_000, Some(4)), TIMEOUT), Verdict::Keep);
+        assert_eq!(master_verdict(Some(1_000), fork(10_000, None), TIMEOUT), Verdict::Keep);
+    }
+
+    #[test]
+    fn the_group_heals_into_a_serving_epoch_formed_while_it_had_no_majority() {
+        // The classic demo: the old group came back after the new epoch
+        // formed, and that epoch has a master to hand back to.
+        assert_eq!(master_verdict(Some(20_000), fork(10_000, Some(3)), TIMEOUT), Verdict::Heal);
+        assert_eq!(master_verdict(None, fork(10_000, Some(3)), TIMEOUT), Verdict::Heal);
+        // Too close to call on clocks that differ a little: heal.
+        assert_eq!(master_verdict(Some(9_000), fork(10_000, Some(3)), TIMEOUT), Verdict::Heal);
+    }
+
+    #[test]
+    fn a_serving_group_does_not_heal_into_an_epoch_without_a_master() {
+        // Seed 743: the master that meets the fork was elected after it
+        // formed, and the fork's last replica cannot elect.
+        assert_eq!(master_verdict(Some(20_000), fork(10_000, None), TIMEOUT), Verdict::Keep);
+        // Neither side can serve: wait.
+        assert_eq!(master_verdict(None, fork(10_000, None), TIMEOUT), Verdict::Undecided(Undecided::NoMaster));
+    }
+
+    #[test]
+    fn a_group_with_its_majority_waits_when_no_replica_of_the_fork_answers() {
+        assert_eq!(master_verdict(Some(1_000), None, TIMEOUT), Verdict::Undecided(Undecided::CannotAsk));
+        assert_eq!(master_verdict(None, None, TIMEOUT), Verdict::Heal);
+    }
+
+    fn db() -> (tempfile::TempDir, NodeDb) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &Default::default()).unwrap();
+        (dir, db)
+    }
+
+    fn formed(term: u64, node: NodeId, from: Epoch, next_seq: u64) -> Formed {
+        Formed { epoch: Epoch { term, node }, from, next_seq, next_tag: 0 }
+    }
+
+    #[test]
+    fn a_fork_of_its_own_fork_hands_back_since_it_left_the_winner() {
+        let (_dir, db) = db();
+        let root = Epoch::default();
+        let a = formed(3, 4, root, 100);
+        let b = formed(4, 4, a.epoch, 150);
+        add_formed(&db, 1, a).unwrap();
+        add_formed(&db, 1, b).unwrap();
+        let left = left_through_own_forks(&db, 1, b.epoch, root).unwrap();
+        assert_eq!(left.next_seq, 100, "everything stored since the first fork of the chain");
+        assert_eq!(left_through_own_forks(&db, 1, b.epoch, a.epoch).unwrap().next_seq, 150);
+        // A replica no longer in the chain's last epoch has no such bound.
+        assert!(left_through_own_forks(&db, 1, a.epoch, root).is_none());
+        // A re-formation from an epoch formed elsewhere starts a new chain.
+        let c = formed(7, 4, Epoch { term: 6, node: 2 }, 300);
+        add_formed(&db, 1, c).unwrap();
+        assert!(left_through_own_forks(&db, 1, c.epoch, root).is_none());
+        assert_eq!(left_through_own_forks(&db, 1, c.epoch, c.from).unwrap().next_seq, 300);
     }
 
     #[test]

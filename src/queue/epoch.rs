@@ -58,6 +58,11 @@ pub struct ForkRecord {
     pub known_from: u64,
     /// The last purged entry (covered by a snapshot), if any.
     pub purged: Option<(u64, Leader)>,
+    /// When the epoch was formed (wall clock, ms; 0 in a record of a live
+    /// log's history). Replicated with the record, so any replica of the
+    /// epoch can answer the split rule's question, not only the node that
+    /// formed it, which may have moved on to another epoch since.
+    pub formed_ms: u64,
 }
 
 impl ForkRecord {
@@ -75,7 +80,7 @@ impl ForkRecord {
         }
         let purged = purged.map(|p| (p.index, leader_of(&p)));
         let known_from = known_from.unwrap_or_else(|| purged.map_or(0, |p| p.0 + 1));
-        Self { epoch, runs, known_from, purged }
+        Self { epoch, runs, known_from, purged, formed_ms: 0 }
     }
 
     /// Is the entry with this id part of the re-formed epoch's history?
