@@ -142,6 +142,17 @@ fn by_seniority(q: &QueueMeta, ids: &BTreeSet<NodeId>) -> Vec<NodeId> {
     out
 }
 
+/// Who re-forms a group that lost its majority: the most senior voter
+/// left, else the most senior wanted replica left. A voter has the group's
+/// log up to its last commit; a learner may still be catching up. Campaign
+/// seed 745: a voter of a two-voter group restarted, and a learner that had
+/// joined 40 ms before, senior by the queue's order, re-formed the queue
+/// over the live master.
+fn reformer(replicas: &[NodeId], alive_voters: &BTreeSet<NodeId>, alive: &BTreeSet<NodeId>) -> Option<NodeId> {
+    let from = if alive_voters.is_empty() { alive } else { alive_voters };
+    replicas.iter().copied().find(|id| from.contains(id)).or_else(|| from.first().copied())
+}
+
 /// Whether the last master a replica knows still leads the queue: it is
 /// this replica or in reach, and still a voter. A master that moved the
 /// queue away from itself and stepped down answers pings but leads no one;
@@ -312,7 +323,6 @@ impl Node {
                 stretch.observe(alive_voters * 2 > voters.len(), now, wall_ms(), timing.failure_timeout);
                 stretch.seen()
             };
-            let senior = by_seniority(q, &alive).first().copied();
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
             let senior_voter = by_seniority(q, &alive_voter_set).first().copied();
 
@@ -391,7 +401,7 @@ impl Node {
             let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
             if now.duration_since(seen) >= wait
                 && alive_voters * 2 <= voters.len()
-                && senior == Some(self.id())
+                && reformer(&q.replicas, &alive_voter_set, &alive) == Some(self.id())
                 && ha.promote_on_failure_always
                 && g.plan.borrow().is_none()
             {
@@ -981,6 +991,17 @@ mod tests {
         assert!(still_leads(1, 2, &reach, &voters));
         assert!(still_leads(2, 2, &set(&[1]), &voters), "this replica leads without pinging itself");
         assert!(!still_leads(3, 2, &set(&[1, 2]), &voters), "a master out of reach leads no one");
+    }
+
+    #[test]
+    fn a_live_voter_re_forms_before_a_more_senior_learner() {
+        let set = |ids: &[NodeId]| ids.iter().copied().collect::<BTreeSet<NodeId>>();
+        let replicas = [1, 2, 3, 4, 5];
+        // Seed 745: voters {1, 4}, 1 restarting; 2 joined as a learner.
+        assert_eq!(reformer(&replicas, &set(&[4]), &set(&[2, 3, 4, 5])), Some(4));
+        // No voter left: the most senior wanted replica carries on.
+        assert_eq!(reformer(&replicas, &set(&[]), &set(&[3, 5])), Some(3));
+        assert_eq!(reformer(&replicas, &set(&[]), &set(&[])), None);
     }
 
     /// A replica that led terms up to 7 heals into another epoch: wiped, it
