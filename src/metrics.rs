@@ -34,6 +34,9 @@ pub struct Metrics {
     pub queue_leaderships: Counter,
     /// Queue groups re-formed here after losing their majority.
     pub queue_reforms: Counter,
+    /// Queue replicas here that handed back and rejoined another epoch
+    /// (healing into a newer epoch, or yielding a minority's fork).
+    pub queue_rejoins: Counter,
     /// Leaderships of the metadata group won here.
     pub metadata_leaderships: Counter,
 }
@@ -53,6 +56,7 @@ impl Default for Metrics {
             repeated_failures: Counter::default(),
             queue_leaderships: Counter::default(),
             queue_reforms: Counter::default(),
+            queue_rejoins: Counter::default(),
             metadata_leaderships: Counter::default(),
         }
     }

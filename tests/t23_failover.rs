@@ -678,3 +678,56 @@ async fn a_fork_of_a_fork_yields_when_its_last_replica_returns() {
 async fn a_fork_of_a_fork_yields_to_a_master_that_never_saw_the_split() {
     a_fork_of_a_fork_yields_too(true).await;
 }
+
+/// Campaign seed 743, the restarts after the heal: a mirror of the group
+/// that kept its majority restarts while a minority's fork (node 3, cut
+/// off, re-formed alone) is still serving, and hears of the fork before it
+/// hears its own master. It must not heal into the fork on its own: its
+/// master decides for the group, and the fork yields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_mirror_does_not_heal_alone_into_a_minoritys_fork() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    for i in 0..5 {
+        publish_retrying(c.node(1), "q", format!("a{i}").into_bytes()).await;
+    }
+    wait_until(Duration::from_secs(10), "every replica applied all", || {
+        (1..=3).all(|id| c.node(id).queue_info("q").unwrap().ready == 5)
+    })
+    .await;
+    tracing::info!("--- node 3 is cut off and re-forms alone");
+    for id in [1, 2] {
+        c.node(id).transport().control.block(3);
+        c.node(3).transport().control.block(id);
+    }
+    publish_retrying(c.node(1), "q", b"b0".to_vec()).await;
+    let n3 = c.node(3).clone();
+    wait_until(Duration::from_secs(30), "node 3 re-formed alone", || {
+        n3.queue_members("q") == Some(BTreeSet::from([3])) && n3.is_master("q")
+    })
+    .await;
+    publish_retrying(&n3, "q", b"c0".to_vec()).await;
+
+    tracing::info!("--- node 2 restarts hearing the fork, not yet its master");
+    c.node(1).transport().control.block(2);
+    c.crash(2).await;
+    n3.transport().control.unblock(2);
+    c.restart(2).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tracing::info!("--- everything heals");
+    c.node(1).transport().control.unblock(2);
+    c.node(1).transport().control.unblock(3);
+    n3.transport().control.unblock(1);
+    wait_until(Duration::from_secs(40), "one group again under master 1", || {
+        (1..=3).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3])))
+            && (1..=3).all(|id| c.node(id).queue_info("q").ok().and_then(|i| i.leader) == Some(1))
+    })
+    .await;
+    assert_eq!(c.node(2).metrics().queue_rejoins.get(), 0, "node 2 healed into the fork on its own");
+    assert_eq!(n3.metrics().queue_rejoins.get(), 1, "the fork yielded once");
+    let got = drain(c.node(1), "q").await;
+    let distinct: BTreeSet<&str> = got.iter().map(String::as_str).collect();
+    assert_eq!(distinct, ["a0", "a1", "a2", "a3", "a4", "b0", "c0"].into(), "every confirmed message is delivered");
+    c.shutdown().await;
+}

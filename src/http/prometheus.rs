@@ -98,6 +98,11 @@ pub fn render(node: &Node) -> String {
         m.queue_reforms.clone(),
     );
     r.register(
+        "mirrorq_queue_rejoins",
+        "Queue replicas on this node that handed back their messages and rejoined another epoch of their group",
+        m.queue_rejoins.clone(),
+    );
+    r.register(
         "mirrorq_metadata_leaderships",
         "Times this node became leader of the metadata group in a new term",
         m.metadata_leaderships.clone(),

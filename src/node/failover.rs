@@ -700,7 +700,10 @@ impl Node {
         }
         .await;
         match &result {
-            Ok(()) => self.inner.told.cleared(group, "rejoin"),
+            Ok(()) => {
+                self.inner.metrics.queue_rejoins.inc();
+                self.inner.told.cleared(group, "rejoin");
+            }
             Err(e) => {
                 if self.inner.repeated(group, "rejoin", &e.to_string()) {
                     tracing::error!(queue = %q.name, error = %e, "rejoining failed; the replica restarts in its own epoch and retries (told once until it changes)");
