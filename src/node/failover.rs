@@ -59,6 +59,9 @@ pub(super) struct GroupWatch {
     pub(super) undecided: Mutex<Option<(Epoch, Instant)>>,
     /// When this replica started.
     pub(super) started: Instant,
+    /// Replicas that answered from a newer epoch of the group, and when
+    /// last: they follow no master of ours, however well they answer pings.
+    pub(super) in_newer: Mutex<HashMap<NodeId, Instant>>,
 }
 
 impl GroupWatch {
@@ -71,6 +74,7 @@ impl GroupWatch {
             elect_at: Mutex::new(None),
             undecided: Mutex::new(None),
             started: Instant::now(),
+            in_newer: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -244,8 +248,13 @@ impl Node {
                     _ = node.inner.stop.cancelled() => return,
                     n = rx.recv() => match n { Some(n) => n, None => return },
                 };
-                let stale =
-                    node.inner.groups.read().expect("poisoned").get(&news.group).is_some_and(|g| g.epoch < news.epoch);
+                let stale = match node.inner.groups.read().expect("poisoned").get(&news.group) {
+                    Some(g) if g.epoch < news.epoch => {
+                        g.watch.in_newer.lock().expect("poisoned").insert(news.from, Instant::now());
+                        true
+                    }
+                    _ => false,
+                };
                 if stale {
                     let node = node.clone();
                     tokio::spawn(async move { node.heal(news).await });
@@ -596,7 +605,12 @@ impl Node {
         let q = g.meta.clone();
         let io = |e: StorageError| tracing::error!(queue = %q.name, error = %e, "cannot record a defeated epoch");
         match defeated(&self.inner.db, group) {
-            Ok(d) if d.contains(&news.epoch) => return self.tell_to_yield(&g, news).await,
+            // Judged a minority's fork before; unless our own group has
+            // since left for newer epochs (a verdict on disk must not hold a
+            // master alone in an epoch its mirrors left).
+            Ok(d) if d.contains(&news.epoch) && self.majority_still_ours(&g) => {
+                return self.tell_to_yield(&g, news).await
+            }
             Ok(_) => {}
             Err(e) => return io(e),
         }

@@ -7,7 +7,7 @@
 //! epoch (`failover.rs`). The reasoning is in `docs/reliability.md`, "The
 //! rule for a split".
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -204,6 +204,20 @@ fn master_verdict(kept_since: Option<u64>, fork: Option<ForkNews>, failure_timeo
     }
 }
 
+/// Whether a majority of `voters` is in our epoch: not heard from a newer
+/// one (`in_newer`: when each replica last answered from one) within the
+/// failure timeout.
+fn majority_in_our_epoch(
+    voters: &[NodeId],
+    in_newer: &HashMap<NodeId, Instant>,
+    now: Instant,
+    failure_timeout: Duration,
+) -> bool {
+    let left =
+        voters.iter().filter(|v| in_newer.get(v).is_some_and(|t| now.duration_since(*t) < failure_timeout)).count();
+    (voters.len() - left) * 2 > voters.len()
+}
+
 impl Node {
     /// Decide for our group, of an older epoch than `news`'s, which epoch
     /// keeps the queue. Only the master decides, so the replicas of one
@@ -236,9 +250,25 @@ impl Node {
                 _ => Verdict::Heal,
             };
         }
-        let kept_since = g.watch.majority.lock().expect("poisoned").kept_since(Instant::now(), timing.failure_timeout);
+        let kept_since = if self.majority_still_ours(g) {
+            g.watch.majority.lock().expect("poisoned").kept_since(Instant::now(), timing.failure_timeout)
+        } else {
+            None
+        };
         let fork = self.fetch_fork_news(news).await;
         master_verdict(kept_since, fork, timing.failure_timeout)
+    }
+
+    /// Whether a majority of our group's voters is still in our epoch.
+    /// Pings tell who is in reach, not who still follows us: voters that
+    /// answer from a newer epoch have left our group. A master whose
+    /// mirrors all healed into a fork has no majority to keep, and could
+    /// not even take them out of its membership (no quorum).
+    pub(super) fn majority_still_ours(&self, g: &QueueGroup) -> bool {
+        let m = g.raft.metrics().borrow().clone();
+        let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+        let in_newer = g.watch.in_newer.lock().expect("poisoned");
+        majority_in_our_epoch(&voters, &in_newer, Instant::now(), self.inner.timing.failure_timeout)
     }
 
     /// Ask the replicas of the newer epoch of `news` (the one that told us
@@ -303,7 +333,14 @@ impl Node {
         } else {
             openraft::ChangeMembers::RemoveNodes(BTreeSet::from([id]))
         };
-        let result = g.raft.change_membership(change, false).await;
+        // Bounded: without a quorum of the old and new voters the change
+        // never commits, and waiting for it would hold the group busy (no
+        // heal, no hand-over) for good.
+        let limit = self.inner.timing.failure_timeout;
+        let result = match tokio::time::timeout(limit, g.raft.change_membership(change, false)).await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("not committed within {limit:?}")),
+        };
         g.changing.store(false, Ordering::Release);
         match result {
             Ok(_) => {
@@ -383,6 +420,18 @@ mod tests {
     fn a_group_with_its_majority_waits_when_no_replica_of_the_fork_answers() {
         assert_eq!(master_verdict(Some(1_000), None, TIMEOUT), Verdict::Undecided(Undecided::CannotAsk));
         assert_eq!(master_verdict(None, None, TIMEOUT), Verdict::Heal);
+    }
+
+    #[test]
+    fn voters_answering_from_a_newer_epoch_are_no_longer_ours() {
+        let t0 = Instant::now();
+        let voters = [1, 2, 3];
+        let mut in_newer = HashMap::from([(3, t0)]);
+        assert!(majority_in_our_epoch(&voters, &in_newer, t0, TIMEOUT), "one of three left: two remain");
+        in_newer.insert(2, t0);
+        assert!(!majority_in_our_epoch(&voters, &in_newer, t0, TIMEOUT), "the master alone is no majority");
+        // Not heard from the newer epoch for the failure timeout: back.
+        assert!(majority_in_our_epoch(&voters, &in_newer, t0 + TIMEOUT, TIMEOUT));
     }
 
     fn db() -> (tempfile::TempDir, NodeDb) {
