@@ -467,3 +467,23 @@ async fn an_installed_snapshot_survives_a_crash_right_after_the_install() {
     assert_eq!(applied, snap.meta.last_log_id, "the install was lost in the crash");
     assert_eq!(group_keys(&space), installed);
 }
+
+/// A group's state machine is closed when the group stops (re-formed,
+/// healed, removed): openraft's state-machine worker outlives the group's
+/// core, and an apply it still had in hand must not land after the
+/// re-formation read the stored state (a get applied then, on an entry the
+/// re-formation rewrote as unapplied, left a live message without a body
+/// in the new epoch: campaign seed 745). A clone (the worker's) is refused
+/// too, and the state is what it was at the close.
+#[tokio::test]
+async fn a_closed_state_machine_applies_nothing_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, space, mut sm) = open_queue(dir.path());
+    sm.apply(logged(&db, 5, vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a")] }])])).await.unwrap();
+    let mut worker = sm.clone();
+    sm.close().await;
+    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }])];
+    assert!(worker.apply(logged(&db, 5, get)).await.is_err(), "an apply after the close was taken");
+    assert_eq!(mirrorq::raft::state_machine::stored_applied(&space).unwrap().map(|l| l.index), Some(1));
+    assert_eq!(QueueMachine::stored_messages(&space).unwrap(), vec![msg("a")], "the message is still there");
+}

@@ -514,7 +514,7 @@ impl Node {
         let Some(_busy) = Busy::take(&self.inner.busy, group) else { return Ok(()) };
         self.inner.groups.write().expect("poisoned").remove(&group);
         g.stop.cancel();
-        let _ = g.raft.shutdown().await;
+        g.shut_down().await;
 
         let raft_err = |e: openraft::StorageError<NodeId>| ServerError::Raft(e.to_string());
         let mut log = LogStore::new(self.inner.db.clone(), group);
@@ -668,7 +668,7 @@ impl Node {
         let q = g.meta.clone();
         self.inner.groups.write().expect("poisoned").remove(&group);
         g.stop.cancel();
-        let _ = g.raft.shutdown().await;
+        g.shut_down().await;
         tracing::info!(queue = %q.name, "replica stopped to rejoin another epoch");
 
         let mut news = news;

@@ -217,7 +217,7 @@ impl Node {
         // All at once: one after another, thousands of groups took minutes.
         futures::future::join_all(groups.iter().map(|g| {
             g.stop.cancel();
-            g.raft.shutdown()
+            g.shut_down()
         }))
         .await;
         self.hand_over(successors).await;

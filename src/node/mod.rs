@@ -304,6 +304,13 @@ impl Node {
 }
 
 impl QueueGroup {
+    /// Stop the group's Raft and close its state machine, so no write of
+    /// the old instance lands after this (see [`StateMachine::close`]).
+    async fn shut_down(&self) {
+        let _ = self.raft.shutdown().await;
+        self.sm.close().await;
+    }
+
     fn is_member(&self, id: NodeId) -> bool {
         self.raft.metrics().borrow().membership_config.membership().get_node(&id).is_some()
     }

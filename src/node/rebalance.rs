@@ -191,7 +191,7 @@ impl Node {
         self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
         self.inner.groups.write().expect("poisoned").remove(&group);
         g.stop.cancel();
-        let _ = g.raft.shutdown().await;
+        g.shut_down().await;
         drop(hold);
         let mut log = LogStore::new(self.inner.db.clone(), group);
         log.save_vote(&Vote::new(term + 1, to)).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;

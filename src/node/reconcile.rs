@@ -111,7 +111,7 @@ impl Node {
             if self.excluded_by_peers(g.meta.group, &stay).await {
                 self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
                 g.stop.cancel();
-                let _ = g.raft.shutdown().await;
+                g.shut_down().await;
                 match self.inner.drop_replica(g.meta.group) {
                     Ok(()) => tracing::info!(queue = %g.meta.name, "queue replica moved away"),
                     Err(e) => failed.push((g.meta.group, e.into())),
@@ -126,7 +126,7 @@ impl Node {
         for g in to_stop {
             self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
             g.stop.cancel();
-            let _ = g.raft.shutdown().await;
+            g.shut_down().await;
             match self.inner.drop_replica(g.meta.group) {
                 Ok(()) => tracing::info!(queue = %g.meta.name, "queue replica removed"),
                 Err(e) => failed.push((g.meta.group, e.into())),

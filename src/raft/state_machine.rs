@@ -83,6 +83,13 @@ struct Inner<M> {
     /// did not go through `apply` could undo that write, so such a write
     /// first stores the record without them.
     redo_stored: bool,
+    /// Closed when its group stopped: openraft's state-machine worker
+    /// outlives the group's core and goes on with what it was given, so a
+    /// replica being re-formed or wiped would otherwise be written after
+    /// its state was read (a get applied by the old worker after the
+    /// re-formation took its entry as unapplied: a live message without a
+    /// body in the new epoch).
+    closed: bool,
 }
 
 /// The state machine of one group.
@@ -133,10 +140,17 @@ impl<M: Machine> StateMachine<M> {
         };
         let machine = M::load(&space)?;
         Ok(Self {
-            inner: Arc::new(Mutex::new(Inner { space, machine, applied, redo_stored: true })),
+            inner: Arc::new(Mutex::new(Inner { space, machine, applied, redo_stored: true, closed: false })),
             transfer: Arc::new(AtomicBool::new(false)),
             node,
         })
+    }
+
+    /// Refuse every later write (apply, snapshot, fetched bodies), once
+    /// the one under way, if any, is done. Call after the group's `Raft`
+    /// has shut down and before its stored state is read or wiped.
+    pub async fn close(&self) {
+        self.inner.lock().await.closed = true;
     }
 
     /// From now on `get_current_snapshot` serializes the state (for sending
@@ -158,6 +172,9 @@ impl<M: Machine> StateMachine<M> {
     ) -> Result<T, StorageError> {
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
+        if inner.closed {
+            return Err(StorageError::Closed);
+        }
         inner.forget_redo()?;
         f(&mut inner.machine, &inner.space)
     }
@@ -200,6 +217,9 @@ impl<M: Machine> RaftSnapshotBuilder<TypeConfig> for StateMachine<M> {
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
         let err = |e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e);
+        if inner.closed {
+            return Err(err(StorageError::Closed));
+        }
         inner.forget_redo().map_err(err)?;
         inner.machine.before_snapshot(&inner.space).map_err(err)?;
         // Everything applied so far becomes durable; only then may openraft
@@ -233,6 +253,9 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
     {
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
+        if inner.closed {
+            return Err(sto(ErrorSubject::StateMachine, ErrorVerb::Write, StorageError::Closed));
+        }
         let mut out = Vec::new();
         // One atomic batch per entry: an entry may read what the previous
         // one wrote (a get of a message published just before), so each
@@ -288,6 +311,9 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
     ) -> Result<(), RaftStorageError> {
         let mut inner = self.inner.lock().await;
         let err = |e| sto(ErrorSubject::Snapshot(Some(meta.signature())), ErrorVerb::Write, e);
+        if inner.closed {
+            return Err(err(StorageError::Closed));
+        }
         inner.space.clear_keeping(M::KEEP_ON_INSTALL).map_err(err)?;
         {
             let inner = &mut *inner;

@@ -43,4 +43,6 @@ pub enum StorageError {
     Wal(#[from] crate::wal::WalError),
     #[error("disk sync failed earlier; the node is stopping (fail-stop)")]
     SyncFailed,
+    #[error("the state machine was closed (its group stopped)")]
+    Closed,
 }
