@@ -576,6 +576,22 @@ async fn a_one_way_cut_does_not_unseat_a_healthy_master() {
     c.shutdown().await;
 }
 
+/// A cluster of `n` with queue `q` on every node holding a0..a4, applied
+/// by every replica.
+async fn five_messages_everywhere(n: u64) -> Cluster {
+    init_tracing();
+    let c = Cluster::start(n, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", (1..=n).collect()).await.unwrap();
+    for i in 0..5 {
+        publish_retrying(c.node(1), "q", format!("a{i}").into_bytes()).await;
+    }
+    wait_until(Duration::from_secs(10), "every replica applied all", || {
+        (1..=n).all(|id| c.node(id).queue_info("q").unwrap().ready == 5)
+    })
+    .await;
+    c
+}
+
 /// Campaign seed 743. Nodes 4 and 5 are cut off from 1, 2 and 3 and
 /// re-form the queue between them (epoch A); then one of them stops and the
 /// other re-forms it again alone (epoch B). When the partition heals, B
@@ -586,16 +602,7 @@ async fn a_one_way_cut_does_not_unseat_a_healthy_master() {
 /// `restart_master`: the majority's master is restarted before the stopped
 /// node returns, so the master that meets A never watched the split.
 async fn a_fork_of_a_fork_yields_too(restart_master: bool) {
-    init_tracing();
-    let mut c = Cluster::start(5, fast_timing(Duration::from_secs(2))).await;
-    c.node(1).declare_queue("q", vec![1, 2, 3, 4, 5]).await.unwrap();
-    for i in 0..5 {
-        publish_retrying(c.node(1), "q", format!("a{i}").into_bytes()).await;
-    }
-    wait_until(Duration::from_secs(10), "every replica applied all", || {
-        (1..=5).all(|id| c.node(id).queue_info("q").unwrap().ready == 5)
-    })
-    .await;
+    let mut c = five_messages_everywhere(5).await;
 
     tracing::info!("--- partition {{1,2,3}} | {{4,5}}");
     let (majority, minority) = ([1u64, 2, 3], [4u64, 5]);
@@ -686,16 +693,7 @@ async fn a_fork_of_a_fork_yields_to_a_master_that_never_saw_the_split() {
 /// master decides for the group, and the fork yields.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_mirror_does_not_heal_alone_into_a_minoritys_fork() {
-    init_tracing();
-    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
-    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
-    for i in 0..5 {
-        publish_retrying(c.node(1), "q", format!("a{i}").into_bytes()).await;
-    }
-    wait_until(Duration::from_secs(10), "every replica applied all", || {
-        (1..=3).all(|id| c.node(id).queue_info("q").unwrap().ready == 5)
-    })
-    .await;
+    let mut c = five_messages_everywhere(3).await;
     tracing::info!("--- node 3 is cut off and re-forms alone");
     for id in [1, 2] {
         c.node(id).transport().control.block(3);
