@@ -24,7 +24,7 @@ use mirrorq_storage::{NodeDb, StorageError};
 /// The epochs of the group this node formed, each from the one before
 /// ([`Formed`]).
 pub(super) fn formed_key(group: GroupId) -> String {
-    format!("formed/{group}")
+    format!("formed-chain/{group}")
 }
 /// Epochs of the group formed by a minority while our group kept its
 /// majority: their replicas yield to ours.
