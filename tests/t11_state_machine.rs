@@ -487,3 +487,51 @@ async fn a_closed_state_machine_applies_nothing_more() {
     assert_eq!(mirrorq::raft::state_machine::stored_applied(&space).unwrap().map(|l| l.index), Some(1));
     assert_eq!(QueueMachine::stored_messages(&space).unwrap(), vec![msg("a")], "the message is still there");
 }
+
+/// A catching-up replica asks the master for the bodies its installed
+/// snapshot left out. A message it still holds whose body did not come
+/// (the master lacked it) stays in its plan: it must not call itself
+/// synchronised, stand for election and then fail to deliver the message.
+/// Once the message is consumed here, nothing is left to fetch.
+#[tokio::test]
+async fn a_body_the_master_did_not_send_keeps_the_replica_catching_up() {
+    use openraft::storage::RaftSnapshotBuilder;
+    let sender_dir = tempfile::tempdir().unwrap();
+    let (sender_db, sender_space, mut sender) = open_queue(sender_dir.path());
+    sender.enable_snapshot_transfer();
+    let publish = vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }])];
+    sender.apply(logged(&sender_db, 5, publish)).await.unwrap();
+    sender.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    let snap = sender.get_current_snapshot().await.unwrap().expect("a snapshot was built");
+
+    // Node 2, a mirror: it applies gets without reading their bodies.
+    let dir = tempfile::tempdir().unwrap();
+    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 2).unwrap();
+    sm.install_snapshot(&snap.meta, snap.snapshot).await.unwrap();
+    let plan = sm.with(|m| m.plan().borrow().clone()).await.expect("the bodies are to be fetched");
+    assert_eq!(plan.msgs_total, 3);
+    let ranges = plan.missing.clone();
+    let (all, next) = QueueMachine::read_bodies(&sender_space, &ranges, usize::MAX).unwrap();
+    assert_eq!((all.len(), next), (3, None));
+    let upto = ranges.last().unwrap().1;
+    let lost = all[1].0;
+    let sent: Vec<(u64, Vec<u8>)> = all.iter().filter(|(seq, _)| *seq != lost).cloned().collect();
+    sm.with_mut(|m, space| m.fill(space, &sent, upto, None)).await.unwrap();
+    let plan = sm.with(|m| m.plan().borrow().clone()).await.expect("a held body is still missing");
+    assert_eq!(plan.missing, vec![(lost, lost + 1)]);
+
+    // The first message is consumed here (as the master would have before
+    // it read): asking again brings nothing, and the held one stays.
+    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }])];
+    sm.apply(logged(&db, 5, get)).await.unwrap();
+    sm.with_mut(|m, space| m.fill(space, &[], lost + 1, None)).await.unwrap();
+    let plan = sm.with(|m| m.plan().borrow().clone()).await.expect("still missing");
+    assert_eq!(plan.missing, vec![(lost, lost + 1)]);
+
+    // Consumed here too: nothing left to fetch.
+    let get = vec![entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }])];
+    sm.apply(logged(&db, 5, get)).await.unwrap();
+    sm.with_mut(|m, space| m.fill(space, &[], lost + 1, None)).await.unwrap();
+    assert!(sm.with(|m| m.plan().borrow().as_ref().is_some_and(|p| p.is_done())).await);
+}

@@ -25,6 +25,10 @@ use crate::raft::types::Raft;
 const RANGES_PER_REQUEST: usize = 64;
 /// How often a replica that is behind reports to the master.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
+/// Shortest and longest wait before asking again after an answer that
+/// brought nothing this replica lacks.
+const STALL_MIN: Duration = Duration::from_millis(50);
+const STALL_MAX: Duration = Duration::from_secs(2);
 /// How often progress is logged.
 const LOG_EVERY: Duration = Duration::from_secs(5);
 
@@ -93,6 +97,8 @@ impl Node {
         // The master's applied index after each read: applying that far
         // makes every body it lacked gone here too.
         let mut must_apply: Option<u64> = None;
+        // Wait between asks that bring nothing.
+        let mut stalled = Duration::ZERO;
         loop {
             let Some(plan) = plan_rx.borrow_and_update().clone() else {
                 // Complete: say so to each new master, which counts this
@@ -168,6 +174,23 @@ impl Node {
                             tracing::error!(queue = %g.meta.name, error = %e, "cannot store fetched bodies (told once until it changes)");
                         }
                         tokio::time::sleep(Duration::from_millis(500)).await;
+                    } else if g.plan.borrow().as_ref().is_some_and(|p| p.missing == plan.missing) {
+                        // The master sent nothing this replica still lacks.
+                        // Once this replica has applied as far as the master
+                        // had when it read, what stays is lacking there too:
+                        // say so, and keep asking (a new master may have it).
+                        let applied = g.raft.metrics().borrow().last_applied.map(|l| l.index);
+                        if applied >= must_apply {
+                            let held = plan.missing.iter().map(|(s, e)| e - s).sum::<u64>();
+                            let why = format!("the master has no body for {held} held messages");
+                            if self.inner.repeated(g.meta.group, "store bodies", &why) {
+                                tracing::warn!(queue = %g.meta.name, messages = held, "the master has no body for messages this replica holds: not synchronised until one does (told once until it changes)");
+                            }
+                        }
+                        stalled = (stalled * 2).clamp(STALL_MIN, STALL_MAX);
+                        tokio::time::sleep(stalled).await;
+                    } else {
+                        stalled = Duration::ZERO;
                     }
                     if last_log.elapsed() >= LOG_EVERY {
                         last_log = Instant::now();

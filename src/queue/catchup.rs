@@ -39,12 +39,30 @@ impl Plan {
         self.missing.get(i).is_some_and(|(start, _)| *start <= seq)
     }
 
-    /// Everything below `upto` has been fetched (or is gone at the master).
-    pub fn advance(&mut self, upto: u64) {
-        self.missing.retain_mut(|(start, end)| {
-            *start = (*start).max(upto);
-            start < end
-        });
+    /// The master has answered for everything below `upto`: of that part,
+    /// only the seqs `still_lacking` says are still held here without a
+    /// body stay in the plan. The master leaves out what it no longer holds
+    /// (consumed there, not yet here: those go once this replica applies
+    /// as far) and what it lacks itself; either way the replica must not
+    /// call itself synchronised while it holds a message without its body,
+    /// or it could become a master that cannot deliver it.
+    pub fn advance(&mut self, upto: u64, still_lacking: impl Fn(u64) -> bool) {
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(self.missing.len());
+        for &(start, end) in &self.missing {
+            for seq in (start..end.min(upto)).filter(|s| still_lacking(*s)) {
+                match out.last_mut() {
+                    Some((_, e)) if *e == seq => *e += 1,
+                    _ => out.push((seq, seq + 1)),
+                }
+            }
+            if end > upto {
+                match out.last_mut() {
+                    Some((_, e)) if *e == start.max(upto) => *e = end,
+                    _ => out.push((start.max(upto), end)),
+                }
+            }
+        }
+        self.missing = out;
     }
 
     pub fn is_done(&self) -> bool {
@@ -110,10 +128,22 @@ mod tests {
         let mut p = Plan { missing: vec![(2, 3), (10, 15), (40, 41)], ..Plan::default() };
         assert!(p.lacks(2) && p.lacks(10) && p.lacks(14) && p.lacks(40));
         assert!(!p.lacks(3) && !p.lacks(9) && !p.lacks(15) && !p.lacks(41));
-        p.advance(12);
+        p.advance(12, |_| false);
         assert_eq!(p.missing, vec![(12, 15), (40, 41)]);
         assert!(!p.lacks(11));
-        p.advance(41);
+        p.advance(41, |_| false);
         assert!(p.is_done());
+    }
+
+    #[test]
+    fn what_the_master_left_out_but_is_still_held_stays_in_the_plan() {
+        let mut p = Plan { missing: vec![(2, 3), (10, 15), (40, 41)], ..Plan::default() };
+        p.advance(13, |s| s == 2 || s == 11 || s == 12);
+        assert_eq!(p.missing, vec![(2, 3), (11, 15), (40, 41)], "12 joins the part not answered yet");
+        p.advance(50, |s| s == 11);
+        assert_eq!(p.missing, vec![(11, 12)]);
+        assert!(p.lacks(11) && !p.lacks(2) && !p.lacks(40));
+        p.advance(12, |_| false);
+        assert!(p.is_done(), "consumed here meanwhile: nothing left to fetch");
     }
 }

@@ -228,9 +228,11 @@ impl QueueMachine {
     }
 
     /// Store fetched bodies (encoded as the master stores them) of messages
-    /// this replica still holds and lacks, and record that everything in
-    /// the plan below `upto` has been fetched. A body of a message consumed
-    /// here meanwhile is dropped: it must not come back.
+    /// this replica still holds and lacks, and record that the master has
+    /// answered for everything in the plan below `upto` (see
+    /// [`Plan::advance`]: a message still held here whose body did not come
+    /// stays in the plan). A body of a message consumed here meanwhile is
+    /// dropped: it must not come back.
     pub fn fill(
         &mut self,
         space: &SmSpace,
@@ -249,13 +251,15 @@ impl QueueMachine {
             w.push_encoded(body);
             Ok(())
         })?;
+        let mut stored = BTreeSet::new();
         for w in fetched {
             plan.msgs_done += w.end() - w.first();
+            stored.extend(w.first()..w.end());
             let chunk = w.finish();
             plan.bytes_done += chunk.len() as u64;
             batch.insert(space.key(&bodies::key(w.first())), chunk);
         }
-        plan.advance(upto);
+        plan.advance(upto, |seq| !stored.contains(&seq) && held_in(&fresh, &self.tracked, seq, seq + 1));
         plan.bytes_total = plan.bytes_total.or(bytes_total);
         batch.insert(space.key(PLAN), keys::encode(&plan, "catch-up plan")?);
         space.apply(batch)?;
