@@ -56,6 +56,31 @@ async fn last_replica_standing_serves_and_the_others_heal_into_its_epoch() {
     // so nothing node 3 delivered comes again.
     let rest = drain(c.node(1), "q").await;
     assert_eq!(rest, vec!["m4", "m5", "m6", "m7", "m8", "m9", "during"]);
+
+    // Deleting the queue leaves none of its group's keys behind on any node
+    // (the chain of epochs node 3 formed included), but its epoch: a
+    // replica that comes back later (a policy moves the queue back) must
+    // not start the group's first epoch again.
+    let group = n3.metadata().queues.values().find(|q| q.name == "q").expect("declared").group;
+    let of_group = |id: u64| -> Vec<String> {
+        c.node(id)
+            .db()
+            .node_tree()
+            .iter()
+            .keys()
+            .map(|k| String::from_utf8_lossy(&k.unwrap()).into_owned())
+            .filter(|k| k.ends_with(&format!("/{group}")) || k.ends_with(&format!(".{group}")))
+            .filter(|k| !k.starts_with("epoch/"))
+            .collect()
+    };
+    assert!(of_group(3).iter().any(|k| k.starts_with("formed-chain/")), "{:?}", of_group(3));
+    c.node(1).delete_queue("q").await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline && !(1..=3).all(|id| of_group(id).is_empty()) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let left: Vec<Vec<String>> = (1..=3).map(of_group).collect();
+    assert!(left.iter().all(|k| k.is_empty()), "keys left behind: {left:?}");
     c.shutdown().await;
 }
 

@@ -751,13 +751,23 @@ impl Node {
         Ok(out)
     }
 
+    /// Whom to ask about the newer epoch of `news`, in order: the node that
+    /// told us, the epoch's former, then the queue's other replicas.
+    pub(super) fn asked_about(&self, q: &QueueMeta, news: EpochNews) -> Vec<NodeId> {
+        let mut peers: Vec<NodeId> = Vec::new();
+        for p in [news.from, news.epoch.node].into_iter().chain(q.replicas.iter().copied()) {
+            if p != self.id() && !peers.contains(&p) {
+                peers.push(p);
+            }
+        }
+        peers
+    }
+
     /// The history of `news.epoch` from a replica of it: its live log's
     /// leader ids. `None` if no one answers (then everything is handed back).
     async fn fetch_history(&self, group: GroupId, news: EpochNews) -> Option<ForkRecord> {
         let q = self.metadata().queues.values().find(|q| q.group == group).cloned()?;
-        let mut peers = vec![news.from];
-        peers.extend(q.replicas.iter().copied().filter(|id| *id != news.from && *id != self.id()));
-        for peer in peers {
+        for peer in self.asked_about(&q, news) {
             let limit = Instant::now() + Duration::from_secs(5);
             if let Ok(RpcResponse::History(Some(rec))) =
                 self.inner.call(peer, &RpcRequest::History { group }, limit).await
@@ -775,23 +785,32 @@ impl Node {
     /// is handed back.
     async fn fetch_fork(&self, group: GroupId, news: EpochNews) -> Option<ForkRecord> {
         let q = self.metadata().queues.values().find(|q| q.group == group).cloned()?;
-        let mut peers = vec![news.from];
-        peers.extend(q.replicas.iter().copied().filter(|id| *id != news.from && *id != self.id()));
+        let peers = self.asked_about(&q, news);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            for peer in &peers {
-                let limit = Instant::now() + Duration::from_secs(1);
-                if let Ok(RpcResponse::Fork(Some(rec), _)) =
-                    self.inner.call(*peer, &RpcRequest::Fork { group }, limit).await
-                {
-                    if rec.epoch >= news.epoch {
-                        return Some(rec);
-                    }
-                }
+            let answers = self.ask_forks(group, &peers).await;
+            if let Some((rec, _)) = answers.into_iter().find(|(rec, _)| rec.epoch >= news.epoch) {
+                return Some(rec);
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         None
+    }
+
+    /// Each of `peers`' fork record of `group` and the master it has in
+    /// reach, asked all at once; those that do not answer in a second are
+    /// left out.
+    pub(super) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<(ForkRecord, Option<NodeId>)> {
+        let limit = Instant::now() + Duration::from_secs(1);
+        let req = RpcRequest::Fork { group };
+        let answers = futures::future::join_all(peers.iter().map(|p| self.inner.call(*p, &req, limit))).await;
+        answers
+            .into_iter()
+            .filter_map(|a| match a {
+                Ok(RpcResponse::Fork(Some(rec), master)) => Some((rec, master)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Every message this (stopped) replica holds that the epoch described
@@ -892,8 +911,10 @@ impl Node {
         batches: Vec<Batch>,
     ) -> Result<Option<EpochNews>, NodeError> {
         let deadline = Instant::now() + self.inner.timing.op_timeout * 4;
-        let mut candidates = vec![news.from];
-        candidates.extend(q.replicas.iter().copied().filter(|id| *id != news.from && *id != self.id()));
+        let mut candidates = self.asked_about(q, news);
+        if candidates.is_empty() {
+            candidates.push(news.from);
+        }
         let mut target = news.from;
         let mut attempt = 0usize;
         let mut rest = batches.into_iter().peekable();

@@ -334,6 +334,8 @@ impl Inner {
     fn drop_replica(&self, group: GroupId) -> Result<(), mirrorq_storage::StorageError> {
         self.db.drop_group(group)?;
         self.db.remove_node_value(&failover::term_floor_key(group))?;
+        self.db.remove_node_value(&split::formed_key(group))?;
+        self.db.remove_node_value(&split::defeated_key(group))?;
         self.db.remove_node_value(&body_fetch::new_mirror_key(group))
     }
 

@@ -16,7 +16,7 @@ use openraft::ServerState;
 
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
+use crate::link::rpc::RpcRequest;
 use crate::queue::epoch::Epoch;
 use crate::raft::network::EpochNews;
 use mirrorq_storage::{NodeDb, StorageError};
@@ -28,7 +28,7 @@ pub(super) fn formed_key(group: GroupId) -> String {
 }
 /// Epochs of the group formed by a minority while our group kept its
 /// majority: their replicas yield to ours.
-fn defeated_key(group: GroupId) -> String {
+pub(super) fn defeated_key(group: GroupId) -> String {
     format!("defeated/{group}")
 }
 
@@ -276,22 +276,12 @@ impl Node {
     /// and who masters it.
     async fn fetch_fork_news(&self, news: EpochNews) -> Option<ForkNews> {
         let q = self.metadata().queues.values().find(|q| q.group == news.group).cloned()?;
-        let mut peers: Vec<NodeId> = Vec::new();
-        for p in [news.from, news.epoch.node].into_iter().chain(q.replicas.iter().copied()) {
-            if p != self.id() && !peers.contains(&p) {
-                peers.push(p);
-            }
-        }
-        let limit = Instant::now() + Duration::from_secs(1);
-        let req = RpcRequest::Fork { group: news.group };
-        let answers = futures::future::join_all(peers.iter().map(|p| self.inner.call(*p, &req, limit))).await;
+        let peers = self.asked_about(&q, news);
         let mut found: Option<ForkNews> = None;
-        for answer in answers {
-            if let Ok(RpcResponse::Fork(Some(rec), master)) = answer {
-                if rec.epoch == news.epoch && rec.formed_ms > 0 {
-                    let f = found.get_or_insert(ForkNews { formed_ms: rec.formed_ms, master });
-                    f.master = f.master.or(master);
-                }
+        for (rec, master) in self.ask_forks(news.group, &peers).await {
+            if rec.epoch == news.epoch && rec.formed_ms > 0 {
+                let f = found.get_or_insert(ForkNews { formed_ms: rec.formed_ms, master });
+                f.master = f.master.or(master);
             }
         }
         found
