@@ -284,12 +284,19 @@ impl Node {
     /// waiting out a failover goes on as soon as there is a new master,
     /// not at its next retry). `None` after `wait` or without a replica here.
     pub(super) async fn new_leader(&self, group: GroupId, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
+        let until = Instant::now() + wait;
         let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
-        let Some(g) = g else {
-            tokio::time::sleep(wait).await;
-            return None;
+        let (g, not) = match g {
+            // A replica that knows no master yet (a group electing its
+            // first): whoever it learns of is news, the node just tried
+            // included.
+            Some(g) if g.raft.metrics().borrow().current_leader.is_none() => (g, None),
+            Some(g) => (g, not),
+            // No replica here yet (a queue declared a moment ago, this node
+            // one of its replicas): likewise, once it starts.
+            None => (self.inner.replica_started(group, until).await?, None),
         };
-        leader_other_than(&g.raft, not, wait).await
+        leader_other_than(&g.raft, not, until.saturating_duration_since(Instant::now())).await
     }
 
     /// The metadata leader once it is another than `not`, or whichever this

@@ -3,7 +3,7 @@
 //! for groups it masters, and the tools' client requests.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 
@@ -18,6 +18,9 @@ use crate::queue::proposer::Lane;
 use crate::queue::QueueCmd;
 use crate::raft::network::EpochNews;
 use crate::raft::types::Raft;
+
+/// How long a request for a replica about to start waits for it.
+const REPLICA_START_WAIT: Duration = Duration::from_millis(200);
 
 impl RpcHandler for Inner {
     async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion {
@@ -53,7 +56,27 @@ impl Inner {
         }
     }
 
+    /// A master's first messages to a replica of a queue declared a moment
+    /// ago may come before this node has applied the declare and started
+    /// the replica: wait for it briefly rather than answer that the group
+    /// is unknown, which holds replication back for openraft's backoff.
+    async fn replica_soon(&self, group: GroupId) {
+        if group == METADATA_GROUP || self.groups.read().expect("poisoned").contains_key(&group) {
+            return;
+        }
+        let expected = {
+            let meta = self.meta.borrow();
+            group > meta.next_group || meta.queue_by_group(group).is_some_and(|q| q.replicas.contains(&self.id))
+        };
+        if expected {
+            self.replica_started(group, Instant::now() + REPLICA_START_WAIT).await;
+        }
+    }
+
     pub(super) async fn handle(self: Arc<Self>, req: RpcRequest) -> RpcResponse {
+        if let RpcRequest::Append { group, .. } | RpcRequest::Vote { group, .. } = &req {
+            self.replica_soon(*group).await;
+        }
         match req {
             RpcRequest::Append { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
                 Ok(r) => {

@@ -142,6 +142,7 @@ impl Node {
             meta_raft: meta_raft.clone(),
             meta,
             groups: RwLock::new(HashMap::new()),
+            group_started: tokio::sync::Notify::new(),
             hints: Mutex::new(HashMap::new()),
             clients: Arc::default(),
             owners: Arc::new(Owners::new(cfg.node_id, incarnation)),

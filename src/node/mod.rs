@@ -182,6 +182,10 @@ struct Inner {
     meta_raft: Raft,
     meta: watch::Receiver<Arc<MetaState>>,
     groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
+    /// Woken whenever a replica is added to `groups`: an operation on a
+    /// queue declared a moment ago waits for its replica here to start,
+    /// not for a fixed pause.
+    group_started: tokio::sync::Notify,
     /// Last master seen per group, so forwarding starts at the right node.
     hints: Mutex<HashMap<GroupId, NodeId>>,
     /// AMQP clients connected here.
@@ -322,6 +326,19 @@ impl QueueGroup {
 }
 
 impl Inner {
+    /// This node's replica of `group` once it has started, until `until`.
+    async fn replica_started(&self, group: GroupId, until: Instant) -> Option<Arc<QueueGroup>> {
+        loop {
+            let started = self.group_started.notified();
+            if let Some(g) = self.groups.read().expect("poisoned").get(&group).cloned() {
+                return Some(g);
+            }
+            if tokio::time::timeout_at(until.into(), started).await.is_err() {
+                return None;
+            }
+        }
+    }
+
     /// `what` failed again for `group` with `text`: counted; true if it is
     /// news (first time, or another text), which the caller logs.
     fn repeated(&self, group: GroupId, what: &'static str, text: &str) -> bool {

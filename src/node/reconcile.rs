@@ -306,6 +306,7 @@ impl Node {
             stop,
         });
         self.inner.groups.write().expect("poisoned").insert(q.group, group.clone());
+        self.inner.group_started.notify_waiters();
 
         // The designated master starts a new group; the others wait to be
         // contacted. A restarted replica finds its group already initialized,
