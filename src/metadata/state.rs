@@ -456,12 +456,24 @@ impl MetaState {
     fn replace_all(&mut self) {
         let nodes = self.node_list();
         let names: Vec<String> = self.queues.values().filter(|q| q.by_policy).map(|q| q.name.clone()).collect();
+        // Kept up to date as queues move, so each placement sees the ones
+        // before it (counting afresh per queue made a policy change cost
+        // the square of the number of queues).
+        let mut load = self.replica_load();
         for name in names {
             let pol = policy::effective(&self.policies, &name).cloned();
             let mode = pol.as_ref().and_then(|p| policy::parse_definition(&p.definition).ok()).and_then(|h| h.mode);
-            let load = self.replica_load();
             let q = self.queues.get_mut(&name).expect("listed above");
-            q.replicas = policy::placement(mode.as_ref(), &q.replicas, &nodes, &load);
+            let replicas = policy::placement(mode.as_ref(), &q.replicas, &nodes, &load);
+            for r in &q.replicas {
+                if let Some(n) = load.get_mut(r) {
+                    *n -= 1;
+                }
+            }
+            for r in &replicas {
+                *load.entry(*r).or_default() += 1;
+            }
+            q.replicas = replicas;
             q.policy = pol.map(|p| p.name);
         }
     }
@@ -629,6 +641,21 @@ mod policy_tests {
         assert_eq!(s.apply(&MetaCmd::ClearPolicy { name: "ha".into() }), MetaReply::Ok);
         assert_eq!(s.queues["ha.q"].policy, None);
         assert_eq!(s.apply(&MetaCmd::ClearPolicy { name: "ha".into() }), MetaReply::NotFound);
+    }
+
+    #[test]
+    fn mirrors_a_policy_change_adds_are_spread_over_the_nodes() {
+        let mut s = state(4);
+        set(&mut s, "ha", "^ha", r#"{"ha-mode":"exactly","ha-params":1}"#);
+        for i in 0..12 {
+            declare(&mut s, &format!("ha.{i}"), 1);
+        }
+        assert_eq!(s.replica_load(), BTreeMap::from([(1, 3), (2, 3), (3, 3), (4, 3)]));
+        let masters: Vec<NodeId> = s.queues.values().map(|q| q.replicas[0]).collect();
+        set(&mut s, "ha", "^ha", r#"{"ha-mode":"exactly","ha-params":2}"#);
+        let load = s.replica_load();
+        assert_eq!(load, BTreeMap::from([(1, 6), (2, 6), (3, 6), (4, 6)]), "each placement sees the ones before it");
+        assert_eq!(s.queues.values().map(|q| q.replicas[0]).collect::<Vec<_>>(), masters, "masters stay");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use mirrorq_storage::SmSpace;
 use openraft::{BasicNode, ChangeMembers};
 use tokio::sync::watch;
@@ -23,6 +24,13 @@ use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft};
 
+/// Replicas started at once by one round.
+const STARTS_AT_ONCE: usize = 16;
+/// The failure watch goes over every hosted group, so a burst of metadata
+/// changes (declares) runs it at most this often; the half-second tick
+/// runs it anyway.
+const WATCH_AT_MOST_EVERY: Duration = Duration::from_millis(250);
+
 impl Node {
     /// Keep the hosted groups equal to the metadata's wish.
     pub(super) fn spawn_reconciler(&self) {
@@ -35,9 +43,15 @@ impl Node {
             // What each failing group last reported: a failure that repeats
             // every round is logged once, and counted.
             let mut told: HashMap<GroupId, String> = HashMap::new();
+            let mut last_watch: Option<Instant> = None;
+            let mut ticked = true;
             loop {
                 let state = meta.borrow_and_update().clone();
                 let failed = node.reconcile(&state).await;
+                if ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY) {
+                    last_watch = Some(Instant::now());
+                    node.watch_failures(&state).await;
+                }
                 let now_failing: HashSet<GroupId> = failed.iter().map(|(g, _)| *g).collect();
                 for (group, e) in failed {
                     node.inner.metrics.reconcile_failures.inc();
@@ -54,17 +68,17 @@ impl Node {
                     }
                     still
                 });
-                tokio::select! {
+                ticked = tokio::select! {
                     _ = node.inner.stop.cancelled() => return,
-                    r = meta.changed() => if r.is_err() { return },
-                    _ = tick.tick() => {}
-                }
+                    r = meta.changed() => if r.is_err() { return } else { false },
+                    _ = tick.tick() => true,
+                };
             }
         });
     }
 
-    /// One round: start, stop and steer the hosted groups, then watch for
-    /// failures. A group that fails is reported and the others go on (one
+    /// One round: start, stop and steer the hosted groups (the failure
+    /// watch runs after it). A group that fails is reported and the others go on (one
     /// replica that cannot start must not keep every other queue on the
     /// node from failing over).
     pub(super) async fn reconcile(&self, state: &MetaState) -> Vec<(GroupId, ServerError)> {
@@ -132,17 +146,20 @@ impl Node {
                 Err(e) => failed.push((g.meta.group, e.into())),
             }
         }
-        for q in to_start {
+        // Started side by side: each start waits on its own group's tasks
+        // and on sled, and a burst of declares (or a restart) brings many.
+        let starts = to_start.into_iter().map(|q| async move {
             // A heal may have begun since the list was made.
             if self.inner.busy.lock().expect("poisoned").contains(&q.group) {
-                continue;
+                return None;
             }
             let group = q.group;
-            if let Err(e) = self.start_group(q, state).await {
-                failed.push((group, e));
-            }
+            self.start_group(q, state).await.err().map(|e| (group, e))
+        });
+        let mut starting = futures::stream::iter(starts).buffer_unordered(STARTS_AT_ONCE);
+        while let Some(r) = starting.next().await {
+            failed.extend(r);
         }
-        self.watch_failures(state).await;
         failed
     }
 
