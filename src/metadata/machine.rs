@@ -1,20 +1,73 @@
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use tokio::sync::watch;
 
 use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 
-use super::state::MetaState;
+use super::state::{MetaCmd, MetaState, QueueMeta};
 use crate::raft::state_machine::Machine;
 use crate::raft::types::{Request, Response};
 
 const STATE: &[u8] = b"state";
+/// Prefix of one key per queue, followed by the queue's name.
+const QUEUE: &[u8] = b"q/";
 
-/// Metadata is small and changes rarely: it is kept whole in memory and
-/// written whole on every apply.
+fn queue_key(name: &str) -> Vec<u8> {
+    [QUEUE, name.as_bytes()].concat()
+}
+
+/// Which queues an applied command may have changed: only those are written
+/// again, so declaring a queue costs the same with ten thousand others.
+#[derive(Debug, Default)]
+enum Touched {
+    #[default]
+    None,
+    Some(BTreeSet<String>),
+    /// Policies and nodes re-place every queue; a vhost takes its queues.
+    All,
+}
+
+impl Touched {
+    fn add(&mut self, cmd: &MetaCmd) {
+        let name = match cmd {
+            MetaCmd::DeclareQueue { name, .. } | MetaCmd::DeleteQueue { name } => name,
+            MetaCmd::RegisterNode(_)
+            | MetaCmd::ForgetNode { .. }
+            | MetaCmd::SetPolicy(_)
+            | MetaCmd::ClearPolicy { .. }
+            | MetaCmd::DeleteVhost { .. } => {
+                *self = Touched::All;
+                return;
+            }
+            MetaCmd::DeclareExchange(_)
+            | MetaCmd::DeleteExchange { .. }
+            | MetaCmd::Bind(_)
+            | MetaCmd::Unbind(_)
+            | MetaCmd::PutUser(_)
+            | MetaCmd::DeleteUser { .. }
+            | MetaCmd::PutVhost(_)
+            | MetaCmd::SetPermission(_)
+            | MetaCmd::ClearPermission { .. } => return,
+        };
+        match self {
+            Touched::All => {}
+            Touched::Some(names) => {
+                names.insert(name.clone());
+            }
+            Touched::None => *self = Touched::Some(BTreeSet::from([name.clone()])),
+        }
+    }
+}
+
+/// Metadata is kept whole in memory. On disk each queue has a key of its
+/// own and the rest (nodes, exchanges, bindings, policies, users) is one
+/// value, written when an apply changed anything; a queue's key is written
+/// only when an apply may have changed that queue.
 pub struct MetaMachine {
     state: MetaState,
     dirty: bool,
+    touched: Touched,
     watch: watch::Sender<Arc<MetaState>>,
 }
 
@@ -23,16 +76,32 @@ impl MetaMachine {
     pub fn subscribe(&self) -> watch::Receiver<Arc<MetaState>> {
         self.watch.subscribe()
     }
+
+    /// The rest of the state, without its queues.
+    fn encode_rest(&mut self) -> Result<Vec<u8>, StorageError> {
+        let queues = std::mem::take(&mut self.state.queues);
+        let rest = keys::encode(&self.state, "metadata");
+        self.state.queues = queues;
+        rest
+    }
 }
 
 impl Machine for MetaMachine {
     fn load(space: &SmSpace) -> Result<Self, StorageError> {
-        let state: MetaState = match space.get(STATE)? {
+        let mut state: MetaState = match space.get(STATE)? {
             Some(b) => keys::decode(&b, "metadata")?,
             None => MetaState::default(),
         };
+        // A state written whole (before queues had keys of their own, or
+        // installed from a snapshot) is split up at the next apply.
+        let touched = if state.queues.is_empty() { Touched::None } else { Touched::All };
+        for kv in space.scan(QUEUE) {
+            let (_, v) = kv?;
+            let q: QueueMeta = keys::decode(&v, "queue metadata")?;
+            state.queues.insert(q.name.clone(), q);
+        }
         let (watch, _) = watch::channel(Arc::new(state.clone()));
-        Ok(Self { state, dirty: false, watch })
+        Ok(Self { state, dirty: false, touched, watch })
     }
 
     fn apply(
@@ -47,12 +116,33 @@ impl Machine for MetaMachine {
             return Ok(Response::None);
         };
         self.dirty = true;
+        self.touched.add(cmd);
         Ok(Response::Meta(self.state.apply(cmd)))
     }
 
     fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError> {
         if std::mem::take(&mut self.dirty) {
-            batch.insert(space.key(STATE), keys::encode(&self.state, "metadata")?);
+            batch.insert(space.key(STATE), self.encode_rest()?);
+            match std::mem::take(&mut self.touched) {
+                Touched::None => {}
+                Touched::Some(names) => {
+                    for name in names {
+                        match self.state.queues.get(&name) {
+                            Some(q) => batch.insert(space.key(&queue_key(&name)), keys::encode(q, "queue metadata")?),
+                            None => batch.remove(space.key(&queue_key(&name))),
+                        }
+                    }
+                }
+                Touched::All => {
+                    for kv in space.scan(QUEUE) {
+                        let (k, _) = kv?;
+                        batch.remove(space.key(&k));
+                    }
+                    for (name, q) in &self.state.queues {
+                        batch.insert(space.key(&queue_key(name)), keys::encode(q, "queue metadata")?);
+                    }
+                }
+            }
         }
         self.watch.send_replace(Arc::new(self.state.clone()));
         Ok(())
@@ -64,9 +154,110 @@ impl Machine for MetaMachine {
 
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
         self.state = keys::decode(dump, "metadata")?;
-        self.dirty = false;
+        // The space was cleared: every queue gets its key again.
+        self.dirty = true;
+        self.touched = Touched::All;
         let mut batch = Batch::default();
-        batch.insert(space.key(STATE), dump.to_vec());
+        self.commit(space, &mut batch)?;
         space.apply(batch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metadata::policy::{ApplyTo, Policy};
+    use crate::metadata::state::NodeInfo;
+    use mirrorq_storage::{DbOptions, NodeDb};
+
+    fn declare(name: &str) -> MetaCmd {
+        MetaCmd::DeclareQueue {
+            name: name.into(),
+            replicas: vec![],
+            durable: true,
+            declared_on: 1,
+            locator: None,
+            exclusive_owner: None,
+            auto_delete: false,
+            args: Default::default(),
+        }
+    }
+
+    /// Apply `cmds` as one apply call ends (a commit), as the state machine does.
+    fn apply_all(m: &mut MetaMachine, space: &SmSpace, cmds: Vec<MetaCmd>) {
+        let mut batch = Batch::default();
+        for cmd in cmds {
+            m.apply(space, 0, &Request::Meta(cmd), &mut batch, false).unwrap();
+        }
+        m.commit(space, &mut batch).unwrap();
+        space.apply(batch).unwrap();
+    }
+
+    fn queue_keys(space: &SmSpace) -> Vec<Vec<u8>> {
+        space.scan(QUEUE).map(|kv| kv.unwrap().0).collect()
+    }
+
+    #[test]
+    fn queues_are_written_one_key_each_and_read_back_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let space = SmSpace::new(db.clone(), 0);
+        let mut m = MetaMachine::load(&space).unwrap();
+        let nodes =
+            (1..=3).map(|id| MetaCmd::RegisterNode(NodeInfo { id, name: format!("n{id}"), raft_addr: String::new() }));
+        apply_all(&mut m, &space, nodes.chain(["a", "b", "c"].map(declare)).collect());
+        assert_eq!(queue_keys(&space), vec![queue_key("a"), queue_key("b"), queue_key("c")]);
+        let rest: MetaState = keys::decode(&space.get(STATE).unwrap().unwrap(), "metadata").unwrap();
+        assert!(rest.queues.is_empty(), "queues are not written with the rest");
+
+        // A policy re-places every queue; a delete drops its key.
+        let policy = Policy {
+            name: "ha".into(),
+            pattern: ".*".into(),
+            apply_to: ApplyTo::Queues,
+            priority: 0,
+            definition: r#"{"ha-mode":"all"}"#.into(),
+        };
+        apply_all(&mut m, &space, vec![MetaCmd::SetPolicy(policy), MetaCmd::DeleteQueue { name: "b".into() }]);
+        assert_eq!(queue_keys(&space), vec![queue_key("a"), queue_key("c")]);
+        apply_all(&mut m, &space, vec![declare("d")]);
+        let again = MetaMachine::load(&space).unwrap();
+        assert_eq!(again.state, m.state);
+        assert_eq!(again.state.queues["a"].replicas.len(), 3);
+    }
+
+    #[test]
+    fn a_state_written_whole_is_read_and_split_at_the_next_apply() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let space = SmSpace::new(db.clone(), 0);
+        let mut whole = MetaState::default();
+        whole.apply(&MetaCmd::RegisterNode(NodeInfo { id: 1, name: "n1".into(), raft_addr: String::new() }));
+        whole.apply(&declare("old"));
+        let mut batch = Batch::default();
+        batch.insert(space.key(STATE), keys::encode(&whole, "metadata").unwrap());
+        space.apply(batch).unwrap();
+
+        let mut m = MetaMachine::load(&space).unwrap();
+        assert_eq!(m.state, whole);
+        apply_all(&mut m, &space, vec![declare("new")]);
+        assert_eq!(queue_keys(&space), vec![queue_key("new"), queue_key("old")]);
+        let again = MetaMachine::load(&space).unwrap();
+        assert_eq!(again.state.queues.keys().collect::<Vec<_>>(), ["new", "old"]);
+    }
+
+    #[test]
+    fn a_restored_snapshot_gives_every_queue_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let (from, to) = (SmSpace::new(db.clone(), 0), SmSpace::new(db.clone(), 1));
+        let mut m = MetaMachine::load(&from).unwrap();
+        let node = MetaCmd::RegisterNode(NodeInfo { id: 1, name: "n1".into(), raft_addr: String::new() });
+        apply_all(&mut m, &from, vec![node, declare("a"), declare("b")]);
+        let dump = m.dump(&from).unwrap();
+        let mut r = MetaMachine::load(&to).unwrap();
+        r.restore(&to, &dump).unwrap();
+        assert_eq!(queue_keys(&to), vec![queue_key("a"), queue_key("b")]);
+        assert_eq!(MetaMachine::load(&to).unwrap().state, m.state);
     }
 }
