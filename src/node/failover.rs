@@ -319,8 +319,6 @@ impl Node {
                 .map(|(id, _)| *id)
                 .filter(|id| voters.contains(id) || q.replicas.contains(id))
                 .collect();
-            g.proposer.set_min_synchronised(ha.min_synchronised.unwrap_or(0));
-            g.proposer.set_limits(super::deadletter::limits_of(state, q));
             if !members.contains(&self.id()) {
                 continue;
             }

@@ -132,6 +132,15 @@ impl Node {
                 }
             }
         }
+        // What the queue's policy and arguments ask of its publishes holds
+        // from the next publish on, so it is set at every change (the
+        // failure watch runs less often).
+        for g in self.inner.groups.read().expect("poisoned").values() {
+            if let Some(q) = exists.get(&g.meta.group) {
+                g.proposer.set_min_synchronised(failover::ha_of(state, q).min_synchronised.unwrap_or(0));
+                g.proposer.set_limits(deadletter::limits_of(state, q));
+            }
+        }
         for g in to_steer {
             if let Some(q) = exists.get(&g.meta.group) {
                 self.steer_membership(g, (*q).clone(), state);
@@ -306,6 +315,7 @@ impl Node {
             stats.clone(),
             stop.clone(),
         );
+        proposer.set_min_synchronised(failover::ha_of(state, &q).min_synchronised.unwrap_or(0));
         proposer.set_limits(deadletter::limits_of(state, &q));
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
