@@ -84,6 +84,38 @@ async fn last_replica_standing_serves_and_the_others_heal_into_its_epoch() {
     c.shutdown().await;
 }
 
+/// Failure watches run side by side (each lost link starts one), each over
+/// the groups it listed when it began. One that reaches a queue only after
+/// another re-formed it must leave the new epoch alone: re-forming again
+/// from its old view took the new replica out of sight while it kept
+/// running, and wrote a new log over the publishes it was still appending
+/// (campaign seed 869 lost a message the re-formed replica had confirmed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_watch_that_began_before_a_re_form_leaves_the_new_epoch_alone() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    for i in 0..5 {
+        publish_retrying(c.node(1), "q", format!("m{i}").into_bytes()).await;
+    }
+    wait_until(Duration::from_secs(10), "node 3 applied all", || c.node(3).queue_info("q").unwrap().ready == 5).await;
+    let n3 = c.node(3).clone();
+    let listed_before = n3.replica_view("q").expect("hosted");
+
+    c.crash(1).await;
+    c.crash(2).await;
+    let got = n3.get("q", 1, 1, true).await.expect("served by the last replica");
+    assert_eq!(got.len(), 1);
+    assert_eq!(n3.metrics().queue_reforms.get(), 1);
+    publish_retrying(&n3, "q", b"during".to_vec()).await;
+
+    n3.watch_failures_over(vec![listed_before]).await;
+    assert_eq!(n3.metrics().queue_reforms.get(), 1, "re-formed again from a view older than the epoch");
+    publish_retrying(&n3, "q", b"after".to_vec()).await;
+    assert_eq!(drain(&n3, "q").await, vec!["m1", "m2", "m3", "m4", "during", "after"]);
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_only_the_old_epoch_has_are_handed_back() {
     init_tracing();

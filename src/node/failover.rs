@@ -298,6 +298,14 @@ impl Node {
     /// for election, and whether to re-form a group that lost its majority.
     pub(super) async fn watch_failures(&self, state: &MetaState) {
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        self.watch_groups(state, groups).await
+    }
+
+    /// The failure watch over `groups`, a list taken when it began: several
+    /// watches run at once (each lost link starts one), so a group another
+    /// has re-formed or rejoined meanwhile is skipped here and refused by
+    /// `take_out` further on.
+    pub(super) async fn watch_groups(&self, state: &MetaState, groups: Vec<Arc<QueueGroup>>) {
         if groups.is_empty() {
             return;
         }
@@ -306,6 +314,9 @@ impl Node {
         let timing = &self.inner.timing;
         for g in groups {
             let Some(q) = by_group.get(&g.meta.group).copied() else { continue };
+            if !self.inner.is_current(&g) {
+                continue;
+            }
             let ha = ha_of(state, q);
             let m = g.raft.metrics().borrow().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
@@ -412,9 +423,10 @@ impl Node {
                 && ha.promote_on_failure_always
                 && g.plan.borrow().is_none()
             {
-                tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-forming it");
                 match self.reform(g, q.clone(), state).await {
-                    Ok(()) => {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-formed it");
                         self.inner.metrics.queue_reforms.inc();
                         self.inner.told.cleared(q.group, "re-form");
                     }
@@ -507,10 +519,14 @@ impl Node {
 
     /// Make this replica the only voter of a new epoch of the group, with
     /// its whole log (committed or not: anything may have been confirmed).
-    async fn reform(&self, g: Arc<QueueGroup>, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
+    /// `false`: someone else is re-forming or healing the group, or already
+    /// replaced `g`, so nothing was done.
+    async fn reform(&self, g: Arc<QueueGroup>, q: QueueMeta, state: &MetaState) -> Result<bool, ServerError> {
         let group = q.group;
-        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return Ok(()) };
-        self.inner.groups.write().expect("poisoned").remove(&group);
+        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return Ok(false) };
+        if !self.inner.take_out(&g) {
+            return Ok(false);
+        }
         g.stop.cancel();
         g.shut_down().await;
 
@@ -567,7 +583,7 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             match raft.client_write(Request::Queue(std::sync::Arc::new(vec![QueueCmd::Fork(record.clone())]))).await {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(true),
                 Err(e) if Instant::now() > deadline => return Err(ServerError::Raft(e.to_string())),
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
@@ -664,7 +680,9 @@ impl Node {
     pub(super) async fn rejoin(&self, g: Arc<QueueGroup>, news: EpochNews, yielding: bool) {
         let group = news.group;
         let q = g.meta.clone();
-        self.inner.groups.write().expect("poisoned").remove(&group);
+        if !self.inner.take_out(&g) {
+            return;
+        }
         g.stop.cancel();
         g.shut_down().await;
         tracing::info!(queue = %q.name, "replica stopped to rejoin another epoch");

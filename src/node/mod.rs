@@ -356,6 +356,28 @@ impl Inner {
         self.db.remove_node_value(&body_fetch::new_mirror_key(group))
     }
 
+    /// Take `g` out of the hosted groups so its holder can stop it, if it
+    /// is still the replica hosted: a caller whose view is older (a failure
+    /// watch that listed the groups before another task re-formed or
+    /// rejoined one) gets `false` and must leave the group alone. Taking
+    /// out the newer replica would leave it running unseen, writing to the
+    /// log that the caller then rewrites.
+    fn take_out(&self, g: &Arc<QueueGroup>) -> bool {
+        let mut groups = self.groups.write().expect("poisoned");
+        match groups.get(&g.meta.group) {
+            Some(current) if Arc::ptr_eq(current, g) => {
+                groups.remove(&g.meta.group);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Is `g` the replica hosted now (not one a newer one replaced)?
+    fn is_current(&self, g: &Arc<QueueGroup>) -> bool {
+        self.groups.read().expect("poisoned").get(&g.meta.group).is_some_and(|c| Arc::ptr_eq(c, g))
+    }
+
     fn raft_of(&self, group: GroupId) -> Option<Raft> {
         if group == METADATA_GROUP {
             return Some(self.meta_raft.clone());

@@ -188,8 +188,10 @@ impl Node {
 
         // From here on the move goes through even if the successor fails
         // to win: someone else then leads, and nothing was lost.
+        if !self.inner.take_out(&g) {
+            return Err(NodeError::Unavailable("the queue's replica was replaced while its master moved".into()));
+        }
         self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
-        self.inner.groups.write().expect("poisoned").remove(&group);
         g.stop.cancel();
         g.shut_down().await;
         drop(hold);

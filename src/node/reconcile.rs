@@ -122,8 +122,7 @@ impl Node {
                 .collect()
         };
         for (g, stay) in moved {
-            if self.excluded_by_peers(g.meta.group, &stay).await {
-                self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
+            if self.excluded_by_peers(g.meta.group, &stay).await && self.inner.take_out(&g) {
                 g.stop.cancel();
                 g.shut_down().await;
                 match self.inner.drop_replica(g.meta.group) {
@@ -147,7 +146,9 @@ impl Node {
             }
         }
         for g in to_stop {
-            self.inner.groups.write().expect("poisoned").remove(&g.meta.group);
+            if !self.inner.take_out(&g) {
+                continue;
+            }
             g.stop.cancel();
             g.shut_down().await;
             match self.inner.drop_replica(g.meta.group) {

@@ -1,15 +1,34 @@
 //! What tests and benches use to look inside a node and to crash it; built
 //! only with the `test-hooks` feature (the dev-dependencies turn it on).
 
+use std::sync::Arc;
+
 use mirrorq_storage::SmSpace;
 
-use super::Node;
+use super::{Node, QueueGroup};
 use crate::error::NodeError;
 use crate::message::Message;
 use crate::queue::{QueueCmd, QueueMachine};
 use crate::raft::types::{LogStore, Raft, Request};
 
+/// A queue's replica as a failure watch saw it when it listed the groups:
+/// kept by a test to run a watch that began before something changed.
+pub struct ReplicaView(Arc<QueueGroup>);
+
 impl Node {
+    /// This node's replica of `queue` as hosted now.
+    pub fn replica_view(&self, queue: &str) -> Option<ReplicaView> {
+        let q = self.metadata().queues.get(queue).cloned()?;
+        self.inner.groups.read().expect("poisoned").get(&q.group).cloned().map(ReplicaView)
+    }
+
+    /// Run the failure watch over replicas seen earlier, as a watch that
+    /// listed them then and reaches them only now.
+    pub async fn watch_failures_over(&self, views: Vec<ReplicaView>) {
+        let state = self.metadata();
+        self.watch_groups(&state, views.into_iter().map(|v| v.0).collect()).await
+    }
+
     /// The metadata group's Raft handle.
     pub fn metadata_raft(&self) -> &Raft {
         &self.inner.meta_raft
