@@ -164,6 +164,13 @@ pub fn render(node: &Node) -> String {
         }
     }
 
+    gauge(
+        &mut r,
+        "mirrorq_queue_groups_quiet",
+        "Queue groups mastered here that are idle and send no Raft heartbeats",
+        node.quiet_groups() as u64,
+    );
+
     let readings = node.alarms().readings();
     gauge(&mut r, "rabbitmq_process_resident_memory_bytes", "Resident memory of this node", readings.mem_used);
     gauge(&mut r, "rabbitmq_resident_memory_limit_bytes", "Memory high watermark", readings.mem_limit);

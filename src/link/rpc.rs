@@ -63,6 +63,13 @@ pub enum RpcRequest {
     Members {
         group: GroupId,
     },
+    /// A liveness ping from node `from`, which holds the receiver's list of
+    /// quietly led groups at `have` (incarnation, generation): the answer
+    /// carries the list only if it changed since.
+    Liveness {
+        from: NodeId,
+        have: Option<(u64, u64)>,
+    },
     /// This node's AMQP connections and consumers (for the API's listings).
     Clients,
     /// Which of these owners of unacked messages (made on the receiver,
@@ -167,6 +174,13 @@ pub enum RpcResponse {
     Meta(Result<(MetaReply, u64), NodeError>),
     Client(Result<ClientReply, NodeError>),
     Members(Option<std::collections::BTreeSet<NodeId>>),
+    /// The receiver's incarnation and the generation of its list of quietly
+    /// led groups; the list (group, term) unless the asker has it.
+    Liveness {
+        incarnation: u64,
+        gen: u64,
+        groups: Option<Vec<(GroupId, u64)>>,
+    },
     MetaIndex(Option<u64>),
     Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),
     Readings(crate::alarms::Readings),

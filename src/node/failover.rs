@@ -48,6 +48,8 @@ pub(super) struct GroupWatch {
     /// When a master of this replica's epoch last sent it entries or a
     /// heartbeat.
     pub(super) master_heard: Mutex<Option<Instant>>,
+    /// AppendEntries calls (entries or heartbeats) received.
+    pub(super) appends: std::sync::atomic::AtomicU64,
     /// Since when this replica has known no master.
     pub(super) leaderless_since: Mutex<Option<Instant>>,
     /// Since when the master this replica follows has not answered pings.
@@ -62,6 +64,12 @@ pub(super) struct GroupWatch {
     /// Replicas that answered from a newer epoch of the group, and when
     /// last: they follow no master of ours, however well they answer pings.
     pub(super) in_newer: Mutex<HashMap<NodeId, Instant>>,
+    /// As master: since when the group has been settled at (term, last
+    /// log index), for `quiescence`.
+    pub(super) settled: Mutex<Option<(Instant, super::quiescence::Mark)>>,
+    /// As follower: the quiet master last seen in reach, its term, and
+    /// when (its node's pings are the group's heartbeats).
+    pub(super) quiet_master: Mutex<Option<(NodeId, u64, Instant)>>,
 }
 
 impl GroupWatch {
@@ -69,12 +77,15 @@ impl GroupWatch {
         GroupWatch {
             majority: Mutex::new(MajorityStretch::new(Instant::now())),
             master_heard: Mutex::new(None),
+            appends: std::sync::atomic::AtomicU64::new(0),
             leaderless_since: Mutex::new(None),
             master_lost_since: Mutex::new(None),
             elect_at: Mutex::new(None),
             undecided: Mutex::new(None),
             started: Instant::now(),
             in_newer: Mutex::new(HashMap::new()),
+            settled: Mutex::new(None),
+            quiet_master: Mutex::new(None),
         }
     }
 }
@@ -272,7 +283,7 @@ impl Node {
         }
         let peers: Vec<NodeId> = state.nodes.keys().copied().filter(|id| *id != self.id()).collect();
         let round = Instant::now();
-        let pings = peers.iter().map(|id| self.ping(*id, PING_LIMIT));
+        let pings = peers.iter().map(|id| self.ping_liveness(*id, PING_LIMIT));
         let answers = futures::future::join_all(pings).await;
         let mut set: BTreeSet<NodeId> =
             peers.iter().copied().zip(answers).filter(|(_, ok)| *ok).map(|(id, _)| id).collect();
@@ -309,7 +320,7 @@ impl Node {
         if groups.is_empty() {
             return;
         }
-        let reach = self.reachable(state).await;
+        let mut reach = self.reachable(state).await;
         let by_group: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
         let timing = &self.inner.timing;
         for g in groups {
@@ -343,13 +354,22 @@ impl Node {
             };
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
             let senior_voter = by_seniority(q, &alive_voter_set).first().copied();
+            self.steer_quiet(&g, &m);
+            let held = m.state != ServerState::Leader && self.held_by_quiet_master(&g, &m, &voters, &reach, now);
+            if held {
+                // A quiet group's master answers for it: its node answers
+                // pings and announces the group in our term.
+                g.raft.runtime_config().elect(false);
+                *g.watch.leaderless_since.lock().expect("poisoned") = None;
+                *g.watch.master_lost_since.lock().expect("poisoned") = None;
+            }
 
             // Seniority: while the master is away, only the most senior
             // replica still reachable stands for election, so it wins
             // whenever its log is up to date (a synchronised mirror's is). If
             // no one has won after a while, everyone may stand again: a
             // lagging senior must not keep the queue without a master.
-            if m.state != ServerState::Leader && !self.inner.leaving.load(Ordering::Acquire) {
+            if !held && m.state != ServerState::Leader && !self.inner.leaving.load(Ordering::Acquire) {
                 // Leaderless also while the last master known is out of
                 // reach: a senior replica that never received the group's
                 // log (it was down when the queue was declared) knows no
@@ -436,6 +456,9 @@ impl Node {
                         }
                     }
                 }
+                // A re-form may take seconds: the groups after it are judged
+                // on fresh pings, not on this round's.
+                reach = self.reachable(state).await;
             }
         }
     }
@@ -628,7 +651,13 @@ impl Node {
             Ok(_) => {}
             Err(e) => return io(e),
         }
-        match self.split_verdict(&g, news).await {
+        let verdict = self.split_verdict(&g, news).await;
+        // Asking took a while: the replica may have been removed meanwhile
+        // (the queue deleted or moved away), and a verdict must not outlive it.
+        if !self.inner.is_current(&g) {
+            return;
+        }
+        match verdict {
             Verdict::Defer => return,
             Verdict::Undecided(why) => {
                 *g.watch.undecided.lock().expect("poisoned") = Some((news.epoch, Instant::now()));

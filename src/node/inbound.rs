@@ -82,6 +82,7 @@ impl Inner {
                 Ok(r) => {
                     if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
                         *g.watch.master_heard.lock().expect("poisoned") = Some(Instant::now());
+                        g.watch.appends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                     self.metrics.appends_received.inc();
                     RpcResponse::Append(r.append_entries(req).await)
@@ -195,6 +196,7 @@ impl Inner {
             // not yet reached by the master) knows nothing: it must not look
             // like a group that excludes the asker, which would then drop
             // what may be the only complete copy of the queue.
+            RpcRequest::Liveness { from, have } => self.quiescence.answer(from, have),
             RpcRequest::Members { group } => RpcResponse::Members(self.raft_of(group).and_then(|r| {
                 let m = r.metrics().borrow().membership_config.clone();
                 m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())

@@ -157,6 +157,7 @@ impl Node {
             down: confirm_gate::Down::default(),
             leaving: AtomicBool::new(false),
             quiet: Mutex::default(),
+            quiescence: super::quiescence::Quiescence::new(incarnation),
             closing: stop.child_token(),
             stop,
         });

@@ -30,6 +30,7 @@ use crate::owners::Owners;
 use crate::queue::catchup::Plan;
 use crate::queue::confirm_gate::{self, SyncState};
 use crate::queue::epoch::Epoch;
+use crate::queue::hush::Hush;
 use crate::queue::proposer::Proposer;
 use crate::queue::{QueueMachine, QueueReply, QueueStats};
 use crate::raft::network::EpochNews;
@@ -47,6 +48,7 @@ mod liveness;
 mod members;
 mod meta_ops;
 mod queue_ops;
+mod quiescence;
 mod reaper;
 mod rebalance;
 mod reconcile;
@@ -156,6 +158,8 @@ struct QueueGroup {
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,
+    /// Its heartbeats, off while it is quiet (`quiescence.rs`).
+    hush: Arc<Hush>,
     proposer: Proposer,
     sync: watch::Receiver<SyncState>,
     stats: watch::Receiver<QueueStats>,
@@ -219,6 +223,9 @@ struct Inner {
     /// Groups whose replica here must not stand for election until then
     /// (it just handed mastership over in a rebalance).
     quiet: Mutex<HashMap<GroupId, Instant>>,
+    /// Groups mastered here that send no heartbeats, and what peers
+    /// announce of theirs.
+    quiescence: quiescence::Quiescence,
     stop: CancellationToken,
     /// Cancelled first thing in a graceful stop (and with `stop`): clients
     /// are told to leave before masterships move.

@@ -12,12 +12,14 @@ use mirrorq_storage::SmSpace;
 use openraft::{BasicNode, ChangeMembers};
 use tokio::sync::watch;
 
+use super::failover::Busy;
 use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK};
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::{MetaState, QueueMeta};
 use crate::queue::epoch::Epoch;
+use crate::queue::hush::Hush;
 use crate::queue::proposer::Proposer;
 use crate::queue::{confirm_gate, QueueMachine};
 use crate::raft::network::NetworkFactory;
@@ -69,6 +71,7 @@ impl Node {
                     still
                 });
                 ticked = tokio::select! {
+                    biased;
                     _ = node.inner.stop.cancelled() => return,
                     r = meta.changed() => if r.is_err() { return } else { false },
                     _ = tick.tick() => true,
@@ -122,7 +125,12 @@ impl Node {
                 .collect()
         };
         for (g, stay) in moved {
-            if self.excluded_by_peers(g.meta.group, &stay).await && self.inner.take_out(&g) {
+            if !self.excluded_by_peers(g.meta.group, &stay).await {
+                continue;
+            }
+            // Not while a re-form or a heal holds it (they may replace it).
+            let Some(_busy) = Busy::take(&self.inner.busy, g.meta.group) else { continue };
+            if self.inner.take_out(&g) {
                 g.stop.cancel();
                 g.shut_down().await;
                 match self.inner.drop_replica(g.meta.group) {
@@ -146,6 +154,7 @@ impl Node {
             }
         }
         for g in to_stop {
+            let Some(_busy) = Busy::take(&self.inner.busy, g.meta.group) else { continue };
             if !self.inner.take_out(&g) {
                 continue;
             }
@@ -308,8 +317,10 @@ impl Node {
             self.inner.metrics.queue_leaderships.clone(),
             stop.clone(),
         );
+        let hush = Arc::new(Hush::new(raft.clone()));
         let proposer = Proposer::spawn(
             raft.clone(),
+            hush.clone(),
             sync.clone(),
             self.inner.timing.sync_timeout,
             deadletter::sink(Arc::downgrade(&self.inner), q.name.clone()),
@@ -324,6 +335,7 @@ impl Node {
             watch: failover::GroupWatch::new(),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
+            hush,
             proposer,
             sync,
             stats,
@@ -333,7 +345,21 @@ impl Node {
             catching,
             stop,
         });
-        self.inner.groups.write().expect("poisoned").insert(q.group, group.clone());
+        // A node that stops (its table emptied) or a replica started by
+        // someone else meanwhile: this one must not run unseen beside it.
+        let taken = {
+            let mut groups = self.inner.groups.write().expect("poisoned");
+            let taken = self.inner.stop.is_cancelled() || groups.contains_key(&q.group);
+            if !taken {
+                groups.insert(q.group, group.clone());
+            }
+            taken
+        };
+        if taken {
+            group.stop.cancel();
+            group.shut_down().await;
+            return Err(ServerError::Raft("the node is stopping, or the replica was started meanwhile".into()));
+        }
         self.inner.group_started.notify_waiters();
 
         // The designated master starts a new group; the others wait to be

@@ -29,6 +29,20 @@ impl Node {
         self.watch_groups(&state, views.into_iter().map(|v| v.0).collect()).await
     }
 
+    /// AppendEntries calls (entries or heartbeats) this node's replica of
+    /// `queue` has received.
+    pub fn appends_received_by(&self, queue: &str) -> Option<u64> {
+        let q = self.metadata().queues.get(queue).cloned()?;
+        let g = self.inner.groups.read().expect("poisoned").get(&q.group).cloned()?;
+        Some(g.watch.appends.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Whether this node's replica of `queue` has its heartbeats off.
+    pub fn is_quiet_here(&self, queue: &str) -> bool {
+        let Some(q) = self.metadata().queues.get(queue).cloned() else { return false };
+        self.inner.groups.read().expect("poisoned").get(&q.group).is_some_and(|g| g.hush.is_quiet())
+    }
+
     /// The metadata group's Raft handle.
     pub fn metadata_raft(&self) -> &Raft {
         &self.inner.meta_raft

@@ -107,6 +107,26 @@ impl Node {
         )
     }
 
+    /// Does node `id` answer a liveness ping? Its answer brings its list of
+    /// quietly led groups when that changed (`quiescence.rs`).
+    pub(super) async fn ping_liveness(&self, id: NodeId, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let q = &self.inner.quiescence;
+        let ask = RpcRequest::Liveness { from: self.id(), have: q.have(id) };
+        match self.inner.call(id, &ask, deadline).await {
+            Ok(RpcResponse::Liveness { incarnation, gen, groups }) => {
+                q.heard(id, incarnation, gen, groups);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Hosted queue groups whose heartbeats are off (`quiescence.rs`).
+    pub fn quiet_groups(&self) -> usize {
+        self.inner.groups.read().expect("poisoned").values().filter(|g| g.hush.is_quiet()).count()
+    }
+
     /// Voters of the queue's group as this node's replica sees them.
     pub fn queue_members(&self, queue: &str) -> Option<BTreeSet<NodeId>> {
         self.queue_raft(queue).map(|r| r.metrics().borrow().membership_config.membership().voter_ids().collect())

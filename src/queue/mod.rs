@@ -4,12 +4,14 @@
 //! synchronised replica has them ([`proposer`], [`confirm_gate`]); and the epochs
 //! a group goes through when it is re-formed after losing its majority ([`epoch`]);
 //! the bodies a replica still has to fetch after a snapshot ([`catchup`]);
-//! how bodies and deliveries are laid out on disk ([`bodies`], [`runs`]).
+//! how bodies and deliveries are laid out on disk ([`bodies`], [`runs`]);
+//! a quiet group's heartbeats, off until its next entry ([`hush`]).
 
 mod bodies;
 pub mod catchup;
 pub mod confirm_gate;
 pub mod epoch;
+pub mod hush;
 pub mod proposer;
 mod runs;
 pub mod sm;

@@ -23,6 +23,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::confirm_gate::SyncState;
+use super::hush::Hush;
 use super::sm::QueueStats;
 use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
 use crate::error::NodeError;
@@ -137,6 +138,7 @@ impl Proposer {
     /// replicas before it is refused.
     pub fn spawn(
         raft: Raft,
+        hush: Arc<Hush>,
         sync: watch::Receiver<SyncState>,
         min_sync_wait: Duration,
         dead_letters: DeadLetterSink,
@@ -235,6 +237,9 @@ impl Proposer {
                 if stamped {
                     cmds.insert(0, QueueCmd::Stamp { now_ms: now_ms(), limits });
                 }
+                // A quiet group's followers learn this entry's commit from
+                // the heartbeats that follow it.
+                hush.wake();
                 match raft.client_write_ff(Request::Queue(Arc::new(cmds))).await {
                     Ok(rx) => {
                         let sync = sync.clone();

@@ -1,0 +1,260 @@
+//! Quiet groups: an idle queue group sends no Raft heartbeats.
+//!
+//! A master whose group has settled (every member has the whole log and it
+//! is all applied, every replica is synchronised, no membership change is
+//! under way, nothing was proposed for a few heartbeats) first announces
+//! the group as quietly led, with its term, in a list this node keeps. The
+//! other nodes fetch that list with their liveness pings, which they send
+//! anyway, and only when its generation changed: an idle cluster's pings
+//! stay small. Once every other voter's node has fetched it, the master
+//! turns the group's heartbeats off.
+//!
+//! A follower whose master's node answers pings and announces the group in
+//! the follower's term does not stand for election: the node's pings stand
+//! in for every quiet group's heartbeats, one signal per node instead of
+//! one per group. When that node stops answering, or is seen dead, the
+//! follower's usual rules apply at once (`failover.rs`): its lease ran out
+//! long ago, so the most senior replica stands as it would for a busy
+//! group, as soon as the pings tell.
+//!
+//! The next entry turns the heartbeats back on (`queue::hush`), before it
+//! goes to Raft; the master withdraws the announcement at its next round,
+//! and announces again once the group has settled anew.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use openraft::{RaftMetrics, ServerState};
+
+use super::{Node, QueueGroup};
+use crate::ids::{GroupId, NodeId};
+use crate::link::rpc::RpcResponse;
+type Metrics = RaftMetrics<NodeId, openraft::BasicNode>;
+
+/// A master's term and last log index: the group is settled while they
+/// hold still.
+pub(super) type Mark = (u64, Option<u64>);
+
+/// How many heartbeat intervals a group stays settled before its master
+/// announces it quiet: the heartbeats sent meanwhile carry the last commit
+/// index to the followers.
+const SETTLE_HEARTBEATS: u32 = 3;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Announcement {
+    term: u64,
+    /// The generation of our list that first held it.
+    gen: u64,
+}
+
+#[derive(Default)]
+struct Ours {
+    gen: u64,
+    groups: HashMap<GroupId, Announcement>,
+}
+
+struct Heard {
+    incarnation: u64,
+    gen: u64,
+    groups: HashMap<GroupId, u64>,
+}
+
+/// This node's announcements and what it heard of its peers'.
+pub(super) struct Quiescence {
+    incarnation: u64,
+    ours: Mutex<Ours>,
+    heard: Mutex<HashMap<NodeId, Heard>>,
+    /// The generation of our list each peer said it holds, at its last ping.
+    fetched: Mutex<HashMap<NodeId, u64>>,
+}
+
+impl Quiescence {
+    pub(super) fn new(incarnation: u64) -> Self {
+        Quiescence { incarnation, ours: Mutex::default(), heard: Mutex::default(), fetched: Mutex::default() }
+    }
+
+    /// The answer to a liveness ping from `from`, which holds our list at
+    /// `have`.
+    pub(super) fn answer(&self, from: NodeId, have: Option<(u64, u64)>) -> RpcResponse {
+        let ours = self.ours.lock().expect("poisoned");
+        {
+            let mut fetched = self.fetched.lock().expect("poisoned");
+            match have {
+                Some((incarnation, gen)) if incarnation == self.incarnation => fetched.insert(from, gen),
+                _ => fetched.remove(&from),
+            };
+        }
+        let current = have == Some((self.incarnation, ours.gen));
+        RpcResponse::Liveness {
+            incarnation: self.incarnation,
+            gen: ours.gen,
+            groups: (!current).then(|| ours.groups.iter().map(|(g, a)| (*g, a.term)).collect()),
+        }
+    }
+
+    /// What to tell `peer` we hold of its list.
+    pub(super) fn have(&self, peer: NodeId) -> Option<(u64, u64)> {
+        self.heard.lock().expect("poisoned").get(&peer).map(|h| (h.incarnation, h.gen))
+    }
+
+    /// `peer` answered a liveness ping.
+    pub(super) fn heard(&self, peer: NodeId, incarnation: u64, gen: u64, groups: Option<Vec<(GroupId, u64)>>) {
+        let mut heard = self.heard.lock().expect("poisoned");
+        match groups {
+            Some(groups) => {
+                heard.insert(peer, Heard { incarnation, gen, groups: groups.into_iter().collect() });
+            }
+            // Unchanged, as long as it is the list we hold.
+            None if heard.get(&peer).is_some_and(|h| h.incarnation == incarnation && h.gen == gen) => {}
+            None => {
+                heard.remove(&peer);
+            }
+        }
+    }
+
+    /// Announce `group` as quietly led in `term`; the generation that
+    /// first held this announcement.
+    fn announce(&self, group: GroupId, term: u64) -> u64 {
+        let mut ours = self.ours.lock().expect("poisoned");
+        if let Some(a) = ours.groups.get(&group).filter(|a| a.term == term) {
+            return a.gen;
+        }
+        ours.gen += 1;
+        let gen = ours.gen;
+        ours.groups.insert(group, Announcement { term, gen });
+        gen
+    }
+
+    /// Withdraw `group`'s announcement; whether there was one.
+    pub(super) fn withdraw(&self, group: GroupId) -> bool {
+        let mut ours = self.ours.lock().expect("poisoned");
+        if ours.groups.remove(&group).is_none() {
+            return false;
+        }
+        ours.gen += 1;
+        true
+    }
+
+    /// Whether every one of `peers` holds our list at `gen` or later.
+    fn fetched_by_all(&self, gen: u64, peers: impl IntoIterator<Item = NodeId>) -> bool {
+        let fetched = self.fetched.lock().expect("poisoned");
+        peers.into_iter().all(|p| fetched.get(&p).is_some_and(|g| *g >= gen))
+    }
+
+    /// The voter other than `me`, in reach, that announces `group` as
+    /// quietly led in `term` or later: the master a follower in `term`
+    /// keeps without heartbeats.
+    pub(super) fn quiet_master(
+        &self,
+        group: GroupId,
+        term: u64,
+        me: NodeId,
+        voters: &BTreeSet<NodeId>,
+        reach: &BTreeSet<NodeId>,
+    ) -> Option<NodeId> {
+        let heard = self.heard.lock().expect("poisoned");
+        voters
+            .iter()
+            .filter(|v| **v != me && reach.contains(v))
+            .filter(|v| heard.get(v).and_then(|h| h.groups.get(&group)).is_some_and(|t| *t >= term))
+            .max_by_key(|v| heard.get(v).and_then(|h| h.groups.get(&group)).copied())
+            .copied()
+    }
+}
+
+/// Whether a master's group has settled: nothing for the heartbeats to carry.
+fn settled(g: &QueueGroup, m: &Metrics, me: NodeId) -> bool {
+    let membership = m.membership_config.membership();
+    let applied = m.last_applied.map(|l| l.index);
+    if applied != m.last_log_index || membership.get_joint_config().len() != 1 {
+        return false;
+    }
+    let Some(replication) = m.replication.as_ref() else { return false };
+    let members: BTreeSet<NodeId> = membership.nodes().map(|(id, _)| *id).collect();
+    let all_have = members
+        .iter()
+        .filter(|id| **id != me)
+        .all(|id| replication.get(id).is_some_and(|matched| matched.map(|l| l.index) == m.last_log_index));
+    let sync = g.sync.borrow();
+    all_have
+        && sync.synchronised == members
+        && g.plan.borrow().is_none()
+        && !g.changing.load(std::sync::atomic::Ordering::Acquire)
+}
+
+impl Node {
+    /// As follower: whether a quiet master stands in for the group's
+    /// heartbeats. It does while its node answers pings and announces the
+    /// group in our term, and for an election timeout after it last did
+    /// (a lease, as a heartbeat gives), unless its process is seen gone.
+    pub(super) fn held_by_quiet_master(
+        &self,
+        g: &QueueGroup,
+        m: &Metrics,
+        voters: &BTreeSet<NodeId>,
+        reach: &BTreeSet<NodeId>,
+        now: Instant,
+    ) -> bool {
+        let q = &self.inner.quiescence;
+        let mut last = g.watch.quiet_master.lock().expect("poisoned");
+        if let Some(master) = q.quiet_master(g.meta.group, m.current_term, self.id(), voters, reach) {
+            *last = Some((master, m.current_term, now));
+            return true;
+        }
+        match *last {
+            Some((master, term, at))
+                if term == m.current_term && !self.is_dead(master) && now < at + self.inner.timing.election_max =>
+            {
+                true
+            }
+            _ => {
+                *last = None;
+                false
+            }
+        }
+    }
+
+    /// At every failure-watch round, per hosted group: as master, announce
+    /// a settled group and then quiet it; wake it and withdraw the
+    /// announcement when it is no longer settled or no longer ours.
+    pub(super) fn steer_quiet(&self, g: &QueueGroup, m: &Metrics) {
+        let group = g.meta.group;
+        let q = &self.inner.quiescence;
+        let me = self.id();
+        let leading = m.state == ServerState::Leader && !self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
+        let now_settled = leading && settled(g, m, me);
+        let mark = (m.current_term, m.last_log_index);
+        let since = {
+            let mut s = g.watch.settled.lock().expect("poisoned");
+            match *s {
+                Some((at, was)) if now_settled && was == mark => Some(at),
+                _ => {
+                    *s = now_settled.then(|| (Instant::now(), mark));
+                    None
+                }
+            }
+        };
+        let Some(since) = since else {
+            // Settled anew, or not at all: heartbeats until it has been
+            // settled a while (the proposer woke it already if an entry
+            // came; a master deposed while quiet must have them on should
+            // it lead again).
+            g.hush.wake();
+            q.withdraw(group);
+            return;
+        };
+        if since.elapsed() < self.inner.timing.heartbeat * SETTLE_HEARTBEATS {
+            return;
+        }
+        let gen = q.announce(group, m.current_term);
+        let others = m.membership_config.membership().voter_ids().filter(|v| *v != me);
+        if !q.fetched_by_all(gen, others) {
+            return;
+        }
+        g.hush.quiet_if(|| {
+            let now = g.raft.metrics().borrow().clone();
+            now.state == ServerState::Leader && (now.current_term, now.last_log_index) == mark
+        });
+    }
+}

@@ -1,0 +1,51 @@
+//! A queue group's Raft heartbeats, off while the group is quiet and back
+//! on with the group's next entry. The node decides when a group is quiet
+//! (`node::quiescence`); the proposer wakes it, so the first entry after a
+//! quiet stretch never waits for anyone to notice.
+
+use std::sync::Mutex;
+
+use crate::raft::types::Raft;
+
+pub struct Hush {
+    raft: Raft,
+    /// Whether heartbeats are off, changed only with the flag in openraft
+    /// under this lock, so a wake and a hush cannot cross.
+    quiet: Mutex<bool>,
+}
+
+impl Hush {
+    pub fn new(raft: Raft) -> Self {
+        Hush { raft, quiet: Mutex::new(false) }
+    }
+
+    /// Stop heartbeats, if `still_idle` holds under the lock (checked here
+    /// so that an entry proposed since the caller looked keeps them on).
+    pub fn quiet_if(&self, still_idle: impl FnOnce() -> bool) -> bool {
+        let mut quiet = self.quiet.lock().expect("poisoned");
+        if *quiet {
+            return true;
+        }
+        if !still_idle() {
+            return false;
+        }
+        self.raft.runtime_config().heartbeat(false);
+        *quiet = true;
+        true
+    }
+
+    /// Heartbeats on again; whether they were off.
+    pub fn wake(&self) -> bool {
+        let mut quiet = self.quiet.lock().expect("poisoned");
+        if !*quiet {
+            return false;
+        }
+        self.raft.runtime_config().heartbeat(true);
+        *quiet = false;
+        true
+    }
+
+    pub fn is_quiet(&self) -> bool {
+        *self.quiet.lock().expect("poisoned")
+    }
+}

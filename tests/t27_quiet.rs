@@ -1,0 +1,123 @@
+//! Quiet groups: an idle queue group that has settled sends no Raft
+//! heartbeats; its followers keep its master from the master node's pings,
+//! fail over when that node dies or is cut off, and the next publish wakes
+//! the group.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{fast_timing, init_tracing, msg, publish_retrying, wait_until, Cluster};
+
+async fn quiet_queue(name: &str) -> (Cluster, u64, Vec<u64>) {
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    c.node(1).declare_queue(name, vec![1, 2, 3]).await.unwrap();
+    for i in 0..3 {
+        publish_retrying(c.node(1), name, format!("m{i}").into_bytes()).await;
+    }
+    let master = c.master_of(name).await;
+    wait_until(Duration::from_secs(15), "the idle group goes quiet", || c.node(master).is_quiet_here(name)).await;
+    let mirrors: Vec<u64> = (1..=3).filter(|id| *id != master).collect();
+    (c, master, mirrors)
+}
+
+/// Once settled, a mirror is sent nothing for the group, where a busy
+/// group's master sends a heartbeat every 150 ms here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_group_sends_no_heartbeats_once_settled() {
+    init_tracing();
+    let (c, master, mirrors) = quiet_queue("q").await;
+    let heartbeat = fast_timing(Duration::from_secs(60)).heartbeat;
+    let before: Vec<u64> = mirrors.iter().map(|id| c.node(*id).appends_received_by("q").unwrap()).collect();
+    tokio::time::sleep(heartbeat * 15).await;
+    let after: Vec<u64> = mirrors.iter().map(|id| c.node(*id).appends_received_by("q").unwrap()).collect();
+    assert_eq!(before, after, "appends sent to the mirrors of a quiet group");
+    assert!(c.node(master).is_quiet_here("q"));
+    assert_eq!(c.node(master).quiet_groups(), 1);
+    // Nobody stood for election meanwhile: the master is the same.
+    assert_eq!(c.master_of("q").await, master);
+    c.shutdown().await;
+}
+
+/// The first publish wakes the group: it is confirmed, every mirror
+/// applies it (the commit index reaches them without waiting for anyone to
+/// notice), and the group goes quiet again afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_group_woken_by_a_publish_confirms_it_and_goes_quiet_again() {
+    init_tracing();
+    let (c, master, mirrors) = quiet_queue("q").await;
+    c.node(master).publish("q", vec![msg("wake")]).await.expect("confirmed");
+    assert!(!c.node(master).is_quiet_here("q"), "still quiet after an entry");
+    let last = c.node(master).queue_raft("q").unwrap().metrics().borrow().last_log_index;
+    for id in &mirrors {
+        let raft = c.node(*id).queue_raft("q").unwrap();
+        wait_until(Duration::from_secs(5), "the mirror applies the woken entry", || {
+            raft.metrics().borrow().last_applied.map(|l| l.index) >= last
+        })
+        .await;
+        assert_eq!(c.node(*id).queue_info("q").unwrap().ready, 4);
+    }
+    wait_until(Duration::from_secs(15), "quiet again", || c.node(master).is_quiet_here("q")).await;
+    c.shutdown().await;
+}
+
+/// A quiet group's master node dies: a mirror takes over, without any
+/// heartbeat having stopped to tell it, and serves every message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_group_whose_masters_node_dies_fails_over() {
+    init_tracing();
+    let (mut c, master, mirrors) = quiet_queue("q").await;
+    let killed = Instant::now();
+    c.crash(master).await;
+    let other = c.node(mirrors[0]).clone();
+    let got = other.get("q", 1, 3, true).await.expect("served after the failover");
+    let bodies: Vec<String> = got.iter().map(|d| String::from_utf8(d.message.body.clone()).unwrap()).collect();
+    assert_eq!(bodies, vec!["m0", "m1", "m2"]);
+    let took = killed.elapsed();
+    let new_master = c.master_of("q").await;
+    assert!(mirrors.contains(&new_master));
+    tracing::info!(?took, "quiet group failed over");
+    c.shutdown().await;
+}
+
+/// A quiet group's master is cut off from both mirrors (its pings go
+/// unanswered, nothing refuses a dial): the mirrors elect one of
+/// themselves once its lease, counted from its last answered ping, is out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_group_whose_master_is_cut_off_fails_over() {
+    init_tracing();
+    let (c, master, mirrors) = quiet_queue("q").await;
+    for m in &mirrors {
+        c.node(*m).transport().control.block(master);
+        c.node(master).transport().control.block(*m);
+    }
+    let n = c.node(mirrors[0]).clone();
+    wait_until(Duration::from_secs(20), "a mirror becomes master", || {
+        mirrors.iter().any(|id| c.node(*id).is_master("q"))
+    })
+    .await;
+    let got = n.get("q", 1, 3, true).await.expect("served by the new master");
+    assert_eq!(got.len(), 3);
+    c.shutdown().await;
+}
+
+/// A mirror of a quiet group restarts: it learns the master from the
+/// master node's announcement, stands for no election, and the group keeps
+/// its master and term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_mirror_of_a_quiet_group_keeps_its_master() {
+    init_tracing();
+    let (mut c, master, mirrors) = quiet_queue("q").await;
+    let term = c.node(master).queue_raft("q").unwrap().metrics().borrow().current_term;
+    c.crash(mirrors[0]).await;
+    c.restart(mirrors[0]).await;
+    let timing = fast_timing(Duration::from_secs(60));
+    tokio::time::sleep(timing.election_max * 4).await;
+    let now = c.node(master).queue_raft("q").unwrap().metrics().borrow().clone();
+    assert!(now.state.is_leader(), "the master lost its mastership");
+    assert_eq!(now.current_term, term, "an election was held");
+    let raft = c.node(mirrors[0]).queue_raft("q").unwrap();
+    assert_eq!(raft.metrics().borrow().current_term, term);
+    c.node(mirrors[0]).publish("q", vec![msg("after")]).await.expect("confirmed through the restarted mirror");
+    c.shutdown().await;
+}
