@@ -358,8 +358,10 @@ impl Node {
             let held = m.state != ServerState::Leader && self.held_by_quiet_master(&g, &m, &voters, &reach, now);
             if held {
                 // A quiet group's master answers for it: its node answers
-                // pings and announces the group in our term.
+                // pings and announces the group in our term. Its timers
+                // have nothing to do until then.
                 g.raft.runtime_config().elect(false);
+                g.raft.runtime_config().tick(false);
                 *g.watch.leaderless_since.lock().expect("poisoned") = None;
                 *g.watch.master_lost_since.lock().expect("poisoned") = None;
             }
@@ -369,6 +371,9 @@ impl Node {
             // whenever its log is up to date (a synchronised mirror's is). If
             // no one has won after a while, everyone may stand again: a
             // lagging senior must not keep the queue without a master.
+            if !held && !g.hush.is_quiet() {
+                g.raft.runtime_config().tick(true);
+            }
             if !held && m.state != ServerState::Leader && !self.inner.leaving.load(Ordering::Acquire) {
                 // Leaderless also while the last master known is out of
                 // reach: a senior replica that never received the group's
@@ -527,6 +532,7 @@ impl Node {
                 if !waiting {
                     break;
                 }
+                g.raft.runtime_config().tick(true);
                 let _ = g.raft.trigger().elect().await;
                 if !node.is_dead(lost_leader) {
                     break;

@@ -159,6 +159,9 @@ impl Inner {
                                 return;
                             }
                             if m.state != ServerState::Candidate {
+                                // Its timers run again: a quiet group's
+                                // follower had them off.
+                                r.runtime_config().tick(true);
                                 let _ = r.trigger().elect().await;
                             }
                             tokio::time::sleep(step).await;

@@ -29,7 +29,10 @@ impl Hush {
         if !still_idle() {
             return false;
         }
+        // Ticks only drive heartbeats and elections, which a quiet master
+        // does not need.
         self.raft.runtime_config().heartbeat(false);
+        self.raft.runtime_config().tick(false);
         *quiet = true;
         true
     }
@@ -40,6 +43,7 @@ impl Hush {
         if !*quiet {
             return false;
         }
+        self.raft.runtime_config().tick(true);
         self.raft.runtime_config().heartbeat(true);
         *quiet = false;
         true
