@@ -106,6 +106,9 @@ async fn a_failure_watch_that_began_before_a_re_form_leaves_the_new_epoch_alone(
     c.crash(2).await;
     let got = n3.get("q", 1, 1, true).await.expect("served by the last replica");
     assert_eq!(got.len(), 1);
+    // Counted once the re-form has recorded its fork, which may come after
+    // the first get is served.
+    wait_until(Duration::from_secs(10), "the re-form is counted", || n3.metrics().queue_reforms.get() >= 1).await;
     assert_eq!(n3.metrics().queue_reforms.get(), 1);
     publish_retrying(&n3, "q", b"during".to_vec()).await;
 

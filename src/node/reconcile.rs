@@ -47,9 +47,12 @@ impl Node {
             let mut told: HashMap<GroupId, String> = HashMap::new();
             let mut last_watch: Option<Instant> = None;
             let mut ticked = true;
+            let mut last_state: Option<Arc<MetaState>> = None;
             loop {
                 let state = meta.borrow_and_update().clone();
-                let failed = node.reconcile(&state).await;
+                let changed = last_state.as_ref().is_none_or(|s| !Arc::ptr_eq(s, &state));
+                last_state = Some(state.clone());
+                let failed = node.reconcile(&state, changed).await;
                 if ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY) {
                     last_watch = Some(Instant::now());
                     node.watch_failures(&state).await;
@@ -84,7 +87,8 @@ impl Node {
     /// watch runs after it). A group that fails is reported and the others go on (one
     /// replica that cannot start must not keep every other queue on the
     /// node from failing over).
-    pub(super) async fn reconcile(&self, state: &MetaState) -> Vec<(GroupId, ServerError)> {
+    /// `changed`: the metadata changed since the last round (else a tick).
+    pub(super) async fn reconcile(&self, state: &MetaState, changed: bool) -> Vec<(GroupId, ServerError)> {
         let mut failed = Vec::new();
         let wanted: HashMap<GroupId, &QueueMeta> =
             state.queues.values().filter(|q| q.replicas.contains(&self.id())).map(|q| (q.group, q)).collect();
@@ -141,8 +145,9 @@ impl Node {
         }
         // What the queue's policy and arguments ask of its publishes holds
         // from the next publish on, so it is set at every change (the
-        // failure watch runs less often).
-        for g in self.inner.groups.read().expect("poisoned").values() {
+        // failure watch runs less often); a replica started since got it
+        // at its start.
+        for g in self.inner.groups.read().expect("poisoned").values().filter(|_| changed) {
             if let Some(q) = exists.get(&g.meta.group) {
                 g.proposer.set_min_synchronised(failover::ha_of(state, q).min_synchronised.unwrap_or(0));
                 g.proposer.set_limits(deadletter::limits_of(state, q));
