@@ -321,10 +321,10 @@ impl Node {
             return;
         }
         let mut reach = self.reachable(state).await;
-        let by_group: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
         let timing = &self.inner.timing;
         for g in groups {
-            let Some(q) = by_group.get(&g.meta.group).copied() else { continue };
+            // By name: no table of every queue built at every round.
+            let Some(q) = state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group) else { continue };
             if !self.inner.is_current(&g) {
                 continue;
             }

@@ -155,7 +155,7 @@ impl Node {
         }
         for g in to_steer {
             if let Some(q) = exists.get(&g.meta.group) {
-                self.steer_membership(g, (*q).clone(), state);
+                self.steer_membership(g, q, state);
             }
         }
         for g in to_stop {
@@ -206,14 +206,18 @@ impl Node {
     /// caught up become voters (one joint-consensus change); unwanted ones
     /// go. A replica that is down stays a learner until it returns, so the
     /// voters are always replicas that answer and the change can commit.
-    pub(super) fn steer_membership(&self, g: Arc<QueueGroup>, q: QueueMeta, state: &MetaState) {
+    pub(super) fn steer_membership(&self, g: Arc<QueueGroup>, q: &QueueMeta, state: &MetaState) {
         let wanted: BTreeSet<NodeId> = q.replicas.iter().copied().collect();
-        let m = g.raft.metrics().borrow().clone();
-        let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
-        let all: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
+        let (voters, all): (BTreeSet<NodeId>, BTreeSet<NodeId>) = {
+            let rx = g.raft.metrics();
+            let m = rx.borrow();
+            let membership = m.membership_config.membership();
+            (membership.voter_ids().collect(), membership.nodes().map(|(id, _)| *id).collect())
+        };
         if voters == wanted && all == wanted {
             return;
         }
+        let q = q.clone();
         if g.changing.swap(true, Ordering::AcqRel) {
             return;
         }

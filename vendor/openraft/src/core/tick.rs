@@ -28,12 +28,17 @@ where C: RaftTypeConfig
 
     /// Emit event or not
     enabled: Arc<AtomicBool>,
+
+    /// mirrorq patch: woken when ticks are enabled again, so a disabled
+    /// tick loop waits here instead of waking every interval for nothing.
+    resume: Arc<tokio::sync::Notify>,
 }
 
 pub(crate) struct TickHandle<C>
 where C: RaftTypeConfig
 {
     enabled: Arc<AtomicBool>,
+    resume: Arc<tokio::sync::Notify>,
     shutdown: Mutex<Option<oneshot::Sender<()>>>,
     join_handle: Mutex<Option<JoinHandleOf<C, ()>>>,
 }
@@ -55,10 +60,12 @@ where C: RaftTypeConfig
 {
     pub(crate) fn spawn(interval: Duration, tx: mpsc::UnboundedSender<Notify<C>>, enabled: bool) -> TickHandle<C> {
         let enabled = Arc::new(AtomicBool::from(enabled));
+        let resume = Arc::new(tokio::sync::Notify::new());
         let this = Self {
             interval,
             enabled: enabled.clone(),
             tx,
+            resume: resume.clone(),
         };
 
         let (shutdown, shutdown_rx) = oneshot::channel();
@@ -73,6 +80,7 @@ where C: RaftTypeConfig
 
         TickHandle {
             enabled,
+            resume,
             shutdown,
             join_handle: Mutex::new(Some(join_handle)),
         }
@@ -84,6 +92,19 @@ where C: RaftTypeConfig
         let mut cancel = std::pin::pin!(cancel_rx);
 
         loop {
+            // mirrorq patch: disabled, wait to be enabled (or cancelled)
+            // rather than sleep and wake every interval. `notify_one` keeps
+            // a permit, so an enable between the check and the wait is not
+            // lost.
+            if !self.enabled.load(Ordering::Relaxed) {
+                let resumed = std::pin::pin!(self.resume.notified());
+                if let Either::Left(_) = futures::future::select(cancel.as_mut(), resumed).await {
+                    tracing::info!("TickLoop received cancel signal, quit");
+                    return;
+                }
+                continue;
+            }
+
             let at = C::now() + self.interval;
             let sleep_fut = C::sleep_until(at);
             let sleep_fut = std::pin::pin!(sleep_fut);
@@ -121,6 +142,9 @@ where C: RaftTypeConfig
 {
     pub(crate) fn enable(&self, enabled: bool) {
         self.enabled.store(enabled, Ordering::Relaxed);
+        if enabled {
+            self.resume.notify_one();
+        }
     }
 
     /// Signal the tick loop to stop. And return a JoinHandle to wait for the loop to stop.
