@@ -70,10 +70,19 @@ pub(super) struct GroupWatch {
     /// As follower: the quiet master last seen in reach, its term, and
     /// when (its node's pings are the group's heartbeats).
     pub(super) quiet_master: Mutex<Option<(NodeId, u64, Instant)>>,
+    /// The group's Raft metrics, as the watch last looked at them.
+    metrics: Mutex<tokio::sync::watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>>,
+    /// Quiet at the watch's last full look, and as of which
+    /// `Quiescence::world`, with whether a majority of voters was in reach:
+    /// while neither the world nor the group's metrics changed, the next
+    /// rounds only extend the majority stretch.
+    passed: Mutex<Option<(u64, bool)>>,
 }
 
 impl GroupWatch {
-    pub(super) fn new() -> Self {
+    pub(super) fn new(
+        metrics: tokio::sync::watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>,
+    ) -> Self {
         GroupWatch {
             majority: Mutex::new(MajorityStretch::new(Instant::now())),
             master_heard: Mutex::new(None),
@@ -86,6 +95,8 @@ impl GroupWatch {
             in_newer: Mutex::new(HashMap::new()),
             settled: Mutex::new(None),
             quiet_master: Mutex::new(None),
+            metrics: Mutex::new(metrics),
+            passed: Mutex::new(None),
         }
     }
 }
@@ -288,7 +299,16 @@ impl Node {
         let mut set: BTreeSet<NodeId> =
             peers.iter().copied().zip(answers).filter(|(_, ok)| *ok).map(|(id, _)| id).collect();
         set.insert(self.id());
-        self.inner.dead.lock().expect("poisoned").retain(|id, _| !set.contains(id));
+        let was = self.inner.reach.lock().expect("poisoned").as_ref().map(|(_, s)| s.clone());
+        let revived = {
+            let mut dead = self.inner.dead.lock().expect("poisoned");
+            let before = dead.len();
+            dead.retain(|id, _| !set.contains(id));
+            dead.len() != before
+        };
+        if revived || was.as_ref() != Some(&set) {
+            self.inner.quiescence.world_changed();
+        }
         // A silent peer whose port refuses a dial is gone: the same proof
         // as on a broken link, for a peer this node had no link to.
         let silent = peers.iter().filter(|id| !set.contains(id) && !self.is_dead(**id));
@@ -328,8 +348,24 @@ impl Node {
             if !self.inner.is_current(&g) {
                 continue;
             }
+            let world = self.inner.quiescence.world();
+            let passed = g.watch.passed.lock().expect("poisoned").take();
+            if let Some((was, majority)) = passed {
+                let unchanged = was == world
+                    && !self.inner.leaving.load(Ordering::Acquire)
+                    && !g.watch.metrics.lock().expect("poisoned").has_changed().unwrap_or(true);
+                let still_quiet = g.hush.is_quiet() || g.raft.metrics().borrow().state != ServerState::Leader;
+                if unchanged && still_quiet {
+                    // Watched without a gap, as the split rule needs.
+                    let mut stretch = g.watch.majority.lock().expect("poisoned");
+                    stretch.observe(majority, Instant::now(), wall_ms(), timing.failure_timeout);
+                    drop(stretch);
+                    *g.watch.passed.lock().expect("poisoned") = Some((was, majority));
+                    continue;
+                }
+            }
             let ha = ha_of(state, q);
-            let m = g.raft.metrics().borrow().clone();
+            let m = g.watch.metrics.lock().expect("poisoned").borrow_and_update().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
             // A learner that is a wanted replica may have every confirmed
             // message too (confirms wait for caught-up learners), so it may
@@ -355,7 +391,12 @@ impl Node {
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
             let senior_voter = by_seniority(q, &alive_voter_set).first().copied();
             self.steer_quiet(&g, &m);
-            let held = m.state != ServerState::Leader && self.held_by_quiet_master(&g, &m, &voters, &reach, now);
+            let hold = if m.state != ServerState::Leader {
+                self.held_by_quiet_master(&g, &m, &voters, &reach, now)
+            } else {
+                None
+            };
+            let held = hold.is_some();
             if held {
                 // A quiet group's master answers for it: its node answers
                 // pings and announces the group in our term. Its timers
@@ -433,6 +474,15 @@ impl Node {
                     let at = if self.is_dead(leader) { now } else { lost + timing.election_max + LEASE_MARGIN };
                     self.elect_after_lease(&g, leader, at);
                 }
+            }
+
+            // Quiet, with a majority in reach (nothing here is waiting for
+            // a timeout to run out): the next rounds pass it over quickly
+            // while nothing changes.
+            let majority = alive_voters * 2 > voters.len();
+            let quiet = (m.state == ServerState::Leader && g.hush.is_quiet()) || hold == Some(true);
+            if quiet && majority {
+                *g.watch.passed.lock().expect("poisoned") = Some((world, majority));
             }
 
             // Re-form: no majority reachable for the failure timeout, the

@@ -86,6 +86,7 @@ impl Node {
         if self.inner.transport.control.is_blocked(id) || !refused(&addr).await {
             return false;
         }
+        self.inner.quiescence.world_changed();
         if self.inner.dead.lock().expect("poisoned").insert(id, Instant::now()).is_none() {
             tracing::info!(node = id, "peer's port refuses connections: its process is gone");
         }

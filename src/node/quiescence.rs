@@ -67,11 +67,30 @@ pub(super) struct Quiescence {
     heard: Mutex<HashMap<NodeId, Heard>>,
     /// The generation of our list each peer said it holds, at its last ping.
     fetched: Mutex<HashMap<NodeId, u64>>,
+    /// Bumped whenever something the failure watch judges a quiet group by,
+    /// beyond the group's own Raft metrics, changes: the peers in reach or
+    /// seen dead, a peer's list, the metadata. A quiet group whose metrics
+    /// and this are as at its last full look is passed over quickly.
+    world: std::sync::atomic::AtomicU64,
 }
 
 impl Quiescence {
     pub(super) fn new(incarnation: u64) -> Self {
-        Quiescence { incarnation, ours: Mutex::default(), heard: Mutex::default(), fetched: Mutex::default() }
+        Quiescence {
+            incarnation,
+            ours: Mutex::default(),
+            heard: Mutex::default(),
+            fetched: Mutex::default(),
+            world: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn world(&self) -> u64 {
+        self.world.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub(super) fn world_changed(&self) {
+        self.world.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 
     /// The answer to a liveness ping from `from`, which holds our list at
@@ -106,11 +125,12 @@ impl Quiescence {
                 heard.insert(peer, Heard { incarnation, gen, groups: groups.into_iter().collect() });
             }
             // Unchanged, as long as it is the list we hold.
-            None if heard.get(&peer).is_some_and(|h| h.incarnation == incarnation && h.gen == gen) => {}
+            None if heard.get(&peer).is_some_and(|h| h.incarnation == incarnation && h.gen == gen) => return,
             None => {
                 heard.remove(&peer);
             }
         }
+        self.world_changed();
     }
 
     /// Announce `group` as quietly led in `term`; the generation that
@@ -186,8 +206,9 @@ fn settled(g: &QueueGroup, m: &Metrics, me: NodeId) -> bool {
 impl Node {
     /// As follower: whether a quiet master stands in for the group's
     /// heartbeats. It does while its node answers pings and announces the
-    /// group in our term, and for an election timeout after it last did
-    /// (a lease, as a heartbeat gives), unless its process is seen gone.
+    /// group in our term (`Some(true)`), and for an election timeout after
+    /// it last did (a lease, as a heartbeat gives: `Some(false)`), unless
+    /// its process is seen gone.
     pub(super) fn held_by_quiet_master(
         &self,
         g: &QueueGroup,
@@ -195,22 +216,22 @@ impl Node {
         voters: &BTreeSet<NodeId>,
         reach: &BTreeSet<NodeId>,
         now: Instant,
-    ) -> bool {
+    ) -> Option<bool> {
         let q = &self.inner.quiescence;
         let mut last = g.watch.quiet_master.lock().expect("poisoned");
         if let Some(master) = q.quiet_master(g.meta.group, m.current_term, self.id(), voters, reach) {
             *last = Some((master, m.current_term, now));
-            return true;
+            return Some(true);
         }
         match *last {
             Some((master, term, at))
                 if term == m.current_term && !self.is_dead(master) && now < at + self.inner.timing.election_max =>
             {
-                true
+                Some(false)
             }
             _ => {
                 *last = None;
-                false
+                None
             }
         }
     }

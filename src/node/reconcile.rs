@@ -52,6 +52,9 @@ impl Node {
                 let state = meta.borrow_and_update().clone();
                 let changed = last_state.as_ref().is_none_or(|s| !Arc::ptr_eq(s, &state));
                 last_state = Some(state.clone());
+                if changed {
+                    node.inner.quiescence.world_changed();
+                }
                 let failed = node.reconcile(&state, changed).await;
                 if ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY) {
                     last_watch = Some(Instant::now());
@@ -341,7 +344,7 @@ impl Node {
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
             epoch,
-            watch: failover::GroupWatch::new(),
+            watch: failover::GroupWatch::new(raft.metrics()),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
             hush,
