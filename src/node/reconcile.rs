@@ -117,7 +117,14 @@ impl Node {
                     })
                     .cloned()
                     .collect(),
-                groups.values().filter(|g| g.is_leader(self.id())).cloned().collect(),
+                // A quiet group's membership cannot have moved since it
+                // settled (a change is an entry, which wakes it): only a
+                // metadata change may steer it.
+                groups
+                    .values()
+                    .filter(|g| (changed || !g.hush.is_quiet()) && g.is_leader(self.id()))
+                    .cloned()
+                    .collect(),
             )
         };
         // Moved away but still a member in our own view: the final
