@@ -32,6 +32,8 @@ PREFIX = "scale-"
 AUTH = "Basic " + base64.b64encode(b"guest:guest").decode()
 SYSTEMS = ["mirrorq", "rabbitmq-quorum"]
 LABELS = {"mirrorq": "mirrorq (ha-mode all)", "rabbitmq-quorum": "RabbitMQ 3.10 quorum"}
+# Idle queues published to after the idle window (`wake`).
+WAKE_COUNT = 50
 
 
 def log(msg):
@@ -237,6 +239,37 @@ def idle(system, seconds, *pids):
     log(f"{system}: idle CPU per node over {elapsed:.0f} s: " + " / ".join(f"{c:.3f}" for c in cores))
 
 
+# ---- waking an idle queue ---------------------------------------------------
+
+def wake(system, port, n, count):
+    """After the idle window: one persistent message, with publisher
+    confirms, to each of COUNT queues spread over the N (one connection to
+    node 1, one at a time); each publish's time to its confirm. An idle
+    queue's group must wake for it (mirrorq's quiet groups)."""
+    n, count = int(n), int(count)
+    try:
+        import pika
+    except ImportError:
+        record(system, "wake_ms", None)
+        log(f"{system}: pika is not installed (./test.sh installs it in target/test-venv): no wake figures")
+        return
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        host="127.0.0.1", port=int(port), credentials=pika.PlainCredentials("guest", "guest")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    props = pika.BasicProperties(delivery_mode=2)
+    took = []
+    for k in range(count):
+        q = qname(k * n // count)
+        t0 = time.perf_counter()
+        ch.basic_publish("", q, b"wake", props, mandatory=True)
+        took.append((time.perf_counter() - t0) * 1000)
+    conn.close()
+    record(system, "wake_ms", took)
+    took.sort()
+    log(f"{system}: publish to an idle queue, confirm ms: p50 {took[len(took) // 2]:.1f}, max {took[-1]:.1f}")
+
+
 # ---- restart ---------------------------------------------------------------
 
 def served(system, port, n, replicas, timeout, since):
@@ -322,6 +355,11 @@ def report(path, n, parallel, idle_s):
             if not a or not b:
                 return "-"
             return " / ".join(f"{(y - x) / n:.0f}" for x, y in zip(b, a))
+        if key == "wake_ms":
+            if not v:
+                return "-"
+            w = sorted(v)
+            return f"{w[len(w) // 2]:.1f} / {w[-1]:.1f}"
         if key in ("restart_served_seconds", "restart_synced_seconds"):
             return "not within the timeout" if key in r and v is None else num(v, 2)
         return num(v, 2)
@@ -332,6 +370,7 @@ def report(path, n, parallel, idle_s):
         (f"idle CPU per node, of one core (over {idle_s} s)", "idle_cpu"),
         ("RSS per node, idle (MiB)", "rss_after"),
         ("RSS growth per replica (KiB, per node)", "rss_growth"),
+        ("publish to an idle queue, confirmed (ms, p50 / max of %s)" % WAKE_COUNT, "wake_ms"),
         ("node 3 SIGTERM to exit (s)", "stop_seconds"),
         ("node 3 restarted: serves every queue (s from its start)", "restart_served_seconds"),
         ("node 3 restarted: every queue synchronised again (s)", "restart_synced_seconds"),
@@ -379,6 +418,8 @@ def main():
         idle(*args)
     elif cmd == "served":
         served(*args)
+    elif cmd == "wake":
+        wake(args[0], args[1], args[2], WAKE_COUNT)
     elif cmd == "record":
         record(args[0], args[1], json.loads(args[2]))
     elif cmd == "report":

@@ -19,7 +19,10 @@
 #     VmRSS per node (/proc/PID/status) after it; RSS growth per replica =
 #     (RSS after - RSS before the first declare) / QUEUES, as every node
 #     holds one replica of every queue.
-#  4. restart: node 3 gets SIGTERM (reported: time until it exited), is
+#  4. wake: one persistent message with confirms (pika, one connection to
+#     node 1) to each of 50 idle queues spread over the range; each
+#     publish's time to its confirm (p50 / max).
+#  5. restart: node 3 gets SIGTERM (reported: time until it exited), is
 #     started again on its data dir, and its GET /api/queues/%2F is polled
 #     every 0.2 s. Reported, from the new process's start: until it answers
 #     with every queue served (a master reachable: mirrorq state running or
@@ -93,7 +96,10 @@ trap finish EXIT
 trap 'echo "interrupted: stopping everything this run started" >&2; exit 130' INT
 trap 'exit 143' TERM
 
-py() { python3 benches/scripts/scale.py "$@"; }
+# The tests' virtual environment has pika (./test.sh makes it), for `wake`.
+PY=python3
+[ ! -x target/test-venv/bin/python3 ] || PY=target/test-venv/bin/python3
+py() { "$PY" benches/scripts/scale.py "$@"; }
 now() { date +%s.%N; }
 
 # wait_exit PID SECONDS: until PID is gone; kill -9 after SECONDS.
@@ -147,6 +153,7 @@ run_mirrorq() {
   py idle mirrorq "$IDLE" $(mirrorq_pids)
   # shellcheck disable=SC2046
   py rss mirrorq rss_after $(mirrorq_pids)
+  py wake mirrorq 5691 "$QUEUES"
 
   local pid t0 t1
   pid=$(cat "$DIR/m3.pid")
@@ -182,6 +189,7 @@ run_rabbitmq() {
   py idle rabbitmq-quorum "$IDLE" $(rabbit_pids)
   # shellcheck disable=SC2046
   py rss rabbitmq-quorum rss_after $(rabbit_pids)
+  py wake rabbitmq-quorum 5681 "$QUEUES"
 
   local pid t0 t1
   pid=$(cat "$DIR/r3/pid")
