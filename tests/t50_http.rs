@@ -489,6 +489,15 @@ async fn prometheus_metrics() {
             assert!(!m.contains(&format!("rabbitmq_queue_messages_ready{q}")), "depth only from the master");
         }
     }
+    // The idle queue goes quiet: its master counts it, no one else does.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while sample(&scrape(&api, master).await, "mirrorq_queue_groups_quiet") < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "the idle queue never went quiet");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for n in (1..=3).filter(|n| *n != master) {
+        assert_eq!(sample(&scrape(&api, n).await, "mirrorq_queue_groups_quiet"), 0.0, "node {n}");
+    }
     // The client's node counts what its client did.
     let m = scrape(&api, 2).await;
     assert_eq!(sample(&m, "rabbitmq_global_messages_received_total"), 3.0);
