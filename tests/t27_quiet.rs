@@ -121,3 +121,30 @@ async fn a_restarted_mirror_of_a_quiet_group_keeps_its_master() {
     c.node(mirrors[0]).publish("q", vec![msg("after")]).await.expect("confirmed through the restarted mirror");
     c.shutdown().await;
 }
+
+/// The most senior replica restarts as a mirror of a quiet group mastered
+/// by another node: it knows no master (a quiet master sends it nothing)
+/// and stands first by seniority, but must not unseat the live master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_senior_mirror_of_a_quiet_group_keeps_its_master() {
+    init_tracing();
+    let (mut c, first, _) = quiet_queue("q").await;
+    // Make the senior replica a mirror: its master fails over and it returns.
+    c.crash(first).await;
+    c.restart(first).await;
+    let master = c.master_of("q").await;
+    assert_ne!(master, first);
+    wait_until(Duration::from_secs(30), "quiet under the new master", || {
+        c.node(master).is_quiet_here("q") && c.node(first).queue_info("q").map(|i| i.ready == 3).unwrap_or(false)
+    })
+    .await;
+    let term = c.node(master).queue_raft("q").unwrap().metrics().borrow().current_term;
+    c.crash(first).await;
+    c.restart(first).await;
+    let timing = fast_timing(Duration::from_secs(60));
+    tokio::time::sleep(timing.election_max * 4).await;
+    let now = c.node(master).queue_raft("q").unwrap().metrics().borrow().clone();
+    assert!(now.state.is_leader(), "the restarted senior mirror unseated the quiet master");
+    assert_eq!(now.current_term, term, "an election was held");
+    c.shutdown().await;
+}
