@@ -129,11 +129,13 @@ async fn a_restarted_mirror_of_a_quiet_group_keeps_its_master() {
 async fn a_restarted_senior_mirror_of_a_quiet_group_keeps_its_master() {
     init_tracing();
     let (mut c, first, _) = quiet_queue("q").await;
-    // Make the senior replica a mirror: its master fails over and it returns.
+    // Make the senior replica a mirror: its master fails over and it
+    // returns (once the failover is done: back sooner, it would stand by
+    // seniority and win again).
     c.crash(first).await;
-    c.restart(first).await;
     let master = c.master_of("q").await;
     assert_ne!(master, first);
+    c.restart(first).await;
     wait_until(Duration::from_secs(30), "quiet under the new master", || {
         c.node(master).is_quiet_here("q") && c.node(first).queue_info("q").map(|i| i.ready == 3).unwrap_or(false)
     })
@@ -146,5 +148,30 @@ async fn a_restarted_senior_mirror_of_a_quiet_group_keeps_its_master() {
     let now = c.node(master).queue_raft("q").unwrap().metrics().borrow().clone();
     assert!(now.state.is_leader(), "the restarted senior mirror unseated the quiet master");
     assert_eq!(now.current_term, term, "an election was held");
+    c.shutdown().await;
+}
+
+/// A mirror of a quiet group restarts on a node whose failure watch has
+/// not run yet (as on a node still starting thousands of replicas): the
+/// quiet master sends it nothing, and it must not stand for election on
+/// its own timer meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_mirror_stands_for_no_election_before_its_failure_watch_runs() {
+    init_tracing();
+    let (mut c, master, mirrors) = quiet_queue("q").await;
+    let timing = fast_timing(Duration::from_secs(60));
+    let term = c.node(master).queue_raft("q").unwrap().metrics().borrow().current_term;
+    let mirror = mirrors[0];
+    c.crash(mirror).await;
+    c.configs[(mirror - 1) as usize].watch_after = timing.election_max * 6;
+    c.restart(mirror).await;
+    tokio::time::sleep(timing.election_max * 4).await;
+    let restarted = c.node(mirror).queue_raft("q").unwrap().metrics().borrow().clone();
+    assert_eq!(restarted.current_term, term, "the restarted mirror stood for election");
+    let now = c.node(master).queue_raft("q").unwrap().metrics().borrow().clone();
+    assert!(now.state.is_leader(), "the master lost its mastership");
+    assert_eq!(now.current_term, term);
+    // Once its watch runs, the queue is served through it as before.
+    c.node(mirror).publish("q", vec![msg("after")]).await.expect("confirmed through the restarted mirror");
     c.shutdown().await;
 }

@@ -1,5 +1,5 @@
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
@@ -18,9 +18,10 @@ fn queue_key(name: &str) -> Vec<u8> {
 }
 
 /// Which queues an applied command may have changed: only those are written
-/// again, so declaring a queue costs the same with ten thousand others.
-#[derive(Debug, Default)]
-enum Touched {
+/// again, and looked at again by the node's reconciler, so declaring a
+/// queue costs the same with ten thousand others.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub enum Touched {
     #[default]
     None,
     Some(BTreeSet<String>),
@@ -28,7 +29,38 @@ enum Touched {
     All,
 }
 
+/// Past this many names a change is treated as touching every queue: the
+/// reconciler then walks them all once, which costs less than a set this
+/// large kept in memory.
+const TOUCHED_NAMES_MAX: usize = 1024;
+
 impl Touched {
+    pub fn contains(&self, name: &str) -> bool {
+        match self {
+            Touched::None => false,
+            Touched::Some(names) => names.contains(name),
+            Touched::All => true,
+        }
+    }
+
+    /// This and `other` together.
+    fn merge(&mut self, other: Touched) {
+        match other {
+            Touched::None => {}
+            Touched::All => *self = Touched::All,
+            Touched::Some(more) => match self {
+                Touched::All => {}
+                Touched::None => *self = Touched::Some(more),
+                Touched::Some(names) => {
+                    names.extend(more);
+                    if names.len() > TOUCHED_NAMES_MAX {
+                        *self = Touched::All;
+                    }
+                }
+            },
+        }
+    }
+
     fn add(&mut self, cmd: &MetaCmd) {
         let name = match cmd {
             MetaCmd::DeclareQueue { name, .. } | MetaCmd::DeleteQueue { name } => name,
@@ -69,12 +101,45 @@ pub struct MetaMachine {
     dirty: bool,
     touched: Touched,
     watch: watch::Sender<Arc<MetaState>>,
+    /// What the commits changed since the feed was last read.
+    pending: Arc<Mutex<Touched>>,
+}
+
+/// The metadata's states with the queues each change touched, for the one
+/// reader that acts on changes (the node's reconciler).
+pub struct ChangeFeed {
+    pending: Arc<Mutex<Touched>>,
+    rx: watch::Receiver<Arc<MetaState>>,
+}
+
+impl ChangeFeed {
+    /// The newest state, and the queues changed since the last call (every
+    /// queue at the first). Read under the lock the commit holds while it
+    /// publishes, so a change never comes without its state nor a state
+    /// without its change.
+    pub fn latest(&mut self) -> (Arc<MetaState>, Touched) {
+        let mut pending = self.pending.lock().expect("poisoned");
+        let state = self.rx.borrow_and_update().clone();
+        (state, std::mem::take(&mut *pending))
+    }
+
+    /// Resolves once a state newer than the last one read was committed.
+    pub async fn changed(&mut self) -> Result<(), watch::error::RecvError> {
+        self.rx.changed().await
+    }
 }
 
 impl MetaMachine {
-    /// Every applied change, for the node's reconciler.
+    /// Every applied change, for readers of the newest state.
     pub fn subscribe(&self) -> watch::Receiver<Arc<MetaState>> {
         self.watch.subscribe()
+    }
+
+    /// The feed of changes; its first read touches every queue. There is
+    /// one reader: each read takes the changes it reports.
+    pub fn feed(&self) -> ChangeFeed {
+        *self.pending.lock().expect("poisoned") = Touched::All;
+        ChangeFeed { pending: self.pending.clone(), rx: self.watch.subscribe() }
     }
 
     /// The rest of the state, without its queues.
@@ -101,7 +166,7 @@ impl Machine for MetaMachine {
             state.queues.insert(q.name.clone(), q);
         }
         let (watch, _) = watch::channel(Arc::new(state.clone()));
-        Ok(Self { state, dirty: false, touched, watch })
+        Ok(Self { state, dirty: false, touched, watch, pending: Arc::default() })
     }
 
     fn apply(
@@ -121,15 +186,16 @@ impl Machine for MetaMachine {
     }
 
     fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError> {
+        let touched = std::mem::take(&mut self.touched);
         if std::mem::take(&mut self.dirty) {
             batch.insert(space.key(STATE), self.encode_rest()?);
-            match std::mem::take(&mut self.touched) {
+            match &touched {
                 Touched::None => {}
                 Touched::Some(names) => {
                     for name in names {
-                        match self.state.queues.get(&name) {
-                            Some(q) => batch.insert(space.key(&queue_key(&name)), keys::encode(q, "queue metadata")?),
-                            None => batch.remove(space.key(&queue_key(&name))),
+                        match self.state.queues.get(name) {
+                            Some(q) => batch.insert(space.key(&queue_key(name)), keys::encode(q, "queue metadata")?),
+                            None => batch.remove(space.key(&queue_key(name))),
                         }
                     }
                 }
@@ -144,6 +210,8 @@ impl Machine for MetaMachine {
                 }
             }
         }
+        let mut pending = self.pending.lock().expect("poisoned");
+        pending.merge(touched);
         self.watch.send_replace(Arc::new(self.state.clone()));
         Ok(())
     }
@@ -224,6 +292,48 @@ mod tests {
         let again = MetaMachine::load(&space).unwrap();
         assert_eq!(again.state, m.state);
         assert_eq!(again.state.queues["a"].replicas.len(), 3);
+    }
+
+    #[test]
+    fn the_change_feed_tells_which_queues_each_change_touched() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let space = SmSpace::new(db.clone(), 0);
+        let mut m = MetaMachine::load(&space).unwrap();
+        let mut feed = m.feed();
+        let (_, first) = feed.latest();
+        assert_eq!(first, Touched::All, "the first read looks at every queue");
+        let node = MetaCmd::RegisterNode(NodeInfo { id: 1, name: "n1".into(), raft_addr: String::new() });
+        apply_all(&mut m, &space, vec![node]);
+        assert_eq!(feed.latest().1, Touched::All, "a node re-places every queue");
+        assert_eq!(feed.latest().1, Touched::None, "a read takes what it reports");
+
+        // Changes between two reads add up, and come with the state they made.
+        apply_all(&mut m, &space, vec![declare("a")]);
+        apply_all(&mut m, &space, vec![declare("b"), MetaCmd::DeleteQueue { name: "a".into() }]);
+        let (state, touched) = feed.latest();
+        assert_eq!(touched, Touched::Some(BTreeSet::from(["a".to_string(), "b".to_string()])));
+        assert!(state.queues.contains_key("b") && !state.queues.contains_key("a"));
+
+        // Exchanges and users touch no queue; a policy touches them all.
+        apply_all(&mut m, &space, vec![MetaCmd::DeleteExchange { name: "x".into(), if_unused: false }]);
+        assert_eq!(feed.latest().1, Touched::None);
+        let policy = Policy {
+            name: "ha".into(),
+            pattern: ".*".into(),
+            apply_to: ApplyTo::Queues,
+            priority: 0,
+            definition: r#"{"ha-mode":"all"}"#.into(),
+        };
+        apply_all(&mut m, &space, vec![declare("c")]);
+        apply_all(&mut m, &space, vec![MetaCmd::SetPolicy(policy)]);
+        assert_eq!(feed.latest().1, Touched::All);
+
+        // Past the bound, a pile of names becomes every queue.
+        for i in 0..=TOUCHED_NAMES_MAX {
+            apply_all(&mut m, &space, vec![declare(&format!("q{i}"))]);
+        }
+        assert_eq!(feed.latest().1, Touched::All);
     }
 
     #[test]

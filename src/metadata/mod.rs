@@ -11,7 +11,7 @@ pub mod routing;
 mod state;
 
 pub use access::{Access, Permission, User, Vhost};
-pub use machine::MetaMachine;
+pub use machine::{ChangeFeed, MetaMachine, Touched};
 pub use policy::{ApplyTo, Policy};
 pub use queue_args::QueueArgs;
 pub use routing::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta};

@@ -1,5 +1,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 
+use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
 
 use super::access::{default_guest, Permission, User, Vhost};
@@ -47,7 +48,10 @@ pub struct QueueMeta {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetaState {
     pub nodes: BTreeMap<NodeId, NodeInfo>,
-    pub queues: BTreeMap<String, QueueMeta>,
+    /// Shared between the states published after each change (a copy costs
+    /// nothing and a change copies only its path), so a change costs the
+    /// same with ten thousand queues.
+    pub queues: OrdMap<String, QueueMeta>,
     /// Next queue group id; 0 is the metadata group itself.
     pub next_group: GroupId,
     /// Declared exchanges (the built-in `amq.*` and default ones are implicit).
@@ -70,7 +74,7 @@ impl Default for MetaState {
         let guest = default_guest();
         Self {
             nodes: BTreeMap::new(),
-            queues: BTreeMap::new(),
+            queues: OrdMap::new(),
             next_group: 0,
             exchanges: BTreeMap::new(),
             bindings: BTreeSet::new(),
@@ -192,8 +196,12 @@ impl MetaState {
                     ));
                 }
                 self.nodes.remove(id);
-                for q in self.queues.values_mut() {
-                    q.replicas.retain(|r| r != id);
+                let holding: Vec<String> =
+                    self.queues.values().filter(|q| q.replicas.contains(id)).map(|q| q.name.clone()).collect();
+                for name in holding {
+                    if let Some(q) = self.queues.get_mut(&name) {
+                        q.replicas.retain(|r| r != id);
+                    }
                 }
                 self.replace_all();
                 MetaReply::Ok
@@ -226,7 +234,12 @@ impl MetaState {
                     } else {
                         *declared_on
                     };
-                    let placed = policy::placement(mode.as_ref(), &[master], &self.node_list(), &self.replica_load());
+                    // Only `exactly` picks nodes by load; counting it walks every queue.
+                    let load = match mode {
+                        Some(policy::HaMode::Exactly(_)) => self.replica_load(),
+                        _ => BTreeMap::new(),
+                    };
+                    let placed = policy::placement(mode.as_ref(), &[master], &self.node_list(), &load);
                     (placed, pol.map(|p| p.name))
                 } else {
                     (replicas.clone(), None)
@@ -378,7 +391,10 @@ impl MetaState {
                     return MetaReply::NotFound;
                 }
                 let inside = |key: &String| names::vhost_of(key) == name;
-                self.queues.retain(|k, _| !inside(k));
+                let gone: Vec<String> = self.queues.keys().filter(|k| inside(k)).cloned().collect();
+                for k in gone {
+                    self.queues.remove(&k);
+                }
                 self.exchanges.retain(|k, _| !inside(k));
                 self.bindings.retain(|b| !inside(&b.exchange) && !inside(&b.queue));
                 self.policies.retain(|k, _| !inside(k));

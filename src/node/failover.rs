@@ -343,8 +343,6 @@ impl Node {
         let mut reach = self.reachable(state).await;
         let timing = &self.inner.timing;
         for g in groups {
-            // By name: no table of every queue built at every round.
-            let Some(q) = state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group) else { continue };
             if !self.inner.is_current(&g) {
                 continue;
             }
@@ -364,6 +362,8 @@ impl Node {
                     continue;
                 }
             }
+            // By name: no table of every queue built at every round.
+            let Some(q) = state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group) else { continue };
             let ha = ha_of(state, q);
             let m = g.watch.metrics.lock().expect("poisoned").borrow_and_update().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();

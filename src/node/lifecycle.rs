@@ -111,7 +111,7 @@ impl Node {
         let (news, news_rx) = mpsc::unbounded_channel();
 
         let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?;
-        let meta = meta_sm.with(|m| m.subscribe()).await;
+        let (meta, feed) = meta_sm.with(|m| (m.subscribe(), m.feed())).await;
         let meta_raft = Raft::new(
             cfg.node_id,
             raft_config.clone(),
@@ -142,6 +142,9 @@ impl Node {
             meta_raft: meta_raft.clone(),
             meta,
             groups: RwLock::new(HashMap::new()),
+            removals: Default::default(),
+            #[cfg(feature = "test-hooks")]
+            watch_from: Instant::now() + cfg.watch_after,
             group_started: tokio::sync::Notify::new(),
             hints: Mutex::new(HashMap::new()),
             clients: Arc::default(),
@@ -187,7 +190,7 @@ impl Node {
         if let (true, Some(via)) = (joining, cfg.join.clone()) {
             node.spawn_join(via);
         }
-        node.spawn_reconciler();
+        node.spawn_reconciler(feed);
         node.spawn_epoch_watch(news_rx);
         node.spawn_registration();
         node.spawn_fatal_watch();

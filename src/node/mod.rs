@@ -91,6 +91,10 @@ pub struct NodeConfig {
     /// `Node::crash` loses what a power cut would.
     #[cfg(feature = "test-hooks")]
     pub crash_image: bool,
+    /// The failure watch first runs this long after the start, as on a
+    /// node still starting thousands of replicas.
+    #[cfg(feature = "test-hooks")]
+    pub watch_after: Duration,
 }
 
 /// Time limits. Defaults suit a loaded 2-core machine running three nodes.
@@ -140,6 +144,8 @@ impl NodeConfig {
             disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
             #[cfg(feature = "test-hooks")]
             crash_image: false,
+            #[cfg(feature = "test-hooks")]
+            watch_after: Duration::ZERO,
         }
     }
 }
@@ -186,6 +192,12 @@ struct Inner {
     meta_raft: Raft,
     meta: watch::Receiver<Arc<MetaState>>,
     groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
+    /// See `NodeConfig::watch_after`.
+    #[cfg(feature = "test-hooks")]
+    watch_from: Instant,
+    /// Replicas taken out of `groups` so far: the reconciler looks over
+    /// every queue again after one went (it may have to start it again).
+    removals: std::sync::atomic::AtomicU64,
     /// Woken whenever a replica is added to `groups`: an operation on a
     /// queue declared a moment ago waits for its replica here to start,
     /// not for a fixed pause.
@@ -374,6 +386,7 @@ impl Inner {
         match groups.get(&g.meta.group) {
             Some(current) if Arc::ptr_eq(current, g) => {
                 groups.remove(&g.meta.group);
+                self.removals.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
                 true
             }
             _ => false,

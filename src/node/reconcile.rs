@@ -17,7 +17,7 @@ use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK};
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
-use crate::metadata::{MetaState, QueueMeta};
+use crate::metadata::{ChangeFeed, MetaState, QueueMeta, Touched};
 use crate::queue::epoch::Epoch;
 use crate::queue::hush::Hush;
 use crate::queue::proposer::Proposer;
@@ -28,16 +28,32 @@ use crate::raft::types::{LogStore, Raft};
 
 /// Replicas started at once by one round.
 const STARTS_AT_ONCE: usize = 16;
+/// Replicas started by one round; the next round starts right after it
+/// (the failure watch runs between them, so a restart with thousands of
+/// replicas to start does not hold up failover).
+const STARTS_PER_ROUND: usize = 256;
 /// The failure watch goes over every hosted group, so a burst of metadata
 /// changes (declares) runs it at most this often; the half-second tick
 /// runs it anyway.
 const WATCH_AT_MOST_EVERY: Duration = Duration::from_millis(250);
 
+/// What the reconciler's last look over every queue left: while it left
+/// nothing to start or stop and no replica was taken out since, a tick
+/// does not look again (with ten thousand queues, looking costs more than
+/// all else an idle node does).
+#[derive(Debug, Default)]
+pub(super) struct Sweep {
+    settled: bool,
+    /// `Inner::removals` when the look began.
+    removals: u64,
+    /// Replicas are left to start: the next round comes at once.
+    more: bool,
+}
+
 impl Node {
     /// Keep the hosted groups equal to the metadata's wish.
-    pub(super) fn spawn_reconciler(&self) {
+    pub(super) fn spawn_reconciler(&self, mut feed: ChangeFeed) {
         let node = self.clone();
-        let mut meta = self.inner.meta.clone();
         tokio::spawn(async move {
             // Also on a timer: a replica leaves only once the group's
             // membership no longer has it, and masters move.
@@ -47,16 +63,20 @@ impl Node {
             let mut told: HashMap<GroupId, String> = HashMap::new();
             let mut last_watch: Option<Instant> = None;
             let mut ticked = true;
-            let mut last_state: Option<Arc<MetaState>> = None;
+            let mut sweep = Sweep::default();
             loop {
-                let state = meta.borrow_and_update().clone();
-                let changed = last_state.as_ref().is_none_or(|s| !Arc::ptr_eq(s, &state));
-                last_state = Some(state.clone());
-                if changed {
+                let (state, touched) = feed.latest();
+                // A declare or a delete changes no other queue: the failure
+                // watch's verdicts on the others stand.
+                if touched == Touched::All {
                     node.inner.quiescence.world_changed();
                 }
-                let failed = node.reconcile(&state, changed).await;
-                if ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY) {
+                let failed = node.reconcile(&state, &touched, &mut sweep).await;
+                #[cfg(feature = "test-hooks")]
+                let watch_due = Instant::now() >= node.inner.watch_from;
+                #[cfg(not(feature = "test-hooks"))]
+                let watch_due = true;
+                if watch_due && (ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY)) {
                     last_watch = Some(Instant::now());
                     node.watch_failures(&state).await;
                 }
@@ -76,10 +96,15 @@ impl Node {
                     }
                     still
                 });
+                if sweep.more {
+                    ticked = false;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
                 ticked = tokio::select! {
                     biased;
                     _ = node.inner.stop.cancelled() => return,
-                    r = meta.changed() => if r.is_err() { return } else { false },
+                    r = feed.changed() => if r.is_err() { return } else { false },
                     _ = tick.tick() => true,
                 };
             }
@@ -90,54 +115,90 @@ impl Node {
     /// watch runs after it). A group that fails is reported and the others go on (one
     /// replica that cannot start must not keep every other queue on the
     /// node from failing over).
-    /// `changed`: the metadata changed since the last round (else a tick).
-    pub(super) async fn reconcile(&self, state: &MetaState, changed: bool) -> Vec<(GroupId, ServerError)> {
+    /// `touched`: the queues whose metadata changed since the last round
+    /// (none on a tick). Their replicas get the policy's settings again and
+    /// their masters steer membership; the others only when not quiet (a
+    /// quiet group's membership cannot have moved since it settled: a
+    /// change is an entry, which wakes it). A tick looks over every queue
+    /// for replicas to start or stop only while the last look left some,
+    /// or a replica was taken out since: a start that failed, or waited
+    /// for a heal, is retried then.
+    pub(super) async fn reconcile(
+        &self,
+        state: &MetaState,
+        touched: &Touched,
+        sweep: &mut Sweep,
+    ) -> Vec<(GroupId, ServerError)> {
         let mut failed = Vec::new();
-        let wanted: HashMap<GroupId, &QueueMeta> =
-            state.queues.values().filter(|q| q.replicas.contains(&self.id())).map(|q| (q.group, q)).collect();
-        let exists: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
+        let me = self.id();
+        let removals = self.inner.removals.load(Ordering::Acquire);
+        // This node's replica's queue, if the metadata still has it.
+        let queue_of = |g: &QueueGroup| state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group);
+        let wants = |q: &QueueMeta| q.replicas.contains(&me);
+        // A declare or a delete looks at its own queues only; a tick, or a
+        // change to policies or nodes, at every one.
+        let nothing = BTreeSet::new();
+        let names = match touched {
+            Touched::Some(names) => Some(names),
+            Touched::None if sweep.settled && sweep.removals == removals => Some(&nothing),
+            Touched::None | Touched::All => None,
+        };
+        // Whatever this round leaves undone makes the next tick look again;
+        // a round that looked at some queues only vouches for no others.
+        let more;
+        let (mut settled, removals) = match names {
+            None => (true, removals),
+            Some(_) => (sweep.settled, sweep.removals),
+        };
         let (to_start, to_stop, to_steer): (Vec<QueueMeta>, Vec<Arc<QueueGroup>>, Vec<Arc<QueueGroup>>) = {
             let groups = self.inner.groups.read().expect("poisoned");
+            let startable = |q: &&QueueMeta| wants(q) && !groups.contains_key(&q.group);
+            let mut to_start: Vec<QueueMeta> = match names {
+                Some(names) => names.iter().filter_map(|n| state.queues.get(n)).filter(startable).cloned().collect(),
+                None => state.queues.values().filter(startable).cloned().collect(),
+            };
+            let wanted = to_start.len();
+            to_start.retain(|q| !self.inner.busy.lock().expect("poisoned").contains(&q.group));
+            more = to_start.len() > STARTS_PER_ROUND;
+            to_start.truncate(STARTS_PER_ROUND);
+            settled &= to_start.len() == wanted;
             (
-                {
-                    let busy = self.inner.busy.lock().expect("poisoned");
-                    wanted
-                        .values()
-                        .filter(|q| !groups.contains_key(&q.group) && !busy.contains(&q.group))
-                        .map(|q| (*q).clone())
-                        .collect()
-                },
+                to_start,
                 groups
                     .values()
+                    .filter(|g| names.is_none_or(|n| n.contains(&g.meta.name)))
                     .filter(|g| {
                         // Deleted, or moved away and already out of the group's
                         // membership (so stopping cannot cost the group a vote).
-                        !exists.contains_key(&g.meta.group)
-                            || (!wanted.contains_key(&g.meta.group) && !g.is_member(self.id()))
+                        queue_of(g).is_none_or(|q| !wants(q) && !g.is_member(me))
                     })
                     .cloned()
                     .collect(),
-                // A quiet group's membership cannot have moved since it
-                // settled (a change is an entry, which wakes it): only a
-                // metadata change may steer it.
                 groups
                     .values()
-                    .filter(|g| (changed || !g.hush.is_quiet()) && g.is_leader(self.id()))
+                    .filter(|g| (!g.hush.is_quiet() || touched.contains(&g.meta.name)) && g.is_leader(me))
                     .cloned()
                     .collect(),
             )
         };
         // Moved away but still a member in our own view: the final
         // membership entry never reaches a removed node, so ask the replicas
-        // that stay whether the change excluding us is in effect.
-        let moved: Vec<(Arc<QueueGroup>, Vec<NodeId>)> = {
-            let groups = self.inner.groups.read().expect("poisoned");
-            groups
+        // that stay whether the change excluding us is in effect. (Moves
+        // come with a policy or node change, or show at the next tick.)
+        let moved: Vec<(Arc<QueueGroup>, Vec<NodeId>)> = match names {
+            Some(_) => Vec::new(),
+            None => self
+                .inner
+                .groups
+                .read()
+                .expect("poisoned")
                 .values()
-                .filter(|g| !wanted.contains_key(&g.meta.group) && g.is_member(self.id()))
-                .filter_map(|g| exists.get(&g.meta.group).map(|q| (g.clone(), q.replicas.clone())))
-                .collect()
+                .filter_map(|g| {
+                    queue_of(g).filter(|q| !wants(q) && g.is_member(me)).map(|q| (g.clone(), q.replicas.clone()))
+                })
+                .collect(),
         };
+        settled &= to_stop.is_empty() && moved.is_empty();
         for (g, stay) in moved {
             if !self.excluded_by_peers(g.meta.group, &stay).await {
                 continue;
@@ -157,15 +218,17 @@ impl Node {
         // from the next publish on, so it is set at every change (the
         // failure watch runs less often); a replica started since got it
         // at its start.
-        for g in self.inner.groups.read().expect("poisoned").values().filter(|_| changed) {
-            if let Some(q) = exists.get(&g.meta.group) {
-                g.proposer.set_min_synchronised(failover::ha_of(state, q).min_synchronised.unwrap_or(0));
-                g.proposer.set_limits(deadletter::limits_of(state, q));
+        if *touched != Touched::None {
+            for g in self.inner.groups.read().expect("poisoned").values() {
+                if let Some(q) = queue_of(g).filter(|_| touched.contains(&g.meta.name)) {
+                    g.proposer.set_min_synchronised(failover::ha_of(state, q).min_synchronised.unwrap_or(0));
+                    g.proposer.set_limits(deadletter::limits_of(state, q));
+                }
             }
         }
         for g in to_steer {
-            if let Some(q) = exists.get(&g.meta.group) {
-                self.steer_membership(g, q, state);
+            if let Some(q) = queue_of(&g) {
+                self.steer_membership(g.clone(), q, state);
             }
         }
         for g in to_stop {
@@ -185,15 +248,19 @@ impl Node {
         let starts = to_start.into_iter().map(|q| async move {
             // A heal may have begun since the list was made.
             if self.inner.busy.lock().expect("poisoned").contains(&q.group) {
-                return None;
+                return Some(None);
             }
             let group = q.group;
-            self.start_group(q, state).await.err().map(|e| (group, e))
+            self.start_group(q, state).await.err().map(|e| Some((group, e)))
         });
         let mut starting = futures::stream::iter(starts).buffer_unordered(STARTS_AT_ONCE);
         while let Some(r) = starting.next().await {
-            failed.extend(r);
+            if let Some(left) = r {
+                settled = false;
+                failed.extend(left);
+            }
         }
+        *sweep = Sweep { settled, removals, more };
         failed
     }
 
@@ -388,7 +455,12 @@ impl Node {
         if pristine && epoch == Epoch::default() && !q.initial.contains(&self.id()) {
             db.put_node_value(&body_fetch::new_mirror_key(q.group), &[])?;
         }
-        if group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
+        // A restarted replica does not stand on its own timer: its master
+        // may be a quiet one, which sends no heartbeats to hear; this node
+        // learns so from the master's node, and the failure watch decides
+        // at its next round (with ten thousand such replicas, standing on
+        // the timer brought an election per queue at every restart).
+        if !pristine || group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
             raft.runtime_config().elect(false);
         }
         self.spawn_catch_up(group.clone());
