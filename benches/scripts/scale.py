@@ -318,7 +318,7 @@ def machine():
     return f"{os.cpu_count()} cores ({model}), {mem:.0f} GiB, {os.uname().release}"
 
 
-def report(path, n, parallel, idle_s):
+def report(path, n, parallel, idle_s, busy="100"):
     n = int(n)
     res = {}
     with open(path) as f:
@@ -360,6 +360,13 @@ def report(path, n, parallel, idle_s):
                 return "-"
             w = sorted(v)
             return f"{w[len(w) // 2]:.1f} / {w[-1]:.1f}"
+        if key == "busy_among_idle":
+            alone = r.get(f"busy_{busy}")
+            if v is None or not alone:
+                return num(v, 0)
+            return f"{v:,.0f} ({100 * v / alone:.0f}% of {busy} alone)"
+        if key.startswith("busy_"):
+            return num(v, 0)
         if key in ("restart_served_seconds", "restart_synced_seconds"):
             return "not within the timeout" if key in r and v is None else num(v, 2)
         return num(v, 2)
@@ -371,6 +378,10 @@ def report(path, n, parallel, idle_s):
         ("RSS per node, idle (MiB)", "rss_after"),
         ("RSS growth per replica (KiB, per node)", "rss_growth"),
         ("publish to an idle queue, confirmed (ms, p50 / max of %s)" % WAKE_COUNT, "wake_ms"),
+        ("1 busy queue alone, confirmed msg/s", "busy_1"),
+        ("10 busy queues alone, confirmed msg/s", "busy_10"),
+        (f"{busy} busy queues alone, confirmed msg/s", f"busy_{busy}"),
+        (f"{busy} busy queues among the {n:,} idle, confirmed msg/s", "busy_among_idle"),
         ("node 3 SIGTERM to exit (s)", "stop_seconds"),
         ("node 3 restarted: serves every queue (s from its start)", "restart_served_seconds"),
         ("node 3 restarted: every queue synchronised again (s)", "restart_synced_seconds"),
@@ -401,7 +412,9 @@ def report(path, n, parallel, idle_s):
         "`state` running or syncing; RabbitMQ a `leader` among the `online` members). \"Synchronised\":",
         "every queue's mirrors all in `synchronised_slave_nodes` (mirrorq) or all 3 members `online`",
         "(RabbitMQ). Times to synchronised are from the last declare's answer; restart times from the",
-        "restarted node's new process start, measured on that node's API.",
+        "restarted node's new process start, measured on that node's API. Busy: `mirrorq perf`, one",
+        "producer (confirm window 100, 100 B persistent) and one consumer per queue, all through node 1;",
+        "\"alone\" before the idle queues were declared, \"among\" after the idle window.",
     ]
     print("\n".join(out))
 

@@ -22,6 +22,11 @@
 #  4. wake: one persistent message with confirms (pika, one connection to
 #     node 1) to each of 50 idle queues spread over the range; each
 #     publish's time to its confirm (p50 / max).
+#  4b. busy: `mirrorq perf` with one producer and one consumer per queue
+#     (confirm window 100, 100 B persistent messages, BUSY_TIME s) over
+#     1, 10 and BUSY queues `scale-busy-*` before the idle queues are
+#     declared, and over the BUSY queues again after the wake step, among
+#     the idle ones: confirmed msg/s each time.
 #  5. restart: node 3 gets SIGTERM (reported: time until it exited), is
 #     started again on its data dir, and its GET /api/queues/%2F is polled
 #     every 0.2 s. Reported, from the new process's start: until it answers
@@ -35,7 +40,7 @@
 # is stopped on exit and on Ctrl-C.
 #
 # Usage: benches/scripts/scale.sh
-#   QUEUES=1000 PARALLEL=4 IDLE=30 SETTLE=5 (defaults)
+#   QUEUES=1000 PARALLEL=4 IDLE=30 SETTLE=5 BUSY=100 BUSY_TIME=15 (defaults)
 #   MIRRORQ_ONLY=1 / RABBIT_ONLY=1: one system only
 #   MIRRORQ_BIN=target/release/mirrorq (built if missing)
 #   MIRRORQ_WORKERS=1 (clusters.sh: runtime threads per node; "" = tokio's default)
@@ -45,7 +50,7 @@ cd "$(dirname "$0")/../.."
 
 # The command as given, for the report.
 SCALE_COMMAND=
-for v in QUEUES PARALLEL IDLE SETTLE MIRRORQ_ONLY RABBIT_ONLY MIRRORQ_BIN MIRRORQ_WORKERS; do
+for v in QUEUES PARALLEL IDLE SETTLE BUSY BUSY_TIME MIRRORQ_ONLY RABBIT_ONLY MIRRORQ_BIN MIRRORQ_WORKERS; do
   [ -z "${!v+x}" ] || SCALE_COMMAND+="$v=${!v} "
 done
 export SCALE_COMMAND="${SCALE_COMMAND}benches/scripts/scale.sh"
@@ -54,6 +59,8 @@ QUEUES=${QUEUES:-1000}
 PARALLEL=${PARALLEL:-4}
 IDLE=${IDLE:-30}
 SETTLE=${SETTLE:-5}
+BUSY=${BUSY:-100}
+BUSY_TIME=${BUSY_TIME:-15}
 SYNC_TIMEOUT=${SYNC_TIMEOUT:-1800}
 RESTART_TIMEOUT=${RESTART_TIMEOUT:-600}
 RMQ=/usr/lib/rabbitmq/bin
@@ -102,6 +109,27 @@ PY=python3
 py() { "$PY" benches/scripts/scale.py "$@"; }
 now() { date +%s.%N; }
 
+# busy SYSTEM KEY AMQP_PORT N [perf args]: confirmed msg/s of `mirrorq perf`
+# (it speaks plain AMQP to both systems) with N producers and N consumers,
+# one of each per queue `scale-busy-1..N` (`scale-busy` when N is 1).
+busy() {
+  local system=$1 key=$2 port=$3 n=$4 out
+  shift 4
+  out=$("$BIN" perf --uri "amqp://guest:guest@127.0.0.1:$port/%2f" --queue scale-busy --queues "$n" \
+    --producers "$n" --consumers "$n" --confirm 100 --size 100 --time "$BUSY_TIME" --json "$@" 2>/dev/null \
+    | tail -1) || true
+  out=$(echo "${out:-null}" | "$PY" -c 'import json,sys
+try: print(json.load(sys.stdin)["confirmed_per_sec"])
+except Exception: print("null")')
+  echo "$system: $n busy queues ($key): $out confirmed msg/s" >&2
+  py record "$system" "$key" "$out"
+}
+busy_before() {
+  local system=$1 port=$2 n
+  shift 2
+  for n in 1 10 "$BUSY"; do busy "$system" "busy_$n" "$port" "$n" "$@"; done
+}
+
 # wait_exit PID SECONDS: until PID is gone; kill -9 after SECONDS.
 wait_exit() {
   local pid=$1 limit=$2 t0
@@ -143,6 +171,7 @@ run_mirrorq() {
   "$BIN" ctl --url http://127.0.0.1:15691 set-policy scale '^scale-' \
     '{"ha-mode":"all","ha-sync-mode":"automatic"}' --apply-to queues >/dev/null
   py record mirrorq version "\"$("$BIN" --version)\""
+  busy_before mirrorq 5691
   sleep "$SETTLE"
   # shellcheck disable=SC2046
   py rss mirrorq rss_before $(mirrorq_pids)
@@ -154,6 +183,7 @@ run_mirrorq() {
   # shellcheck disable=SC2046
   py rss mirrorq rss_after $(mirrorq_pids)
   py wake mirrorq 5691 "$QUEUES"
+  busy mirrorq busy_among_idle 5691 "$BUSY"
 
   local pid t0 t1
   pid=$(cat "$DIR/m3.pid")
@@ -179,6 +209,7 @@ run_rabbitmq() {
   start_rabbitmq
   py record rabbitmq-quorum version "$(curl -sf -u guest:guest http://127.0.0.1:15681/api/overview \
     | python3 -c 'import json,sys; print(json.dumps("RabbitMQ " + json.load(sys.stdin)["rabbitmq_version"]))')"
+  busy_before rabbitmq-quorum 5681 --quorum
   sleep "$SETTLE"
   # shellcheck disable=SC2046
   py rss rabbitmq-quorum rss_before $(rabbit_pids)
@@ -190,6 +221,7 @@ run_rabbitmq() {
   # shellcheck disable=SC2046
   py rss rabbitmq-quorum rss_after $(rabbit_pids)
   py wake rabbitmq-quorum 5681 "$QUEUES"
+  busy rabbitmq-quorum busy_among_idle 5681 "$BUSY" --quorum
 
   local pid t0 t1
   pid=$(cat "$DIR/r3/pid")
@@ -214,4 +246,4 @@ if [ -z "${MIRRORQ_ONLY:-}" ]; then
   run_rabbitmq
 fi
 echo >&2
-py report "$SCALE_RESULTS" "$QUEUES" "$PARALLEL" "$IDLE" | tee ${OUT:+"$OUT"}
+py report "$SCALE_RESULTS" "$QUEUES" "$PARALLEL" "$IDLE" "$BUSY" | tee ${OUT:+"$OUT"}
