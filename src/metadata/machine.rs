@@ -165,6 +165,7 @@ impl Machine for MetaMachine {
             let q: QueueMeta = keys::decode(&v, "queue metadata")?;
             state.queues.insert(q.name.clone(), q);
         }
+        state.reindex();
         let (watch, _) = watch::channel(Arc::new(state.clone()));
         Ok(Self { state, dirty: false, touched, watch, pending: Arc::default() })
     }
@@ -222,6 +223,7 @@ impl Machine for MetaMachine {
 
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError> {
         self.state = keys::decode(dump, "metadata")?;
+        self.state.reindex();
         // The space was cleared: every queue gets its key again.
         self.dirty = true;
         self.touched = Touched::All;
@@ -286,11 +288,17 @@ mod tests {
             priority: 0,
             definition: r#"{"ha-mode":"all"}"#.into(),
         };
+        let b = m.state.queues["b"].group;
         apply_all(&mut m, &space, vec![MetaCmd::SetPolicy(policy), MetaCmd::DeleteQueue { name: "b".into() }]);
         assert_eq!(queue_keys(&space), vec![queue_key("a"), queue_key("c")]);
+        assert!(m.state.queue_by_group(b).is_none(), "a deleted queue is not found by its group");
         apply_all(&mut m, &space, vec![declare("d")]);
         let again = MetaMachine::load(&space).unwrap();
         assert_eq!(again.state, m.state);
+        for name in ["a", "c", "d"] {
+            let group = m.state.queues[name].group;
+            assert_eq!(again.state.queue_by_group(group).map(|q| q.name.as_str()), Some(name), "read back indexed");
+        }
         assert_eq!(again.state.queues["a"].replicas.len(), 3);
     }
 
@@ -368,6 +376,8 @@ mod tests {
         let mut r = MetaMachine::load(&to).unwrap();
         r.restore(&to, &dump).unwrap();
         assert_eq!(queue_keys(&to), vec![queue_key("a"), queue_key("b")]);
+        let a = m.state.queues["a"].group;
+        assert_eq!(r.state.queue_by_group(a).map(|q| q.name.as_str()), Some("a"), "a restored state is indexed");
         assert_eq!(MetaMachine::load(&to).unwrap().state, m.state);
     }
 }

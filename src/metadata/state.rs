@@ -65,6 +65,10 @@ pub struct MetaState {
     pub vhosts: BTreeMap<String, Vhost>,
     /// Per vhost, per user.
     pub permissions: BTreeMap<String, BTreeMap<String, Permission>>,
+    /// Each queue's name by its group: not stored, rebuilt by
+    /// [`MetaState::reindex`] when the state is read back.
+    #[serde(skip)]
+    by_group: OrdMap<GroupId, String>,
 }
 
 impl Default for MetaState {
@@ -75,6 +79,7 @@ impl Default for MetaState {
         Self {
             nodes: BTreeMap::new(),
             queues: OrdMap::new(),
+            by_group: OrdMap::new(),
             next_group: 0,
             exchanges: BTreeMap::new(),
             bindings: BTreeSet::new(),
@@ -268,6 +273,7 @@ impl MetaState {
                     args: args.clone(),
                 };
                 self.queues.insert(name.clone(), q.clone());
+                self.by_group.insert(q.group, name.clone());
                 MetaReply::NewQueue(q)
             }
             MetaCmd::SetPolicy(p) => {
@@ -292,7 +298,9 @@ impl MetaState {
                 self.replace_all();
                 MetaReply::Ok
             }
-            MetaCmd::DeleteQueue { name } => match self.queues.remove(name) {
+            MetaCmd::DeleteQueue { name } => match self.queues.remove(name).inspect(|q| {
+                self.by_group.remove(&q.group);
+            }) {
                 Some(_) => {
                     self.bindings.retain(|b| &b.queue != name);
                     MetaReply::Ok
@@ -393,7 +401,9 @@ impl MetaState {
                 let inside = |key: &String| names::vhost_of(key) == name;
                 let gone: Vec<String> = self.queues.keys().filter(|k| inside(k)).cloned().collect();
                 for k in gone {
-                    self.queues.remove(&k);
+                    if let Some(q) = self.queues.remove(&k) {
+                        self.by_group.remove(&q.group);
+                    }
                 }
                 self.exchanges.retain(|k, _| !inside(k));
                 self.bindings.retain(|b| !inside(&b.exchange) && !inside(&b.queue));
@@ -499,8 +509,15 @@ impl MetaState {
         self.exchanges.get(name).cloned().or_else(|| builtin(name))
     }
 
+    /// A node that restarts is asked about thousands of groups before it
+    /// started their replicas: an index, not a walk over every queue.
     pub fn queue_by_group(&self, group: GroupId) -> Option<&QueueMeta> {
-        self.queues.values().find(|q| q.group == group)
+        self.by_group.get(&group).and_then(|name| self.queues.get(name)).filter(|q| q.group == group)
+    }
+
+    /// Rebuild what is derived from the queues, after they were read back.
+    pub fn reindex(&mut self) {
+        self.by_group = self.queues.values().map(|q| (q.group, q.name.clone())).collect();
     }
 }
 
