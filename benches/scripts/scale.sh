@@ -26,8 +26,9 @@
 #     (confirm window 100, 100 B persistent messages, BUSY_TIME s) over
 #     1, 10 and BUSY queues `scale-busy-*` before the idle queues are
 #     declared, and over the BUSY queues again after the wake step, among
-#     the idle ones: confirmed msg/s each time. (RSS before is read before
-#     them, so what they leave counts in the growth per replica.)
+#     the idle ones: confirmed msg/s each time. RSS before is read after
+#     the first busy runs: what they leave in memory (hundreds of MiB on
+#     both systems) is not the idle queues' cost.
 #  5. restart: node 3 gets SIGTERM (reported: time until it exited), is
 #     started again on its data dir, and its GET /api/queues/%2F is polled
 #     every 0.2 s. Reported, from the new process's start: until it answers
@@ -172,10 +173,10 @@ run_mirrorq() {
   "$BIN" ctl --url http://127.0.0.1:15691 set-policy scale '^scale-' \
     '{"ha-mode":"all","ha-sync-mode":"automatic"}' --apply-to queues >/dev/null
   py record mirrorq version "\"$("$BIN" --version)\""
+  busy_before mirrorq 5691
   sleep "$SETTLE"
   # shellcheck disable=SC2046
   py rss mirrorq rss_before $(mirrorq_pids)
-  busy_before mirrorq 5691
   py declare mirrorq "$QUEUES" "$PARALLEL" 15691 15692 15693
   py sync mirrorq 15691 "$QUEUES" 3 "$SYNC_TIMEOUT"
   sleep "$SETTLE"
@@ -210,10 +211,10 @@ run_rabbitmq() {
   start_rabbitmq
   py record rabbitmq-quorum version "$(curl -sf -u guest:guest http://127.0.0.1:15681/api/overview \
     | python3 -c 'import json,sys; print(json.dumps("RabbitMQ " + json.load(sys.stdin)["rabbitmq_version"]))')"
+  busy_before rabbitmq-quorum 5681 --quorum
   sleep "$SETTLE"
   # shellcheck disable=SC2046
   py rss rabbitmq-quorum rss_before $(rabbit_pids)
-  busy_before rabbitmq-quorum 5681 --quorum
   py declare rabbitmq-quorum "$QUEUES" "$PARALLEL" 15681 15682 15683
   py sync rabbitmq-quorum 15681 "$QUEUES" 3 "$SYNC_TIMEOUT"
   sleep "$SETTLE"
