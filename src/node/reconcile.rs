@@ -46,7 +46,8 @@ pub(super) struct Sweep {
     settled: bool,
     /// `Inner::removals` when the look began.
     removals: u64,
-    /// Replicas are left to start: the next round comes at once.
+    /// Replicas are left to start and this round started some: the next
+    /// round comes at once.
     more: bool,
 }
 
@@ -254,13 +255,18 @@ impl Node {
             self.start_group(q, state).await.err().map(|e| Some((group, e)))
         });
         let mut starting = futures::stream::iter(starts).buffer_unordered(STARTS_AT_ONCE);
+        let mut started_any = false;
         while let Some(r) = starting.next().await {
-            if let Some(left) = r {
-                settled = false;
-                failed.extend(left);
+            match r {
+                Some(left) => {
+                    settled = false;
+                    failed.extend(left);
+                }
+                None => started_any = true,
             }
         }
-        *sweep = Sweep { settled, removals, more };
+        // Replicas that cannot start wait for the next tick, not spin.
+        *sweep = Sweep { settled, removals, more: more && started_any };
         failed
     }
 
