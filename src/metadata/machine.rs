@@ -263,16 +263,32 @@ mod tests {
         space.apply(batch).unwrap();
     }
 
+    /// An empty metadata machine on a fresh store (the dir lives as long as it).
+    fn fresh() -> (tempfile::TempDir, SmSpace, MetaMachine) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let space = SmSpace::new(db, 0);
+        let m = MetaMachine::load(&space).unwrap();
+        (dir, space, m)
+    }
+
+    fn ha_all() -> Policy {
+        Policy {
+            name: "ha".into(),
+            pattern: ".*".into(),
+            apply_to: ApplyTo::Queues,
+            priority: 0,
+            definition: r#"{"ha-mode":"all"}"#.into(),
+        }
+    }
+
     fn queue_keys(space: &SmSpace) -> Vec<Vec<u8>> {
         space.scan(QUEUE).map(|kv| kv.unwrap().0).collect()
     }
 
     #[test]
     fn queues_are_written_one_key_each_and_read_back_whole() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-        let space = SmSpace::new(db.clone(), 0);
-        let mut m = MetaMachine::load(&space).unwrap();
+        let (_dir, space, mut m) = fresh();
         let nodes =
             (1..=3).map(|id| MetaCmd::RegisterNode(NodeInfo { id, name: format!("n{id}"), raft_addr: String::new() }));
         apply_all(&mut m, &space, nodes.chain(["a", "b", "c"].map(declare)).collect());
@@ -281,15 +297,8 @@ mod tests {
         assert!(rest.queues.is_empty(), "queues are not written with the rest");
 
         // A policy re-places every queue; a delete drops its key.
-        let policy = Policy {
-            name: "ha".into(),
-            pattern: ".*".into(),
-            apply_to: ApplyTo::Queues,
-            priority: 0,
-            definition: r#"{"ha-mode":"all"}"#.into(),
-        };
         let b = m.state.queues["b"].group;
-        apply_all(&mut m, &space, vec![MetaCmd::SetPolicy(policy), MetaCmd::DeleteQueue { name: "b".into() }]);
+        apply_all(&mut m, &space, vec![MetaCmd::SetPolicy(ha_all()), MetaCmd::DeleteQueue { name: "b".into() }]);
         assert_eq!(queue_keys(&space), vec![queue_key("a"), queue_key("c")]);
         assert!(m.state.queue_by_group(b).is_none(), "a deleted queue is not found by its group");
         apply_all(&mut m, &space, vec![declare("d")]);
@@ -304,10 +313,7 @@ mod tests {
 
     #[test]
     fn the_change_feed_tells_which_queues_each_change_touched() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-        let space = SmSpace::new(db.clone(), 0);
-        let mut m = MetaMachine::load(&space).unwrap();
+        let (_dir, space, mut m) = fresh();
         let mut feed = m.feed();
         let (_, first) = feed.latest();
         assert_eq!(first, Touched::All, "the first read looks at every queue");
@@ -326,15 +332,8 @@ mod tests {
         // Exchanges and users touch no queue; a policy touches them all.
         apply_all(&mut m, &space, vec![MetaCmd::DeleteExchange { name: "x".into(), if_unused: false }]);
         assert_eq!(feed.latest().1, Touched::None);
-        let policy = Policy {
-            name: "ha".into(),
-            pattern: ".*".into(),
-            apply_to: ApplyTo::Queues,
-            priority: 0,
-            definition: r#"{"ha-mode":"all"}"#.into(),
-        };
         apply_all(&mut m, &space, vec![declare("c")]);
-        apply_all(&mut m, &space, vec![MetaCmd::SetPolicy(policy)]);
+        apply_all(&mut m, &space, vec![MetaCmd::SetPolicy(ha_all())]);
         assert_eq!(feed.latest().1, Touched::All);
 
         // Past the bound, a pile of names becomes every queue.
