@@ -55,4 +55,6 @@ pub enum ServerError {
     Raft(String),
     #[error("invalid configuration: {0}")]
     Config(String),
+    #[error("cannot start the beacon thread: {0}")]
+    Beacon(#[source] std::io::Error),
 }

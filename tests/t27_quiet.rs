@@ -175,3 +175,53 @@ async fn a_restarted_mirror_stands_for_no_election_before_its_failure_watch_runs
     c.node(mirror).publish("q", vec![msg("after")]).await.expect("confirmed through the restarted mirror");
     c.shutdown().await;
 }
+
+/// Peers judge a node by its pings, and re-form its queues when it stays
+/// silent. A node whose runtime is swamped (here: its only worker thread
+/// blocked) still answers them, from the beacon's thread and connection,
+/// so its peers see it alive rather than dead; but not once its runtime has
+/// made no progress for the failure timeout (a hang is as good as a death);
+/// and a crashed node answers no more.
+#[test]
+fn a_node_whose_runtime_is_blocked_still_answers_pings_until_the_failure_timeout() {
+    use mirrorq::link::beacon::Beacon;
+    use mirrorq::link::rpc::{RpcRequest, RpcResponse};
+    use mirrorq::link::transport::Transport;
+    use std::sync::Arc;
+    use tokio_util::sync::CancellationToken;
+
+    init_tracing();
+    let timing = fast_timing(Duration::from_secs(60));
+    let node_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let mut c = node_rt.block_on(Cluster::start(1, timing.clone()));
+    let addr = c.configs[0].raft_listen.clone();
+
+    let pinger = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let stop = CancellationToken::new();
+    let transport = Transport::with_beacon(Arc::new(Beacon::start(stop.clone()).unwrap()));
+    let ping = || {
+        pinger.block_on(transport.ping(&addr, RpcRequest::Liveness { from: 99, have: None }, Duration::from_secs(1)))
+    };
+    assert!(matches!(ping(), Ok(RpcResponse::Liveness { .. })), "a running node answers");
+
+    let block = timing.failure_timeout + Duration::from_secs(3);
+    let (started, blocked) = std::sync::mpsc::channel();
+    node_rt.spawn(async move {
+        started.send(Instant::now()).unwrap();
+        std::thread::sleep(block);
+    });
+    let since = blocked.recv().unwrap();
+    let answer = ping();
+    assert!(matches!(answer, Ok(RpcResponse::Liveness { .. })), "the busy node did not answer: {answer:?}");
+
+    std::thread::sleep((since + timing.failure_timeout).saturating_duration_since(Instant::now()));
+    let answer = ping();
+    assert!(answer.is_err(), "a node stuck for the failure timeout answered: {answer:?}");
+
+    std::thread::sleep((since + block + Duration::from_millis(500)).saturating_duration_since(Instant::now()));
+    assert!(matches!(ping(), Ok(RpcResponse::Liveness { .. })), "the node did not answer again once unstuck");
+
+    node_rt.block_on(c.crash(1));
+    assert!(ping().is_err(), "a crashed node answered a ping");
+    stop.cancel();
+}

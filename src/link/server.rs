@@ -6,14 +6,17 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::StreamExt;
-use tokio::net::TcpListener;
-use tokio::sync::mpsc;
-use tokio_util::codec::FramedRead;
+use futures::{SinkExt, StreamExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Handle;
+use tokio::sync::{mpsc, Semaphore};
+use tokio_util::codec::{Framed, FramedRead};
 use tokio_util::sync::CancellationToken;
 
+use super::beacon::{self, Beacon, Hello, Pulse};
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse};
 use super::transport::{codec, write_frames};
+use crate::ids::NodeId;
 
 /// The rest of a request's handling, after its admission.
 pub type Completion = Pin<Box<dyn Future<Output = RpcResponse> + Send>>;
@@ -24,41 +27,130 @@ pub trait RpcHandler: Send + Sync + 'static {
     /// in the master's log order here), and return the rest of its handling,
     /// which runs concurrently with later requests.
     fn admit(self: Arc<Self>, req: RpcRequest) -> impl Future<Output = Completion> + Send;
+
+    /// Answer a liveness ping from `from` on the beacon's thread: at once,
+    /// without waiting for anything.
+    fn ping(&self, from: NodeId, have: Option<(u64, u64)>) -> RpcResponse;
 }
 
 /// Accept connections until `stop` is cancelled; then every connection and
-/// in-flight handler is dropped.
-pub async fn serve<H: RpcHandler>(listener: TcpListener, handler: Arc<H>, stop: CancellationToken) {
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        match accepted {
-            Ok((stream, _)) => {
-                let _ = stream.set_nodelay(true);
-                let (h, stop) = (handler.clone(), stop.clone());
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = stop.cancelled() => {}
-                        _ = connection(stream, h, stop.clone()) => {}
-                    }
-                });
-            }
+/// in-flight handler is dropped. Accepting runs on the beacon's thread,
+/// which answers beacon connections itself (`beacon.rs`) and hands every
+/// other connection to the runtime this is called from.
+pub fn serve<H: RpcHandler>(listener: TcpListener, handler: Arc<H>, beacon: &Beacon, stop: CancellationToken) {
+    let main = Handle::current();
+    let pulse = beacon.pulse();
+    let listener = match listener.into_std() {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot hand the raft port to the beacon thread");
+            return;
+        }
+    };
+    beacon.handle().spawn(async move {
+        let listener = match TcpListener::from_std(listener) {
+            Ok(l) => l,
             Err(e) => {
-                tracing::warn!(error = %e, "accept failed on the raft port");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                tracing::error!(error = %e, "cannot listen on the raft port from the beacon thread");
+                return;
             }
+        };
+        loop {
+            let accepted = tokio::select! {
+                _ = stop.cancelled() => return,
+                a = listener.accept() => a,
+            };
+            match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let (h, stop, main, pulse) = (handler.clone(), stop.clone(), main.clone(), pulse.clone());
+                    tokio::spawn(async move {
+                        match beacon::hello(stream).await {
+                            Some(Hello::Beacon(stream)) => {
+                                tokio::select! {
+                                    _ = stop.cancelled() => {}
+                                    _ = answer_pings(stream, h, pulse) => {}
+                                }
+                            }
+                            Some(Hello::Link(stream)) => hand_to(&main, stream, h, stop),
+                            None => {}
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed on the raft port");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    });
+}
+
+/// Serve a node-link connection on the `main` runtime.
+fn hand_to<H: RpcHandler>(main: &Handle, stream: TcpStream, handler: Arc<H>, stop: CancellationToken) {
+    let stream = match stream.into_std() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot hand a node-link connection over");
+            return;
+        }
+    };
+    main.spawn(async move {
+        let stream = match TcpStream::from_std(stream) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot take a node-link connection over");
+                return;
+            }
+        };
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = connection(stream, handler, stop.clone()) => {}
+        }
+    });
+}
+
+/// A beacon connection: each ping answered here, in order, at once, while
+/// the main runtime makes progress; left unanswered while it does not.
+async fn answer_pings<H: RpcHandler>(stream: TcpStream, handler: Arc<H>, pulse: Pulse) {
+    let mut framed = Framed::new(stream, codec());
+    while let Some(Ok(frame)) = framed.next().await {
+        let env: Envelope<RpcRequest> = match rpc::decode(&frame) {
+            Ok(e) => e,
+            Err(_) => return,
+        };
+        let RpcRequest::Liveness { from, have } = env.body else {
+            tracing::warn!("a beacon connection carried something other than a ping; closing it");
+            return;
+        };
+        if !pulse.alive() {
+            continue;
+        }
+        let body = handler.ping(from, have);
+        let Ok(reply) = rpc::encode(&Envelope::<RpcResponse> { id: env.id, body }) else { return };
+        if framed.send(Bytes::from(reply)).await.is_err() {
+            return;
         }
     }
 }
 
-async fn connection<H: RpcHandler>(stream: tokio::net::TcpStream, handler: Arc<H>, stop: CancellationToken) {
+/// How much of the requests of one connection may be in hand at once, in
+/// bytes, each counted at least [`MIN_COST`]: beyond it the connection is
+/// not read until some finish, so a peer sending faster than this node
+/// handles is slowed by TCP (its calls time out and are retried) instead of
+/// piling up handlers here. Pings have their own connection (`beacon.rs`).
+const IN_HAND: usize = 64 << 20;
+const MIN_COST: usize = 16 << 10;
+
+async fn connection<H: RpcHandler>(stream: TcpStream, handler: Arc<H>, stop: CancellationToken) {
     let (rd, wr) = stream.into_split();
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let writer = tokio::spawn(write_frames(wr, rx));
     let mut input = FramedRead::new(rd, codec());
+    let in_hand = Arc::new(Semaphore::new(IN_HAND));
     while let Some(Ok(frame)) = input.next().await {
+        let cost = frame.len().clamp(MIN_COST, IN_HAND) as u32;
+        let Ok(permit) = in_hand.clone().acquire_many_owned(cost).await else { break };
         let env: Envelope<RpcRequest> = match rpc::decode(&frame) {
             Ok(e) => e,
             Err(e) => {
@@ -66,6 +158,7 @@ async fn connection<H: RpcHandler>(stream: tokio::net::TcpStream, handler: Arc<H
                 break;
             }
         };
+        drop(frame);
         let completion = handler.clone().admit(env.body).await;
         let (tx, stop) = (tx.clone(), stop.clone());
         tokio::spawn(async move {
@@ -73,6 +166,7 @@ async fn connection<H: RpcHandler>(stream: tokio::net::TcpStream, handler: Arc<H
                 _ = stop.cancelled() => return,
                 b = completion => b,
             };
+            drop(permit);
             match rpc::encode(&Envelope::<RpcResponse> { id: env.id, body }) {
                 Ok(b) => {
                     let _ = tx.send(Bytes::from(b)).await;
@@ -83,4 +177,72 @@ async fn connection<H: RpcHandler>(stream: tokio::net::TcpStream, handler: Arc<H
     }
     drop(tx);
     writer.abort();
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::link::transport::Transport;
+
+    /// Admits every request and finishes each only when the test lets one go.
+    struct Held {
+        admitted: AtomicUsize,
+        release: Arc<Semaphore>,
+    }
+
+    impl RpcHandler for Held {
+        async fn admit(self: Arc<Self>, _req: RpcRequest) -> Completion {
+            self.admitted.fetch_add(1, Ordering::SeqCst);
+            let release = self.release.clone();
+            Box::pin(async move {
+                if let Ok(p) = release.acquire().await {
+                    p.forget();
+                }
+                RpcResponse::Done
+            })
+        }
+
+        fn ping(&self, _from: NodeId, _have: Option<(u64, u64)>) -> RpcResponse {
+            RpcResponse::Done
+        }
+    }
+
+    async fn settled(count: &AtomicUsize) -> usize {
+        let mut last = usize::MAX;
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let now = count.load(Ordering::SeqCst);
+            if now == last {
+                return now;
+            }
+            last = now;
+        }
+    }
+
+    /// Requests whose handling does not finish are held to a budget per
+    /// connection; the rest wait in the socket, and each one finished lets
+    /// one more in.
+    #[tokio::test]
+    async fn a_connection_holds_a_bounded_number_of_requests_in_hand() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let stop = CancellationToken::new();
+        let beacon = Beacon::start(stop.child_token()).unwrap();
+        let held = Arc::new(Held { admitted: AtomicUsize::new(0), release: Arc::new(Semaphore::new(0)) });
+        serve(listener, held.clone(), &beacon, stop.clone());
+
+        let budget = IN_HAND / MIN_COST;
+        let t = Transport::new();
+        let mut waits = Vec::new();
+        for group in 0..budget as u64 + 500 {
+            waits.push(t.start_call(&addr, &RpcRequest::Members { group }).await.unwrap());
+        }
+        assert_eq!(settled(&held.admitted).await, budget, "requests in hand beyond the budget");
+        held.release.add_permits(10);
+        assert_eq!(settled(&held.admitted).await, budget + 10, "finished requests did not let others in");
+        stop.cancel();
+    }
 }

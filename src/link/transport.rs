@@ -13,10 +13,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
+use super::beacon::{self, Beacon};
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
 use crate::ids::NodeId;
 
@@ -67,6 +69,8 @@ impl NetControl {
 /// All outbound connections of a node.
 pub struct Transport {
     peers: Mutex<HashMap<String, Arc<Peer>>>,
+    /// Where pings go out (`beacon.rs`); without one they share the link.
+    beacon: Option<Arc<Beacon>>,
     pub control: NetControl,
     /// The address of each peer whose connection broke by itself, as it breaks.
     losses: broadcast::Sender<String>,
@@ -80,7 +84,17 @@ impl Default for Transport {
 
 impl Transport {
     pub fn new() -> Self {
-        Self { peers: Mutex::new(HashMap::new()), control: NetControl::default(), losses: broadcast::channel(64).0 }
+        Self {
+            peers: Mutex::new(HashMap::new()),
+            beacon: None,
+            control: NetControl::default(),
+            losses: broadcast::channel(64).0,
+        }
+    }
+
+    /// A transport whose pings travel on `beacon`'s thread and connections.
+    pub fn with_beacon(beacon: Arc<Beacon>) -> Self {
+        Self { beacon: Some(beacon), ..Self::new() }
     }
 
     fn peer(&self, addr: &str) -> Arc<Peer> {
@@ -104,6 +118,25 @@ impl Transport {
         match tokio::time::timeout(timeout, peer.call(req)).await {
             Ok(r) => r,
             Err(_) => Err(CallError::Timeout(addr.to_string())),
+        }
+    }
+
+    /// A liveness ping to the node at `addr`, sent and answered on the
+    /// beacon's connection: how busy this node's runtime is does not delay
+    /// it, only how long the caller takes to look at the answer.
+    pub async fn ping(&self, addr: &str, req: RpcRequest, timeout: Duration) -> Result<RpcResponse, CallError> {
+        let Some(beacon) = &self.beacon else { return self.call(addr, &req, timeout).await };
+        let peer = self.peer(addr);
+        let timed_out = CallError::Timeout(addr.to_string());
+        let ask = beacon.handle().spawn(async move {
+            match tokio::time::timeout(timeout, peer.ping(&req)).await {
+                Ok(r) => r,
+                Err(_) => Err(timed_out),
+            }
+        });
+        match ask.await {
+            Ok(r) => r,
+            Err(_) => Err(CallError::Closed(format!("{addr} (the beacon thread stopped)"))),
         }
     }
 
@@ -134,6 +167,11 @@ impl Transport {
     pub fn close_all(&self) {
         for p in self.peers.lock().expect("poisoned").values() {
             p.close();
+            if let Ok(mut c) = p.beacon_conn.try_lock() {
+                if let Some(c) = c.take() {
+                    c.close();
+                }
+            }
         }
     }
 }
@@ -158,6 +196,9 @@ impl Conn {
 struct Peer {
     addr: String,
     conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    /// The connection pings travel on, made and served on the beacon's
+    /// runtime.
+    beacon_conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
     /// When the last dial failed, and how long to wait before the next.
     backoff: Mutex<Option<(Instant, Duration)>>,
     /// When the last connection broke by itself; `None` while one is up.
@@ -173,6 +214,7 @@ impl Peer {
         Self {
             addr,
             conn: tokio::sync::Mutex::new(None),
+            beacon_conn: tokio::sync::Mutex::new(None),
             backoff: Mutex::new(None),
             lost_at: Arc::default(),
             losses,
@@ -209,10 +251,38 @@ impl Peer {
         *self.backoff.lock().expect("poisoned") = None;
         let _ = stream.set_nodelay(true);
         *self.lost_at.lock().expect("poisoned") = None;
-        let lost = (self.lost_at.clone(), self.losses.clone(), self.addr.clone());
-        let conn = Arc::new(start_conn(stream, lost, self.deaf.clone()));
+        let lost = LossReport { at: self.lost_at.clone(), to: self.losses.clone(), addr: self.addr.clone() };
+        let conn = Arc::new(start_conn(stream, Some(lost), self.deaf.clone()));
         *slot = Some(conn.clone());
         Ok(conn)
+    }
+
+    /// The beacon connection, dialled if there is none (on the runtime
+    /// this runs on: the beacon's). No backoff: a ping's own bound keeps a
+    /// dead peer cheap, and pings are few.
+    async fn beacon_connection(&self) -> Result<Arc<Conn>, CallError> {
+        let mut slot = self.beacon_conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if !c.closed.load(Ordering::Acquire) {
+                return Ok(c.clone());
+            }
+        }
+        let unreachable = |why: String| CallError::Unreachable(self.addr.clone(), why);
+        let mut stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(unreachable(e.to_string())),
+            Err(_) => return Err(unreachable("connect timed out".into())),
+        };
+        let _ = stream.set_nodelay(true);
+        stream.write_all(beacon::MAGIC).await.map_err(|e| unreachable(e.to_string()))?;
+        let conn = Arc::new(start_conn(stream, None, self.deaf.clone()));
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    async fn ping(&self, req: &RpcRequest) -> Result<RpcResponse, CallError> {
+        let conn = self.beacon_connection().await?;
+        self.call_on(conn, req).await
     }
 
     fn dial_failed(&self, why: String) -> CallError {
@@ -241,6 +311,10 @@ impl Peer {
 
     async fn call(&self, req: &RpcRequest) -> Result<RpcResponse, CallError> {
         let conn = self.connection().await?;
+        self.call_on(conn, req).await
+    }
+
+    async fn call_on(&self, conn: Arc<Conn>, req: &RpcRequest) -> Result<RpcResponse, CallError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = Bytes::from(rpc::encode(&Envelope { id, body: req })?);
         let (tx, rx) = oneshot::channel();
@@ -280,12 +354,15 @@ pub(crate) async fn write_frames(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mp
     }
 }
 
-fn start_conn(
-    stream: TcpStream,
-    lost: (Arc<Mutex<Option<Instant>>>, broadcast::Sender<String>, String),
-    deaf: Arc<AtomicBool>,
-) -> Conn {
-    let (lost_at, losses, addr) = lost;
+/// Where a connection that breaks by itself tells so: the node link's own
+/// do ([`Transport::losses`]); beacon connections do not.
+struct LossReport {
+    at: Arc<Mutex<Option<Instant>>>,
+    to: broadcast::Sender<String>,
+    addr: String,
+}
+
+fn start_conn(stream: TcpStream, lost: Option<LossReport>, deaf: Arc<AtomicBool>) -> Conn {
     let (rd, wr) = stream.into_split();
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
@@ -319,8 +396,10 @@ fn start_conn(
                 }
             }
             closed.store(true, Ordering::Release);
-            lost_at.lock().expect("poisoned").get_or_insert_with(Instant::now);
-            let _ = losses.send(addr);
+            if let Some(LossReport { at, to, addr }) = lost {
+                at.lock().expect("poisoned").get_or_insert_with(Instant::now);
+                let _ = to.send(addr);
+            }
             // Dropping the senders fails every waiter at once.
             pending.lock().expect("poisoned").clear();
         })

@@ -404,6 +404,22 @@ impl Inner {
         self.transport.call(&addr, req, wait).await
     }
 
+    /// A liveness ping to `target`, on the beacon (`link::beacon`).
+    pub(super) async fn ping(
+        &self,
+        target: NodeId,
+        req: RpcRequest,
+        limit: Duration,
+    ) -> Result<RpcResponse, CallError> {
+        if self.transport.control.is_blocked(target) {
+            return Err(CallError::Unreachable(format!("node {target}"), "blocked by test hook".into()));
+        }
+        let addr = self
+            .addr_of(target)
+            .ok_or_else(|| CallError::Unreachable(format!("node {target}"), "address unknown".into()))?;
+        self.transport.ping(&addr, req, limit).await
+    }
+
     pub(super) async fn local_queue_op(
         &self,
         group: GroupId,

@@ -34,6 +34,10 @@ impl RpcHandler for Inner {
         }
         Box::pin(self.handle(req))
     }
+
+    fn ping(&self, from: NodeId, have: Option<(u64, u64)>) -> RpcResponse {
+        self.quiescence.answer(from, have)
+    }
 }
 
 impl Inner {

@@ -16,6 +16,7 @@ use super::{told, Inner, Node, NodeConfig, INCARNATION_KEY, NODE_ID_KEY};
 use crate::alarms::Alarms;
 use crate::error::ServerError;
 use crate::ids::{NodeId, METADATA_GROUP};
+use crate::link::beacon::Beacon;
 use crate::link::server;
 use crate::link::transport::Transport;
 use crate::metadata::{MetaCmd, MetaMachine, NodeInfo};
@@ -107,7 +108,12 @@ impl Node {
         // routes from its own applied copy of the metadata.
         let queue_raft_config = Arc::new(openraft::Config { commit_rides_on_next_append: true, ..raft_config.clone() });
         let raft_config = Arc::new(raft_config);
-        let transport = Arc::new(Transport::new());
+        let stop = CancellationToken::new();
+        let beacon = Arc::new(Beacon::start(stop.child_token()).map_err(ServerError::Beacon)?);
+        // A node whose runtime makes no progress for the failure timeout is
+        // as good as gone to its peers.
+        beacon.watch_this_runtime(cfg.timing.failure_timeout);
+        let transport = Arc::new(Transport::with_beacon(beacon.clone()));
         let (news, news_rx) = mpsc::unbounded_channel();
 
         let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?;
@@ -129,7 +135,6 @@ impl Node {
         .map_err(|e| ServerError::Raft(e.to_string()))?;
         meta_sm.enable_snapshot_transfer();
 
-        let stop = CancellationToken::new();
         let inner = Arc::new(Inner {
             id: cfg.node_id,
             name: cfg.node_name.clone(),
@@ -165,7 +170,7 @@ impl Node {
             stop,
         });
 
-        tokio::spawn(server::serve(listener, inner.clone(), inner.stop.clone()));
+        server::serve(listener, inner.clone(), &beacon, inner.stop.clone());
         inner.alarms.clone().spawn(inner.stop.clone());
 
         let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;

@@ -120,35 +120,52 @@ impl Node {
     }
 
     /// Graceful stop: move every mastership in `successors` to its
-    /// successor (all at once, for at most a few seconds). Returns those
-    /// that did not move.
+    /// successor, [`MOVES_AT_ONCE`] at a time, starting none after
+    /// [`MOVES_FOR`]. Returns those that did not move.
     pub(super) async fn move_masters_away(&self, successors: Vec<(GroupId, NodeId)>) -> Vec<(GroupId, NodeId)> {
         if successors.is_empty() {
             return successors;
         }
         let started = Instant::now();
+        let until = started + MOVES_FOR;
         // Each move has its own bound: one that hangs must not make the
         // others, already done, count as not moved.
         let limit = self.inner.timing.election_max * 2 + Duration::from_secs(1);
-        let moves = successors.iter().map(|(group, to)| async move {
-            let r = match tokio::time::timeout(limit, self.move_master(*group, *to, true)).await {
-                Ok(r) => r,
-                Err(_) => Err(NodeError::Unavailable("no new master in time".into())),
-            };
-            if let Err(e) = &r {
-                tracing::warn!(group, to, error = %e, "mastership not moved; handing over after stopping");
+        let first_error = std::sync::Mutex::new(None);
+        let at_once = tokio::sync::Semaphore::new(MOVES_AT_ONCE);
+        let moves = successors.iter().map(|(group, to)| {
+            let (first_error, at_once) = (&first_error, &at_once);
+            async move {
+                let Ok(_turn) = at_once.acquire().await else { return false };
+                if Instant::now() >= until {
+                    return false;
+                }
+                let r = match tokio::time::timeout(limit, self.move_master(*group, *to, true)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(NodeError::Unavailable("no new master in time".into())),
+                };
+                if let Err(e) = &r {
+                    first_error.lock().expect("poisoned").get_or_insert_with(|| (*group, *to, e.to_string()));
+                }
+                r.is_ok()
             }
-            r.is_ok()
         });
         let moved = futures::future::join_all(moves).await;
         let left: Vec<(GroupId, NodeId)> =
             successors.into_iter().zip(&moved).filter(|(_, ok)| !**ok).map(|(s, _)| s).collect();
-        tracing::info!(
-            moved = moved.len() - left.len(),
-            left = left.len(),
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "masterships moved before stopping"
-        );
+        let elapsed_ms = started.elapsed().as_millis() as u64;
+        match first_error.into_inner().expect("poisoned") {
+            None if left.is_empty() => {
+                tracing::info!(moved = moved.len(), left = 0, elapsed_ms, "masterships moved before stopping")
+            }
+            first => tracing::warn!(
+                moved = moved.len() - left.len(),
+                left = left.len(),
+                elapsed_ms,
+                first_failure = ?first,
+                "not every mastership moved before stopping (out of time or failed): the rest are handed over after the groups stop"
+            ),
+        }
         left
     }
 
@@ -220,6 +237,15 @@ impl Node {
         }
     }
 }
+
+/// Masterships moved at once by a stopping node. Each move restarts the
+/// group's replica here and holds an election; ten thousand of them at
+/// once saturated every node, and the peers' calls timed out.
+const MOVES_AT_ONCE: usize = 32;
+
+/// How long a stopping node starts new moves; the rest are handed over
+/// after its groups stop (their successors stand at once).
+const MOVES_FOR: Duration = Duration::from_secs(20);
 
 impl super::Inner {
     pub(super) fn is_quiet(&self, group: GroupId) -> bool {

@@ -110,10 +110,9 @@ impl Node {
     /// Does node `id` answer a liveness ping? Its answer brings its list of
     /// quietly led groups when that changed (`quiescence.rs`).
     pub(super) async fn ping_liveness(&self, id: NodeId, limit: Duration) -> bool {
-        let deadline = Instant::now() + limit;
         let q = &self.inner.quiescence;
         let ask = RpcRequest::Liveness { from: self.id(), have: q.have(id) };
-        match self.inner.call(id, &ask, deadline).await {
+        match self.inner.ping(id, ask, limit).await {
             Ok(RpcResponse::Liveness { incarnation, gen, groups }) => {
                 q.heard(id, incarnation, gen, groups);
                 true
