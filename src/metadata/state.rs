@@ -69,6 +69,46 @@ pub struct MetaState {
     /// [`MetaState::reindex`] when the state is read back.
     #[serde(skip)]
     by_group: OrdMap<GroupId, String>,
+    /// Derived from the queues like `by_group`, for placement: counting
+    /// afresh went over every queue at each declare.
+    #[serde(skip)]
+    counts: Counts,
+}
+
+/// How many queues each node is the first replica (master by placement)
+/// of, and a replica of.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Counts {
+    masters: BTreeMap<NodeId, usize>,
+    replicas: BTreeMap<NodeId, usize>,
+}
+
+impl Counts {
+    fn add(&mut self, q: &QueueMeta) {
+        if let Some(m) = q.replicas.first() {
+            *self.masters.entry(*m).or_default() += 1;
+        }
+        for r in &q.replicas {
+            *self.replicas.entry(*r).or_default() += 1;
+        }
+    }
+
+    fn remove(&mut self, q: &QueueMeta) {
+        fn less(map: &mut BTreeMap<NodeId, usize>, id: NodeId) {
+            if let Some(n) = map.get_mut(&id) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&id);
+                }
+            }
+        }
+        if let Some(m) = q.replicas.first() {
+            less(&mut self.masters, *m);
+        }
+        for r in &q.replicas {
+            less(&mut self.replicas, *r);
+        }
+    }
 }
 
 impl Default for MetaState {
@@ -80,6 +120,7 @@ impl Default for MetaState {
             nodes: BTreeMap::new(),
             queues: OrdMap::new(),
             by_group: OrdMap::new(),
+            counts: Counts::default(),
             next_group: 0,
             exchanges: BTreeMap::new(),
             bindings: BTreeSet::new(),
@@ -274,6 +315,7 @@ impl MetaState {
                 };
                 self.queues.insert(name.clone(), q.clone());
                 self.by_group.insert(q.group, name.clone());
+                self.counts.add(&q);
                 MetaReply::NewQueue(q)
             }
             MetaCmd::SetPolicy(p) => {
@@ -300,6 +342,7 @@ impl MetaState {
             }
             MetaCmd::DeleteQueue { name } => match self.queues.remove(name).inspect(|q| {
                 self.by_group.remove(&q.group);
+                self.counts.remove(q);
             }) {
                 Some(_) => {
                     self.bindings.retain(|b| &b.queue != name);
@@ -403,6 +446,7 @@ impl MetaState {
                 for k in gone {
                     if let Some(q) = self.queues.remove(&k) {
                         self.by_group.remove(&q.group);
+                        self.counts.remove(&q);
                     }
                 }
                 self.exchanges.retain(|k, _| !inside(k));
@@ -458,23 +502,17 @@ impl MetaState {
     /// Replicas per node, over every queue.
     fn replica_load(&self) -> BTreeMap<NodeId, usize> {
         let mut load: BTreeMap<NodeId, usize> = self.nodes.keys().map(|id| (*id, 0)).collect();
-        for q in self.queues.values() {
-            for r in &q.replicas {
-                *load.entry(*r).or_default() += 1;
-            }
-        }
+        load.extend(self.counts.replicas.iter().map(|(id, n)| (*id, *n)));
         load
     }
 
     /// The node that is first replica (master by placement) of the fewest queues.
     fn least_masters(&self) -> Option<NodeId> {
-        let mut masters: BTreeMap<NodeId, usize> = self.nodes.keys().map(|id| (*id, 0)).collect();
-        for q in self.queues.values() {
-            if let Some(m) = q.replicas.first() {
-                *masters.entry(*m).or_default() += 1;
-            }
-        }
-        masters.into_iter().min_by_key(|(id, n)| (*n, *id)).map(|(id, _)| id)
+        self.nodes
+            .keys()
+            .map(|id| (*id, self.counts.masters.get(id).copied().unwrap_or(0)))
+            .min_by_key(|(id, n)| (*n, *id))
+            .map(|(id, _)| id)
     }
 
     /// Recompute every policy-placed queue's replicas after a policy or the
@@ -502,6 +540,7 @@ impl MetaState {
             q.replicas = replicas;
             q.policy = pol.map(|p| p.name);
         }
+        self.reindex();
     }
 
     /// A declared or built-in exchange.
@@ -518,6 +557,10 @@ impl MetaState {
     /// Rebuild what is derived from the queues, after they were read back.
     pub fn reindex(&mut self) {
         self.by_group = self.queues.values().map(|q| (q.group, q.name.clone())).collect();
+        self.counts = Counts::default();
+        for q in self.queues.values() {
+            self.counts.add(q);
+        }
     }
 }
 
@@ -722,5 +765,43 @@ mod policy_tests {
             *masters.entry(q.replicas[0]).or_default() += 1;
         }
         assert_eq!(masters.values().copied().collect::<Vec<_>>(), vec![10, 10, 10]);
+    }
+
+    /// What placement counts is kept with each change: equal to counting
+    /// afresh after declares, deletes, policy changes, a node joining and
+    /// one forgotten, and a vhost deleted.
+    #[test]
+    fn derived_counts_match_a_recount_after_every_kind_of_change() {
+        let recounted = |s: &MetaState| {
+            let mut again = s.clone();
+            again.reindex();
+            again
+        };
+        let mut s = state(3);
+        set(&mut s, "ex", "^ex", r#"{"ha-mode":"exactly","ha-params":2}"#);
+        set(&mut s, "all", "^all", r#"{"ha-mode":"all"}"#);
+        for i in 0..9 {
+            declare(&mut s, &format!("ex{i}"), 1 + i % 3);
+            declare(&mut s, &format!("all{i}"), 1);
+            declare(&mut s, &format!("plain{i}"), 2);
+        }
+        assert_eq!(s, recounted(&s), "after declares");
+        s.apply(&MetaCmd::DeleteQueue { name: "all3".into() });
+        s.apply(&MetaCmd::DeleteQueue { name: "ex4".into() });
+        assert_eq!(s, recounted(&s), "after deletes");
+        set(&mut s, "ex", "^ex", r#"{"ha-mode":"exactly","ha-params":3}"#);
+        assert_eq!(s, recounted(&s), "after a policy change");
+        s.apply(&MetaCmd::RegisterNode(NodeInfo { id: 4, name: "mirrorq@4".into(), raft_addr: String::new() }));
+        assert_eq!(s, recounted(&s), "after a node joined");
+        for i in 0..9 {
+            s.apply(&MetaCmd::DeleteQueue { name: format!("plain{i}") });
+        }
+        assert_eq!(s.apply(&MetaCmd::ForgetNode { id: 2 }), MetaReply::Ok);
+        assert_eq!(s, recounted(&s), "after a node was forgotten");
+        assert_eq!(s.least_masters(), recounted(&s).least_masters());
+        s.apply(&MetaCmd::DeleteVhost { name: "/".into() });
+        assert!(s.queues.is_empty());
+        assert_eq!(s, recounted(&s), "after the vhost went");
+        assert_eq!(s.counts, Counts::default());
     }
 }

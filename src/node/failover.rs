@@ -328,31 +328,41 @@ impl Node {
     /// Called on every reconcile: decide, per hosted group, who may stand
     /// for election, and whether to re-form a group that lost its majority.
     pub(super) async fn watch_failures(&self, state: &MetaState) {
+        let listed_at = self.inner.removals.load(Ordering::Acquire);
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
-        self.watch_groups(state, groups).await
+        self.watch_groups(state, groups, Some(listed_at)).await
     }
 
     /// The failure watch over `groups`, a list taken when it began: several
     /// watches run at once (each lost link starts one), so a group another
     /// has re-formed or rejoined meanwhile is skipped here and refused by
-    /// `take_out` further on.
-    pub(super) async fn watch_groups(&self, state: &MetaState, groups: Vec<Arc<QueueGroup>>) {
+    /// `take_out` further on. `listed_at`: `Inner::removals` read before
+    /// the list was taken; a group in it stops being current only when one
+    /// is taken out of the table (or the node stops), so until then the
+    /// table need not be looked up for each group (`None`: look each up).
+    pub(super) async fn watch_groups(&self, state: &MetaState, groups: Vec<Arc<QueueGroup>>, listed_at: Option<u64>) {
         if groups.is_empty() {
             return;
         }
         let mut reach = self.reachable(state).await;
         let timing = &self.inner.timing;
         for g in groups {
-            if !self.inner.is_current(&g) {
+            if self.inner.stop.is_cancelled() {
+                return;
+            }
+            if listed_at != Some(self.inner.removals.load(Ordering::Acquire)) && !self.inner.is_current(&g) {
                 continue;
             }
             let world = self.inner.quiescence.world();
             let passed = g.watch.passed.lock().expect("poisoned").take();
             if let Some((was, majority)) = passed {
-                let unchanged = was == world
-                    && !self.inner.leaving.load(Ordering::Acquire)
-                    && !g.watch.metrics.lock().expect("poisoned").has_changed().unwrap_or(true);
-                let still_quiet = g.hush.is_quiet() || g.raft.metrics().borrow().state != ServerState::Leader;
+                let (metrics_changed, state_now) = {
+                    let m = g.watch.metrics.lock().expect("poisoned");
+                    let state_now = m.borrow().state;
+                    (m.has_changed().unwrap_or(true), state_now)
+                };
+                let unchanged = was == world && !self.inner.leaving.load(Ordering::Acquire) && !metrics_changed;
+                let still_quiet = g.hush.is_quiet() || state_now != ServerState::Leader;
                 if unchanged && still_quiet {
                     // Watched without a gap, as the split rule needs.
                     let mut stretch = g.watch.majority.lock().expect("poisoned");

@@ -33,9 +33,9 @@ const STARTS_AT_ONCE: usize = 16;
 /// replicas to start does not hold up failover).
 const STARTS_PER_ROUND: usize = 256;
 /// The failure watch goes over every hosted group, so a burst of metadata
-/// changes (declares) runs it at most this often; the half-second tick
-/// runs it anyway.
-const WATCH_AT_MOST_EVERY: Duration = Duration::from_millis(250);
+/// changes (declares) runs it no more often than the half-second tick,
+/// which runs it anyway.
+const WATCH_AT_MOST_EVERY: Duration = Duration::from_millis(500);
 
 /// What the reconciler's last look over every queue left: while it left
 /// nothing to start or stop and no replica was taken out since, a tick
@@ -49,6 +49,9 @@ pub(super) struct Sweep {
     /// Replicas are left to start and this round started some: the next
     /// round comes at once.
     more: bool,
+    /// The metadata the last round saw: where a queue deleted since still
+    /// tells its group.
+    last: Option<Arc<MetaState>>,
 }
 
 impl Node {
@@ -73,6 +76,7 @@ impl Node {
                     node.inner.quiescence.world_changed();
                 }
                 let failed = node.reconcile(&state, &touched, &mut sweep).await;
+                sweep.last = Some(state.clone());
                 #[cfg(feature = "test-hooks")]
                 let watch_due = Instant::now() >= node.inner.watch_from;
                 #[cfg(not(feature = "test-hooks"))]
@@ -151,6 +155,32 @@ impl Node {
             None => (true, removals),
             Some(_) => (sweep.settled, sweep.removals),
         };
+        // The hosted groups a declare or a delete may concern: found by the
+        // queues' names, in this metadata and in the last round's (which
+        // still has a queue deleted since, or the group of one declared
+        // again); with ten thousand groups, going over all of them at every
+        // declare cost more than the declare. A name in neither (declared
+        // and deleted between two rounds) makes this round go over all.
+        let concerned: Option<Vec<Arc<QueueGroup>>> = match touched {
+            Touched::Some(names) => {
+                let groups = self.inner.groups.read().expect("poisoned");
+                let last = sweep.last.as_deref();
+                let mut found = BTreeMap::new();
+                let mut unknown = false;
+                for name in names {
+                    let now = state.queues.get(name).map(|q| q.group);
+                    let before = last.and_then(|l| l.queues.get(name)).map(|q| q.group);
+                    unknown |= now.is_none() && before.is_none();
+                    for gid in now.into_iter().chain(before) {
+                        if let Some(g) = groups.get(&gid) {
+                            found.insert(gid, g.clone());
+                        }
+                    }
+                }
+                (!unknown).then(|| found.into_values().collect())
+            }
+            Touched::None | Touched::All => None,
+        };
         let (to_start, to_stop, to_steer): (Vec<QueueMeta>, Vec<Arc<QueueGroup>>, Vec<Arc<QueueGroup>>) = {
             let groups = self.inner.groups.read().expect("poisoned");
             let startable = |q: &&QueueMeta| wants(q) && !groups.contains_key(&q.group);
@@ -163,24 +193,29 @@ impl Node {
             more = to_start.len() > STARTS_PER_ROUND;
             to_start.truncate(STARTS_PER_ROUND);
             settled &= to_start.len() == wanted;
-            (
-                to_start,
-                groups
-                    .values()
-                    .filter(|g| names.is_none_or(|n| n.contains(&g.meta.name)))
-                    .filter(|g| {
-                        // Deleted, or moved away and already out of the group's
-                        // membership (so stopping cannot cost the group a vote).
-                        queue_of(g).is_none_or(|q| !wants(q) && !g.is_member(me))
-                    })
-                    .cloned()
-                    .collect(),
-                groups
-                    .values()
-                    .filter(|g| (!g.hush.is_quiet() || touched.contains(&g.meta.name)) && g.is_leader(me))
-                    .cloned()
-                    .collect(),
-            )
+            // Deleted, or moved away and already out of the group's
+            // membership (so stopping cannot cost the group a vote).
+            let stoppable = |g: &Arc<QueueGroup>| queue_of(g).is_none_or(|q| !wants(q) && !g.is_member(me));
+            let (to_stop, to_steer) = match &concerned {
+                Some(concerned) => (
+                    concerned.iter().filter(|g| stoppable(g)).cloned().collect(),
+                    concerned.iter().filter(|g| g.is_leader(me)).cloned().collect(),
+                ),
+                None => (
+                    groups
+                        .values()
+                        .filter(|g| names.is_none_or(|n| n.contains(&g.meta.name)))
+                        .filter(|g| stoppable(g))
+                        .cloned()
+                        .collect(),
+                    groups
+                        .values()
+                        .filter(|g| (!g.hush.is_quiet() || touched.contains(&g.meta.name)) && g.is_leader(me))
+                        .cloned()
+                        .collect(),
+                ),
+            };
+            (to_start, to_stop, to_steer)
         };
         // Moved away but still a member in our own view: the final
         // membership entry never reaches a removed node, so ask the replicas
@@ -220,11 +255,15 @@ impl Node {
         // failure watch runs less often); a replica started since got it
         // at its start.
         if *touched != Touched::None {
-            for g in self.inner.groups.read().expect("poisoned").values() {
+            let set_limits = |g: &QueueGroup| {
                 if let Some(q) = queue_of(g).filter(|_| touched.contains(&g.meta.name)) {
                     g.proposer.set_min_synchronised(failover::ha_of(state, q).min_synchronised.unwrap_or(0));
                     g.proposer.set_limits(deadletter::limits_of(state, q));
                 }
+            };
+            match &concerned {
+                Some(concerned) => concerned.iter().for_each(|g| set_limits(g)),
+                None => self.inner.groups.read().expect("poisoned").values().for_each(|g| set_limits(g)),
             }
         }
         for g in to_steer {
@@ -266,7 +305,7 @@ impl Node {
             }
         }
         // Replicas that cannot start wait for the next tick, not spin.
-        *sweep = Sweep { settled, removals, more: more && started_any };
+        *sweep = Sweep { settled, removals, more: more && started_any, last: sweep.last.take() };
         failed
     }
 

@@ -26,7 +26,7 @@ impl Node {
     /// listed them then and reaches them only now.
     pub async fn watch_failures_over(&self, views: Vec<ReplicaView>) {
         let state = self.metadata();
-        self.watch_groups(&state, views.into_iter().map(|v| v.0).collect()).await
+        self.watch_groups(&state, views.into_iter().map(|v| v.0).collect(), None).await
     }
 
     /// AppendEntries calls (entries or heartbeats) this node's replica of
