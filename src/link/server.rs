@@ -140,7 +140,7 @@ async fn answer_pings<H: RpcHandler>(stream: TcpStream, handler: Arc<H>, pulse: 
 /// handles is slowed by TCP (its calls time out and are retried) instead of
 /// piling up handlers here. Pings have their own connection (`beacon.rs`).
 const IN_HAND: usize = 64 << 20;
-const MIN_COST: usize = 16 << 10;
+const MIN_COST: usize = 1 << 10;
 
 async fn connection<H: RpcHandler>(stream: TcpStream, handler: Arc<H>, stop: CancellationToken) {
     let (rd, wr) = stream.into_split();
