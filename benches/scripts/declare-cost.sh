@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# What a declare costs as queues accumulate: three mirrorq nodes on
+# loopback, policy ha-mode all, then BATCHES batches of 1,000 durable
+# queues declared over the HTTP API by P clients spread over the nodes.
+# For each batch: declares per second, and the CPU (utime + stime from
+# /proc, all three nodes) per declare. A cost that grows batch after batch
+# is a cost per queue hidden in each declare.
+#
+# Usage: benches/scripts/declare-cost.sh
+#   BATCHES=10 P=8 (defaults); MIRRORQ_BIN=target/release/mirrorq (built if missing)
+#   PERF=FILE: record node 1 with perf (call graphs) during the last batch
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BATCHES=${BATCHES:-10}
+P=${P:-8}
+BIN=${MIRRORQ_BIN:-target/release/mirrorq}
+[ -x "$BIN" ] || cargo build --release --quiet --bin mirrorq
+BIN=$(realpath "$BIN")
+export BIN MIRRORQ_ONLY=1 MIRRORQ_LOG=${MIRRORQ_LOG:-warn}
+DIR=$(mktemp -d /tmp/declare-cost.XXXXXX)
+# shellcheck source=benches/scripts/clusters.sh
+. benches/scripts/clusters.sh
+trap cleanup EXIT
+start_mirrorq
+"$BIN" ctl --url http://127.0.0.1:15691 set-policy ha-all '^dc-' \
+  '{"ha-mode":"all","ha-sync-mode":"automatic"}' --apply-to queues >/dev/null
+cpu() {
+  local t=0 i a b
+  for i in 1 2 3; do
+    read -r a b < <(cut -d' ' -f14,15 "/proc/$(cat "$DIR/m$i.pid")/stat")
+    t=$((t + a + b))
+  done
+  echo $t
+}
+hz=$(getconf CLK_TCK)
+echo "Run $(date -u '+%Y-%m-%d %H:%M') UTC at $(git rev-parse --short HEAD), $(nproc) cores; BATCHES=$BATCHES P=$P"
+echo "| queues | declares/s | CPU per declare, 3 nodes (ms) |"
+echo "|---|---|---|"
+perf_pid=
+for b in $(seq 1 "$BATCHES"); do
+  if [ "$b" -eq "$BATCHES" ] && [ -n "${PERF:-}" ]; then
+    perf record -F 250 --call-graph dwarf,32768 -p "$(cat "$DIR/m1.pid")" -o "$PERF" >/dev/null 2>&1 &
+    perf_pid=$!
+  fi
+  c0=$(cpu)
+  t0=$(date +%s.%N)
+  seq $(((b - 1) * 1000 + 1)) $((b * 1000)) | awk '{print $1 % 3 + 1, $1}' \
+    | xargs -P "$P" -n 2 sh -c 'curl -sf -o /dev/null -u guest:guest -X PUT -H "content-type: application/json" \
+        -d "{\"durable\":true}" http://127.0.0.1:1569$0/api/queues/%2F/dc-$1 || echo "declare dc-$1 failed" >&2'
+  t1=$(date +%s.%N)
+  c1=$(cpu)
+  python3 -c "print(f'| {$(((b - 1) * 1000 + 1))}-{$((b * 1000))} | {1000 / ($t1 - $t0):.1f} | {($c1 - $c0) * 1000 / $hz / 1000:.2f} |')"
+done
+[ -z "$perf_pid" ] || { kill -INT "$perf_pid"; wait "$perf_pid" || true; }
