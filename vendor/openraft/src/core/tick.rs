@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use futures::future::Either;
-use tokio::sync::mpsc;
+use crate::boxed_mpsc as mpsc; // mirrorq patch: boxed messages (`boxed_mpsc.rs`)
 use tokio::sync::oneshot;
 use tracing::Instrument;
 use tracing::Level;

@@ -41,7 +41,7 @@ pub use message::InstallSnapshotResponse;
 pub use message::SnapshotResponse;
 pub use message::VoteRequest;
 pub use message::VoteResponse;
-use tokio::sync::mpsc;
+use crate::boxed_mpsc as mpsc; // mirrorq patch: boxed messages (`boxed_mpsc.rs`)
 use tokio::sync::watch;
 use tokio::sync::Mutex;
 use tracing::trace_span;

@@ -4,7 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use crate::boxed_mpsc as mpsc; // mirrorq patch: boxed messages (`boxed_mpsc.rs`)
 use tokio::sync::watch;
 use tokio::sync::Mutex;
 use tracing::Level;

@@ -1,6 +1,6 @@
 //! State machine control handle
 
-use tokio::sync::mpsc;
+use crate::boxed_mpsc as mpsc; // mirrorq patch: boxed messages (`boxed_mpsc.rs`)
 
 use crate::core::sm;
 use crate::type_config::alias::JoinHandleOf;

@@ -1,4 +1,4 @@
-use tokio::sync::mpsc;
+use crate::boxed_mpsc as mpsc; // mirrorq patch: boxed messages (`boxed_mpsc.rs`)
 
 use crate::async_runtime::AsyncOneshotSendExt;
 use crate::core::notify::Notify;
