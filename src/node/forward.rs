@@ -394,14 +394,17 @@ impl Inner {
         req: &RpcRequest,
         deadline: Instant,
     ) -> Result<RpcResponse, CallError> {
+        let addr = self.link_addr(target)?;
+        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        self.transport.call(&addr, req, wait).await
+    }
+
+    /// Where to reach `target` on the node link, unless a test cut it off.
+    fn link_addr(&self, target: NodeId) -> Result<String, CallError> {
         if self.transport.control.is_blocked(target) {
             return Err(CallError::Unreachable(format!("node {target}"), "blocked by test hook".into()));
         }
-        let addr = self
-            .addr_of(target)
-            .ok_or_else(|| CallError::Unreachable(format!("node {target}"), "address unknown".into()))?;
-        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-        self.transport.call(&addr, req, wait).await
+        self.addr_of(target).ok_or_else(|| CallError::Unreachable(format!("node {target}"), "address unknown".into()))
     }
 
     /// A liveness ping to `target`, on the beacon (`link::beacon`).
@@ -411,12 +414,7 @@ impl Inner {
         req: RpcRequest,
         limit: Duration,
     ) -> Result<RpcResponse, CallError> {
-        if self.transport.control.is_blocked(target) {
-            return Err(CallError::Unreachable(format!("node {target}"), "blocked by test hook".into()));
-        }
-        let addr = self
-            .addr_of(target)
-            .ok_or_else(|| CallError::Unreachable(format!("node {target}"), "address unknown".into()))?;
+        let addr = self.link_addr(target)?;
         self.transport.ping(&addr, req, limit).await
     }
 
