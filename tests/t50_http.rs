@@ -449,6 +449,9 @@ async fn prometheus_metrics() {
     let api = Api::start().await;
     let pol = r#"{"pattern":"^m","definition":{"ha-mode":"all","ha-sync-mode":"automatic"}}"#;
     assert_eq!(api.call(1, "PUT", "/api/policies/%2F/ha", Some(pol)).await.0, 201);
+    // The nodes share this test's runtime: a mirrored queue adds its three
+    // replicas' tasks to the count each node reports.
+    let tasks_before = sample(&scrape(&api, 1).await, "mirrorq_runtime_tasks");
     assert_eq!(api.call(1, "PUT", "/api/queues/%2F/mq", Some("{}")).await.0, 201);
     let msg = r#"{"properties":{},"routing_key":"mq","payload":"x","payload_encoding":"string"}"#;
     for _ in 0..3 {
@@ -489,6 +492,8 @@ async fn prometheus_metrics() {
             assert!(!m.contains(&format!("rabbitmq_queue_messages_ready{q}")), "depth only from the master");
         }
     }
+    let tasks_after = sample(&scrape(&api, 1).await, "mirrorq_runtime_tasks");
+    assert!(tasks_after >= tasks_before + 3.0, "tasks {tasks_before} -> {tasks_after} for three new replicas");
     // The idle queue goes quiet: its master counts it, no one else does.
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while sample(&scrape(&api, master).await, "mirrorq_queue_groups_quiet") < 1.0 {

@@ -171,6 +171,15 @@ pub fn render(node: &Node) -> String {
         node.quiet_groups() as u64,
     );
 
+    // Each queue replica runs several tasks: how many are alive tells what
+    // an idle group costs beyond its bytes.
+    gauge(
+        &mut r,
+        "mirrorq_runtime_tasks",
+        "Tasks alive in this node's runtime",
+        tokio::runtime::Handle::current().metrics().num_alive_tasks() as u64,
+    );
+
     let readings = node.alarms().readings();
     gauge(&mut r, "rabbitmq_process_resident_memory_bytes", "Resident memory of this node", readings.mem_used);
     gauge(&mut r, "rabbitmq_resident_memory_limit_bytes", "Memory high watermark", readings.mem_limit);
