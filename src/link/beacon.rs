@@ -109,10 +109,6 @@ impl Beacon {
     pub fn handle(&self) -> &Handle {
         &self.handle
     }
-
-    pub fn stop(&self) -> &CancellationToken {
-        &self.stop
-    }
 }
 
 impl Drop for Beacon {
