@@ -21,9 +21,43 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// A loopback port free at the time of asking.
+/// A loopback port free at the time of asking, picked below the kernel's
+/// ephemeral range. A port the kernel hands out for `bind(0)` may be handed
+/// again to any outgoing connection (a client of another test, a node's
+/// link) before the node told to listen on it has started; CI saw a node
+/// exit with "Address already in use" on its node-link port so. Ports below
+/// the range are only ever taken by a listener asked for them, and each is
+/// given out once per test process.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let (lo, hi) = port_window();
+    let span = hi - lo;
+    // Processes run one after another mostly, but a leftover node of an
+    // earlier one may still hold ports: start each process elsewhere.
+    let start = std::process::id() * 97 % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (lo + (start + n) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {lo}..{hi}");
+}
+
+/// Ports from 10000 up to the start of the ephemeral range (32768 unless
+/// the machine says otherwise).
+fn port_window() -> (u32, u32) {
+    let ephemeral_lo = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u32>().ok()))
+        .unwrap_or(32768);
+    if ephemeral_lo > 12000 {
+        (10000, ephemeral_lo)
+    } else {
+        (61000, 65535)
+    }
 }
 
 pub fn fast_timing(sync_timeout: Duration) -> Timing {

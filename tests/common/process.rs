@@ -73,15 +73,13 @@ impl ProcNode {
     }
 
     /// Wait until the node link accepts connections. If a port picked for
-    /// AMQP or HTTP was taken meanwhile (free-port races with other tests'
-    /// outgoing connections), pick new ones and start again.
+    /// AMQP or HTTP was taken meanwhile (by a listener of another process),
+    /// pick new ones and start again.
     pub async fn wait_listening(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut retries = 0;
         loop {
-            if tokio::net::TcpStream::connect(&self.raft_addr).await.is_ok() {
-                return;
-            }
+            // Exit first: a port someone else holds accepts connections too.
             let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()).is_some();
             if exited {
                 let log = self.log_text();
@@ -96,6 +94,8 @@ impl ProcNode {
                 self.amqp_port = Some(super::free_port());
                 self.http_port = Some(super::free_port());
                 self.start();
+            } else if tokio::net::TcpStream::connect(&self.raft_addr).await.is_ok() {
+                return;
             }
             assert!(Instant::now() < deadline, "node {} never listened; log:\n{}", self.id, self.log_text());
             tokio::time::sleep(Duration::from_millis(50)).await;
