@@ -32,6 +32,10 @@ pub struct Metrics {
     /// Leaderships of queue groups won here (a replica here became master
     /// in a new term), the first of each queue's included.
     pub queue_leaderships: Counter,
+    /// Vote requests this node's queue replicas were sent: a mirror
+    /// standing for the mastership of a queue. A new queue's group is
+    /// founded already led, so declares add none.
+    pub queue_vote_requests: Counter,
     /// Queue groups re-formed here after losing their majority.
     pub queue_reforms: Counter,
     /// Queue replicas here that handed back and rejoined another epoch
@@ -55,6 +59,7 @@ impl Default for Metrics {
             reconcile_failures: Counter::default(),
             repeated_failures: Counter::default(),
             queue_leaderships: Counter::default(),
+            queue_vote_requests: Counter::default(),
             queue_reforms: Counter::default(),
             queue_rejoins: Counter::default(),
             metadata_leaderships: Counter::default(),

@@ -473,3 +473,34 @@ async fn deliveries_a_live_owner_never_got_are_requeued() {
     assert_eq!((i.ready, i.unacked), (5, 2));
     c.shutdown().await;
 }
+
+/// A new queue's group starts already led by its designated master, in
+/// term 1: no replica is asked for a vote (an election per queue synced a
+/// vote on every node), and every replica knows its master from the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_queues_group_is_founded_led_without_an_election() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    let votes = |c: &Cluster| (1..=3).map(|id| c.node(id).metrics().queue_vote_requests.get()).sum::<u64>();
+    for i in 0..10 {
+        let q = c.node(2).declare_queue(&format!("founded-{i}"), vec![3, 1, 2]).await.unwrap();
+        assert_eq!(q.initial.first(), Some(&3), "node 3 is the designated master");
+    }
+    c.node(1).publish("founded-0", vec![msg("m")]).await.expect("confirmed");
+    assert_eq!(votes(&c), 0, "vote requests sent for new queues");
+    for i in 0..10 {
+        let name = format!("founded-{i}");
+        let m = c.node(3).queue_raft(&name).unwrap().metrics().borrow().clone();
+        assert!(m.state.is_leader() && m.current_term == 1, "the designated master leads in term 1: {m:?}");
+        for id in [1, 2] {
+            let raft = c.node(id).queue_raft(&name).unwrap();
+            wait_until(Duration::from_secs(5), "the mirror follows the designated master", || {
+                let m = raft.metrics().borrow().clone();
+                m.current_leader == Some(3) && m.current_term == 1
+            })
+            .await;
+        }
+    }
+    assert_eq!(votes(&c), 0);
+    c.shutdown().await;
+}

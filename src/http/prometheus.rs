@@ -93,6 +93,11 @@ pub fn render(node: &Node) -> String {
         m.queue_leaderships.clone(),
     );
     r.register(
+        "mirrorq_queue_vote_requests",
+        "Vote requests this node's queue replicas were sent (a mirror standing for a queue's mastership); declares add none",
+        m.queue_vote_requests.clone(),
+    );
+    r.register(
         "mirrorq_queue_reforms",
         "Queues re-formed on this node after their group lost its majority",
         m.queue_reforms.clone(),

@@ -94,7 +94,12 @@ impl Inner {
                 Err(refusal) => refusal,
             },
             RpcRequest::Vote { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
-                Ok(r) => RpcResponse::Vote(r.vote(req).await),
+                Ok(r) => {
+                    if group != METADATA_GROUP {
+                        self.metrics.queue_vote_requests.inc();
+                    }
+                    RpcResponse::Vote(r.vote(req).await)
+                }
                 Err(refusal) => refusal,
             },
             RpcRequest::Snapshot { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {

@@ -346,7 +346,7 @@ impl QueueGroup {
 
 impl Inner {
     /// This node's replica of `group` once it has started, until `until`.
-    async fn replica_started(&self, group: GroupId, until: Instant) -> Option<Arc<QueueGroup>> {
+    pub(super) async fn replica_started(&self, group: GroupId, until: Instant) -> Option<Arc<QueueGroup>> {
         loop {
             let started = self.group_started.notified();
             if let Some(g) = self.groups.read().expect("poisoned").get(&group).cloned() {

@@ -1,7 +1,7 @@
 //! Queue operations of the library API: declare and delete, publish,
 //! get and consume, ack, nack, purge, status.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::Node;
 use crate::api::DeclareOpts;
@@ -83,8 +83,15 @@ impl Node {
             MetaReply::Invalid(why) => return Err(NodeError::Invalid(why)),
             other => return Err(NodeError::Invalid(format!("unexpected metadata reply {other:?}"))),
         };
-        // Answering a status proves the group elected a master.
-        self.queue_op(name, vec![QueueCmd::Status]).await?;
+        // A new queue's group is founded led (its replicas know their master
+        // from the start), so a replica running here is enough to serve it;
+        // a node without one asks the master, which proves it runs.
+        let (meta, _) = &q;
+        let here = meta.replicas.contains(&me)
+            && self.inner.replica_started(meta.group, Instant::now() + self.inner.timing.op_timeout).await.is_some();
+        if !here {
+            self.queue_op(name, vec![QueueCmd::Status]).await?;
+        }
         Ok(q)
     }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use mirrorq_storage::SmSpace;
-use openraft::{BasicNode, ChangeMembers};
+use openraft::{BasicNode, ChangeMembers, CommittedLeaderId, Entry, EntryPayload, LogId, Membership, Vote};
 use tokio::sync::watch;
 
 use super::failover::Busy;
@@ -24,7 +24,10 @@ use crate::queue::proposer::Proposer;
 use crate::queue::{confirm_gate, QueueMachine};
 use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
-use crate::raft::types::{LogStore, Raft};
+use crate::raft::types::{LogStore, Raft, TypeConfig};
+
+/// The term a new queue's group starts in, led by its designated master.
+const FOUNDING_TERM: u64 = 1;
 
 /// Replicas started at once by one round.
 const STARTS_AT_ONCE: usize = 16;
@@ -421,6 +424,22 @@ impl Node {
         let epoch = failover::load_epoch(db, q.group, self.id())?;
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?;
         let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
+        let mut log = LogStore::new(db.clone(), q.group);
+        // A new queue's group is founded already led: every first replica
+        // writes the same membership entry and a committed vote for the
+        // designated master in term 1, which is what an election would have
+        // left, so the master starts as leader and the first write commits
+        // with one round trip. An election per queue (a vote synced on every
+        // node, then a blank entry) cost more than the rest of a declare.
+        let founded = epoch == Epoch::default()
+            && q.initial.contains(&self.id())
+            && log.is_blank().map_err(|e| ServerError::Raft(e.to_string()))?;
+        if founded {
+            let master = q.initial[0];
+            log.found(&Vote::new_committed(FOUNDING_TERM, master), founding_log(&q, state, master))
+                .await
+                .map_err(|e| ServerError::Raft(e.to_string()))?;
+        }
         let raft = Raft::new(
             self.id(),
             self.inner.queue_raft_config.clone(),
@@ -431,7 +450,7 @@ impl Node {
                 news: self.inner.news.clone(),
                 transport: self.inner.transport.clone(),
             },
-            LogStore::new(db.clone(), q.group),
+            log,
             sm.clone(),
         )
         .await
@@ -493,9 +512,9 @@ impl Node {
         }
         self.inner.group_started.notify_waiters();
 
-        // The designated master starts a new group; the others wait to be
-        // contacted. A restarted replica finds its group already initialized,
-        // and one that joined a re-formed epoch waits for that epoch's master.
+        // A mirror added after the declare starts blank and is filled by
+        // its master; one that joined a re-formed epoch waits for that
+        // epoch's master.
         let pristine = !raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
         if pristine && epoch == Epoch::default() && !q.initial.contains(&self.id()) {
             db.put_node_value(&body_fetch::new_mirror_key(q.group), &[])?;
@@ -505,25 +524,34 @@ impl Node {
         // learns so from the master's node, and the failure watch decides
         // at its next round (with ten thousand such replicas, standing on
         // the timer brought an election per queue at every restart).
-        if !pristine || group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
+        if !(pristine || founded) || group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
             raft.runtime_config().elect(false);
         }
         self.spawn_catch_up(group.clone());
         self.spawn_expiry(group);
-        if pristine && epoch == Epoch::default() && q.initial.first() == Some(&self.id()) {
-            let members: BTreeMap<NodeId, BasicNode> = q
-                .initial
-                .iter()
-                .map(|id| {
-                    let addr = state.nodes.get(id).map(|n| n.raft_addr.clone()).unwrap_or_default();
-                    (*id, BasicNode { addr })
-                })
-                .collect();
-            if let Err(e) = raft.initialize(members).await {
-                tracing::info!(queue = %q.name, error = %e, "queue group already initialized");
-            }
-        }
-        tracing::info!(queue = %q.name, group = q.group, %epoch, pristine, elapsed_ms = started.elapsed().as_millis() as u64, "queue replica started");
+        tracing::info!(queue = %q.name, group = q.group, %epoch, founded, elapsed_ms = started.elapsed().as_millis() as u64, "queue replica started");
         Ok(())
     }
+}
+
+/// The log a new queue's group is founded with on every first replica: the
+/// membership (its first replicas, all voters) at index 0 of term 0, where
+/// openraft's `initialize` puts it, then the blank entry its master would
+/// append on winning term 1. With the blank already there, the master
+/// starts with nothing to write: one append to each mirror, which finds
+/// both entries in place, commits them.
+fn founding_log(q: &QueueMeta, state: &MetaState, master: NodeId) -> Vec<Entry<TypeConfig>> {
+    let nodes: BTreeMap<NodeId, BasicNode> = q
+        .initial
+        .iter()
+        .map(|id| {
+            let addr = state.nodes.get(id).map(|n| n.raft_addr.clone()).unwrap_or_default();
+            (*id, BasicNode { addr })
+        })
+        .collect();
+    let voters = nodes.keys().copied().collect::<BTreeSet<_>>();
+    vec![
+        Entry { log_id: LogId::default(), payload: EntryPayload::Membership(Membership::new(vec![voters], nodes)) },
+        Entry { log_id: LogId::new(CommittedLeaderId::new(FOUNDING_TERM, master), 1), payload: EntryPayload::Blank },
+    ]
 }

@@ -206,6 +206,53 @@ where
         self.db.flusher().sync_blocking().map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
     }
 
+    /// Whether this replica never stored anything: no vote, no entry and no
+    /// purge point.
+    pub fn is_blank(&self) -> Result<bool, RaftStorageError<C>> {
+        Ok(self.read_meta::<Vote<C::NodeId>>(META_VOTE)?.is_none()
+            && self.read_meta::<LogId<C::NodeId>>(META_PURGED)?.is_none()
+            && self.wal().bounds(self.group).is_none())
+    }
+
+    /// Append `entries` to the log (not yet durable) and to the recent ones.
+    fn write_entries(&self, entries: impl IntoIterator<Item = C::Entry>) -> Result<(), RaftStorageError<C>> {
+        let mut encoded = Vec::new();
+        let mut decoded = Vec::new();
+        for entry in entries {
+            let bytes =
+                keys::encode(&entry, "log entry").map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+            let index = entry.get_log_id().index;
+            decoded.push((index, bytes.len(), entry));
+            encoded.push((index, bytes));
+        }
+        if let Err(e) = self.wal().append(self.group, &encoded) {
+            // What is cached must be what the log has.
+            self.recent().clear();
+            return Err(self.write_failed(ErrorVerb::Write, e));
+        }
+        // Each appended entry is now the log's last one (an append replaces
+        // whatever followed its index), so it may be cached after the one
+        // before it.
+        let mut recent = self.recent();
+        for (index, size, entry) in decoded {
+            recent.push(index, size, entry);
+        }
+        Ok(())
+    }
+
+    /// Found a group without an election: write its `first` entries (the
+    /// membership at index 0, then whatever its leader starts with) and,
+    /// once they are durable, adopt `vote`. Only on a blank replica, before
+    /// its Raft starts. The order makes a crash in between leave the entries
+    /// without the vote, never a vote for a leader with no membership to
+    /// lead.
+    pub async fn found(&mut self, vote: &Vote<C::NodeId>, first: Vec<C::Entry>) -> Result<(), RaftStorageError<C>> {
+        self.write_entries(first)?;
+        self.db.flusher().sync_log().await.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+        self.write_meta(META_VOTE, vote)?;
+        self.db.flusher().sync().await.map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
+    }
+
     /// Forget the entries up to the recorded purge point. The log replays
     /// purged entries until their segment is reclaimed; the purge point in
     /// sled is what says they are gone.
@@ -342,28 +389,7 @@ where
         I: IntoIterator<Item = C::Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let mut encoded = Vec::new();
-        let mut decoded = Vec::new();
-        for entry in entries {
-            let bytes =
-                keys::encode(&entry, "log entry").map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
-            let index = entry.get_log_id().index;
-            decoded.push((index, bytes.len(), entry));
-            encoded.push((index, bytes));
-        }
-        if let Err(e) = self.wal().append(self.group, &encoded) {
-            // What is cached must be what the log has.
-            self.recent().clear();
-            return Err(self.write_failed(ErrorVerb::Write, e));
-        }
-        // Each appended entry is now the log's last one (an append replaces
-        // whatever followed its index), so it may be cached after the one
-        // before it.
-        let mut recent = self.recent();
-        for (index, size, entry) in decoded {
-            recent.push(index, size, entry);
-        }
-        drop(recent);
+        self.write_entries(entries)?;
         // Readable now; durable (and acknowledged to openraft) after the next
         // group-commit sync of the log.
         self.db.flusher().submit_log(Box::new(move |r: io::Result<()>| callback.log_io_completed(r)));
