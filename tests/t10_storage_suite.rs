@@ -31,3 +31,56 @@ fn openraft_storage_suite() -> Result<(), StorageError<NodeId>> {
     Suite::test_all(Builder)?;
     Ok(())
 }
+
+/// Founding a group writes its first entries and then a committed vote;
+/// it runs on a replica holding nothing, finishes one a crash interrupted
+/// after the entries (they are there, the vote is not), and leaves alone a
+/// replica that holds a vote or any other log.
+#[tokio::test]
+async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves_others_alone() {
+    use openraft::storage::RaftLogStorage;
+    use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, Vote};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = NodeDb::open(dir.path(), &DbOptions::default()).expect("open db");
+    let first = || -> Vec<Entry<TypeConfig>> {
+        vec![
+            Entry { log_id: LogId::default(), payload: EntryPayload::Blank },
+            Entry { log_id: LogId::new(CommittedLeaderId::new(1, 1), 1), payload: EntryPayload::Blank },
+        ]
+    };
+    let vote = Vote::new_committed(1, 1);
+    let ids = |log: &LogStore| log.log_ids().unwrap().iter().map(|l| l.index).collect::<Vec<_>>();
+
+    let mut blank = LogStore::new(db.clone(), 1);
+    assert!(blank.found(&vote, first()).await.unwrap());
+    assert_eq!((blank.read_vote().await.unwrap(), ids(&blank)), (Some(vote), vec![0, 1]));
+
+    // The entries made durable, then a crash before the vote: the same
+    // entries and no vote, finished by founding again.
+    let mut interrupted = LogStore::new(db.clone(), 2);
+    db.wal()
+        .append(
+            2,
+            &first()
+                .iter()
+                .map(|e| (e.log_id.index, mirrorq_storage::keys::encode(e, "entry").unwrap()))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    assert_eq!(interrupted.read_vote().await.unwrap(), None);
+    assert!(interrupted.found(&vote, first()).await.unwrap());
+    assert_eq!((interrupted.read_vote().await.unwrap(), ids(&interrupted)), (Some(vote), vec![0, 1]));
+
+    // A replica that ever voted is not founded.
+    let mut voted = LogStore::new(db.clone(), 3);
+    voted.save_vote(&Vote::new(4, 2)).await.unwrap();
+    assert!(!voted.found(&vote, first()).await.unwrap());
+    assert_eq!((voted.read_vote().await.unwrap(), ids(&voted)), (Some(Vote::new(4, 2)), vec![]));
+
+    // Entries other than the founding ones: not founded either.
+    let mut other = LogStore::new(db.clone(), 4);
+    let e = Entry::<TypeConfig> { log_id: LogId::new(CommittedLeaderId::new(2, 3), 0), payload: EntryPayload::Blank };
+    db.wal().append(4, &[(0, mirrorq_storage::keys::encode(&e, "entry").unwrap())]).unwrap();
+    assert!(!other.found(&vote, first()).await.unwrap());
+    assert_eq!(other.read_vote().await.unwrap(), None);
+}

@@ -24,8 +24,10 @@ pub struct QueueMeta {
     /// Replica nodes in seniority order (longest in the group first); the
     /// wish that the master reconciles the group's membership towards.
     pub replicas: Vec<NodeId>,
-    /// The members the group was founded with; only `initial[0]` ever
-    /// initializes the group, so a later first replica never founds a second one.
+    /// The members the group was founded with, while they are its replicas:
+    /// emptied at the first change. Only `initial[0]` founds the group, and
+    /// only while this holds, so a later first replica, or the founder moved
+    /// away and back, never founds a second one.
     pub initial: Vec<NodeId>,
     pub durable: bool,
     /// Placement follows policies (false: replicas given explicitly).
@@ -247,6 +249,7 @@ impl MetaState {
                 for name in holding {
                     if let Some(q) = self.queues.get_mut(&name) {
                         q.replicas.retain(|r| r != id);
+                        q.initial.clear();
                     }
                 }
                 self.replace_all();
@@ -537,6 +540,9 @@ impl MetaState {
             for r in &replicas {
                 *load.entry(*r).or_default() += 1;
             }
+            if !same_members(&q.replicas, &replicas) {
+                q.initial.clear();
+            }
             q.replicas = replicas;
             q.policy = pol.map(|p| p.name);
         }
@@ -562,6 +568,11 @@ impl MetaState {
             self.counts.add(q);
         }
     }
+}
+
+/// Whether two replica lists hold the same nodes, in any order.
+fn same_members(a: &[NodeId], b: &[NodeId]) -> bool {
+    a.len() == b.len() && a.iter().all(|x| b.contains(x))
 }
 
 #[cfg(test)]
@@ -750,7 +761,7 @@ mod policy_tests {
         assert_eq!(s.queues["q"].replicas.len(), 2);
         s.apply(&MetaCmd::RegisterNode(NodeInfo { id: 3, name: "mirrorq@3".into(), raft_addr: String::new() }));
         assert_eq!(s.queues["q"].replicas.len(), 3);
-        assert_eq!(s.queues["q"].initial.len(), 2, "founding members stay as they were");
+        assert!(s.queues["q"].initial.is_empty(), "the founding members are forgotten once they change");
     }
 
     #[test]

@@ -84,6 +84,9 @@ impl Node {
         });
     }
 
+    /// Runs for every replica, mostly waiting: what it awaits only while
+    /// working (reports, fetches, the finish) is boxed, so the waiting task
+    /// holds none of it.
     async fn catch_up(&self, g: Arc<QueueGroup>) {
         let mut plan_rx = g.plan.clone();
         let mut run_rx = g.sync_run.subscribe();
@@ -111,7 +114,7 @@ impl Node {
                 // it as synchronised would wait for it after it is gone.
                 let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
                 if master.is_some() && master != told && !leaving {
-                    match self.report(&g, None).await {
+                    match Box::pin(self.report(&g, None)).await {
                         Ok(_) => told = master,
                         Err(_) => {
                             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -128,7 +131,7 @@ impl Node {
             told = None;
             g.raft.runtime_config().elect(false);
             if plan.is_done() {
-                match self.finish_catch_up(&g, must_apply).await {
+                match Box::pin(self.finish_catch_up(&g, must_apply)).await {
                     Ok(()) => {
                         self.inner.told.cleared(g.meta.group, "finish catch-up");
                         self.inner.told.cleared(g.meta.group, "store bodies");
@@ -149,7 +152,7 @@ impl Node {
             let running = *run_rx.borrow_and_update() || !self.waits_for_sync(&g);
             if !running {
                 if last_report.is_none_or(|t| t.elapsed() >= REPORT_EVERY)
-                    && self.report(&g, Some(plan.progress(false))).await.is_ok()
+                    && Box::pin(self.report(&g, Some(plan.progress(false)))).await.is_ok()
                 {
                     last_report = Some(Instant::now());
                 }
@@ -162,13 +165,13 @@ impl Node {
                 continue;
             }
             let chunk = self.inner.catch_up_bytes as u32;
-            match self.ask_bodies(&g, &plan, chunk, plan.bytes_total.is_none()).await {
+            match Box::pin(self.ask_bodies(&g, &plan, chunk, plan.bytes_total.is_none())).await {
                 Ok(c) => {
                     last_report = Some(Instant::now());
                     must_apply = must_apply.max(c.applied);
                     let upto = c.next.unwrap_or_else(|| head(&plan).last().map_or(0, |r| r.1));
                     let bodies: Vec<(u64, Vec<u8>)> = c.bodies.into_iter().map(|b| (b.seq, b.data)).collect();
-                    let r = g.sm.with_mut(|m, space| m.fill(space, &bodies, upto, c.bytes_total)).await;
+                    let r = Box::pin(g.sm.with_mut(|m, space| m.fill(space, &bodies, upto, c.bytes_total))).await;
                     if let Err(e) = r {
                         if self.inner.repeated(g.meta.group, "store bodies", &e.to_string()) {
                             tracing::error!(queue = %g.meta.name, error = %e, "cannot store fetched bodies (told once until it changes)");

@@ -83,13 +83,24 @@ impl Node {
             MetaReply::Invalid(why) => return Err(NodeError::Invalid(why)),
             other => return Err(NodeError::Invalid(format!("unexpected metadata reply {other:?}"))),
         };
-        // A new queue's group is founded led (its replicas know their master
-        // from the start), so a replica running here is enough to serve it;
-        // a node without one asks the master, which proves it runs.
-        let (meta, _) = &q;
-        let here = meta.replicas.contains(&me)
-            && self.inner.replica_started(meta.group, Instant::now() + self.inner.timing.op_timeout).await.is_some();
-        if !here {
+        // A new queue's group is founded led by its master, whose first
+        // append tells each mirror its master: a replica here that knows
+        // one proves the group runs, without writing an entry. A node
+        // without a replica, or whose replica does not hear by the
+        // timeout, asks the master for the queue's status.
+        let (meta, created) = &q;
+        let until = Instant::now() + self.inner.timing.op_timeout;
+        let led_here = *created
+            && meta.replicas.contains(&me)
+            && match self.inner.replica_started(meta.group, until).await {
+                Some(g) => {
+                    let mut m = g.raft.metrics();
+                    let led = tokio::time::timeout_at(until.into(), m.wait_for(|m| m.current_leader.is_some())).await;
+                    led.is_ok_and(|r| r.is_ok())
+                }
+                None => false,
+            };
+        if !led_here {
             self.queue_op(name, vec![QueueCmd::Status]).await?;
         }
         Ok(q)

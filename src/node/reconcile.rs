@@ -425,21 +425,26 @@ impl Node {
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?;
         let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
         let mut log = LogStore::new(db.clone(), q.group);
-        // A new queue's group is founded already led: every first replica
-        // writes the same membership entry and a committed vote for the
-        // designated master in term 1, which is what an election would have
-        // left, so the master starts as leader and the first write commits
-        // with one round trip. An election per queue (a vote synced on every
-        // node, then a blank entry) cost more than the rest of a declare.
-        let founded = epoch == Epoch::default()
-            && q.initial.contains(&self.id())
-            && log.is_blank().map_err(|e| ServerError::Raft(e.to_string()))?;
-        if founded {
-            let master = q.initial[0];
-            log.found(&Vote::new_committed(FOUNDING_TERM, master), founding_log(&q, state, master))
+        // A new queue's group is founded already led: its designated master
+        // writes the membership and the blank entry of term 1, then a
+        // committed vote for itself in term 1, which is what winning the
+        // first election would have left, and starts as leader. Its mirrors
+        // start blank and take that log (and the vote with it) from its
+        // first append, so they know no members, and cannot stand, before
+        // the master has reached them. An election per queue (a vote synced
+        // on every node, then a blank entry) cost a third of a declare.
+        // Only while the queue still has its founding replicas (`initial`
+        // is emptied when they change): a master that was moved away and
+        // back starts blank and is filled by the group's leader.
+        let me = self.id();
+        let founding = epoch == Epoch::default()
+            && q.initial.first() == Some(&me)
+            && q.initial.iter().collect::<BTreeSet<_>>() == q.replicas.iter().collect::<BTreeSet<_>>();
+        let founded = founding
+            && log
+                .found(&Vote::new_committed(FOUNDING_TERM, me), founding_log(&q, state, me))
                 .await
                 .map_err(|e| ServerError::Raft(e.to_string()))?;
-        }
         let raft = Raft::new(
             self.id(),
             self.inner.queue_raft_config.clone(),
@@ -534,12 +539,11 @@ impl Node {
     }
 }
 
-/// The log a new queue's group is founded with on every first replica: the
-/// membership (its first replicas, all voters) at index 0 of term 0, where
-/// openraft's `initialize` puts it, then the blank entry its master would
-/// append on winning term 1. With the blank already there, the master
-/// starts with nothing to write: one append to each mirror, which finds
-/// both entries in place, commits them.
+/// The log a new queue's group is founded with by its designated master:
+/// the membership (its first replicas, all voters) at index 0 of term 0,
+/// where openraft's `initialize` puts it, then the blank entry a leader
+/// appends on winning term 1, already there so that the master starts with
+/// nothing of its own to write.
 fn founding_log(q: &QueueMeta, state: &MetaState, master: NodeId) -> Vec<Entry<TypeConfig>> {
     let nodes: BTreeMap<NodeId, BasicNode> = q
         .initial

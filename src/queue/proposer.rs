@@ -240,7 +240,8 @@ impl Proposer {
                 // A quiet group's followers learn this entry's commit from
                 // the heartbeats that follow it.
                 hush.wake();
-                match raft.client_write_ff(Request::Queue(Arc::new(cmds))).await {
+                // Boxed: the idle proposer task need not hold room for it.
+                match Box::pin(raft.client_write_ff(Request::Queue(Arc::new(cmds)))).await {
                     Ok(rx) => {
                         let sync = sync.clone();
                         let min = (needs_confirm, min.load(Ordering::Relaxed), min_sync_wait);

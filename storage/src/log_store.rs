@@ -206,14 +206,6 @@ where
         self.db.flusher().sync_blocking().map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
     }
 
-    /// Whether this replica never stored anything: no vote, no entry and no
-    /// purge point.
-    pub fn is_blank(&self) -> Result<bool, RaftStorageError<C>> {
-        Ok(self.read_meta::<Vote<C::NodeId>>(META_VOTE)?.is_none()
-            && self.read_meta::<LogId<C::NodeId>>(META_PURGED)?.is_none()
-            && self.wal().bounds(self.group).is_none())
-    }
-
     /// Append `entries` to the log (not yet durable) and to the recent ones.
     fn write_entries(&self, entries: impl IntoIterator<Item = C::Entry>) -> Result<(), RaftStorageError<C>> {
         let mut encoded = Vec::new();
@@ -242,15 +234,31 @@ where
 
     /// Found a group without an election: write its `first` entries (the
     /// membership at index 0, then whatever its leader starts with) and,
-    /// once they are durable, adopt `vote`. Only on a blank replica, before
-    /// its Raft starts. The order makes a crash in between leave the entries
-    /// without the vote, never a vote for a leader with no membership to
-    /// lead.
-    pub async fn found(&mut self, vote: &Vote<C::NodeId>, first: Vec<C::Entry>) -> Result<(), RaftStorageError<C>> {
-        self.write_entries(first)?;
-        self.db.flusher().sync_log().await.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+    /// once they are durable, adopt `vote`. Only before the group's Raft
+    /// starts, and only on a replica that holds no vote and no purge point,
+    /// and either no entry or exactly `first` (a founding a crash
+    /// interrupted between the two writes, which this finishes). `false`
+    /// if the replica was neither. The order makes a crash in between leave
+    /// the entries without the vote, never a vote for a leader with no
+    /// membership to lead.
+    pub async fn found(&mut self, vote: &Vote<C::NodeId>, first: Vec<C::Entry>) -> Result<bool, RaftStorageError<C>> {
+        if self.read_meta::<Vote<C::NodeId>>(META_VOTE)?.is_some()
+            || self.read_meta::<LogId<C::NodeId>>(META_PURGED)?.is_some()
+        {
+            return Ok(false);
+        }
+        let want: Vec<LogId<C::NodeId>> = first.iter().map(|e| e.get_log_id().clone()).collect();
+        match self.wal().bounds(self.group) {
+            None => {
+                self.write_entries(first)?;
+                self.db.flusher().sync_log().await.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+            }
+            Some((lo, hi)) if hi - lo + 1 == want.len() as u64 && self.log_ids()? == want => {}
+            Some(_) => return Ok(false),
+        }
         self.write_meta(META_VOTE, vote)?;
-        self.db.flusher().sync().await.map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))
+        self.db.flusher().sync().await.map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))?;
+        Ok(true)
     }
 
     /// Forget the entries up to the recorded purge point. The log replays
