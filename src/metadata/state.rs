@@ -24,10 +24,10 @@ pub struct QueueMeta {
     /// Replica nodes in seniority order (longest in the group first); the
     /// wish that the master reconciles the group's membership towards.
     pub replicas: Vec<NodeId>,
-    /// The members the group was founded with, while they are its replicas:
-    /// emptied at the first change. Only `initial[0]` founds the group, and
-    /// only while this holds, so a later first replica, or the founder moved
-    /// away and back, never founds a second one.
+    /// The members the group was founded with. Only `initial[0]` founds the
+    /// group; emptied when that node leaves the replicas (its replica is
+    /// then deleted), so a founder moved away and back never founds a
+    /// second group over the first.
     pub initial: Vec<NodeId>,
     pub durable: bool,
     /// Placement follows policies (false: replicas given explicitly).
@@ -43,6 +43,15 @@ pub struct QueueMeta {
     /// Declare arguments mirrorq acts on (TTL, max length, dead-lettering).
     #[serde(default)]
     pub args: QueueArgs,
+}
+
+impl QueueMeta {
+    /// Forget the founding members once the founder is no longer a replica.
+    fn forget_a_gone_founder(&mut self) {
+        if self.initial.first().is_some_and(|f| !self.replicas.contains(f)) {
+            self.initial.clear();
+        }
+    }
 }
 
 /// The metadata as every node sees it once applied. Queues, exchanges,
@@ -249,7 +258,7 @@ impl MetaState {
                 for name in holding {
                     if let Some(q) = self.queues.get_mut(&name) {
                         q.replicas.retain(|r| r != id);
-                        q.initial.clear();
+                        q.forget_a_gone_founder();
                     }
                 }
                 self.replace_all();
@@ -540,10 +549,8 @@ impl MetaState {
             for r in &replicas {
                 *load.entry(*r).or_default() += 1;
             }
-            if !same_members(&q.replicas, &replicas) {
-                q.initial.clear();
-            }
             q.replicas = replicas;
+            q.forget_a_gone_founder();
             q.policy = pol.map(|p| p.name);
         }
         self.reindex();
@@ -568,11 +575,6 @@ impl MetaState {
             self.counts.add(q);
         }
     }
-}
-
-/// Whether two replica lists hold the same nodes, in any order.
-fn same_members(a: &[NodeId], b: &[NodeId]) -> bool {
-    a.len() == b.len() && a.iter().all(|x| b.contains(x))
 }
 
 #[cfg(test)]
@@ -761,7 +763,17 @@ mod policy_tests {
         assert_eq!(s.queues["q"].replicas.len(), 2);
         s.apply(&MetaCmd::RegisterNode(NodeInfo { id: 3, name: "mirrorq@3".into(), raft_addr: String::new() }));
         assert_eq!(s.queues["q"].replicas.len(), 3);
-        assert!(s.queues["q"].initial.is_empty(), "the founding members are forgotten once they change");
+        assert_eq!(s.queues["q"].initial.len(), 2, "founding members stay while the founder does");
+        let founder = s.queues["q"].initial[0];
+        assert_eq!(s.apply(&MetaCmd::ForgetNode { id: 3 }), MetaReply::Ok);
+        assert_eq!(s.queues["q"].initial.len(), 2, "a mirror left, the founder stays");
+        set(&mut s, "all", ".*", r#"{"ha-mode":"exactly","ha-params":1}"#);
+        let q = &s.queues["q"];
+        assert_eq!((q.replicas.len(), q.initial.len()), (1, 2));
+        let other = if founder == 1 { 2 } else { 1 };
+        set(&mut s, "all", ".*", &format!(r#"{{"ha-mode":"nodes","ha-params":["mirrorq@{other}"]}}"#));
+        assert!(!s.queues["q"].replicas.contains(&founder));
+        assert!(s.queues["q"].initial.is_empty(), "the founder left: it never founds again");
     }
 
     #[test]

@@ -433,13 +433,12 @@ impl Node {
         // first append, so they know no members, and cannot stand, before
         // the master has reached them. An election per queue (a vote synced
         // on every node, then a blank entry) cost a third of a declare.
-        // Only while the queue still has its founding replicas (`initial`
-        // is emptied when they change): a master that was moved away and
+        // Never twice: `found` leaves a replica that ever held anything
+        // alone, and `initial` is emptied once the founder leaves the
+        // replicas (which deletes its replica), so a master moved away and
         // back starts blank and is filled by the group's leader.
         let me = self.id();
-        let founding = epoch == Epoch::default()
-            && q.initial.first() == Some(&me)
-            && q.initial.iter().collect::<BTreeSet<_>>() == q.replicas.iter().collect::<BTreeSet<_>>();
+        let founding = epoch == Epoch::default() && q.initial.first() == Some(&me);
         let founded = founding
             && log
                 .found(&Vote::new_committed(FOUNDING_TERM, me), founding_log(&q, state, me))
@@ -540,13 +539,13 @@ impl Node {
 }
 
 /// The log a new queue's group is founded with by its designated master:
-/// the membership (its first replicas, all voters) at index 0 of term 0,
+/// the membership (its replicas now, all voters) at index 0 of term 0,
 /// where openraft's `initialize` puts it, then the blank entry a leader
 /// appends on winning term 1, already there so that the master starts with
 /// nothing of its own to write.
 fn founding_log(q: &QueueMeta, state: &MetaState, master: NodeId) -> Vec<Entry<TypeConfig>> {
     let nodes: BTreeMap<NodeId, BasicNode> = q
-        .initial
+        .replicas
         .iter()
         .map(|id| {
             let addr = state.nodes.get(id).map(|n| n.raft_addr.clone()).unwrap_or_default();
