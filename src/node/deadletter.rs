@@ -46,8 +46,9 @@ pub(super) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
 /// queue's dead letters slot by slot, in the order the entries were
 /// proposed (a task per batch raced, and dead letters reached their queue
 /// out of order); it ends with the sink. The task and its channel start
-/// with the first slot asked for: most queues never dead-letter, and ten
-/// thousand idle tasks were 3-4 KiB per queue replica.
+/// with the first slot asked for (a master's first entry stamped with the
+/// queue's limits): a queue without limits never asks, and a waiting task
+/// per replica was 3-4 KiB of it.
 pub(super) fn sink(inner: Weak<Inner>, queue: String) -> DeadLetterSink {
     type Slot = oneshot::Receiver<Vec<(Message, DeathReason)>>;
     let tx: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<Slot>> = std::sync::OnceLock::new();
