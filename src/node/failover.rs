@@ -73,10 +73,10 @@ pub(super) struct GroupWatch {
     /// The group's Raft metrics, as the watch last looked at them.
     metrics: Mutex<tokio::sync::watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>>,
     /// Quiet at the watch's last full look, and as of which
-    /// `Quiescence::world`, with whether a majority of voters was in reach:
-    /// while neither the world nor the group's metrics changed, the next
-    /// rounds only extend the majority stretch.
-    passed: Mutex<Option<(u64, bool)>>,
+    /// `Quiescence::world_of` the group, with whether a majority of voters
+    /// was in reach: while neither that nor the group's metrics changed,
+    /// the next rounds only extend the majority stretch.
+    passed: Mutex<Option<((u64, u64), bool)>>,
 }
 
 impl GroupWatch {
@@ -353,7 +353,7 @@ impl Node {
             if listed_at != Some(self.inner.removals.load(Ordering::Acquire)) && !self.inner.is_current(&g) {
                 continue;
             }
-            let world = self.inner.quiescence.world();
+            let world = self.inner.quiescence.world_of(g.meta.group);
             let passed = g.watch.passed.lock().expect("poisoned").take();
             if let Some((was, majority)) = passed {
                 let (metrics_changed, state_now) = {

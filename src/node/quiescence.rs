@@ -67,11 +67,18 @@ pub(super) struct Quiescence {
     heard: Mutex<HashMap<NodeId, Heard>>,
     /// The generation of our list each peer said it holds, at its last ping.
     fetched: Mutex<HashMap<NodeId, u64>>,
-    /// Bumped whenever something the failure watch judges a quiet group by,
-    /// beyond the group's own Raft metrics, changes: the peers in reach or
-    /// seen dead, a peer's list, the metadata. A quiet group whose metrics
-    /// and this are as at its last full look is passed over quickly.
+    /// Bumped whenever something the failure watch judges every quiet
+    /// group by, beyond the group's own Raft metrics, changes: the peers in
+    /// reach or seen dead, a peer's list from a new incarnation, the
+    /// metadata. A quiet group whose metrics, this and its own `news` are
+    /// as at its last full look is passed over quickly.
     world: std::sync::atomic::AtomicU64,
+    /// Per group, bumped when a peer's list changes what it says of that
+    /// group (announced, withdrawn, another term). Groups settle and wake
+    /// all the time while queues are declared or used; bumping `world`
+    /// for each such change made the watch look at every hosted group in
+    /// full twice a second, ten thousand of them.
+    news: Mutex<HashMap<GroupId, u64>>,
 }
 
 impl Quiescence {
@@ -82,11 +89,15 @@ impl Quiescence {
             heard: Mutex::default(),
             fetched: Mutex::default(),
             world: std::sync::atomic::AtomicU64::new(0),
+            news: Mutex::default(),
         }
     }
 
-    pub(super) fn world(&self) -> u64 {
-        self.world.load(std::sync::atomic::Ordering::Acquire)
+    /// What the failure watch's verdict on `group` depends on beyond its
+    /// metrics, as a value that changes when any of it does.
+    pub(super) fn world_of(&self, group: GroupId) -> (u64, u64) {
+        let news = self.news.lock().expect("poisoned").get(&group).copied().unwrap_or(0);
+        (self.world.load(std::sync::atomic::Ordering::Acquire), news)
     }
 
     pub(super) fn world_changed(&self) {
@@ -122,7 +133,20 @@ impl Quiescence {
         let mut heard = self.heard.lock().expect("poisoned");
         match groups {
             Some(groups) => {
-                heard.insert(peer, Heard { incarnation, gen, groups: groups.into_iter().collect() });
+                let groups: HashMap<GroupId, u64> = groups.into_iter().collect();
+                let was = heard.insert(peer, Heard { incarnation, gen, groups });
+                let now = &heard[&peer].groups;
+                if let Some(was) = was.filter(|w| w.incarnation == incarnation) {
+                    // The same life of the peer: only the groups whose entry
+                    // changed are judged anew.
+                    let mut news = self.news.lock().expect("poisoned");
+                    let changed = was.groups.iter().filter(|(g, t)| now.get(g) != Some(t)).map(|(g, _)| *g);
+                    let added = now.keys().filter(|g| !was.groups.contains_key(g)).copied();
+                    for g in changed.chain(added) {
+                        *news.entry(g).or_default() += 1;
+                    }
+                    return;
+                }
             }
             // Unchanged, as long as it is the list we hold.
             None if heard.get(&peer).is_some_and(|h| h.incarnation == incarnation && h.gen == gen) => return,
@@ -277,5 +301,35 @@ impl Node {
             let now = g.raft.metrics().borrow().clone();
             now.state == ServerState::Leader && (now.current_term, now.last_log_index) == mark
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A change in a peer's list of quiet groups makes the failure watch
+    /// look again at the groups it changed, not at every group: the key a
+    /// group was passed over by moves for those only, and for all of them
+    /// when the list comes from a new life of the peer.
+    #[test]
+    fn a_peers_new_list_changes_the_watch_key_of_the_groups_it_changed_only() {
+        let q = Quiescence::new(1);
+        q.heard(2, 7, 1, Some(vec![(10, 3), (11, 3), (12, 3)]));
+        let key = |g| q.world_of(g);
+        let before = [key(10), key(11), key(12), key(13)];
+        // 11 withdrawn, 12 in another term, 13 announced; 10 as it was.
+        q.heard(2, 7, 2, Some(vec![(10, 3), (12, 4), (13, 4)]));
+        assert_eq!(key(10), before[0], "an unchanged group keeps its key");
+        for (i, g) in [(1, 11), (2, 12), (3, 13)] {
+            assert_ne!(key(g), before[i], "group {g} changed in the list");
+        }
+        // The list as it was, answered without the groups: nothing moves.
+        let now = [key(10), key(11)];
+        q.heard(2, 7, 2, None);
+        assert_eq!([key(10), key(11)], now);
+        // A new life of the peer: every group is judged anew.
+        q.heard(2, 8, 1, Some(vec![(10, 3)]));
+        assert_ne!(key(10), now[0]);
     }
 }
