@@ -84,3 +84,44 @@ async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves
     assert!(!other.found(&vote, first()).await.unwrap());
     assert_eq!(other.read_vote().await.unwrap(), None);
 }
+
+/// A data dir knows whether the process before stopped cleanly: a clean
+/// stop is recorded, and the next open takes the record away, so a crash of
+/// that life is not taken for a clean stop by the one after. After a crash,
+/// this node's committed votes for itself become uncommitted (same term,
+/// same candidate), so no group is led again without an election; other
+/// votes stay as they were.
+#[tokio::test]
+async fn after_a_crash_the_node_leads_no_group_until_an_election() {
+    use openraft::storage::RaftLogStorage;
+    use openraft::Vote;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let open = || NodeDb::open(dir.path(), &DbOptions::default()).expect("open db");
+
+    let db = open();
+    assert!(!db.started_clean(), "a new dir has no clean stop before it");
+    let votes = [(1, Vote::new_committed(7, 1)), (2, Vote::new_committed(3, 2)), (3, Vote::new(9, 1))];
+    for (group, vote) in &votes {
+        LogStore::new(db.clone(), *group).save_vote(vote).await.unwrap();
+    }
+    db.mark_clean_stop().unwrap();
+    drop(db);
+
+    let db = open();
+    assert!(db.started_clean());
+    drop(db);
+    let db = open();
+    assert!(!db.started_clean(), "the record of a clean stop serves one open only");
+
+    assert_eq!(LogStore::step_down_after_crash(&db, 1).unwrap(), vec![1]);
+    let read = |group| LogStore::new(db.clone(), group);
+    assert_eq!(read(1).read_vote().await.unwrap(), Some(Vote::new(7, 1)), "no longer committed");
+    assert_eq!(read(2).read_vote().await.unwrap(), Some(Vote::new_committed(3, 2)), "another's vote kept");
+    assert_eq!(read(3).read_vote().await.unwrap(), Some(Vote::new(9, 1)));
+    db.crash_for_tests().unwrap();
+    drop(db);
+
+    let db = open();
+    assert!(!db.started_clean(), "a crash is no clean stop");
+    assert_eq!(LogStore::new(db.clone(), 1).read_vote().await.unwrap(), Some(Vote::new(7, 1)), "durable");
+}

@@ -180,12 +180,17 @@ fn reformer(replicas: &[NodeId], alive_voters: &BTreeSet<NodeId>, alive: &BTreeS
 }
 
 /// Whether the last master a replica knows still leads the queue: it is
-/// this replica or in reach, and still a voter. A master that moved the
-/// queue away from itself and stepped down answers pings but leads no one;
-/// counting it would keep every voter but the most senior from standing
-/// while the senior cannot win (a 5-node campaign run waited on it for good).
-fn still_leads(leader: NodeId, me: NodeId, reach: &BTreeSet<NodeId>, voters: &BTreeSet<NodeId>) -> bool {
-    (leader == me || reach.contains(&leader)) && voters.contains(&leader)
+/// this replica, or in reach and heard from lately (a quiet master's
+/// announcement holds its followers before this is asked), and still a
+/// voter. A master that moved the queue away from itself and stepped down
+/// answers pings but leads no one; counting it would keep every voter but
+/// the most senior from standing while the senior cannot win (a 5-node
+/// campaign run waited on it for good). So does a master back from a crash
+/// that is not leading until an election says so
+/// (`LogStore::step_down_after_crash`), when its log is behind the
+/// mirrors' and it cannot win.
+fn still_leads(leader: NodeId, me: NodeId, reach: &BTreeSet<NodeId>, voters: &BTreeSet<NodeId>, heard: bool) -> bool {
+    (leader == me || (reach.contains(&leader) && heard)) && voters.contains(&leader)
 }
 
 /// Messages handed back together: those one old-epoch entry published.
@@ -434,7 +439,16 @@ impl Node {
                 // until the old one came back.
                 let leaderless_since = {
                     let mut l = g.watch.leaderless_since.lock().expect("poisoned");
-                    match m.current_leader.filter(|l| still_leads(*l, self.id(), &reach, &voters)) {
+                    // A leader sends at least a heartbeat per interval;
+                    // an election timeout without one is a master that
+                    // no longer leads, as openraft's own timer counts it.
+                    let heard = g
+                        .watch
+                        .master_heard
+                        .lock()
+                        .expect("poisoned")
+                        .is_some_and(|t| now.duration_since(t) < timing.election_max);
+                    match m.current_leader.filter(|l| still_leads(*l, self.id(), &reach, &voters, heard)) {
                         Some(_) => *l = None,
                         None => {
                             l.get_or_insert(now);
@@ -1136,10 +1150,13 @@ mod tests {
         let (reach, voters) = (set(&[1, 2, 3, 5]), set(&[1, 2, 3]));
         // Node 5 moved the queue to 1-3 and stepped down: still in reach,
         // no longer a voter.
-        assert!(!still_leads(5, 2, &reach, &voters));
-        assert!(still_leads(1, 2, &reach, &voters));
-        assert!(still_leads(2, 2, &set(&[1]), &voters), "this replica leads without pinging itself");
-        assert!(!still_leads(3, 2, &set(&[1, 2]), &voters), "a master out of reach leads no one");
+        assert!(!still_leads(5, 2, &reach, &voters, true));
+        assert!(still_leads(1, 2, &reach, &voters, true));
+        assert!(still_leads(2, 2, &set(&[1]), &voters, false), "this replica leads without pinging itself");
+        assert!(!still_leads(3, 2, &set(&[1, 2]), &voters, true), "a master out of reach leads no one");
+        // Back from a crash, node 1 answers pings but sends nothing: it is
+        // not leading.
+        assert!(!still_leads(1, 2, &reach, &voters, false));
     }
 
     #[test]

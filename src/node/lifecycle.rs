@@ -65,6 +65,19 @@ impl Node {
             None => db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?,
         }
 
+        if !db.started_clean() {
+            // Before any group starts: see `LogStore::step_down_after_crash`.
+            let led =
+                LogStore::step_down_after_crash(&db, cfg.node_id).map_err(|e| ServerError::Raft(e.to_string()))?;
+            if !led.is_empty() {
+                tracing::warn!(
+                    groups = led.len(),
+                    "the last stop was not clean: the groups this node led go to an election, which a replica \
+                     with every committed entry wins"
+                );
+            }
+        }
+
         // A new life: owners of unacked messages made before are dead.
         let incarnation = match db.get_node_value(INCARNATION_KEY)? {
             Some(b) => u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8])).wrapping_add(1),
@@ -235,6 +248,13 @@ impl Node {
         let _ = self.inner.meta_raft.shutdown().await;
         if let Err(e) = self.inner.db.flusher().sync().await {
             tracing::error!(error = %e, "final sync failed");
+            return;
+        }
+        let db = self.inner.db.clone();
+        match tokio::task::spawn_blocking(move || db.mark_clean_stop()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "the stop cannot be recorded as clean"),
+            Err(e) => tracing::error!(error = %e, "the stop cannot be recorded as clean"),
         }
     }
 

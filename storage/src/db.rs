@@ -63,8 +63,19 @@ struct Inner {
     /// See `NodeDb::keep_crash_image`.
     #[cfg(any(test, feature = "test-hooks"))]
     crash_image: CrashImage,
+    /// Whether the last process on this dir stopped cleanly (see
+    /// [`NodeDb::started_clean`]).
+    started_clean: bool,
     /// Held for the life of the process: a second process on the same dir is refused.
     _lock: File,
+}
+
+/// Present in a data dir only between a clean stop and the next open.
+const CLEAN_STOP: &str = "CLEAN_STOP";
+
+/// Make `dir`'s entries (a file created or removed) durable.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 impl NodeDb {
@@ -73,6 +84,14 @@ impl NodeDb {
     pub fn open(dir: &Path, opts: &DbOptions) -> Result<Self, StorageError> {
         std::fs::create_dir_all(dir).map_err(|source| StorageError::CreateDir { path: dir.to_owned(), source })?;
         let lock = lock_dir(dir)?;
+        // The mark goes before anything is written: a crash of this life
+        // must never be taken for a clean stop by the next one.
+        let clean_mark = dir.join(CLEAN_STOP);
+        let started_clean = clean_mark.exists();
+        if started_clean {
+            let gone = std::fs::remove_file(&clean_mark).and_then(|()| sync_dir(dir));
+            gone.map_err(|source| StorageError::CleanMark { path: clean_mark.clone(), source })?;
+        }
         let sled_dir = dir.join("sled");
         let config = sled::Config::new()
             .path(&sled_dir)
@@ -126,6 +145,7 @@ impl NodeDb {
                 crashed: AtomicBool::new(false),
                 #[cfg(any(test, feature = "test-hooks"))]
                 crash_image,
+                started_clean,
                 _lock: lock,
             }),
         };
@@ -213,6 +233,26 @@ impl NodeDb {
             })?;
         self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)?;
         self.finish_rewrite(group, &key, &entries)
+    }
+
+    /// Whether the process before this one stopped cleanly: everything it
+    /// wrote was synced ([`NodeDb::mark_clean_stop`]). After a crash, what
+    /// it wrote but did not sync may be gone (a power cut loses the page
+    /// cache), so a Raft leader's log may lack entries its followers hold.
+    pub fn started_clean(&self) -> bool {
+        self.inner.started_clean
+    }
+
+    /// Record that this process stops cleanly: syncs everything first, and
+    /// refuses after a failed sync. Call last, once nothing writes any more.
+    pub fn mark_clean_stop(&self) -> Result<(), StorageError> {
+        self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)?;
+        if self.inner.fatal.borrow().is_some() {
+            return Err(StorageError::SyncFailed);
+        }
+        let path = self.inner.path.join(CLEAN_STOP);
+        let made = File::create(&path).and_then(|f| f.sync_all()).and_then(|()| sync_dir(&self.inner.path));
+        made.map_err(|source| StorageError::CleanMark { path, source })
     }
 
     pub fn path(&self) -> &Path {

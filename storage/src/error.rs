@@ -17,6 +17,12 @@ pub enum StorageError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot write or remove the clean-stop mark {path}: {source}")]
+    CleanMark {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("data dir {path} is unreadable or corrupt (refusing to touch it): {source}")]
     Corrupt {
         path: PathBuf,

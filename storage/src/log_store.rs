@@ -199,6 +199,38 @@ where
         Ok(vote.map_or(0, |v| v.leader_id().get_term()).max(last.map_or(0, |l| l.leader_id.get_term())))
     }
 
+    /// After a crash, make every committed vote of this node for itself
+    /// uncommitted, in every group, before any group starts. openraft
+    /// resumes leading at start when it finds one, in the same term; but a
+    /// leader replicates an entry while its own write of it is still
+    /// unsynced, so a leader that lost power may come back without entries
+    /// its followers hold. Leading that term again, it would write other
+    /// entries at those indexes under the same ids, which the followers
+    /// take as already held: a confirm would then count copies that are
+    /// not there. With the vote uncommitted the node starts as a follower,
+    /// and the term's leadership goes to an election, which only a replica
+    /// with every committed entry wins. Returns the groups changed.
+    pub fn step_down_after_crash(db: &NodeDb, me: C::NodeId) -> Result<Vec<GroupId>, RaftStorageError<C>> {
+        let mut changed = Vec::new();
+        for kv in db.raft_meta_tree().iter() {
+            let (k, v) = kv.map_err(|e| io_err::<C>(ErrorSubject::Store, ErrorVerb::Read, e))?;
+            if k.len() != 9 || k[8] != META_VOTE {
+                continue;
+            }
+            let vote: Vote<C::NodeId> =
+                keys::decode(&v, "raft meta").map_err(|e| io_err::<C>(ErrorSubject::Store, ErrorVerb::Read, e))?;
+            if vote.is_committed() && vote.leader_id().voted_for().as_ref() == Some(&me) {
+                let store = LogStore::<C>::new(db.clone(), keys::key_group(&k));
+                store.write_meta(META_VOTE, &Vote::new(vote.leader_id().get_term(), me.clone()))?;
+                changed.push(store.group);
+            }
+        }
+        if !changed.is_empty() {
+            db.flusher().sync_blocking().map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))?;
+        }
+        Ok(changed)
+    }
+
     /// Adopt `vote` outside Raft and wait until it is durable. Only while
     /// the group's Raft is stopped.
     pub fn restore_vote(&self, vote: &Vote<C::NodeId>) -> Result<(), RaftStorageError<C>> {
