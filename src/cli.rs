@@ -216,6 +216,11 @@ pub struct ServeArgs {
     /// blocked [default: 50000000]
     #[arg(long, env = "MIRRORQ_DISK_FREE_LIMIT")]
     pub disk_free_limit: Option<u64>,
+    /// AMQP connections the node keeps open at most; a client beyond is
+    /// refused at `connection.open` (530 NOT_ALLOWED). 0: no limit
+    /// [default: 65535]
+    #[arg(long, env = "MIRRORQ_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
     /// sled page cache in MiB [default: 64]
     #[arg(long, env = "MIRRORQ_CACHE_MB")]
     pub cache_mb: Option<u64>,

@@ -37,6 +37,8 @@ pub struct ConsumerInfo {
 /// This node's AMQP clients.
 #[derive(Default)]
 pub struct Clients {
+    /// Open connections (a vhost opened) this node takes at most; 0: no limit.
+    max_open: usize,
     connections: Mutex<BTreeMap<u64, ConnectionInfo>>,
     consumers: Mutex<BTreeMap<(u64, u16, String), ConsumerInfo>>,
 }
@@ -58,12 +60,23 @@ impl Clients {
         });
         gone
     }
-    /// The client logged in as `user` and opened `vhost`.
-    pub fn opened(&self, id: u64, user: &str, vhost: &str) {
-        if let Some(c) = self.connections.lock().expect("poisoned").get_mut(&id) {
+    /// At most `max_open` open connections (0: no limit).
+    pub fn with_limit(max_open: usize) -> Self {
+        Self { max_open, ..Self::default() }
+    }
+
+    /// The client logged in as `user` and opens `vhost`; refused with the
+    /// limit when this node has as many open connections already.
+    pub fn opened(&self, id: u64, user: &str, vhost: &str) -> Result<(), usize> {
+        let mut conns = self.connections.lock().expect("poisoned");
+        if self.max_open > 0 && conns.values().filter(|c| !c.vhost.is_empty()).count() >= self.max_open {
+            return Err(self.max_open);
+        }
+        if let Some(c) = conns.get_mut(&id) {
             c.user = user.to_string();
             c.vhost = vhost.to_string();
         }
+        Ok(())
     }
     pub fn channel_opened(&self, id: u64, channel: u16) {
         if let Some(c) = self.connections.lock().expect("poisoned").get_mut(&id) {

@@ -37,6 +37,8 @@ pub struct FileConfig {
     pub failure_timeout: Option<f64>,
     #[serde(alias = "election_timeout")]
     pub election_timeout: Option<f64>,
+    #[serde(alias = "max_connections")]
+    pub max_connections: Option<usize>,
     #[serde(alias = "cache_mb")]
     pub cache_mb: Option<u64>,
     #[serde(alias = "memory_high_watermark")]
@@ -135,6 +137,9 @@ impl ServeConfig {
         }
         if let Some(d) = args.disk_free_limit.or(file.disk_free_limit) {
             node.disk_free_limit = d;
+        }
+        if let Some(n) = args.max_connections.or(file.max_connections) {
+            node.max_connections = n;
         }
         if let Some(mb) = args.cache_mb.or(file.cache_mb) {
             node.cache_bytes = mb << 20;

@@ -1462,3 +1462,102 @@ async fn a_requeue_is_back_before_a_consume_sent_with_it() {
     assert_eq!(seen, want, "the requeued message first, redelivered; then the rest in order");
     c.cluster.shutdown().await;
 }
+
+/// The reply code and text of a `connection.close` from the broker.
+fn close_of(frame: &amq_protocol::frame::AMQPFrame) -> Option<(u16, String)> {
+    use amq_protocol::protocol::{connection, AMQPClass};
+    match frame {
+        amq_protocol::frame::AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(c))) => {
+            Some((c.reply_code, c.reply_text.to_string()))
+        }
+        _ => None,
+    }
+}
+
+/// Protocol limits, held as RabbitMQ holds them: a frame whose header
+/// announces more than the negotiated `frame_max` is refused (501) on its
+/// header, its body never waited for; a channel above the negotiated
+/// `channel_max` is refused (530); a node with its connection limit reached
+/// refuses the next `connection.open` (530) and takes one again once a
+/// client has gone; a client that does not finish the handshake within 10 s
+/// is closed, whether it stopped after the protocol header or sent nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_channels_connections_and_handshakes_are_held_to_their_limits() {
+    use amq_protocol::protocol::{channel, AMQPClass};
+    init_tracing();
+    let cluster =
+        Cluster::start_configured(1, fast_timing(Duration::from_secs(5)), |cfg| cfg.max_connections = 2).await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let node = cluster.node(1).clone();
+    tokio::spawn(mirrorq::amqp::serve(l, node.clone(), node.stopped()));
+
+    // The two idle clients start first: their 10 s run meanwhile.
+    let silent = tokio::spawn(async move {
+        let mut sock = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(15), sock.read(&mut buf)).await;
+        (matches!(n, Ok(Ok(0)) | Ok(Err(_))), started.elapsed())
+    });
+    let after_header = tokio::spawn(async move {
+        let mut sock = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        sock.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+        let started = std::time::Instant::now();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(15), sock.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return (true, started.elapsed(), got),
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+                Err(_) => return (false, started.elapsed(), got),
+            }
+        }
+    });
+
+    // A method frame on channel 1 announcing 1 MiB, and 3 bytes of it.
+    let mut r = raw::Raw::open(port).await;
+    r.send_bytes(&[1, 0, 1, 0x00, 0x10, 0x00, 0x00, 0, 60, 0]).await;
+    let (code, text) = close_of(&r.next().await).expect("connection.close");
+    assert_eq!(code, 501, "{text}");
+    assert!(text.contains("frame_max"), "{text}");
+    drop(r);
+
+    // Raw::open negotiates channel_max 16.
+    let mut r = raw::Raw::open(port).await;
+    r.send(&[raw::method(17, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})))]).await;
+    let (code, text) = close_of(&r.next().await).expect("connection.close");
+    assert_eq!(code, 530, "{text}");
+    assert!(text.contains("channel_max"), "{text}");
+    drop(r);
+
+    // Two open connections at most (the closed ones above may take a
+    // moment to be forgotten).
+    let mut open = Vec::new();
+    while open.len() < 2 {
+        let (r, answer) = raw::Raw::handshake(port).await;
+        if close_of(&answer).is_none() {
+            open.push(r);
+        } else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let (_, answer) = raw::Raw::handshake(port).await;
+    let (code, text) = close_of(&answer).expect("the third connection is refused");
+    assert_eq!(code, 530, "{text}");
+    assert!(text.contains("connection limit (2)"), "{text}");
+    open.pop();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while close_of(&raw::Raw::handshake(port).await.1).is_some() {
+        assert!(std::time::Instant::now() < deadline, "no connection taken after one went");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let (closed, took) = silent.await.unwrap();
+    assert!(closed, "a client that sent nothing was never closed");
+    assert!(took >= Duration::from_secs(9) && took < Duration::from_secs(14), "{took:?}");
+    let (closed, took, got) = after_header.await.unwrap();
+    assert!(closed, "a client that stopped after the protocol header was never closed");
+    assert!(took >= Duration::from_secs(9) && took < Duration::from_secs(14), "{took:?}");
+    assert!(!got.is_empty(), "it was sent connection.start");
+}

@@ -21,6 +21,16 @@ pub fn parse(buf: &[u8]) -> Parsed {
     }
 }
 
+/// The whole size of the frame starting `buf` as its header announces it
+/// (header and end octet included), once the header is in; `None` before,
+/// and for the protocol header, which is no frame.
+pub fn announced_len(buf: &[u8]) -> Option<u64> {
+    if buf.len() < 7 || buf[0] == b'A' {
+        return None;
+    }
+    Some(u32::from_be_bytes([buf[3], buf[4], buf[5], buf[6]]) as u64 + 8)
+}
+
 pub fn write_frame(frame: &AMQPFrame, out: &mut Vec<u8>) -> Result<(), String> {
     let buf = std::mem::take(out);
     match cookie_factory::gen(gen_frame(frame), buf) {

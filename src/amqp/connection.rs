@@ -35,15 +35,21 @@ pub(in crate::amqp) const PROTOCOL_HEADER: &[u8; 8] = b"AMQP\x00\x00\x09\x01";
 pub(in crate::amqp) const FRAME_MAX: u32 = 131_072;
 pub(in crate::amqp) const CHANNEL_MAX: u16 = 2047;
 pub(in crate::amqp) const HEARTBEAT: u16 = 60;
+/// From the connect to `connection.open-ok`, as RabbitMQ's `handshake_timeout`:
+/// a client that never finishes holds no socket for longer.
+pub(in crate::amqp) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Publishes awaiting their confirm per connection; beyond this the reader
 /// stops reading and TCP pushes back on the publisher.
 pub(in crate::amqp) const MAX_IN_FLIGHT: usize = 10_000;
 
 pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) -> Result<(), String> {
+    let handshake_deadline = Instant::now() + HANDSHAKE_TIMEOUT;
     let (mut rd, mut wr) = stream.into_split();
     let mut header = [0u8; 8];
-    if rd.read_exact(&mut header).await.is_err() {
-        return Ok(());
+    match tokio::time::timeout_at(handshake_deadline.into(), rd.read_exact(&mut header)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(_)) => return Ok(()),
+        Err(_) => return Err("no protocol header within the handshake timeout".into()),
     }
     if &header != PROTOCOL_HEADER {
         // The spec's answer to a wrong protocol header: ours, then close.
@@ -101,7 +107,9 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         out: out.clone(),
         channels: HashMap::new(),
         frame_max: FRAME_MAX,
+        channel_max: CHANNEL_MAX,
         heartbeat: 0,
+        handshake_deadline,
         state: State::AwaitStartOk,
         in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
         hard_rx: None,
@@ -184,7 +192,11 @@ struct Conn {
     out: Out,
     channels: HashMap<u16, ChannelHandle>,
     frame_max: u32,
+    /// As negotiated: the highest channel number the client may open.
+    channel_max: u16,
     heartbeat: u16,
+    /// The connection must be open by then.
+    handshake_deadline: Instant,
     state: State,
     in_flight: Arc<Semaphore>,
     hard_tx: Option<mpsc::Sender<Hard>>,
@@ -311,8 +323,9 @@ impl Conn {
                 }
             }
             buf.drain(..parsed);
-            if buf.len() > self.frame_max as usize + 1024 {
-                return Err(hard(FRAME_ERROR, "frame exceeds frame_max"));
+            // Refused on its header: its body is never waited for.
+            if let Some(len) = codec::announced_len(&buf).filter(|len| *len > self.frame_max as u64) {
+                return Err(hard(FRAME_ERROR, format!("frame of {len} bytes exceeds frame_max {}", self.frame_max)));
             }
             tokio::select! {
                 n = rd.read(&mut chunk), if !held => match n {
@@ -340,6 +353,12 @@ impl Conn {
                     }
                 }
                 _ = tick.tick() => {
+                    if !matches!(self.state, State::Open | State::Closing) && Instant::now() >= self.handshake_deadline {
+                        return Err(hard(
+                            CONNECTION_FORCED,
+                            format!("handshake not finished within {} s", HANDSHAKE_TIMEOUT.as_secs()),
+                        ));
+                    }
                     if held || self.told_blocked {
                         // Not reading is our doing, and a blocked client
                         // may stop sending altogether: not a dead client.
@@ -422,6 +441,7 @@ impl Conn {
                     return Err(hard(SYNTAX_ERROR, "frame_max below 4096"));
                 }
                 self.frame_max = if t.frame_max == 0 { FRAME_MAX } else { t.frame_max.min(FRAME_MAX) };
+                self.channel_max = if t.channel_max == 0 { CHANNEL_MAX } else { t.channel_max.min(CHANNEL_MAX) };
                 self.heartbeat = t.heartbeat;
                 self.state = State::AwaitOpen;
                 Ok(true)
@@ -443,8 +463,13 @@ impl Conn {
                         format!("NOT_ALLOWED - access to vhost '{vhost}' refused for user '{}'", self.user),
                     ));
                 }
+                if let Err(max) = self.node.clients().opened(self.conn_id, &self.user, vhost) {
+                    return Err(hard(
+                        NOT_ALLOWED,
+                        format!("NOT_ALLOWED - connection limit ({max}) of node {} is reached", self.node.name()),
+                    ));
+                }
                 self.vhost = Arc::from(vhost);
-                self.node.clients().opened(self.conn_id, &self.user, vhost);
                 self.state = State::Open;
                 self.out.one(method(0, AMQPClass::Connection(M::OpenOk(connection::OpenOk {})))).await;
                 Ok(true)
@@ -465,8 +490,11 @@ impl Conn {
             _ => unreachable!("only channel frames get here"),
         };
         if let AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::Open(_))) = frame {
-            if ch > CHANNEL_MAX {
-                return Err(hard(CHANNEL_ERROR, format!("channel {ch} above channel_max")));
+            if ch > self.channel_max {
+                return Err(hard(
+                    NOT_ALLOWED,
+                    format!("NOT_ALLOWED - channel {ch} is above the negotiated channel_max ({})", self.channel_max),
+                ));
             }
             if self.channels.contains_key(&ch) {
                 return Err(hard(CHANNEL_ERROR, format!("channel {ch} already open")));

@@ -165,7 +165,7 @@ impl Node {
             watch_from: Instant::now() + cfg.watch_after,
             group_started: tokio::sync::Notify::new(),
             hints: Mutex::new(HashMap::new()),
-            clients: Arc::default(),
+            clients: Arc::new(crate::clients::Clients::with_limit(cfg.max_connections)),
             owners: Arc::new(Owners::new(cfg.node_id, incarnation)),
             told: told::Told::default(),
             alarms: Arc::new(Alarms::new(&cfg.data_dir, cfg.memory_high_watermark, cfg.disk_free_limit)),

@@ -87,6 +87,8 @@ pub struct NodeConfig {
     pub memory_high_watermark: Watermark,
     /// Free disk below which publishers are blocked.
     pub disk_free_limit: u64,
+    /// AMQP connections this node keeps open at most; 0: no limit.
+    pub max_connections: usize,
     /// Keep a copy of sled's file as of its last sync, so that
     /// `Node::crash` loses what a power cut would.
     #[cfg(feature = "test-hooks")]
@@ -142,6 +144,7 @@ impl NodeConfig {
             sync_batch_bytes: 1 << 20,
             memory_high_watermark: Watermark::default(),
             disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             #[cfg(feature = "test-hooks")]
             crash_image: false,
             #[cfg(feature = "test-hooks")]
@@ -249,6 +252,11 @@ struct Inner {
 pub struct Node {
     inner: Arc<Inner>,
 }
+
+/// Far above what one node serves well, and below a typical descriptor
+/// limit raised for a server: a flood of clients meets a clear refusal
+/// rather than a node out of file descriptors.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 65_535;
 
 const NODE_ID_KEY: &str = "node_id";
 const INCARNATION_KEY: &str = "incarnation";

@@ -29,6 +29,17 @@ pub fn publish(ch: u16, queue: &str, body: &[u8]) -> [AMQPFrame; 3] {
 impl Raw {
     /// Connected and opened as guest on the default vhost.
     pub async fn open(port: u16) -> Self {
+        let (r, answer) = Self::handshake(port).await;
+        assert!(
+            matches!(answer, AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)))),
+            "connection.open answered with {answer:?}"
+        );
+        r
+    }
+
+    /// Through the handshake as guest on the default vhost: the connection
+    /// and the frame that answered `connection.open`.
+    pub async fn handshake(port: u16) -> (Self, AMQPFrame) {
         let sock = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
         let mut r = Raw { sock, buf: Vec::new() };
         r.sock.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
@@ -51,11 +62,13 @@ impl Raw {
             method(0, AMQPClass::Connection(connection::AMQPMethod::Open(open))),
         ])
         .await;
-        assert!(matches!(
-            r.next().await,
-            AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)))
-        ));
-        r
+        let answer = r.next().await;
+        (r, answer)
+    }
+
+    /// Bytes as they are, in one write.
+    pub async fn send_bytes(&mut self, bytes: &[u8]) {
+        self.sock.write_all(bytes).await.unwrap();
     }
 
     pub async fn send(&mut self, frames: &[AMQPFrame]) {

@@ -13,6 +13,9 @@ const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
   const page = await browser.newPage({ viewport: { width: 1280, height: 800 } });
   page.setDefaultTimeout(30000);
   await page.goto(base + '/');
+  // As RabbitMQ's: the login form comes empty, no credentials in the page.
+  const prefilled = await page.$eval('#pass', (el) => el.value) + await page.$eval('#user', (el) => el.value);
+  if (prefilled !== '') throw new Error(`the login form comes filled in: '${prefilled}'`);
   await page.fill('#user', 'guest');
   await page.fill('#pass', 'guest');
   await page.click('#login button[type=submit]');
