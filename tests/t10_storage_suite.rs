@@ -125,3 +125,37 @@ async fn after_a_crash_the_node_leads_no_group_until_an_election() {
     assert!(!db.started_clean(), "a crash is no clean stop");
     assert_eq!(LogStore::new(db.clone(), 1).read_vote().await.unwrap(), Some(Vote::new(7, 1)), "durable");
 }
+
+/// A commit index is saved unsynced, and a leader commits entries before
+/// its own sync of them: after a power cut the saved index may name entries
+/// the log lost. It is read back no further than the log goes, so the
+/// replica starts (re-applying only what it has) instead of failing.
+#[tokio::test]
+async fn a_commit_index_past_the_log_is_read_back_at_the_log_end() {
+    use openraft::storage::RaftLogStorage;
+    use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = NodeDb::open(dir.path(), &DbOptions::default()).expect("open db");
+    let id = |i| LogId::new(CommittedLeaderId::new(2, 1), i);
+    let entries: Vec<_> = (0..=7)
+        .map(|i| {
+            (
+                i,
+                mirrorq_storage::keys::encode(
+                    &Entry::<TypeConfig> { log_id: id(i), payload: EntryPayload::Blank },
+                    "e",
+                )
+                .unwrap(),
+            )
+        })
+        .collect();
+    db.wal().append(9, &entries).unwrap();
+    let mut log = LogStore::new(db.clone(), 9);
+    log.save_committed(Some(id(10))).await.unwrap();
+    assert_eq!(log.read_committed().await.unwrap(), Some(id(7)));
+    log.save_committed(Some(id(5))).await.unwrap();
+    assert_eq!(log.read_committed().await.unwrap(), Some(id(5)), "an index within the log is kept");
+    let mut empty = LogStore::new(db.clone(), 10);
+    empty.save_committed(Some(id(3))).await.unwrap();
+    assert_eq!(empty.read_committed().await.unwrap(), None);
+}

@@ -220,6 +220,10 @@ impl NodeDb {
         use sled::Transactional;
         let key = meta_key(group, META_REWRITE);
         let pending = crate::keys::encode(&entries, "pending log rewrite")?;
+        // The log as read for the rewrite first: the vote adopted below may
+        // reach the disk before the next sync (sled writes its file at
+        // once), and it must not outlive a tail it was given with.
+        self.inner.wal.sync()?;
         (&self.inner.raft_meta, &self.inner.node)
             .transaction(|(meta, node)| {
                 meta.insert(&key[..], pending.as_slice())?;

@@ -421,7 +421,17 @@ where
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<C::NodeId>>, RaftStorageError<C>> {
-        Ok(self.read_meta::<Option<LogId<C::NodeId>>>(META_COMMITTED)?.flatten())
+        let committed = self.read_meta::<Option<LogId<C::NodeId>>>(META_COMMITTED)?.flatten();
+        // Saved unsynced, and a leader commits entries before its own sync
+        // of them: after a power cut the index may name entries the log
+        // lost, which could not be applied again. The leader tells it anew.
+        let purged = self.read_meta::<LogId<C::NodeId>>(META_PURGED)?;
+        let last = self.last_entry()?.map(|e| e.get_log_id().clone()).or(purged);
+        Ok(match (committed, last) {
+            (Some(c), Some(l)) if c > l => Some(l),
+            (Some(_), None) => None,
+            (c, _) => c,
+        })
     }
 
     async fn append<I>(&mut self, entries: I, callback: LogFlushed<C>) -> Result<(), RaftStorageError<C>>
