@@ -216,6 +216,12 @@ pub struct ServeArgs {
     /// blocked [default: 50000000]
     #[arg(long, env = "MIRRORQ_DISK_FREE_LIMIT")]
     pub disk_free_limit: Option<u64>,
+    /// File holding the secret every node of the cluster shares (the same
+    /// file on every node, owner-only, at least 16 bytes); a node-link
+    /// connection is served only after both ends prove they know it.
+    /// Required when --raft-listen is not a loopback address
+    #[arg(long, env = "MIRRORQ_CLUSTER_SECRET_FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
     /// AMQP connections the node keeps open at most; a client beyond is
     /// refused at `connection.open` (530 NOT_ALLOWED). 0: no limit
     /// [default: 65535]

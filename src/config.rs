@@ -37,6 +37,8 @@ pub struct FileConfig {
     pub failure_timeout: Option<f64>,
     #[serde(alias = "election_timeout")]
     pub election_timeout: Option<f64>,
+    #[serde(alias = "cluster_secret_file")]
+    pub cluster_secret_file: Option<PathBuf>,
     #[serde(alias = "max_connections")]
     pub max_connections: Option<usize>,
     #[serde(alias = "cache_mb")]
@@ -79,6 +81,14 @@ pub fn parse_cluster(s: &str) -> Result<BTreeMap<NodeId, String>, String> {
         }
     }
     Ok(out)
+}
+
+/// Whether a listen address (`HOST:PORT`) is only reachable from this
+/// machine. A name other than `localhost` may resolve anywhere: not loopback.
+fn is_loopback(addr: &str) -> bool {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 impl ServeConfig {
@@ -138,6 +148,19 @@ impl ServeConfig {
         if let Some(d) = args.disk_free_limit.or(file.disk_free_limit) {
             node.disk_free_limit = d;
         }
+        if let Some(path) = args.cluster_secret_file.clone().or(file.cluster_secret_file) {
+            node.cluster_secret = Some(
+                crate::link::auth::ClusterSecret::from_file(&path)
+                    .map_err(|e| ServerError::Config(format!("--cluster-secret-file: {e}")))?,
+            );
+        }
+        if node.cluster_secret.is_none() && !is_loopback(&node.raft_listen) {
+            return Err(ServerError::Config(format!(
+                "--raft-listen {} is not a loopback address: give --cluster-secret-file, or anyone who reaches \
+                 the port could speak Raft to this node",
+                node.raft_listen
+            )));
+        }
         if let Some(n) = args.max_connections.or(file.max_connections) {
             node.max_connections = n;
         }
@@ -194,6 +217,33 @@ mod tests {
         assert_eq!(c.node.raft_listen, "127.0.0.1:9");
         assert_eq!(c.node.timing.sync_timeout, Duration::from_millis(2500));
         assert_eq!(c.amqp_listen, "127.0.0.1:5672", "default");
+    }
+
+    #[test]
+    fn a_node_link_beyond_loopback_needs_a_cluster_secret() {
+        use std::os::unix::fs::PermissionsExt;
+        for open in ["127.0.0.1:25672", "[::1]:25672", "localhost:25672"] {
+            let args = ServeArgs { raft_listen: Some(open.into()), ..Default::default() };
+            assert!(ServeConfig::resolve(&args).is_ok(), "{open}");
+        }
+        for exposed in ["0.0.0.0:25672", "10.0.0.5:25672", "[::]:25672", "node1.example:25672"] {
+            let args = ServeArgs { raft_listen: Some(exposed.into()), ..Default::default() };
+            let e = ServeConfig::resolve(&args).expect_err(exposed).to_string();
+            assert!(e.contains("--cluster-secret-file"), "{e}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "a secret of sixteen or more\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let args = ServeArgs {
+            raft_listen: Some("0.0.0.0:25672".into()),
+            cluster_secret_file: Some(path.clone()),
+            ..Default::default()
+        };
+        assert!(ServeConfig::resolve(&args).unwrap().node.cluster_secret.is_some());
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = ServeConfig::resolve(&args).expect_err("a secret others may read").to_string();
+        assert!(e.contains("owner only"), "{e}");
     }
 
     #[test]

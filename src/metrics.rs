@@ -43,6 +43,8 @@ pub struct Metrics {
     pub queue_rejoins: Counter,
     /// Leaderships of the metadata group won here.
     pub metadata_leaderships: Counter,
+    /// Node-link connections refused for not proving the cluster secret.
+    pub link_refused: Counter,
 }
 
 impl Default for Metrics {
@@ -60,6 +62,7 @@ impl Default for Metrics {
             repeated_failures: Counter::default(),
             queue_leaderships: Counter::default(),
             queue_vote_requests: Counter::default(),
+            link_refused: Counter::default(),
             queue_reforms: Counter::default(),
             queue_rejoins: Counter::default(),
             metadata_leaderships: Counter::default(),

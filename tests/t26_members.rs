@@ -108,3 +108,107 @@ async fn a_joining_node_gets_mirrors_and_a_forgotten_one_loses_them() {
     assert_eq!(got, want);
     c.shutdown().await;
 }
+
+/// With a cluster secret, the node link serves only peers that prove they
+/// know it: the cluster works as before; a peer without the secret, or with
+/// another, gets nothing done (no vote, no append, no publish or get, no
+/// hand-back), is counted, and one with another secret is told that the
+/// secrets differ; a node started with another secret and `--join` stays
+/// out, and one with the cluster's joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
+    use mirrorq::link::auth::ClusterSecret;
+    use mirrorq::link::client::NodeClient;
+    use mirrorq::link::rpc::RpcRequest;
+    use mirrorq::link::transport::Transport;
+    use mirrorq::queue::QueueCmd;
+    init_tracing();
+    let secret = ClusterSecret::new("the cluster's own secret");
+    let mut c = Cluster::start_configured(3, fast_timing(Duration::from_secs(3)), |cfg| {
+        cfg.cluster_secret = Some(secret.clone());
+    })
+    .await;
+    let q = c.node(1).declare_queue("sq", vec![1, 2, 3]).await.unwrap();
+    common::publish_retrying(c.node(2), "sq", b"kept".to_vec()).await;
+    let master = c.master_of("sq").await;
+    let term = || c.node(master).queue_raft("sq").unwrap().metrics().borrow().current_term;
+    let term_before = term();
+    let addr = c.configs[(master - 1) as usize].raft_listen.clone();
+    let refused = |c: &Cluster| c.node(master).metrics().link_refused.get();
+
+    let vote = RpcRequest::Vote {
+        group: q.group,
+        epoch: Default::default(),
+        from: 9,
+        req: openraft::raft::VoteRequest::new(openraft::Vote::new(term_before + 5, 9), None),
+    };
+    let append = RpcRequest::Append {
+        group: q.group,
+        epoch: Default::default(),
+        from: 9,
+        req: openraft::raft::AppendEntriesRequest {
+            vote: openraft::Vote::new_committed(term_before + 5, 9),
+            prev_log_id: None,
+            entries: vec![],
+            leader_commit: None,
+        },
+    };
+    let handback = RpcRequest::Handback {
+        group: q.group,
+        epoch: Default::default(),
+        batches: vec![(None, vec![common::msg("smuggled")])],
+    };
+    let publish = RpcRequest::Queue {
+        group: q.group,
+        cmds: vec![QueueCmd::Enqueue { msgs: vec![common::msg("smuggled")] }],
+        lane: mirrorq::queue::proposer::Lane::Arrival,
+    };
+    let get = RpcRequest::Queue {
+        group: q.group,
+        cmds: vec![QueueCmd::Get { owner: 1, max: 10, auto_ack: true }],
+        lane: mirrorq::queue::proposer::Lane::Arrival,
+    };
+    for (who, transport) in [
+        ("no secret", Transport::new()),
+        ("another secret", Transport::new().with_secret(Some(ClusterSecret::new("some other secret here")))),
+    ] {
+        let was = refused(&c);
+        for req in [&vote, &append, &handback, &publish, &get] {
+            let r = transport.call(&addr, req, Duration::from_secs(5)).await;
+            assert!(r.is_err(), "{who}: a request was answered: {r:?}");
+        }
+        // The listener counts once it has seen the dialler give up.
+        wait_until(Duration::from_secs(5), "the refusal counted", || refused(&c) > was).await;
+        tracing::info!(who, "refused");
+    }
+    let told = NodeClient::with_secret(addr.clone(), ClusterSecret::new("some other secret here"))
+        .queue_info("sq")
+        .await
+        .expect_err("answered with another secret");
+    assert!(told.to_string().contains("cluster secret differs"), "{told}");
+
+    // Nothing the refused peers sent took effect.
+    assert_eq!(term(), term_before, "a vote or append from outside moved the term");
+    let got = c.node(3).get("sq", 7, 10, false).await.unwrap();
+    let bodies: Vec<_> = got.iter().map(|d| d.message.body.clone()).collect();
+    assert_eq!(bodies, vec![b"kept".to_vec()], "the queue holds what the cluster put there, only");
+
+    // Another secret with --join: not let in. The cluster's: in.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = mirrorq::NodeConfig::new(4, dir.path(), listener.local_addr().unwrap().to_string());
+    cfg.timing = c.configs[0].timing.clone();
+    cfg.join = Some(c.configs[0].raft_listen.clone());
+    cfg.cluster_secret = Some(ClusterSecret::new("some other secret here"));
+    let outsider = mirrorq::Node::start_with_listener(cfg, listener).await.expect("starts");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!c.node(1).metadata().nodes.contains_key(&4), "a node with another secret joined");
+    outsider.shutdown().await;
+    drop(dir);
+    let four = c.add_node(1).await;
+    wait_until(Duration::from_secs(30), "the node with the cluster's secret joins", || {
+        c.node(1).metadata().nodes.contains_key(&four)
+    })
+    .await;
+    c.shutdown().await;
+}

@@ -98,6 +98,11 @@ pub fn render(node: &Node) -> String {
         m.queue_vote_requests.clone(),
     );
     r.register(
+        "mirrorq_link_refused",
+        "Node-link connections refused for not proving the cluster secret (--cluster-secret-file)",
+        m.link_refused.clone(),
+    );
+    r.register(
         "mirrorq_queue_reforms",
         "Queues re-formed on this node after their group lost its majority",
         m.queue_reforms.clone(),

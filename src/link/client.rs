@@ -32,6 +32,11 @@ impl NodeClient {
         Self { addr: addr.into(), transport: Transport::new(), timeout: Duration::from_secs(30) }
     }
 
+    /// A client of a cluster with a secret, proving it on connecting.
+    pub fn with_secret(addr: impl Into<String>, secret: crate::link::auth::ClusterSecret) -> Self {
+        Self { transport: Transport::new().with_secret(Some(secret)), ..Self::new(addr) }
+    }
+
     pub fn addr(&self) -> &str {
         &self.addr
     }

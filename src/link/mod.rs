@@ -3,6 +3,7 @@
 //! tools and tests. It knows nothing of the node: inbound requests go to an
 //! [`server::RpcHandler`] the node implements.
 
+pub mod auth;
 pub mod beacon;
 pub mod client;
 pub mod rpc;

@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::codec::{Framed, FramedRead};
 use tokio_util::sync::CancellationToken;
 
+use super::auth::{self, AuthError, ClusterSecret};
 use super::beacon::{self, Beacon, Hello, Pulse};
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse};
 use super::transport::{codec, write_frames};
@@ -33,11 +34,54 @@ pub trait RpcHandler: Send + Sync + 'static {
     fn ping(&self, from: NodeId, have: Option<(u64, u64)>) -> RpcResponse;
 }
 
+/// Who may connect: with a cluster secret, only a peer that proves it
+/// knows it (`auth.rs`); the others are refused, counted, and logged once
+/// per address.
+pub struct Gate {
+    pub secret: Option<ClusterSecret>,
+    pub refused: prometheus_client::metrics::counter::Counter,
+    told: std::sync::Mutex<std::collections::HashSet<std::net::IpAddr>>,
+}
+
+/// Addresses told about at most; refusals beyond are only counted.
+const MAX_TOLD: usize = 1024;
+
+impl Gate {
+    pub fn new(secret: Option<ClusterSecret>, refused: prometheus_client::metrics::counter::Counter) -> Self {
+        Self { secret, refused, told: Default::default() }
+    }
+
+    /// Whether `stream` may go on: it proved the secret, or none is needed.
+    async fn admit(&self, stream: &mut TcpStream, peer: std::net::SocketAddr) -> bool {
+        let Some(secret) = &self.secret else { return true };
+        let e: AuthError = match auth::accept(stream, secret).await {
+            Ok(()) => return true,
+            Err(e) => e,
+        };
+        self.refused.inc();
+        let first = {
+            let mut told = self.told.lock().expect("poisoned");
+            told.len() < MAX_TOLD && told.insert(peer.ip())
+        };
+        if first {
+            tracing::warn!(%peer, error = %e, "refused a node-link connection that did not prove the cluster secret (told once per address; all are counted in mirrorq_link_refused_total)");
+        }
+        false
+    }
+}
+
 /// Accept connections until `stop` is cancelled; then every connection and
 /// in-flight handler is dropped. Accepting runs on the beacon's thread,
 /// which answers beacon connections itself (`beacon.rs`) and hands every
-/// other connection to the runtime this is called from.
-pub fn serve<H: RpcHandler>(listener: TcpListener, handler: Arc<H>, beacon: &Beacon, stop: CancellationToken) {
+/// other connection to the runtime this is called from. Every connection
+/// passes `gate` first.
+pub fn serve<H: RpcHandler>(
+    listener: TcpListener,
+    handler: Arc<H>,
+    beacon: &Beacon,
+    gate: Arc<Gate>,
+    stop: CancellationToken,
+) {
     let main = Handle::current();
     let pulse = beacon.pulse();
     let listener = match listener.into_std() {
@@ -61,10 +105,14 @@ pub fn serve<H: RpcHandler>(listener: TcpListener, handler: Arc<H>, beacon: &Bea
                 a = listener.accept() => a,
             };
             match accepted {
-                Ok((stream, _)) => {
+                Ok((mut stream, peer)) => {
                     let _ = stream.set_nodelay(true);
                     let (h, stop, main, pulse) = (handler.clone(), stop.clone(), main.clone(), pulse.clone());
+                    let gate = gate.clone();
                     tokio::spawn(async move {
+                        if !gate.admit(&mut stream, peer).await {
+                            return;
+                        }
                         match beacon::hello(stream).await {
                             Some(Hello::Beacon(stream)) => {
                                 tokio::select! {
@@ -232,7 +280,7 @@ mod tests {
         let stop = CancellationToken::new();
         let beacon = Beacon::start(stop.child_token()).unwrap();
         let held = Arc::new(Held { admitted: AtomicUsize::new(0), release: Arc::new(Semaphore::new(0)) });
-        serve(listener, held.clone(), &beacon, stop.clone());
+        serve(listener, held.clone(), &beacon, Arc::new(Gate::new(None, Default::default())), stop.clone());
 
         let budget = IN_HAND / MIN_COST;
         let t = Transport::new();

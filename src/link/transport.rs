@@ -18,6 +18,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
+use super::auth::{self, ClusterSecret};
 use super::beacon::{self, Beacon};
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
 use crate::ids::NodeId;
@@ -74,6 +75,8 @@ pub struct Transport {
     pub control: NetControl,
     /// The address of each peer whose connection broke by itself, as it breaks.
     losses: broadcast::Sender<String>,
+    /// Proved on every connection dialled (`auth.rs`), when the cluster has one.
+    secret: Option<ClusterSecret>,
 }
 
 impl Default for Transport {
@@ -89,7 +92,13 @@ impl Transport {
             beacon: None,
             control: NetControl::default(),
             losses: broadcast::channel(64).0,
+            secret: None,
         }
+    }
+
+    /// Every connection dialled proves `secret` first (`None`: none does).
+    pub fn with_secret(self, secret: Option<ClusterSecret>) -> Self {
+        Self { secret, ..self }
     }
 
     /// A transport whose pings travel on `beacon`'s thread and connections.
@@ -102,7 +111,7 @@ impl Transport {
             .lock()
             .expect("poisoned")
             .entry(addr.to_string())
-            .or_insert_with(|| Arc::new(Peer::new(addr.to_string(), self.losses.clone())))
+            .or_insert_with(|| Arc::new(Peer::new(addr.to_string(), self.losses.clone(), self.secret.clone())))
             .clone()
     }
 
@@ -207,11 +216,13 @@ struct Peer {
     next_id: AtomicU64,
     /// Replies are dropped on arrival ([`Transport::deafen`]).
     deaf: Arc<AtomicBool>,
+    secret: Option<ClusterSecret>,
 }
 
 impl Peer {
-    fn new(addr: String, losses: broadcast::Sender<String>) -> Self {
+    fn new(addr: String, losses: broadcast::Sender<String>, secret: Option<ClusterSecret>) -> Self {
         Self {
+            secret,
             addr,
             conn: tokio::sync::Mutex::new(None),
             beacon_conn: tokio::sync::Mutex::new(None),
@@ -243,13 +254,18 @@ impl Peer {
                 return Err(CallError::Unreachable(self.addr.clone(), "backing off after a failed dial".into()));
             }
         }
-        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr)).await {
+        let mut stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr)).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => return Err(self.dial_failed(e.to_string())),
             Err(_) => return Err(self.dial_failed("connect timed out".into())),
         };
-        *self.backoff.lock().expect("poisoned") = None;
         let _ = stream.set_nodelay(true);
+        if let Some(secret) = &self.secret {
+            if let Err(e) = auth::dial(&mut stream, secret).await {
+                return Err(self.dial_failed(format!("cluster secret: {e}")));
+            }
+        }
+        *self.backoff.lock().expect("poisoned") = None;
         *self.lost_at.lock().expect("poisoned") = None;
         let lost = LossReport { at: self.lost_at.clone(), to: self.losses.clone(), addr: self.addr.clone() };
         let conn = Arc::new(start_conn(stream, Some(lost), self.deaf.clone()));
@@ -274,6 +290,9 @@ impl Peer {
             Err(_) => return Err(unreachable("connect timed out".into())),
         };
         let _ = stream.set_nodelay(true);
+        if let Some(secret) = &self.secret {
+            auth::dial(&mut stream, secret).await.map_err(|e| unreachable(format!("cluster secret: {e}")))?;
+        }
         stream.write_all(beacon::MAGIC).await.map_err(|e| unreachable(e.to_string()))?;
         let conn = Arc::new(start_conn(stream, None, self.deaf.clone()));
         *slot = Some(conn.clone());

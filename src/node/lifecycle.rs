@@ -126,7 +126,7 @@ impl Node {
         // A node whose runtime makes no progress for the failure timeout is
         // as good as gone to its peers.
         beacon.watch_this_runtime(cfg.timing.failure_timeout);
-        let transport = Arc::new(Transport::with_beacon(beacon.clone()));
+        let transport = Arc::new(Transport::with_beacon(beacon.clone()).with_secret(cfg.cluster_secret.clone()));
         let (news, news_rx) = mpsc::unbounded_channel();
 
         let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?;
@@ -183,7 +183,8 @@ impl Node {
             stop,
         });
 
-        server::serve(listener, inner.clone(), &beacon, inner.stop.clone());
+        let gate = Arc::new(server::Gate::new(cfg.cluster_secret.clone(), inner.metrics.link_refused.clone()));
+        server::serve(listener, inner.clone(), &beacon, gate, inner.stop.clone());
         inner.alarms.clone().spawn(inner.stop.clone());
 
         let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;

@@ -42,6 +42,11 @@ impl Node {
                     Ok(RpcResponse::Member(Ok(()))) => {}
                     Ok(RpcResponse::Member(Err(e))) => tracing::warn!(via, error = %e, "join refused; retrying"),
                     Ok(other) => tracing::warn!(via, ?other, "unexpected answer to join"),
+                    Err(e) if e.to_string().contains("cluster secret") => {
+                        if node.inner.repeated(crate::ids::METADATA_GROUP, "join", &e.to_string()) {
+                            tracing::error!(via, error = %e, "cannot join: the member refuses this node's cluster secret or proves another; check --cluster-secret-file on both (retrying; told once until it changes)");
+                        }
+                    }
                     Err(e) => tracing::info!(via, error = %e, "cluster not reachable yet; retrying"),
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;

@@ -89,6 +89,8 @@ pub struct NodeConfig {
     pub disk_free_limit: u64,
     /// AMQP connections this node keeps open at most; 0: no limit.
     pub max_connections: usize,
+    /// Proved both ways on every node-link connection (`link/auth.rs`).
+    pub cluster_secret: Option<crate::link::auth::ClusterSecret>,
     /// Keep a copy of sled's file as of its last sync, so that
     /// `Node::crash` loses what a power cut would.
     #[cfg(feature = "test-hooks")]
@@ -145,6 +147,7 @@ impl NodeConfig {
             memory_high_watermark: Watermark::default(),
             disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            cluster_secret: None,
             #[cfg(feature = "test-hooks")]
             crash_image: false,
             #[cfg(feature = "test-hooks")]

@@ -174,6 +174,7 @@ impl Cluster {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let mut cfg = NodeConfig::new(id, dir.path(), listener.local_addr().unwrap().to_string());
         cfg.timing = self.configs[0].timing.clone();
+        cfg.cluster_secret = self.configs[0].cluster_secret.clone();
         cfg.crash_image = true;
         cfg.join = Some(self.configs[(via - 1) as usize].raft_listen.clone());
         let node = Node::start_with_listener(cfg.clone(), listener).await.expect("joining node starts");

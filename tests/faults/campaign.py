@@ -733,6 +733,7 @@ def run_one(args, seed, root):
         secret = os.path.join(root, "cluster.secret")
         with open(secret, "w") as f:
             f.write(f"campaign-{seed}-{os.getpid()}\n")
+        os.chmod(secret, 0o600)  # refused otherwise, as an Erlang cookie is
     net = Net(args.nodes)
     c = Cluster(args, net, root, secret)
     clients = None
