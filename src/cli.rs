@@ -12,6 +12,8 @@ pub struct Cli {
     pub command: Option<Command>,
 }
 
+// Made once, at start: the size of the serve flags costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Start one node (the default when no subcommand is given).
@@ -216,6 +218,26 @@ pub struct ServeArgs {
     /// blocked [default: 50000000]
     #[arg(long, env = "MIRRORQ_DISK_FREE_LIMIT")]
     pub disk_free_limit: Option<u64>,
+    /// AMQP 0-9-1 over TLS (RabbitMQ's port is 5671) [default: off]
+    #[arg(long, env = "MIRRORQ_AMQPS_LISTEN")]
+    pub amqps_listen: Option<String>,
+    /// The management HTTP API and web UI over TLS [default: off]
+    #[arg(long, env = "MIRRORQ_HTTPS_LISTEN")]
+    pub https_listen: Option<String>,
+    /// PEM certificate chain of every TLS listener
+    #[arg(long, env = "MIRRORQ_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of every TLS listener
+    #[arg(long, env = "MIRRORQ_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA bundle that client certificates must chain to (with
+    /// --tls-verify-peer)
+    #[arg(long, env = "MIRRORQ_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Require a client certificate signed by --tls-ca on every TLS
+    /// listener (RabbitMQ's verify_peer + fail_if_no_peer_cert)
+    #[arg(long, env = "MIRRORQ_TLS_VERIFY_PEER")]
+    pub tls_verify_peer: bool,
     /// File holding the secret every node of the cluster shares (the same
     /// file on every node, owner-only, at least 16 bytes); a node-link
     /// connection is served only after both ends prove they know it.

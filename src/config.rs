@@ -37,6 +37,18 @@ pub struct FileConfig {
     pub failure_timeout: Option<f64>,
     #[serde(alias = "election_timeout")]
     pub election_timeout: Option<f64>,
+    #[serde(alias = "amqps_listen")]
+    pub amqps_listen: Option<String>,
+    #[serde(alias = "https_listen")]
+    pub https_listen: Option<String>,
+    #[serde(alias = "tls_cert")]
+    pub tls_cert: Option<PathBuf>,
+    #[serde(alias = "tls_key")]
+    pub tls_key: Option<PathBuf>,
+    #[serde(alias = "tls_ca")]
+    pub tls_ca: Option<PathBuf>,
+    #[serde(alias = "tls_verify_peer")]
+    pub tls_verify_peer: Option<bool>,
     #[serde(alias = "cluster_secret_file")]
     pub cluster_secret_file: Option<PathBuf>,
     #[serde(alias = "max_connections")]
@@ -60,6 +72,12 @@ pub struct ServeConfig {
     pub node: NodeConfig,
     pub amqp_listen: String,
     pub http_listen: String,
+    /// AMQP over TLS, if on.
+    pub amqps_listen: Option<String>,
+    /// The HTTP API over TLS, if on.
+    pub https_listen: Option<String>,
+    /// What the TLS listeners serve with; set when one is on.
+    pub tls: Option<crate::tls::TlsFiles>,
     /// Runtime worker threads; `None` is tokio's default, one per core.
     pub worker_threads: Option<usize>,
 }
@@ -175,8 +193,34 @@ impl ServeConfig {
                 )));
             }
         }
+        let amqps_listen = args.amqps_listen.clone().or(file.amqps_listen);
+        let https_listen = args.https_listen.clone().or(file.https_listen);
+        let tls = match (args.tls_cert.clone().or(file.tls_cert), args.tls_key.clone().or(file.tls_key)) {
+            (Some(cert), Some(key)) => Some(crate::tls::TlsFiles {
+                cert,
+                key,
+                ca: args.tls_ca.clone().or(file.tls_ca),
+                verify_peer: args.tls_verify_peer || file.tls_verify_peer.unwrap_or(false),
+            }),
+            (None, None) => None,
+            _ => return Err(ServerError::Config("--tls-cert and --tls-key go together".into())),
+        };
+        if (amqps_listen.is_some() || https_listen.is_some()) && tls.is_none() {
+            return Err(ServerError::Config("--amqps-listen and --https-listen need --tls-cert and --tls-key".into()));
+        }
+        if let Some(t) = &tls {
+            if t.verify_peer && t.ca.is_none() {
+                return Err(ServerError::Config(crate::tls::TlsError::NoCa.to_string()));
+            }
+            // Read now: a bad file stops the start with its name, not a
+            // listener later.
+            t.server_config(&[]).map_err(|e| ServerError::Config(e.to_string()))?;
+        }
         Ok(Self {
             node,
+            amqps_listen,
+            https_listen,
+            tls,
             worker_threads,
             amqp_listen: args.amqp_listen.clone().or(file.amqp_listen).unwrap_or_else(|| "127.0.0.1:5672".into()),
             http_listen: args.http_listen.clone().or(file.http_listen).unwrap_or_else(|| "127.0.0.1:15672".into()),
@@ -244,6 +288,25 @@ mod tests {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         let e = ServeConfig::resolve(&args).expect_err("a secret others may read").to_string();
         assert!(e.contains("owner only"), "{e}");
+    }
+
+    #[test]
+    fn tls_listeners_need_a_readable_certificate_and_key() {
+        let amqps = || ServeArgs { amqps_listen: Some("127.0.0.1:5671".into()), ..Default::default() };
+        let e = ServeConfig::resolve(&amqps()).expect_err("amqps without a certificate").to_string();
+        assert!(e.contains("--tls-cert"), "{e}");
+        let half = ServeArgs { tls_cert: Some("/nonexistent/cert.pem".into()), ..amqps() };
+        assert!(ServeConfig::resolve(&half).expect_err("a cert without its key").to_string().contains("go together"));
+        let missing = ServeArgs {
+            tls_cert: Some("/nonexistent/cert.pem".into()),
+            tls_key: Some("/nonexistent/k".into()),
+            ..amqps()
+        };
+        let e = ServeConfig::resolve(&missing).expect_err("unreadable files").to_string();
+        assert!(e.contains("/nonexistent/cert.pem"), "the file is named: {e}");
+        let verify = ServeArgs { tls_verify_peer: true, ..missing };
+        let e = ServeConfig::resolve(&verify).expect_err("verify_peer without a CA").to_string();
+        assert!(e.contains("--tls-ca"), "{e}");
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub mod perf;
 pub mod queue;
 pub mod raft;
 pub mod serve;
+pub mod tls;
 
 pub use error::{NodeError, ServerError};
 pub use node::{Node, NodeConfig, QueueInfo, Timing};

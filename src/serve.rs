@@ -5,6 +5,7 @@ use std::future::Future;
 use crate::config::ServeConfig;
 use crate::error::ServerError;
 use crate::node::Node;
+use crate::tls::TlsListener;
 
 /// How the node ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -26,11 +27,33 @@ pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result
         .await
         .map_err(|source| ServerError::Listen { addr: cfg.http_listen.clone(), source })?;
     tokio::spawn(crate::http::serve(http, node.clone(), node.stopped()));
+    let mut amqps = None;
+    if let Some(tls) = &cfg.tls {
+        let tls_err = |e: crate::tls::TlsError| ServerError::Config(e.to_string());
+        if let Some(addr) = &cfg.amqps_listen {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Listen { addr: addr.clone(), source })?;
+            let l = TlsListener::new(l, tls.server_config(&[]).map_err(tls_err)?, node.closing())
+                .map_err(|source| ServerError::Listen { addr: addr.clone(), source })?;
+            amqps = Some(tokio::spawn(crate::amqp::serve_tls(l, node.clone(), node.stopped())));
+        }
+        if let Some(addr) = &cfg.https_listen {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Listen { addr: addr.clone(), source })?;
+            let l = TlsListener::new(l, tls.server_config(&[b"http/1.1"]).map_err(tls_err)?, node.stopped())
+                .map_err(|source| ServerError::Listen { addr: addr.clone(), source })?;
+            tokio::spawn(crate::http::serve_tls(l, node.clone(), node.stopped()));
+        }
+    }
     tracing::info!(
         node = node.name(),
         raft = node.raft_addr(),
         amqp = %cfg.amqp_listen,
         http = %cfg.http_listen,
+        amqps = cfg.amqps_listen.as_deref().unwrap_or("off"),
+        https = cfg.https_listen.as_deref().unwrap_or("off"),
         "mirrorq node serving"
     );
     let stopped = node.stopped();
@@ -42,6 +65,9 @@ pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result
     // move, and the listener closes, so none is served by a node on its way out.
     node.close_clients();
     let _ = amqp.await;
+    if let Some(amqps) = amqps {
+        let _ = amqps.await;
+    }
     node.shutdown().await;
     Ok(exit)
 }

@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 use amq_protocol::frame::AMQPFrame;
 use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -42,9 +41,14 @@ pub(in crate::amqp) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// stops reading and TCP pushes back on the publisher.
 pub(in crate::amqp) const MAX_IN_FLIGHT: usize = 10_000;
 
-pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) -> Result<(), String> {
+/// Serve one client on `stream` (plain TCP, or TLS with its handshake
+/// done), connected from `peer` to `local`.
+pub async fn run<S>(stream: S, peer: SocketAddr, local: String, node: Node, conn_id: u64) -> Result<(), String>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
     let handshake_deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-    let (mut rd, mut wr) = stream.into_split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
     let mut header = [0u8; 8];
     match tokio::time::timeout_at(handshake_deadline.into(), rd.read_exact(&mut header)).await {
         Ok(Ok(_)) => {}
@@ -57,7 +61,6 @@ pub async fn run(stream: TcpStream, peer: SocketAddr, node: Node, conn_id: u64) 
         return Err(format!("bad protocol header {header:?}"));
     }
 
-    let local = wr.local_addr().map(|a| a.to_string()).unwrap_or_default();
     node.clients().connected(crate::clients::ConnectionInfo {
         id: conn_id,
         name: format!("{peer} -> {local}"),
@@ -280,7 +283,7 @@ impl Conn {
         self.out.one(method(0, AMQPClass::Connection(m))).await;
     }
 
-    async fn read_loop(&mut self, rd: &mut tokio::net::tcp::OwnedReadHalf) -> Result<(), Hard> {
+    async fn read_loop(&mut self, rd: &mut (impl AsyncRead + Unpin)) -> Result<(), Hard> {
         let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
         let mut chunk = vec![0u8; 64 * 1024];
         let mut last_seen = Instant::now();

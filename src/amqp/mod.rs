@@ -27,18 +27,63 @@ mod writer;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use std::net::SocketAddr;
+
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
+use crate::tls::TlsListener;
 
 pub use codec::{parse, write_frame, Parsed};
+
+/// Where clients come from: a plain port, or a TLS one (`--amqps-listen`).
+trait Accept: Send {
+    type Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static;
+    /// The next client: its stream, its address and ours.
+    fn accept(
+        &mut self,
+    ) -> impl std::future::Future<Output = std::io::Result<(Self::Stream, SocketAddr, String)>> + Send;
+}
+
+impl Accept for TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn accept(&mut self) -> std::io::Result<(Self::Stream, SocketAddr, String)> {
+        let (stream, peer) = TcpListener::accept(self).await?;
+        let _ = stream.set_nodelay(true);
+        let local = stream.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        Ok((stream, peer, local))
+    }
+}
+
+impl Accept for TlsListener {
+    type Stream = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    async fn accept(&mut self) -> std::io::Result<(Self::Stream, SocketAddr, String)> {
+        match self.next().await {
+            Some((stream, peer)) => {
+                let local = stream.get_ref().0.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                Ok((stream, peer, local))
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
 
 /// Accept AMQP connections until `stop` is cancelled. When the node starts
 /// closing (`Node::closing`) it stops accepting, so connecting is refused
 /// and clients go to another node, and returns once its connections have
 /// closed (each told why, 320) or after a few seconds.
 pub async fn serve(listener: TcpListener, node: Node, stop: CancellationToken) {
+    serve_on(listener, node, stop).await
+}
+
+/// [`serve`] for AMQP over TLS (`--amqps-listen`): each client once its
+/// TLS handshake is done.
+pub async fn serve_tls(listener: TlsListener, node: Node, stop: CancellationToken) {
+    serve_on(listener, node, stop).await
+}
+
+async fn serve_on(mut listener: impl Accept, node: Node, stop: CancellationToken) {
     let ids = Arc::new(AtomicU64::new(1));
     let closing = node.closing();
     let mut conns = tokio::task::JoinSet::new();
@@ -50,14 +95,13 @@ pub async fn serve(listener: TcpListener, node: Node, stop: CancellationToken) {
             a = listener.accept() => a,
         };
         match accepted {
-            Ok((stream, peer)) => {
-                let _ = stream.set_nodelay(true);
+            Ok((stream, peer, local)) => {
                 let id = (node.id() << 40) | ids.fetch_add(1, Ordering::Relaxed);
                 let (node, stop) = (node.clone(), stop.clone());
                 conns.spawn(async move {
                     tokio::select! {
                         _ = stop.cancelled() => {}
-                        r = connection::run(stream, peer, node, id) => {
+                        r = connection::run(stream, peer, local, node, id) => {
                             if let Err(e) = r {
                                 tracing::debug!(%peer, error = %e, "amqp connection ended");
                             }

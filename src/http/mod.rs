@@ -45,6 +45,20 @@ pub async fn serve(listener: TcpListener, node: Node, stop: CancellationToken) {
     }
 }
 
+/// [`serve`] over TLS (`--https-listen`).
+pub async fn serve_tls(listener: crate::tls::TlsListener, node: Node, stop: CancellationToken) {
+    let app = router(node);
+    use axum::serve::ListenerExt;
+    // Tapped (doing nothing) for axum's connect info, which it gives any
+    // tapped listener and only its own plain one otherwise.
+    let listener = listener.tap_io(|_| {});
+    let server = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(stop.cancelled_owned());
+    if let Err(e) = server.await {
+        tracing::error!(error = %e, "https server failed");
+    }
+}
+
 pub fn router(node: Node) -> Router {
     Router::new()
         .route("/api/overview", get(overview))
