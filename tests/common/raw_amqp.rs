@@ -79,6 +79,27 @@ impl Raw {
         self.sock.write_all(&out).await.unwrap();
     }
 
+    /// The next frame, or `None` once the broker closed the connection
+    /// (or sent bytes that are no frame).
+    pub async fn next_or_closed(&mut self) -> Option<AMQPFrame> {
+        loop {
+            match parse_frame(self.buf.as_slice()) {
+                Ok((rest, frame)) => {
+                    let used = self.buf.len() - rest.len();
+                    self.buf.drain(..used);
+                    return Some(frame);
+                }
+                Err(e) if e.is_incomplete() => {}
+                Err(_) => return None,
+            }
+            let mut chunk = vec![0u8; 64 * 1024];
+            match self.sock.read(&mut chunk).await {
+                Ok(n) if n > 0 => self.buf.extend_from_slice(&chunk[..n]),
+                _ => return None,
+            }
+        }
+    }
+
     pub async fn next(&mut self) -> AMQPFrame {
         loop {
             match parse_frame(self.buf.as_slice()) {
