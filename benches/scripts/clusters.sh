@@ -3,6 +3,8 @@
 # is BIN if set, else MIRRORQ_BIN, else a fresh release build.
 # RabbitMQ: nodes rmq1..3@localhost, AMQP 5681-5683, management 15681-15683.
 # mirrorq: AMQP 5691-5693, HTTP 15691-15693.
+# With TLS_CERT and TLS_KEY (PEM files) set, AMQP over TLS too: RabbitMQ on
+# 5661-5663, mirrorq on 5671-5673.
 RMQ=/usr/lib/rabbitmq/bin
 if [ -z "${BIN:-}" ]; then
   BIN=${MIRRORQ_BIN:-target/release/mirrorq}
@@ -40,6 +42,10 @@ launch_rabbit_node() {
   mkdir -p "$DIR/r$i"
   printf 'listeners.tcp.default = 127.0.0.1:568%s\nmanagement.tcp.ip = 127.0.0.1\nmanagement.tcp.port = 1568%s\n' \
     "$i" "$i" > "$DIR/r$i/rabbitmq.conf"
+  if [ -n "${TLS_CERT:-}" ]; then
+    printf 'listeners.ssl.default = 127.0.0.1:566%s\nssl_options.certfile = %s\nssl_options.keyfile = %s\nssl_options.verify = verify_none\n' \
+      "$i" "$TLS_CERT" "$TLS_KEY" >> "$DIR/r$i/rabbitmq.conf"
+  fi
   echo "[rabbitmq_management]." > "$DIR/r$i/enabled_plugins"
   RABBITMQ_NODENAME=rmq$i@localhost RABBITMQ_DIST_PORT=2568$i \
     RABBITMQ_CONFIG_FILE=$DIR/r$i/rabbitmq.conf RABBITMQ_ENABLED_PLUGINS_FILE=$DIR/r$i/enabled_plugins \
@@ -91,13 +97,15 @@ ports_free() {
 # tokio's default.
 start_mirrorq() {
   local c=1=127.0.0.1:26691,2=127.0.0.1:26692,3=127.0.0.1:26693
-  local workers=()
+  local workers=() tls=()
   [ -z "${MIRRORQ_WORKERS-1}" ] || workers=(--worker-threads "${MIRRORQ_WORKERS-1}")
   for _ in $(seq 150); do ports_free && break; sleep 0.2; done
   ports_free || { echo "mirrorq ports 5691-5693 / 15691-15693 / 26691-26693 still in use" >&2; return 1; }
   for i in 1 2 3; do
+    [ -z "${TLS_CERT:-}" ] || tls=(--amqps-listen 127.0.0.1:567$i --tls-cert "$TLS_CERT" --tls-key "$TLS_KEY")
     MIRRORQ_LOG=${MIRRORQ_LOG:-warn} "$BIN" serve --node-id $i --data-dir "$DIR/m$i" --raft-listen 127.0.0.1:2669$i \
-      --amqp-listen 127.0.0.1:569$i --http-listen 127.0.0.1:1569$i --cluster $c "${workers[@]}" 2>"$DIR/m$i.log" &
+      --amqp-listen 127.0.0.1:569$i --http-listen 127.0.0.1:1569$i --cluster $c "${workers[@]}" "${tls[@]}" \
+      2>"$DIR/m$i.log" &
     echo $! > "$DIR/m$i.pid"
   done
   for _ in $(seq 150); do
