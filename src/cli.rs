@@ -238,6 +238,11 @@ pub struct ServeArgs {
     /// listener (RabbitMQ's verify_peer + fail_if_no_peer_cert)
     #[arg(long, env = "MIRRORQ_TLS_VERIFY_PEER")]
     pub tls_verify_peer: bool,
+    /// Mutual TLS on the node link too: every node shows --tls-cert and
+    /// checks its peers' against --tls-ca (the certificate must name the
+    /// node's --raft-listen host and allow client and server use)
+    #[arg(long, env = "MIRRORQ_TLS_NODE_LINK")]
+    pub tls_node_link: bool,
     /// File holding the secret every node of the cluster shares (the same
     /// file on every node, owner-only, at least 16 bytes); a node-link
     /// connection is served only after both ends prove they know it.

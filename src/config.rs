@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -49,6 +50,8 @@ pub struct FileConfig {
     pub tls_ca: Option<PathBuf>,
     #[serde(alias = "tls_verify_peer")]
     pub tls_verify_peer: Option<bool>,
+    #[serde(alias = "tls_node_link")]
+    pub tls_node_link: Option<bool>,
     #[serde(alias = "cluster_secret_file")]
     pub cluster_secret_file: Option<PathBuf>,
     #[serde(alias = "max_connections")]
@@ -216,6 +219,12 @@ impl ServeConfig {
             // listener later.
             t.server_config(&[]).map_err(|e| ServerError::Config(e.to_string()))?;
         }
+        if args.tls_node_link || file.tls_node_link.unwrap_or(false) {
+            let t = tls.as_ref().ok_or_else(|| {
+                ServerError::Config("--tls-node-link needs --tls-cert, --tls-key and --tls-ca".into())
+            })?;
+            node.link_tls = Some(Arc::new(t.link_tls().map_err(|e| ServerError::Config(e.to_string()))?));
+        }
         Ok(Self {
             node,
             amqps_listen,
@@ -304,6 +313,9 @@ mod tests {
         };
         let e = ServeConfig::resolve(&missing).expect_err("unreadable files").to_string();
         assert!(e.contains("/nonexistent/cert.pem"), "the file is named: {e}");
+        let link = ServeArgs { tls_node_link: true, ..Default::default() };
+        let e = ServeConfig::resolve(&link).expect_err("node-link TLS without files").to_string();
+        assert!(e.contains("--tls-node-link needs"), "{e}");
         let verify = ServeArgs { tls_verify_peer: true, ..missing };
         let e = ServeConfig::resolve(&verify).expect_err("verify_peer without a CA").to_string();
         assert!(e.contains("--tls-ca"), "{e}");

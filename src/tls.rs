@@ -172,3 +172,67 @@ impl axum::serve::Listener for TlsListener {
         Ok(self.local)
     }
 }
+
+/// TLS on the node link: both ends show the node certificate (`--tls-cert`)
+/// and check the other's against `--tls-ca`. Each connection also proves
+/// the cluster secret inside it.
+pub struct LinkTls {
+    pub server: TlsAcceptor,
+    pub client: tokio_rustls::TlsConnector,
+}
+
+impl std::fmt::Debug for LinkTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LinkTls(..)")
+    }
+}
+
+/// Both ends of the node link on one stream type, TLS or not.
+pub trait LinkIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> LinkIo for T {}
+
+impl LinkTls {
+    /// Dial with TLS, checking that the peer's certificate names the host
+    /// we dialled (an IP address or a name).
+    pub async fn connect(&self, addr: &str, tcp: TcpStream) -> std::io::Result<Box<dyn LinkIo>> {
+        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
+        let name = rustls::pki_types::ServerName::try_from(host.to_string())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, self.client.connect(name, tcp))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
+        Ok(Box::new(tls))
+    }
+
+    /// Take a dialler's TLS handshake.
+    pub async fn accept(&self, tcp: TcpStream) -> std::io::Result<Box<dyn LinkIo>> {
+        let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, self.server.accept(tcp))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
+        Ok(Box::new(tls))
+    }
+}
+
+impl TlsFiles {
+    /// Mutual TLS for the node link from these files; `--tls-ca` required.
+    pub fn link_tls(&self) -> Result<LinkTls, TlsError> {
+        let ca = self.ca.as_ref().ok_or(TlsError::NoCa)?;
+        let server = Self { verify_peer: true, ..self.clone() }.server_config(&[])?;
+        #[allow(deprecated)] // as in `server_config`
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for c in certs("--tls-ca", ca)? {
+            roots.add(c).map_err(|e| TlsError::Pem { what: "--tls-ca", path: ca.clone(), reason: e.to_string() })?;
+        }
+        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| TlsError::Pem {
+            what: "--tls-key",
+            path: self.key.clone(),
+            reason: e.to_string(),
+        })?;
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs("--tls-cert", &self.cert)?, key)?;
+        Ok(LinkTls { server: TlsAcceptor::from(server), client: tokio_rustls::TlsConnector::from(Arc::new(client)) })
+    }
+}

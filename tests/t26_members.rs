@@ -212,3 +212,71 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
     .await;
     c.shutdown().await;
 }
+
+/// With `--tls-node-link`, every node-link connection is mutual TLS under
+/// the cluster's CA, with the secret proved inside it: the cluster serves
+/// across nodes; a peer that knows the secret but speaks no TLS, or shows a
+/// certificate of another CA, is refused and counted; one with the
+/// cluster's certificate and secret is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_node_link_over_mutual_tls_serves_only_the_clusters_certificates() {
+    use mirrorq::link::auth::ClusterSecret;
+    use mirrorq::link::rpc::{ClientRequest, RpcRequest};
+    use mirrorq::link::transport::Transport;
+    use mirrorq::tls::TlsFiles;
+    use std::sync::Arc;
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let ours = common::certificates(&dir.path().join("ours").tap_mkdir());
+    let theirs = common::certificates(&dir.path().join("theirs").tap_mkdir());
+    let files = |c: &[std::path::PathBuf; 5]| TlsFiles {
+        cert: c[1].clone(),
+        key: c[2].clone(),
+        ca: Some(c[0].clone()),
+        verify_peer: true,
+    };
+    let link = Arc::new(files(&ours).link_tls().unwrap());
+    let secret = ClusterSecret::new("the cluster's own secret");
+    let c = Cluster::start_configured(3, fast_timing(Duration::from_secs(3)), |cfg| {
+        cfg.cluster_secret = Some(secret.clone());
+        cfg.link_tls = Some(link.clone());
+    })
+    .await;
+    c.node(1).declare_queue("tq", vec![1, 2, 3]).await.unwrap();
+    common::publish_retrying(c.node(2), "tq", b"over tls".to_vec()).await;
+    let got = c.node(3).get("tq", 7, 10, true).await.unwrap();
+    assert_eq!(got.len(), 1, "served across the nodes over TLS");
+
+    let addr = c.configs[0].raft_listen.clone();
+    let ask = RpcRequest::Client(ClientRequest::QueueInfo { name: "tq".into() });
+    let refused = |c: &Cluster| c.node(1).metrics().link_refused.get();
+    for (who, transport) in [
+        ("the secret, no TLS", Transport::new().with_secret(Some(secret.clone()))),
+        (
+            "the secret, another CA's certificate",
+            Transport::new()
+                .with_secret(Some(secret.clone()))
+                .with_tls(Some(Arc::new(files(&theirs).link_tls().unwrap()))),
+        ),
+    ] {
+        let was = refused(&c);
+        let r = transport.call(&addr, &ask, Duration::from_secs(5)).await;
+        assert!(r.is_err(), "{who}: answered: {r:?}");
+        wait_until(Duration::from_secs(5), "the refusal counted", || refused(&c) > was).await;
+    }
+    let member = Transport::new().with_secret(Some(secret.clone())).with_tls(Some(link.clone()));
+    let r = member.call(&addr, &ask, Duration::from_secs(5)).await;
+    assert!(r.is_ok(), "the cluster's certificate and secret: {r:?}");
+    c.shutdown().await;
+}
+
+trait TapMkdir {
+    fn tap_mkdir(self) -> Self;
+}
+
+impl TapMkdir for std::path::PathBuf {
+    fn tap_mkdir(self) -> Self {
+        std::fs::create_dir_all(&self).unwrap();
+        self
+    }
+}

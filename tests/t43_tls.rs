@@ -7,32 +7,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::process::{self, ProcNode};
-use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+use common::certificates;
 
-/// A CA, a server certificate for `localhost` and a client certificate,
-/// as PEM files in `dir`: (ca, server cert, server key, client cert, client key).
-fn certificates(dir: &Path) -> [PathBuf; 5] {
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, "mirrorq test CA");
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let leaf = |name: &str, usage: ExtendedKeyUsagePurpose| {
-        let key = KeyPair::generate().unwrap();
-        let mut p = CertificateParams::new(vec![name.to_string()]).unwrap();
-        p.extended_key_usages = vec![usage];
-        let cert = p.signed_by(&key, &ca_cert, &ca_key).unwrap();
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server, server_key) = leaf("localhost", ExtendedKeyUsagePurpose::ServerAuth);
-    let (client, client_key) = leaf("a client", ExtendedKeyUsagePurpose::ClientAuth);
-    let files = ["ca.pem", "server.pem", "server.key", "client.pem", "client.key"].map(|f| dir.join(f));
-    for (path, pem) in files.iter().zip([ca_cert.pem(), server, server_key, client, client_key]) {
-        std::fs::write(path, pem).unwrap();
-    }
-    files
-}
+use common::process::{self, ProcNode};
 
 /// A single node serving AMQPS and HTTPS too; its (amqps, https) ports.
 async fn tls_node(root: &Path, certs: &[PathBuf; 5], verify_peer: bool) -> (ProcNode, u16, u16) {

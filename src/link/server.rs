@@ -18,6 +18,7 @@ use super::beacon::{self, Beacon, Hello, Pulse};
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse};
 use super::transport::{codec, write_frames};
 use crate::ids::NodeId;
+use crate::tls::{LinkIo, LinkTls};
 
 /// The rest of a request's handling, after its admission.
 pub type Completion = Pin<Box<dyn Future<Output = RpcResponse> + Send>>;
@@ -39,6 +40,8 @@ pub trait RpcHandler: Send + Sync + 'static {
 /// per address.
 pub struct Gate {
     pub secret: Option<ClusterSecret>,
+    /// Mutual TLS first, when the node link has it (`--tls-node-link`).
+    pub tls: Option<Arc<LinkTls>>,
     pub refused: prometheus_client::metrics::counter::Counter,
     told: std::sync::Mutex<std::collections::HashSet<std::net::IpAddr>>,
 }
@@ -47,26 +50,47 @@ pub struct Gate {
 const MAX_TOLD: usize = 1024;
 
 impl Gate {
-    pub fn new(secret: Option<ClusterSecret>, refused: prometheus_client::metrics::counter::Counter) -> Self {
-        Self { secret, refused, told: Default::default() }
+    pub fn new(
+        secret: Option<ClusterSecret>,
+        tls: Option<Arc<LinkTls>>,
+        refused: prometheus_client::metrics::counter::Counter,
+    ) -> Self {
+        Self { secret, tls, refused, told: Default::default() }
     }
 
-    /// Whether `stream` may go on: it proved the secret, or none is needed.
-    async fn admit(&self, stream: &mut TcpStream, peer: std::net::SocketAddr) -> bool {
-        let Some(secret) = &self.secret else { return true };
-        let e: AuthError = match auth::accept(stream, secret).await {
-            Ok(()) => return true,
-            Err(e) => e,
+    /// `stream` ready to carry the node link: through TLS and the secret
+    /// where they are on; `None`, counted and told once, if it failed.
+    async fn open(&self, stream: TcpStream) -> Option<Box<dyn LinkIo>> {
+        let peer = stream.peer_addr().ok()?;
+        let mut io: Box<dyn LinkIo> = match &self.tls {
+            Some(tls) => match tls.accept(stream).await {
+                Ok(io) => io,
+                Err(e) => {
+                    self.refuse(peer, &format!("TLS: {e}"));
+                    return None;
+                }
+            },
+            None => Box::new(stream),
         };
+        if let Some(secret) = &self.secret {
+            if let Err(e) = auth::accept(&mut io, secret).await {
+                let e: AuthError = e;
+                self.refuse(peer, &e.to_string());
+                return None;
+            }
+        }
+        Some(io)
+    }
+
+    fn refuse(&self, peer: std::net::SocketAddr, e: &str) {
         self.refused.inc();
         let first = {
             let mut told = self.told.lock().expect("poisoned");
             told.len() < MAX_TOLD && told.insert(peer.ip())
         };
         if first {
-            tracing::warn!(%peer, error = %e, "refused a node-link connection that did not prove the cluster secret (told once per address; all are counted in mirrorq_link_refused_total)");
+            tracing::warn!(%peer, error = %e, "refused a node-link connection that did not prove its TLS certificate or the cluster secret (told once per address; all are counted in mirrorq_link_refused_total)");
         }
-        false
     }
 }
 
@@ -105,22 +129,23 @@ pub fn serve<H: RpcHandler>(
                 a = listener.accept() => a,
             };
             match accepted {
-                Ok((mut stream, peer)) => {
+                Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
                     let (h, stop, main, pulse) = (handler.clone(), stop.clone(), main.clone(), pulse.clone());
                     let gate = gate.clone();
                     tokio::spawn(async move {
-                        if !gate.admit(&mut stream, peer).await {
-                            return;
-                        }
                         match beacon::hello(stream).await {
                             Some(Hello::Beacon(stream)) => {
+                                let Some(io) = gate.open(stream).await else { return };
                                 tokio::select! {
                                     _ = stop.cancelled() => {}
-                                    _ = answer_pings(stream, h, pulse) => {}
+                                    _ = answer_pings(io, h, pulse) => {}
                                 }
                             }
-                            Some(Hello::Link(stream)) => hand_to(&main, stream, h, stop),
+                            // TLS and the secret on the main runtime, which
+                            // serves the connection: a socket cannot move
+                            // between runtimes once TLS wraps it.
+                            Some(Hello::Link(stream)) => hand_to(&main, stream, h, gate, stop),
                             None => {}
                         }
                     });
@@ -135,7 +160,7 @@ pub fn serve<H: RpcHandler>(
 }
 
 /// Serve a node-link connection on the `main` runtime.
-fn hand_to<H: RpcHandler>(main: &Handle, stream: TcpStream, handler: Arc<H>, stop: CancellationToken) {
+fn hand_to<H: RpcHandler>(main: &Handle, stream: TcpStream, handler: Arc<H>, gate: Arc<Gate>, stop: CancellationToken) {
     let stream = match stream.into_std() {
         Ok(s) => s,
         Err(e) => {
@@ -151,16 +176,17 @@ fn hand_to<H: RpcHandler>(main: &Handle, stream: TcpStream, handler: Arc<H>, sto
                 return;
             }
         };
+        let Some(io) = gate.open(stream).await else { return };
         tokio::select! {
             _ = stop.cancelled() => {}
-            _ = connection(stream, handler, stop.clone()) => {}
+            _ = connection(io, handler, stop.clone()) => {}
         }
     });
 }
 
 /// A beacon connection: each ping answered here, in order, at once, while
 /// the main runtime makes progress; left unanswered while it does not.
-async fn answer_pings<H: RpcHandler>(stream: TcpStream, handler: Arc<H>, pulse: Pulse) {
+async fn answer_pings<H: RpcHandler>(stream: Box<dyn LinkIo>, handler: Arc<H>, pulse: Pulse) {
     let mut framed = Framed::new(stream, codec());
     while let Some(Ok(frame)) = framed.next().await {
         let env: Envelope<RpcRequest> = match rpc::decode(&frame) {
@@ -190,8 +216,8 @@ async fn answer_pings<H: RpcHandler>(stream: TcpStream, handler: Arc<H>, pulse: 
 const IN_HAND: usize = 64 << 20;
 const MIN_COST: usize = 1 << 10;
 
-async fn connection<H: RpcHandler>(stream: TcpStream, handler: Arc<H>, stop: CancellationToken) {
-    let (rd, wr) = stream.into_split();
+async fn connection<H: RpcHandler>(stream: Box<dyn LinkIo>, handler: Arc<H>, stop: CancellationToken) {
+    let (rd, wr) = tokio::io::split(stream);
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let writer = tokio::spawn(write_frames(wr, rx));
     let mut input = FramedRead::new(rd, codec());
@@ -280,7 +306,7 @@ mod tests {
         let stop = CancellationToken::new();
         let beacon = Beacon::start(stop.child_token()).unwrap();
         let held = Arc::new(Held { admitted: AtomicUsize::new(0), release: Arc::new(Semaphore::new(0)) });
-        serve(listener, held.clone(), &beacon, Arc::new(Gate::new(None, Default::default())), stop.clone());
+        serve(listener, held.clone(), &beacon, Arc::new(Gate::new(None, None, Default::default())), stop.clone());
 
         let budget = IN_HAND / MIN_COST;
         let t = Transport::new();

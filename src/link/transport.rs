@@ -22,6 +22,7 @@ use super::auth::{self, ClusterSecret};
 use super::beacon::{self, Beacon};
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
 use crate::ids::NodeId;
+use crate::tls::{LinkIo, LinkTls};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
@@ -77,6 +78,8 @@ pub struct Transport {
     losses: broadcast::Sender<String>,
     /// Proved on every connection dialled (`auth.rs`), when the cluster has one.
     secret: Option<ClusterSecret>,
+    /// Every connection dialled runs over TLS (`--tls-node-link`).
+    tls: Option<Arc<LinkTls>>,
 }
 
 impl Default for Transport {
@@ -93,7 +96,13 @@ impl Transport {
             control: NetControl::default(),
             losses: broadcast::channel(64).0,
             secret: None,
+            tls: None,
         }
+    }
+
+    /// Every connection dialled runs over mutual TLS (`None`: none does).
+    pub fn with_tls(self, tls: Option<Arc<LinkTls>>) -> Self {
+        Self { tls, ..self }
     }
 
     /// Every connection dialled proves `secret` first (`None`: none does).
@@ -111,7 +120,10 @@ impl Transport {
             .lock()
             .expect("poisoned")
             .entry(addr.to_string())
-            .or_insert_with(|| Arc::new(Peer::new(addr.to_string(), self.losses.clone(), self.secret.clone())))
+            .or_insert_with(|| {
+                let guard = Guard { secret: self.secret.clone(), tls: self.tls.clone() };
+                Arc::new(Peer::new(addr.to_string(), self.losses.clone(), guard))
+            })
             .clone()
     }
 
@@ -216,13 +228,33 @@ struct Peer {
     next_id: AtomicU64,
     /// Replies are dropped on arrival ([`Transport::deafen`]).
     deaf: Arc<AtomicBool>,
+    guard: Guard,
+}
+
+/// What a dialled connection goes through before it carries anything:
+/// TLS, then the cluster secret, each if the cluster has it.
+struct Guard {
     secret: Option<ClusterSecret>,
+    tls: Option<Arc<LinkTls>>,
+}
+
+impl Guard {
+    async fn open(&self, addr: &str, tcp: TcpStream) -> Result<Box<dyn LinkIo>, String> {
+        let mut io: Box<dyn LinkIo> = match &self.tls {
+            Some(tls) => tls.connect(addr, tcp).await.map_err(|e| format!("TLS: {e}"))?,
+            None => Box::new(tcp),
+        };
+        if let Some(secret) = &self.secret {
+            auth::dial(&mut io, secret).await.map_err(|e| format!("cluster secret: {e}"))?;
+        }
+        Ok(io)
+    }
 }
 
 impl Peer {
-    fn new(addr: String, losses: broadcast::Sender<String>, secret: Option<ClusterSecret>) -> Self {
+    fn new(addr: String, losses: broadcast::Sender<String>, guard: Guard) -> Self {
         Self {
-            secret,
+            guard,
             addr,
             conn: tokio::sync::Mutex::new(None),
             beacon_conn: tokio::sync::Mutex::new(None),
@@ -254,17 +286,16 @@ impl Peer {
                 return Err(CallError::Unreachable(self.addr.clone(), "backing off after a failed dial".into()));
             }
         }
-        let mut stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr)).await {
+        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr)).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => return Err(self.dial_failed(e.to_string())),
             Err(_) => return Err(self.dial_failed("connect timed out".into())),
         };
         let _ = stream.set_nodelay(true);
-        if let Some(secret) = &self.secret {
-            if let Err(e) = auth::dial(&mut stream, secret).await {
-                return Err(self.dial_failed(format!("cluster secret: {e}")));
-            }
-        }
+        let stream = match self.guard.open(&self.addr, stream).await {
+            Ok(io) => io,
+            Err(why) => return Err(self.dial_failed(why)),
+        };
         *self.backoff.lock().expect("poisoned") = None;
         *self.lost_at.lock().expect("poisoned") = None;
         let lost = LossReport { at: self.lost_at.clone(), to: self.losses.clone(), addr: self.addr.clone() };
@@ -290,10 +321,10 @@ impl Peer {
             Err(_) => return Err(unreachable("connect timed out".into())),
         };
         let _ = stream.set_nodelay(true);
-        if let Some(secret) = &self.secret {
-            auth::dial(&mut stream, secret).await.map_err(|e| unreachable(format!("cluster secret: {e}")))?;
-        }
+        // The beacon's mark goes first, in the clear: the listener tells
+        // the two kinds apart before anything else (`beacon::hello`).
         stream.write_all(beacon::MAGIC).await.map_err(|e| unreachable(e.to_string()))?;
+        let stream = self.guard.open(&self.addr, stream).await.map_err(unreachable)?;
         let conn = Arc::new(start_conn(stream, None, self.deaf.clone()));
         *slot = Some(conn.clone());
         Ok(conn)
@@ -356,7 +387,7 @@ impl Peer {
 
 /// Write queued frames until the queue closes or the socket fails; whatever
 /// is already queued goes out in one write.
-pub(crate) async fn write_frames(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
+pub(crate) async fn write_frames(wr: impl tokio::io::AsyncWrite + Unpin, mut rx: mpsc::Receiver<Bytes>) {
     let mut out = FramedWrite::new(wr, codec());
     'outer: while let Some(frame) = rx.recv().await {
         if out.feed(frame).await.is_err() {
@@ -381,8 +412,8 @@ struct LossReport {
     addr: String,
 }
 
-fn start_conn(stream: TcpStream, lost: Option<LossReport>, deaf: Arc<AtomicBool>) -> Conn {
-    let (rd, wr) = stream.into_split();
+fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Arc<AtomicBool>) -> Conn {
+    let (rd, wr) = tokio::io::split(stream);
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
     let closed = Arc::new(AtomicBool::new(false));

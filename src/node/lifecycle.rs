@@ -126,7 +126,11 @@ impl Node {
         // A node whose runtime makes no progress for the failure timeout is
         // as good as gone to its peers.
         beacon.watch_this_runtime(cfg.timing.failure_timeout);
-        let transport = Arc::new(Transport::with_beacon(beacon.clone()).with_secret(cfg.cluster_secret.clone()));
+        let transport = Arc::new(
+            Transport::with_beacon(beacon.clone())
+                .with_secret(cfg.cluster_secret.clone())
+                .with_tls(cfg.link_tls.clone()),
+        );
         let (news, news_rx) = mpsc::unbounded_channel();
 
         let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?;
@@ -183,7 +187,11 @@ impl Node {
             stop,
         });
 
-        let gate = Arc::new(server::Gate::new(cfg.cluster_secret.clone(), inner.metrics.link_refused.clone()));
+        let gate = Arc::new(server::Gate::new(
+            cfg.cluster_secret.clone(),
+            cfg.link_tls.clone(),
+            inner.metrics.link_refused.clone(),
+        ));
         server::serve(listener, inner.clone(), &beacon, gate, inner.stop.clone());
         inner.alarms.clone().spawn(inner.stop.clone());
 

@@ -91,6 +91,8 @@ pub struct NodeConfig {
     pub max_connections: usize,
     /// Proved both ways on every node-link connection (`link/auth.rs`).
     pub cluster_secret: Option<crate::link::auth::ClusterSecret>,
+    /// Mutual TLS on every node-link connection (`--tls-node-link`).
+    pub link_tls: Option<Arc<crate::tls::LinkTls>>,
     /// Keep a copy of sled's file as of its last sync, so that
     /// `Node::crash` loses what a power cut would.
     #[cfg(feature = "test-hooks")]
@@ -148,6 +150,7 @@ impl NodeConfig {
             disk_free_limit: crate::alarms::DEFAULT_DISK_FREE_LIMIT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             cluster_secret: None,
+            link_tls: None,
             #[cfg(feature = "test-hooks")]
             crash_image: false,
             #[cfg(feature = "test-hooks")]

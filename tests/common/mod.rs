@@ -249,3 +249,32 @@ pub fn policy(pattern: &str, def: &str) -> mirrorq::metadata::Policy {
         definition: def.into(),
     }
 }
+
+/// A CA, a node certificate (for `localhost` and `127.0.0.1`, fit for
+/// serving and for dialling, as a node on the node link does both) and a
+/// client certificate, as PEM files in `dir`: (ca, node cert, node key,
+/// client cert, client key).
+#[allow(dead_code)]
+pub fn certificates(dir: &std::path::Path) -> [std::path::PathBuf; 5] {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose as Usage, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "mirrorq test CA");
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let leaf = |names: Vec<String>, usage: Vec<Usage>| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(names).unwrap();
+        p.extended_key_usages = usage;
+        let cert = p.signed_by(&key, &ca_cert, &ca_key).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (node, node_key) =
+        leaf(vec!["localhost".into(), "127.0.0.1".into()], vec![Usage::ServerAuth, Usage::ClientAuth]);
+    let (client, client_key) = leaf(vec!["a client".into()], vec![Usage::ClientAuth]);
+    let files = ["ca.pem", "node.pem", "node.key", "client.pem", "client.key"].map(|f| dir.join(f));
+    for (path, pem) in files.iter().zip([ca_cert.pem(), node, node_key, client, client_key]) {
+        std::fs::write(path, pem).unwrap();
+    }
+    files
+}
