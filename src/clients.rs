@@ -34,9 +34,14 @@ pub struct ConsumerInfo {
     pub exclusive: bool,
 }
 
+/// Tells one connection to close, with the reason given.
+pub type Closer = Box<dyn Fn(&str) + Send + Sync>;
+
 /// This node's AMQP clients.
 #[derive(Default)]
 pub struct Clients {
+    /// How to close each connection, by id.
+    closers: Mutex<BTreeMap<u64, Closer>>,
     /// Open connections (a vhost opened) this node takes at most; 0: no limit.
     max_open: usize,
     connections: Mutex<BTreeMap<u64, ConnectionInfo>>,
@@ -47,9 +52,29 @@ impl Clients {
     pub fn connected(&self, info: ConnectionInfo) {
         self.connections.lock().expect("poisoned").insert(info.id, info);
     }
+    /// How connection `id` is told to close ([`Clients::close`]).
+    pub fn closes_by(&self, id: u64, closer: Closer) {
+        self.closers.lock().expect("poisoned").insert(id, closer);
+    }
+
+    /// Close the connection named `name` (as listed), telling its client
+    /// `reason`; `false` if no connection here has that name.
+    pub fn close(&self, name: &str, reason: &str) -> bool {
+        let id = self.connections.lock().expect("poisoned").values().find(|c| c.name == name).map(|c| c.id);
+        let closers = self.closers.lock().expect("poisoned");
+        match id.and_then(|id| closers.get(&id)) {
+            Some(close) => {
+                close(reason);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Forget a connection; returns the queues its consumers were on.
     pub fn disconnected(&self, id: u64) -> Vec<String> {
         self.connections.lock().expect("poisoned").remove(&id);
+        self.closers.lock().expect("poisoned").remove(&id);
         let mut gone = Vec::new();
         self.consumers.lock().expect("poisoned").retain(|k, v| {
             let keep = k.0 != id;

@@ -126,6 +126,13 @@ where
         vhost: Arc::from(DEFAULT_VHOST),
     };
     let (hard_tx, hard_rx) = mpsc::channel::<Hard>(8);
+    let closer = hard_tx.clone();
+    conn.node.clients().closes_by(
+        conn_id,
+        Box::new(move |reason| {
+            let _ = closer.try_send(hard(CONNECTION_FORCED, format!("CONNECTION_FORCED - {reason}")));
+        }),
+    );
     conn.hard_tx = Some(hard_tx);
     conn.hard_rx = Some(hard_rx);
     conn.send_start().await;

@@ -82,6 +82,7 @@ pub fn router(node: Node) -> Router {
         .route("/api/bindings", get(list_bindings))
         .route("/api/bindings/{vhost}", get(list_bindings_in))
         .route("/api/bindings/{vhost}/e/{exchange}/q/{queue}", get(queue_bindings).post(bind))
+        .route("/api/bindings/{vhost}/e/{exchange}/q/{queue}/{props}", get(get_binding).delete(unbind))
         .route("/api/whoami", get(users::whoami))
         .route("/api/users", get(users::list_users))
         .route("/api/users/{name}", get(users::get_user).put(users::put_user).delete(users::delete_user))
@@ -96,6 +97,7 @@ pub fn router(node: Node) -> Router {
         )
         .route("/api/definitions", get(definitions::export).post(definitions::import))
         .route("/api/connections", get(list_connections))
+        .route("/api/connections/{name}", delete(close_connection))
         .route("/api/channels", get(list_channels))
         .route("/api/consumers", get(list_consumers))
         .fallback(|| async { ApiError::not_found() })
@@ -152,6 +154,18 @@ fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> 
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(ApiError::bad_request("body must be a JSON object")),
         Err(e) => Err(ApiError::bad_request(format!("malformed JSON: {e}"))),
+    }
+}
+
+/// A boolean of a body: JSON `true`/`false`, or the strings `"true"` and
+/// `"false"`, which RabbitMQ's API takes too (rabbitmqadmin sends them).
+fn bool_field(b: &serde_json::Map<String, Value>, k: &str, default: bool) -> Result<bool, ApiError> {
+    match b.get(k) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(v)) => Ok(*v),
+        Some(Value::String(s)) if s == "true" => Ok(true),
+        Some(Value::String(s)) if s == "false" => Ok(false),
+        Some(_) => Err(ApiError::bad_request(format!("{k} must be true or false"))),
     }
 }
 
@@ -397,9 +411,7 @@ async fn put_queue(
     let name = key(&vhost, &bare);
     let b = parse_body(&body)?;
     for k in ["durable", "auto_delete"] {
-        if b.get(k).is_some_and(|v| !v.is_boolean()) {
-            return Err(ApiError::bad_request(format!("{k} must be true or false")));
-        }
+        bool_field(&b, k, false)?;
     }
     if b.get("arguments").is_some_and(|v| !v.is_object() && !v.is_null()) {
         return Err(ApiError::bad_request("arguments must be an object"));
@@ -641,11 +653,7 @@ async fn put_exchange(
         Some(_) => return Err(ApiError::bad_request("type must be a string")),
         None => return Err(ApiError::bad_request("type is required")),
     };
-    let flag = |k: &str, default: bool| match b.get(k) {
-        None | Some(Value::Null) => Ok(default),
-        Some(Value::Bool(v)) => Ok(*v),
-        Some(_) => Err(ApiError::bad_request(format!("{k} must be true or false"))),
-    };
+    let flag = |k: &str, default: bool| bool_field(&b, k, default);
     let ex = ExchangeMeta {
         name: key(&vhost, &name),
         kind,
@@ -668,10 +676,64 @@ async fn delete_exchange(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// How RabbitMQ names a binding in its API's paths: its routing key, `~`
+/// for an empty one.
+fn properties_key(b: &Binding) -> &str {
+    if b.routing_key.is_empty() {
+        "~"
+    } else {
+        &b.routing_key
+    }
+}
+
 fn binding_json(b: &Binding) -> Value {
     let (vhost, source) = names::split(&b.exchange);
     json!({"source": source, "vhost": vhost, "destination": names::name_of(&b.queue), "destination_type": "queue",
-           "routing_key": b.routing_key, "arguments": {}, "properties_key": b.routing_key})
+           "routing_key": b.routing_key, "arguments": {}, "properties_key": properties_key(b)})
+}
+
+/// The bindings of `exchange` to `queue` that `props` names.
+fn bindings_named(
+    meta: &crate::metadata::MetaState,
+    vhost: &str,
+    exchange: &str,
+    queue: &str,
+    props: &str,
+) -> Vec<Binding> {
+    let (e, q) = (key(vhost, exchange), key(vhost, queue));
+    meta.bindings.iter().filter(|b| b.exchange == e && b.queue == q && properties_key(b) == props).cloned().collect()
+}
+
+/// `GET /api/bindings/{vhost}/e/{exchange}/q/{queue}/{props}`.
+async fn get_binding(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, exchange, queue, props)): Path<(String, String, String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    let found = bindings_named(&meta, &vhost, &exchange, &queue, &props);
+    found.first().map(|b| Json(binding_json(b))).ok_or_else(ApiError::not_found)
+}
+
+/// `DELETE /api/bindings/{vhost}/e/{exchange}/q/{queue}/{props}`, as
+/// RabbitMQ: the binding its properties key names (`~`: the empty routing key).
+async fn unbind(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, exchange, queue, props)): Path<(String, String, String, String)>,
+) -> Result<StatusCode, ApiError> {
+    let meta = node.metadata();
+    caller.may(&meta, &vhost, Access::Write, "queue", &queue)?;
+    caller.may(&meta, &vhost, Access::Read, "exchange", &exchange)?;
+    let found = bindings_named(&meta, &vhost, &exchange, &queue, &props);
+    if found.is_empty() {
+        return Err(ApiError::not_found());
+    }
+    for b in found {
+        node.unbind(b).await?;
+    }
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn list_bindings(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
@@ -803,6 +865,28 @@ async fn list_connections(State(node): State<Node>, Extension(caller): Extension
             })
             .collect(),
     ))
+}
+
+/// `DELETE /api/connections/{name}`: close it, on whichever node it is,
+/// with RabbitMQ's reason (or the `X-Reason` header's).
+async fn close_connection(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path(name): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> Result<StatusCode, ApiError> {
+    let (conns, _) = node.cluster_clients().await;
+    let Some(c) = conns.iter().find(|c| c.name == name) else { return Err(ApiError::not_found()) };
+    if !own(&caller, &c.user) {
+        return Err(ApiError::not_found());
+    }
+    let reason =
+        headers.get("x-reason").and_then(|v| v.to_str().ok()).unwrap_or("Closed via management plugin").to_string();
+    if node.close_connection(&name, &reason).await {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::not_found())
+    }
 }
 
 async fn list_channels(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {

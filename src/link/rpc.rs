@@ -72,6 +72,12 @@ pub enum RpcRequest {
     },
     /// This node's AMQP connections and consumers (for the API's listings).
     Clients,
+    /// Close this node's AMQP connection of that name, telling its client
+    /// `reason` (the management API's `DELETE /api/connections/{name}`).
+    CloseConnection {
+        name: String,
+        reason: String,
+    },
     /// Which of these owners of unacked messages (made on the receiver,
     /// `owners.rs`) are still alive: a master gives back the messages of
     /// the others.
@@ -198,6 +204,8 @@ pub enum RpcResponse {
     Bodies(Result<BodyChunk, NodeError>),
     Moved(Result<(), NodeError>),
     Member(Result<(), NodeError>),
+    /// Whether the receiver had the connection asked to close.
+    Closed(bool),
     Done,
 }
 

@@ -93,6 +93,19 @@ impl Node {
         (conns, consumers)
     }
 
+    /// Close the AMQP connection named `name`, on whichever node has it,
+    /// telling its client `reason`; `false` if no node that answers has it.
+    pub async fn close_connection(&self, name: &str, reason: &str) -> bool {
+        if self.inner.clients.close(name, reason) {
+            return true;
+        }
+        let peers: Vec<NodeId> = self.metadata().nodes.keys().copied().filter(|id| *id != self.id()).collect();
+        let deadline = Instant::now() + Duration::from_millis(1000);
+        let req = RpcRequest::CloseConnection { name: name.to_string(), reason: reason.to_string() };
+        let asks = peers.iter().map(|peer| self.inner.call(*peer, &req, deadline));
+        futures::future::join_all(asks).await.into_iter().any(|a| matches!(a, Ok(RpcResponse::Closed(true))))
+    }
+
     /// The consumers of `queue` on every node that answers.
     pub async fn consumers_of(&self, queue: &str) -> Vec<ConsumerInfo> {
         self.cluster_clients().await.1.into_iter().filter(|k| k.queue == queue).collect()
