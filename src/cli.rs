@@ -105,6 +105,10 @@ pub enum CtlCommand {
 pub struct PerfArgs {
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
     pub uri: String,
+    /// PEM CA the server's certificate must chain to, for `amqps://` URIs
+    /// (else the system's roots)
+    #[arg(long)]
+    pub ca: Option<std::path::PathBuf>,
     #[arg(long, default_value_t = 1)]
     pub producers: u32,
     #[arg(long, default_value_t = 1)]

@@ -35,6 +35,20 @@ pub enum PerfError {
     Invalid(String),
 }
 
+/// A connection to `--uri`, over TLS for `amqps://`, trusting `--ca`.
+async fn connect(args: &PerfArgs) -> Result<Connection, PerfError> {
+    use lapin::Connect;
+    let cert_chain = match &args.ca {
+        Some(path) => Some(
+            std::fs::read_to_string(path).map_err(|e| PerfError::Invalid(format!("--ca {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let tls = lapin::tcp::OwnedTLSConfig { identity: None, cert_chain };
+    let runtime = lapin::runtime::default_runtime()?;
+    Ok(args.uri.as_str().connect_with_config(ConnectionProperties::default(), tls, runtime).await?)
+}
+
 #[derive(Default)]
 struct Counters {
     published: AtomicU64,
@@ -87,7 +101,7 @@ pub async fn run(args: PerfArgs) -> Result<(), PerfError> {
         return Err(PerfError::Invalid("nothing to do: --producers and --consumers are both 0".into()));
     }
     let setup_started = Instant::now();
-    let setup_conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
+    let setup_conn = connect(&args).await?;
     let setup = setup_conn.create_channel().await?;
     let mut qargs = FieldTable::default();
     if args.quorum {
@@ -102,7 +116,7 @@ pub async fn run(args: PerfArgs) -> Result<(), PerfError> {
     // and AMQP handshakes (reported apart, as `setup_ms`).
     let mut channels = Vec::new();
     for _ in 0..args.consumers + args.producers {
-        let conn = Connection::connect(&args.uri, ConnectionProperties::default()).await?;
+        let conn = connect(&args).await?;
         channels.push(conn.create_channel().await?);
         conns.push(conn);
     }

@@ -1,5 +1,5 @@
 //! TLS on the client surfaces, with a real `mirrorq serve` process and
-//! stock clients: pika and Celery over AMQPS, the HTTP API over HTTPS, the
+//! stock clients: pika, lapin and Celery over AMQPS, the HTTP API over HTTPS, the
 //! server's certificate checked against a CA the test makes, and client
 //! certificates required with `--tls-verify-peer`.
 
@@ -50,8 +50,9 @@ fn python(script: &str, env: &[(&str, String)]) -> (bool, String) {
 }
 
 /// pika publishes with confirms and gets back over AMQPS, the HTTP API
-/// answers over HTTPS, and a stock Celery worker and client run tasks over
-/// AMQPS, each checking the server's certificate against the test's CA.
+/// answers over HTTPS, lapin (`mirrorq perf`) publishes and consumes, and a
+/// stock Celery worker and client run tasks over AMQPS, each checking the
+/// server's certificate against the test's CA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pika_celery_and_the_http_api_work_over_tls() {
     let root = tempfile::tempdir().unwrap();
@@ -61,6 +62,17 @@ async fn pika_celery_and_the_http_api_work_over_tls() {
     let env = [("AMQPS_PORT", amqps.to_string()), ("HTTPS_PORT", https.to_string()), ("CA", ca.clone())];
     let (ok, out) = python("tls_smoke.py", &env);
     assert!(ok && out.contains("tls ok"), "pika over TLS:\n{out}\nnode log:\n{}", node.log_text());
+
+    // lapin, through `mirrorq perf` over AMQPS, trusting the test's CA.
+    let out = std::process::Command::new(process::binary())
+        .args(["perf", "--uri", &format!("amqps://guest:guest@localhost:{amqps}/%2f"), "--ca", &ca])
+        .args(["--time", "2", "--size", "64", "--confirm", "50", "--json"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "perf over TLS: {text}{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or_default()).unwrap();
+    assert!(v["confirmed"].as_u64().unwrap_or(0) > 0 && v["consumed"].as_u64().unwrap_or(0) > 0, "{v}");
 
     let broker = format!("amqps://guest:guest@localhost:{amqps}//");
     let (ok, out) = python("celery_smoke.py", &[("BROKER", broker), ("BROKER_CA", ca)]);
