@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# What TLS costs, with a stock client (pika, benches/scripts/pika_perf.py):
-# confirmed msg/s and confirm latency over plain AMQP and over TLS, for a
-# mirrorq ha-mode:all queue and a RabbitMQ quorum queue, 3 nodes each on
-# this machine, in one run. A CA and a server certificate for localhost
+# What TLS costs, with a stock client (pika, benches/scripts/pika_perf.py)
+# and with `mirrorq perf` (lapin): confirmed msg/s and confirm latency over
+# plain AMQP and over TLS, for a mirrorq ha-mode:all queue and a RabbitMQ
+# quorum queue, 3 nodes each on this machine, in one run. A CA and a server certificate for localhost
 # are made with openssl. Every server listens on loopback only.
 #
 # Usage: benches/scripts/tls-cost.sh          (TIME=10 s per case)
@@ -38,7 +38,16 @@ run() {
       local line
       line=$("$PY" benches/scripts/pika_perf.py --port "$port" "${ca[@]}" --queue "mirrored-$mode-$window" \
         --window $window --time "$TIME" "$@")
-      printf '{"system":"%s",%s\n' "$system" "${line#\{}" | tee -a "$OUT/results.jsonl"
+      printf '{"system":"%s","client":"pika",%s\n' "$system" "${line#\{}" | tee -a "$OUT/results.jsonl"
+      local scheme=amqp quorum=()
+      [ $mode = tls ] && scheme=amqps
+      [ "$system" = rabbitmq-quorum ] && quorum=(--quorum)
+      line=$("$BIN" perf --uri "$scheme://guest:guest@localhost:$port/%2f" "${ca[@]}" "${quorum[@]}" \
+        --queue "perf-$mode-$window" --size 100 --confirm $window --time "$TIME" --json)
+      "$PY" -c 'import json,sys; v=json.loads(sys.argv[1]); print(json.dumps({"system": sys.argv[2], "client": "mirrorq perf",
+        "msg_per_s": round(v["confirmed_per_sec"], 1), "p50_ms": v["confirm_latency_ms"]["p50"],
+        "p99_ms": v["confirm_latency_ms"]["p99"], "window": int(sys.argv[3]), "tls": sys.argv[4] == "tls"}))' \
+        "$line" "$system" $window $mode | tee -a "$OUT/results.jsonl"
     done
   done
 }
@@ -61,12 +70,14 @@ done
 "$PY" - "$OUT/results.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print("| system | in flight | plain msg/s | TLS msg/s | TLS/plain | plain p50 / p99 ms | TLS p50 / p99 ms |")
-print("|---|---|---|---|---|---|---|")
-for system in dict.fromkeys(r["system"] for r in rows):
-    for w in (1, 1000):
-        p = next(r for r in rows if r["system"] == system and r["window"] == w and not r["tls"])
-        t = next(r for r in rows if r["system"] == system and r["window"] == w and r["tls"])
-        print(f"| {system} | {w} | {p['msg_per_s']:,} | {t['msg_per_s']:,} | {t['msg_per_s'] / p['msg_per_s']:.2f} "
-              f"| {p['p50_ms']} / {p['p99_ms']} | {t['p50_ms']} / {t['p99_ms']} |")
+print("| client | system | in flight | plain msg/s | TLS msg/s | TLS/plain | plain p50 / p99 ms | TLS p50 / p99 ms |")
+print("|---|---|---|---|---|---|---|---|")
+for client in dict.fromkeys(r["client"] for r in rows):
+    for system in dict.fromkeys(r["system"] for r in rows):
+        for w in (1, 1000):
+            case = [r for r in rows if (r["client"], r["system"], r["window"]) == (client, system, w)]
+            p = next(r for r in case if not r["tls"])
+            t = next(r for r in case if r["tls"])
+            print(f"| {client} | {system} | {w} | {p['msg_per_s']:,} | {t['msg_per_s']:,} "
+                  f"| {t['msg_per_s'] / p['msg_per_s']:.2f} | {p['p50_ms']} / {p['p99_ms']} | {t['p50_ms']} / {t['p99_ms']} |")
 PY
