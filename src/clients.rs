@@ -57,12 +57,11 @@ impl Clients {
         self.closers.lock().expect("poisoned").insert(id, closer);
     }
 
-    /// Close the connection named `name` (as listed), telling its client
-    /// `reason`; `false` if no connection here has that name.
-    pub fn close(&self, name: &str, reason: &str) -> bool {
-        let id = self.connections.lock().expect("poisoned").values().find(|c| c.name == name).map(|c| c.id);
+    /// Close connection `id`, telling its client `reason`; `false` if it
+    /// is not here (any more).
+    pub fn close(&self, id: u64, reason: &str) -> bool {
         let closers = self.closers.lock().expect("poisoned");
-        match id.and_then(|id| closers.get(&id)) {
+        match closers.get(&id) {
             Some(close) => {
                 close(reason);
                 true

@@ -17,6 +17,8 @@ async fn a_joining_node_gets_mirrors_and_a_forgotten_one_loses_them() {
     let mut c = Cluster::start(3, fast_timing(Duration::from_secs(3))).await;
     c.node(1).set_policy(policy("^all", r#"{"ha-mode":"all","ha-sync-mode":"automatic"}"#)).await.unwrap();
     c.node(1).declare_queue("all-q", vec![]).await.unwrap();
+    wait_until(Duration::from_secs(10), "node 2 knows the queue", || c.node(2).metadata().queues.contains_key("all-q"))
+        .await;
     for i in 0..50 {
         c.node(2).publish("all-q", vec![common::msg(format!("m{i}"))]).await.unwrap();
     }
@@ -129,6 +131,8 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
     })
     .await;
     let q = c.node(1).declare_queue("sq", vec![1, 2, 3]).await.unwrap();
+    wait_until(Duration::from_secs(10), "node 2 knows the queue", || c.node(2).metadata().queues.contains_key("sq"))
+        .await;
     common::publish_retrying(c.node(2), "sq", b"kept".to_vec()).await;
     let master = c.master_of("sq").await;
     let term = || c.node(master).queue_raft("sq").unwrap().metrics().borrow().current_term;
@@ -243,6 +247,8 @@ async fn the_node_link_over_mutual_tls_serves_only_the_clusters_certificates() {
     })
     .await;
     c.node(1).declare_queue("tq", vec![1, 2, 3]).await.unwrap();
+    wait_until(Duration::from_secs(10), "node 2 knows the queue", || c.node(2).metadata().queues.contains_key("tq"))
+        .await;
     common::publish_retrying(c.node(2), "tq", b"over tls".to_vec()).await;
     let got = c.node(3).get("tq", 7, 10, true).await.unwrap();
     assert_eq!(got.len(), 1, "served across the nodes over TLS");

@@ -345,7 +345,27 @@ async fn connections_channels_and_consumers_cluster_wide() {
     assert_eq!(consumers[0]["queue"]["name"], "watched");
     assert_eq!(consumers[0]["prefetch_count"], 7);
 
-    conn.close(200, ShortString::from("bye")).await.unwrap();
+    // Closed through the API, as rabbitmqadmin does: a monitoring user
+    // sees the connection but may not close it; an administrator closes
+    // it from a node that does not hold it.
+    let path =
+        format!("/api/connections/{}", conns[0]["name"].as_str().unwrap().replace(' ', "%20").replace('>', "%3E"));
+    let (s, _) = api.call(1, "PUT", "/api/users/watcher", Some(r#"{"password":"w","tags":"monitoring"}"#)).await;
+    assert!(s == 201 || s == 204, "{s}");
+    let (s, seen) = api.call_as(3, "GET", "/api/connections", None, Some(("watcher", "w"))).await;
+    assert_eq!((s, seen.as_array().map(|a| a.len())), (200, Some(1)), "a monitoring user sees every connection");
+    let (s, _) = api.call_as(3, "DELETE", &path, None, Some(("watcher", "w"))).await;
+    assert_eq!(s, 404, "a monitoring user closed another user's connection");
+    assert!(conn.status().connected());
+    let (s, body) = api.call(3, "DELETE", &path, None).await;
+    assert_eq!(s, 204, "{body}");
+    for _ in 0..50 {
+        if !conn.status().connected() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!conn.status().connected(), "closed through the API, yet connected");
     let mut left = Value::Null;
     for _ in 0..50 {
         left = api.call(1, "GET", "/api/connections", None).await.1;

@@ -876,13 +876,13 @@ async fn close_connection(
     headers: axum::http::HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     let (conns, _) = node.cluster_clients().await;
-    let Some(c) = conns.iter().find(|c| c.name == name) else { return Err(ApiError::not_found()) };
-    if !own(&caller, &c.user) {
-        return Err(ApiError::not_found());
-    }
+    // As RabbitMQ: an administrator, or the connection's own user (a
+    // monitoring user sees every connection but closes only its own).
+    let mine = |c: &&crate::clients::ConnectionInfo| caller.0.is_admin() || caller.name() == c.user;
+    let Some(c) = conns.iter().filter(mine).find(|c| c.name == name) else { return Err(ApiError::not_found()) };
     let reason =
         headers.get("x-reason").and_then(|v| v.to_str().ok()).unwrap_or("Closed via management plugin").to_string();
-    if node.close_connection(&name, &reason).await {
+    if node.close_connection(c, &reason).await {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::not_found())

@@ -31,8 +31,9 @@ use tokio_util::sync::CancellationToken;
 /// What a beacon connection sends first.
 pub const MAGIC: &[u8; 8] = b"MQBEACON";
 
-/// How long an accepted connection may take to show what it is.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an accepted connection may take to show what it is: a peer
+/// sends at once, and a silent stranger is not kept.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How often the main runtime shows it makes progress.
 const TICK: Duration = Duration::from_millis(100);
@@ -142,8 +143,9 @@ pub async fn hello(mut stream: TcpStream) -> Option<Hello> {
             if n == MAGIC.len() {
                 return Some(true);
             }
-            // Part of the magic so far: wait for the rest.
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            // Part of the magic so far (rare: it is 8 bytes sent at once):
+            // wait for the rest.
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
     .await

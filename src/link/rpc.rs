@@ -72,10 +72,10 @@ pub enum RpcRequest {
     },
     /// This node's AMQP connections and consumers (for the API's listings).
     Clients,
-    /// Close this node's AMQP connection of that name, telling its client
-    /// `reason` (the management API's `DELETE /api/connections/{name}`).
+    /// Close this node's AMQP connection `id`, telling its client `reason`
+    /// (the management API's `DELETE /api/connections/{name}`).
     CloseConnection {
-        name: String,
+        id: u64,
         reason: String,
     },
     /// Which of these owners of unacked messages (made on the receiver,

@@ -48,6 +48,12 @@ pub struct Gate {
 
 /// Addresses told about at most; refusals beyond are only counted.
 const MAX_TOLD: usize = 1024;
+/// Connections not yet through TLS and the secret, at most: a stranger
+/// holding sockets open cannot take the node's descriptors or its beacon
+/// thread; beyond, new connections are dropped until some finish.
+const MAX_UNPROVEN: usize = 256;
+/// The whole of a connection's TLS handshake and secret exchange.
+const PROOF_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Gate {
     pub fn new(
@@ -62,6 +68,16 @@ impl Gate {
     /// where they are on; `None`, counted and told once, if it failed.
     async fn open(&self, stream: TcpStream) -> Option<Box<dyn LinkIo>> {
         let peer = stream.peer_addr().ok()?;
+        match tokio::time::timeout(PROOF_DEADLINE, self.prove(stream, peer)).await {
+            Ok(io) => io,
+            Err(_) => {
+                self.refuse(peer, "TLS and secret not proved within the deadline");
+                None
+            }
+        }
+    }
+
+    async fn prove(&self, stream: TcpStream, peer: std::net::SocketAddr) -> Option<Box<dyn LinkIo>> {
         let mut io: Box<dyn LinkIo> = match &self.tls {
             Some(tls) => match tls.accept(stream).await {
                 Ok(io) => io,
@@ -123,6 +139,7 @@ pub fn serve<H: RpcHandler>(
                 return;
             }
         };
+        let unproven = Arc::new(Semaphore::new(MAX_UNPROVEN));
         loop {
             let accepted = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -130,6 +147,10 @@ pub fn serve<H: RpcHandler>(
             };
             match accepted {
                 Ok((stream, _)) => {
+                    let Ok(slot) = unproven.clone().try_acquire_owned() else {
+                        drop(stream);
+                        continue;
+                    };
                     let _ = stream.set_nodelay(true);
                     let (h, stop, main, pulse) = (handler.clone(), stop.clone(), main.clone(), pulse.clone());
                     let gate = gate.clone();
@@ -137,6 +158,7 @@ pub fn serve<H: RpcHandler>(
                         match beacon::hello(stream).await {
                             Some(Hello::Beacon(stream)) => {
                                 let Some(io) = gate.open(stream).await else { return };
+                                drop(slot);
                                 tokio::select! {
                                     _ = stop.cancelled() => {}
                                     _ = answer_pings(io, h, pulse) => {}
@@ -145,7 +167,7 @@ pub fn serve<H: RpcHandler>(
                             // TLS and the secret on the main runtime, which
                             // serves the connection: a socket cannot move
                             // between runtimes once TLS wraps it.
-                            Some(Hello::Link(stream)) => hand_to(&main, stream, h, gate, stop),
+                            Some(Hello::Link(stream)) => hand_to(&main, stream, h, gate, slot, stop),
                             None => {}
                         }
                     });
@@ -160,7 +182,14 @@ pub fn serve<H: RpcHandler>(
 }
 
 /// Serve a node-link connection on the `main` runtime.
-fn hand_to<H: RpcHandler>(main: &Handle, stream: TcpStream, handler: Arc<H>, gate: Arc<Gate>, stop: CancellationToken) {
+fn hand_to<H: RpcHandler>(
+    main: &Handle,
+    stream: TcpStream,
+    handler: Arc<H>,
+    gate: Arc<Gate>,
+    slot: tokio::sync::OwnedSemaphorePermit,
+    stop: CancellationToken,
+) {
     let stream = match stream.into_std() {
         Ok(s) => s,
         Err(e) => {
@@ -177,6 +206,7 @@ fn hand_to<H: RpcHandler>(main: &Handle, stream: TcpStream, handler: Arc<H>, gat
             }
         };
         let Some(io) = gate.open(stream).await else { return };
+        drop(slot);
         tokio::select! {
             _ = stop.cancelled() => {}
             _ = connection(io, handler, stop.clone()) => {}

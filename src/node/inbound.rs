@@ -181,7 +181,7 @@ impl Inner {
                 RpcResponse::Done
             }
             RpcRequest::Queue { group, cmds, lane } => RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await),
-            RpcRequest::CloseConnection { name, reason } => RpcResponse::Closed(self.clients.close(&name, &reason)),
+            RpcRequest::CloseConnection { id, reason } => RpcResponse::Closed(self.clients.close(id, &reason)),
             RpcRequest::Clients => {
                 let (c, k) = self.clients.snapshot();
                 RpcResponse::Clients(c, k)

@@ -93,17 +93,18 @@ impl Node {
         (conns, consumers)
     }
 
-    /// Close the AMQP connection named `name`, on whichever node has it,
-    /// telling its client `reason`; `false` if no node that answers has it.
-    pub async fn close_connection(&self, name: &str, reason: &str) -> bool {
-        if self.inner.clients.close(name, reason) {
-            return true;
+    /// Close AMQP connection `conn` (as listed, with the node that holds
+    /// it), telling its client `reason`; `false` if it is gone.
+    pub async fn close_connection(&self, conn: &ConnectionInfo, reason: &str) -> bool {
+        if conn.node == self.name() {
+            return self.inner.clients.close(conn.id, reason);
         }
-        let peers: Vec<NodeId> = self.metadata().nodes.keys().copied().filter(|id| *id != self.id()).collect();
+        let Some(peer) = self.metadata().nodes.values().find(|n| n.name == conn.node).map(|n| n.id) else {
+            return false;
+        };
         let deadline = Instant::now() + Duration::from_millis(1000);
-        let req = RpcRequest::CloseConnection { name: name.to_string(), reason: reason.to_string() };
-        let asks = peers.iter().map(|peer| self.inner.call(*peer, &req, deadline));
-        futures::future::join_all(asks).await.into_iter().any(|a| matches!(a, Ok(RpcResponse::Closed(true))))
+        let req = RpcRequest::CloseConnection { id: conn.id, reason: reason.to_string() };
+        matches!(self.inner.call(peer, &req, deadline).await, Ok(RpcResponse::Closed(true)))
     }
 
     /// The consumers of `queue` on every node that answers.

@@ -71,6 +71,12 @@ impl Raw {
         self.sock.write_all(bytes).await.unwrap();
     }
 
+    /// [`Raw::send_bytes`], `false` if the broker has closed the connection.
+    #[allow(dead_code)]
+    pub async fn try_send_bytes(&mut self, bytes: &[u8]) -> bool {
+        self.sock.write_all(bytes).await.is_ok()
+    }
+
     pub async fn send(&mut self, frames: &[AMQPFrame]) {
         let mut out = Vec::new();
         for f in frames {
