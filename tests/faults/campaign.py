@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import re
 import shutil
 import signal
@@ -732,7 +733,7 @@ def run_one(args, seed, root):
         # The node link is not on loopback here, so a secret is required.
         secret = os.path.join(root, "cluster.secret")
         with open(secret, "w") as f:
-            f.write(f"campaign-{seed}-{os.getpid()}\n")
+            f.write(secrets.token_hex(32) + "\n")  # random, as the docs ask
         os.chmod(secret, 0o600)  # refused otherwise, as an Erlang cookie is
     net = Net(args.nodes)
     c = Cluster(args, net, root, secret)
