@@ -56,14 +56,27 @@ fn certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>
 }
 
 impl TlsFiles {
-    /// The server configuration these files make, for `alpn` protocols.
-    pub fn server_config(&self, alpn: &[&[u8]]) -> Result<Arc<rustls::ServerConfig>, TlsError> {
-        let chain = certs("--tls-cert", &self.cert)?;
-        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| TlsError::Pem {
+    fn key(&self) -> Result<PrivateKeyDer<'static>, TlsError> {
+        PrivateKeyDer::from_pem_file(&self.key).map_err(|e| TlsError::Pem {
             what: "--tls-key",
             path: self.key.clone(),
             reason: e.to_string(),
-        })?;
+        })
+    }
+
+    /// The certificates of `ca` as trust roots.
+    fn roots(ca: &Path) -> Result<Arc<rustls::RootCertStore>, TlsError> {
+        let mut roots = rustls::RootCertStore::empty();
+        for c in certs("--tls-ca", ca)? {
+            roots.add(c).map_err(|e| TlsError::Pem { what: "--tls-ca", path: ca.to_owned(), reason: e.to_string() })?;
+        }
+        Ok(Arc::new(roots))
+    }
+
+    /// The server configuration these files make, for `alpn` protocols.
+    pub fn server_config(&self, alpn: &[&[u8]]) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        let chain = certs("--tls-cert", &self.cert)?;
+        let key = self.key()?;
         // ring, not aws-lc-rs: aws-lc is a C build of minutes (FACTS.md).
         // rustls deprecates ring's provider for lacking post-quantum key
         // exchange; the classical suites it offers are what RabbitMQ's are.
@@ -74,15 +87,7 @@ impl TlsFiles {
         let builder = match (&self.ca, self.verify_peer) {
             (None, true) => return Err(TlsError::NoCa),
             (Some(ca), true) => {
-                let mut roots = rustls::RootCertStore::empty();
-                for c in certs("--tls-ca", ca)? {
-                    roots.add(c).map_err(|e| TlsError::Pem {
-                        what: "--tls-ca",
-                        path: ca.clone(),
-                        reason: e.to_string(),
-                    })?;
-                }
-                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Self::roots(ca)?, provider)
                     .build()
                     .map_err(|e| TlsError::Verifier(e.to_string()))?;
                 builder.with_client_cert_verifier(verifier)
@@ -220,19 +225,10 @@ impl TlsFiles {
         let server = Self { verify_peer: true, ..self.clone() }.server_config(&[])?;
         #[allow(deprecated)] // as in `server_config`
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = rustls::RootCertStore::empty();
-        for c in certs("--tls-ca", ca)? {
-            roots.add(c).map_err(|e| TlsError::Pem { what: "--tls-ca", path: ca.clone(), reason: e.to_string() })?;
-        }
-        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| TlsError::Pem {
-            what: "--tls-key",
-            path: self.key.clone(),
-            reason: e.to_string(),
-        })?;
         let client = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_client_auth_cert(certs("--tls-cert", &self.cert)?, key)?;
+            .with_root_certificates(Self::roots(ca)?)
+            .with_client_auth_cert(certs("--tls-cert", &self.cert)?, self.key()?)?;
         Ok(LinkTls { server: TlsAcceptor::from(server), client: tokio_rustls::TlsConnector::from(Arc::new(client)) })
     }
 }
