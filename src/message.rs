@@ -41,6 +41,11 @@ pub fn decode_properties(bytes: &[u8]) -> AMQPProperties {
     parse_properties(bytes).map(|(_, p)| p).unwrap_or_default()
 }
 
+/// A stored message's `priority` property (0 without one).
+pub fn priority(properties: &[u8]) -> u8 {
+    decode_properties(properties).priority().unwrap_or(0)
+}
+
 /// The per-message TTL an `expiration` property asks for, in ms. RabbitMQ
 /// takes a non-negative integer in a string; anything else is refused.
 pub fn expiration_ms(props: &AMQPProperties) -> Result<Option<u64>, String> {

@@ -42,11 +42,13 @@ pub async fn export(State(node): State<Node>, Extension(caller): Extension<Calle
         })).collect::<Vec<_>>(),
         "exchanges": meta.exchanges.values().map(|e| json!({
             "name": names::name_of(&e.name), "vhost": vhost(&e.name), "type": e.kind.as_str(), "durable": e.durable,
-            "auto_delete": e.auto_delete, "internal": e.internal, "arguments": {},
+            "auto_delete": e.auto_delete, "internal": e.internal, "arguments": super::exchange_args_json(e),
         })).collect::<Vec<_>>(),
         "bindings": meta.bindings.iter().map(|b| json!({
-            "source": names::name_of(&b.exchange), "vhost": vhost(&b.queue), "destination": names::name_of(&b.queue),
-            "destination_type": "queue", "routing_key": b.routing_key, "arguments": {},
+            "source": names::name_of(&b.exchange), "vhost": vhost(&b.exchange),
+            "destination": names::name_of(&b.destination),
+            "destination_type": if b.to_exchange { "exchange" } else { "queue" },
+            "routing_key": b.routing_key, "arguments": super::args_json(&b.args),
         })).collect::<Vec<_>>(),
     })))
 }
@@ -145,12 +147,18 @@ pub async fn import(
         }
         let kind = ExchangeKind::parse(text(e, "type", "exchange")?)
             .ok_or_else(|| ApiError::bad_request(format!("exchange {name}: unknown type")))?;
+        let alternate = match e.get("arguments").and_then(|a| a.get("alternate-exchange")) {
+            None | Some(Value::Null) => None,
+            Some(Value::String(alt)) => Some(key(vhost, alt)),
+            Some(_) => return Err(ApiError::bad_request(format!("exchange {name}: alternate-exchange must be a string"))),
+        };
         exchanges.push(ExchangeMeta {
             name: key(vhost, name),
             kind,
             durable: e.get("durable").and_then(Value::as_bool).unwrap_or(true),
             auto_delete: e.get("auto_delete").and_then(Value::as_bool).unwrap_or(false),
             internal: e.get("internal").and_then(Value::as_bool).unwrap_or(false),
+            alternate,
         });
     }
     let mut queues = Vec::new();
@@ -168,14 +176,17 @@ pub async fn import(
     let mut bindings = Vec::new();
     for b in list(&defs, "bindings")? {
         let vhost = vhost_of(b, "binding", &vhosts)?;
-        if b.get("destination_type").and_then(Value::as_str).unwrap_or("queue") != "queue" {
-            return Err(ApiError::bad_request("binding: exchange-to-exchange bindings are not supported"));
-        }
+        let to_exchange = match b.get("destination_type").and_then(Value::as_str).unwrap_or("queue") {
+            "queue" => false,
+            "exchange" => true,
+            other => return Err(ApiError::bad_request(format!("binding: unknown destination_type '{other}'"))),
+        };
         bindings.push(Binding {
             exchange: key(vhost, text(b, "source", "binding")?),
-            queue: key(vhost, text(b, "destination", "binding")?),
+            destination: key(vhost, text(b, "destination", "binding")?),
+            to_exchange,
             routing_key: b.get("routing_key").and_then(Value::as_str).unwrap_or("").to_string(),
-            args: Default::default(),
+            args: super::json_args(b.get("arguments")),
         });
     }
     for change in changes {

@@ -83,6 +83,11 @@ pub fn router(node: Node) -> Router {
         .route("/api/bindings/{vhost}", get(list_bindings_in))
         .route("/api/bindings/{vhost}/e/{exchange}/q/{queue}", get(queue_bindings).post(bind))
         .route("/api/bindings/{vhost}/e/{exchange}/q/{queue}/{props}", get(get_binding).delete(unbind))
+        .route("/api/bindings/{vhost}/e/{exchange}/e/{destination}", get(exchange_bindings).post(bind_exchange))
+        .route(
+            "/api/bindings/{vhost}/e/{exchange}/e/{destination}/{props}",
+            get(get_exchange_binding).delete(unbind_exchange),
+        )
         .route("/api/whoami", get(users::whoami))
         .route("/api/users", get(users::list_users))
         .route("/api/users/{name}", get(users::get_user).put(users::put_user).delete(users::delete_user))
@@ -435,8 +440,30 @@ async fn put_queue(
     Ok(put_status(created))
 }
 
+/// AMQP arguments as an `arguments` object of the API.
+pub(crate) fn args_json(args: &Args) -> Value {
+    let m = args.iter().map(|(k, v)| {
+        let v = match v {
+            ArgValue::Str(s) => Value::from(s.clone()),
+            ArgValue::Int(n) => Value::from(*n),
+            ArgValue::Bool(b) => Value::from(*b),
+            ArgValue::Other(o) => serde_json::from_str(o).unwrap_or_else(|_| Value::from(o.clone())),
+        };
+        (k.clone(), v)
+    });
+    Value::Object(m.collect())
+}
+
+/// An exchange's `arguments`, as declared.
+pub(crate) fn exchange_args_json(e: &ExchangeMeta) -> Value {
+    match &e.alternate {
+        Some(alt) => json!({"alternate-exchange": names::name_of(alt)}),
+        None => json!({}),
+    }
+}
+
 /// An `arguments` object of the API (queues, bindings) as AMQP arguments.
-fn json_args(v: Option<&Value>) -> Args {
+pub(crate) fn json_args(v: Option<&Value>) -> Args {
     let Some(Value::Object(m)) = v else { return Args::new() };
     m.iter()
         .map(|(k, v)| {
@@ -593,7 +620,7 @@ async fn get_messages(
 fn exchange_json(e: &ExchangeMeta) -> Value {
     let (vhost, name) = names::split(&e.name);
     json!({"name": name, "vhost": vhost, "type": e.kind.as_str(), "durable": e.durable,
-           "auto_delete": e.auto_delete, "internal": e.internal, "arguments": {}})
+           "auto_delete": e.auto_delete, "internal": e.internal, "arguments": exchange_args_json(e)})
 }
 
 /// Every exchange of `vhost`: the built-in ones and those declared there.
@@ -654,12 +681,18 @@ async fn put_exchange(
         None => return Err(ApiError::bad_request("type is required")),
     };
     let flag = |k: &str, default: bool| bool_field(&b, k, default);
+    let alternate = match b.get("arguments").and_then(|a| a.get("alternate-exchange")) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(alt)) => Some(key(&vhost, alt)),
+        Some(_) => return Err(ApiError::bad_request("arguments.alternate-exchange must be a string")),
+    };
     let ex = ExchangeMeta {
         name: key(&vhost, &name),
         kind,
         durable: flag("durable", true)?,
         auto_delete: flag("auto_delete", false)?,
         internal: flag("internal", false)?,
+        alternate,
     };
     let existed = node.metadata().exchange(&ex.name).is_some();
     node.declare_exchange(ex).await?;
@@ -688,20 +721,49 @@ fn properties_key(b: &Binding) -> &str {
 
 fn binding_json(b: &Binding) -> Value {
     let (vhost, source) = names::split(&b.exchange);
-    json!({"source": source, "vhost": vhost, "destination": names::name_of(&b.queue), "destination_type": "queue",
-           "routing_key": b.routing_key, "arguments": {}, "properties_key": properties_key(b)})
+    let kind = if b.to_exchange { "exchange" } else { "queue" };
+    json!({"source": source, "vhost": vhost, "destination": names::name_of(&b.destination), "destination_type": kind,
+           "routing_key": b.routing_key, "arguments": args_json(&b.args), "properties_key": properties_key(b)})
 }
 
-/// The bindings of `exchange` to `queue` that `props` names.
-fn bindings_named(
-    meta: &crate::metadata::MetaState,
-    vhost: &str,
-    exchange: &str,
-    queue: &str,
-    props: &str,
-) -> Vec<Binding> {
-    let (e, q) = (key(vhost, exchange), key(vhost, queue));
-    meta.bindings.iter().filter(|b| b.exchange == e && b.queue == q && properties_key(b) == props).cloned().collect()
+/// A binding's place in the API's paths: its source, and its destination
+/// with its kind (`/q/` or `/e/`).
+struct Ends {
+    vhost: String,
+    source: String,
+    destination: String,
+    to_exchange: bool,
+}
+
+impl Ends {
+    fn of(to_exchange: bool, (vhost, source, destination): (String, String, String)) -> Self {
+        Self { vhost, source, destination, to_exchange }
+    }
+
+    fn kind(&self) -> &'static str {
+        if self.to_exchange {
+            "exchange"
+        } else {
+            "queue"
+        }
+    }
+
+    /// Its bindings (those `props` names, if given).
+    fn bindings(&self, meta: &crate::metadata::MetaState, props: Option<&str>) -> Vec<Binding> {
+        let (e, d) = (key(&self.vhost, &self.source), key(&self.vhost, &self.destination));
+        meta.bindings
+            .iter()
+            .filter(|b| b.exchange == e && b.destination == d && b.to_exchange == self.to_exchange)
+            .filter(|b| props.is_none_or(|p| properties_key(b) == p))
+            .cloned()
+            .collect()
+    }
+
+    /// As RabbitMQ: binding needs write on the destination, read on the source.
+    fn may_bind(&self, caller: &Caller, meta: &crate::metadata::MetaState) -> Result<(), ApiError> {
+        caller.may(meta, &self.vhost, Access::Write, self.kind(), &self.destination)?;
+        caller.may(meta, &self.vhost, Access::Read, "exchange", &self.source)
+    }
 }
 
 /// `GET /api/bindings/{vhost}/e/{exchange}/q/{queue}/{props}`.
@@ -710,9 +772,22 @@ async fn get_binding(
     Extension(caller): Extension<Caller>,
     Path((vhost, exchange, queue, props)): Path<(String, String, String, String)>,
 ) -> Result<Json<Value>, ApiError> {
+    one_binding(&node, &caller, Ends::of(false, (vhost, exchange, queue)), &props)
+}
+
+/// `GET /api/bindings/{vhost}/e/{exchange}/e/{destination}/{props}`.
+async fn get_exchange_binding(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, exchange, destination, props)): Path<(String, String, String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    one_binding(&node, &caller, Ends::of(true, (vhost, exchange, destination)), &props)
+}
+
+fn one_binding(node: &Node, caller: &Caller, ends: Ends, props: &str) -> Result<Json<Value>, ApiError> {
     let meta = node.metadata();
-    caller.read(&meta, &vhost)?;
-    let found = bindings_named(&meta, &vhost, &exchange, &queue, &props);
+    caller.read(&meta, &ends.vhost)?;
+    let found = ends.bindings(&meta, Some(props));
     found.first().map(|b| Json(binding_json(b))).ok_or_else(ApiError::not_found)
 }
 
@@ -723,10 +798,22 @@ async fn unbind(
     Extension(caller): Extension<Caller>,
     Path((vhost, exchange, queue, props)): Path<(String, String, String, String)>,
 ) -> Result<StatusCode, ApiError> {
+    unbind_named(&node, &caller, Ends::of(false, (vhost, exchange, queue)), &props).await
+}
+
+/// `DELETE /api/bindings/{vhost}/e/{exchange}/e/{destination}/{props}`.
+async fn unbind_exchange(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, exchange, destination, props)): Path<(String, String, String, String)>,
+) -> Result<StatusCode, ApiError> {
+    unbind_named(&node, &caller, Ends::of(true, (vhost, exchange, destination)), &props).await
+}
+
+async fn unbind_named(node: &Node, caller: &Caller, ends: Ends, props: &str) -> Result<StatusCode, ApiError> {
     let meta = node.metadata();
-    caller.may(&meta, &vhost, Access::Write, "queue", &queue)?;
-    caller.may(&meta, &vhost, Access::Read, "exchange", &exchange)?;
-    let found = bindings_named(&meta, &vhost, &exchange, &queue, &props);
+    ends.may_bind(caller, &meta)?;
+    let found = ends.bindings(&meta, Some(props));
     if found.is_empty() {
         return Err(ApiError::not_found());
     }
@@ -738,7 +825,7 @@ async fn unbind(
 
 async fn list_bindings(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
     let meta = node.metadata();
-    Json(meta.bindings.iter().filter(|b| caller.sees_key(&meta, &b.queue)).map(binding_json).collect())
+    Json(meta.bindings.iter().filter(|b| caller.sees_key(&meta, &b.exchange)).map(binding_json).collect())
 }
 
 async fn list_bindings_in(
@@ -748,7 +835,7 @@ async fn list_bindings_in(
 ) -> Result<Json<Value>, ApiError> {
     let meta = node.metadata();
     caller.read(&meta, &vhost)?;
-    Ok(Json(meta.bindings.iter().filter(|b| names::vhost_of(&b.queue) == vhost).map(binding_json).collect()))
+    Ok(Json(meta.bindings.iter().filter(|b| names::vhost_of(&b.exchange) == vhost).map(binding_json).collect()))
 }
 
 async fn queue_bindings(
@@ -758,8 +845,18 @@ async fn queue_bindings(
 ) -> Result<Json<Value>, ApiError> {
     let meta = node.metadata();
     caller.read(&meta, &vhost)?;
-    let (e, q) = (key(&vhost, &exchange), key(&vhost, &queue));
-    Ok(Json(meta.bindings.iter().filter(|b| b.exchange == e && b.queue == q).map(binding_json).collect()))
+    Ok(Json(Ends::of(false, (vhost, exchange, queue)).bindings(&meta, None).iter().map(binding_json).collect()))
+}
+
+async fn exchange_bindings(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, exchange, destination)): Path<(String, String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    let meta = node.metadata();
+    caller.read(&meta, &vhost)?;
+    let ends = Ends::of(true, (vhost, exchange, destination));
+    Ok(Json(ends.bindings(&meta, None).iter().map(binding_json).collect()))
 }
 
 /// Body `{"routing_key","arguments"}`; answers 201, as RabbitMQ.
@@ -769,10 +866,22 @@ async fn bind(
     Path((vhost, exchange, queue)): Path<(String, String, String)>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    let meta = node.metadata();
-    caller.may(&meta, &vhost, Access::Write, "queue", &queue)?;
-    caller.may(&meta, &vhost, Access::Read, "exchange", &exchange)?;
-    let b = parse_body(&body)?;
+    bind_ends(&node, &caller, Ends::of(false, (vhost, exchange, queue)), &body).await
+}
+
+/// Body `{"routing_key","arguments"}`; answers 201, as RabbitMQ.
+async fn bind_exchange(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((vhost, exchange, destination)): Path<(String, String, String)>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    bind_ends(&node, &caller, Ends::of(true, (vhost, exchange, destination)), &body).await
+}
+
+async fn bind_ends(node: &Node, caller: &Caller, ends: Ends, body: &Bytes) -> Result<StatusCode, ApiError> {
+    ends.may_bind(caller, &node.metadata())?;
+    let b = parse_body(body)?;
     let routing_key = match b.get("routing_key") {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s.clone(),
@@ -782,7 +891,14 @@ async fn bind(
         return Err(ApiError::bad_request("arguments must be an object"));
     }
     let args = json_args(b.get("arguments"));
-    node.bind(Binding { exchange: key(&vhost, &exchange), queue: key(&vhost, &queue), routing_key, args }).await?;
+    node.bind(Binding {
+        exchange: key(&ends.vhost, &ends.source),
+        destination: key(&ends.vhost, &ends.destination),
+        to_exchange: ends.to_exchange,
+        routing_key,
+        args,
+    })
+    .await?;
     Ok(StatusCode::CREATED)
 }
 

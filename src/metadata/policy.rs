@@ -35,6 +35,9 @@ impl ApplyTo {
     fn covers_queues(self) -> bool {
         matches!(self, Self::Queues | Self::All)
     }
+    fn covers_exchanges(self) -> bool {
+        matches!(self, Self::Exchanges | Self::All)
+    }
 }
 
 /// A stored policy; `name` is its key (vhost and name). The definition is kept as the JSON text it was given in
@@ -261,10 +264,23 @@ fn pattern_matches(pattern: &str, name: &str) -> bool {
 /// among the matching ones of its vhost; equal priorities go to the name that
 /// sorts first, so every node picks the same one.
 pub fn effective<'a>(policies: &'a BTreeMap<String, Policy>, queue: &str) -> Option<&'a Policy> {
-    let (vhost, name) = names::split(queue);
+    effective_of(policies, queue, ApplyTo::covers_queues)
+}
+
+/// The policy that applies to exchange `exchange` (a key), chosen as for a queue.
+pub fn effective_for_exchange<'a>(policies: &'a BTreeMap<String, Policy>, exchange: &str) -> Option<&'a Policy> {
+    effective_of(policies, exchange, ApplyTo::covers_exchanges)
+}
+
+fn effective_of<'a>(
+    policies: &'a BTreeMap<String, Policy>,
+    key: &str,
+    covers: fn(ApplyTo) -> bool,
+) -> Option<&'a Policy> {
+    let (vhost, name) = names::split(key);
     policies
         .values()
-        .filter(|p| p.apply_to.covers_queues() && names::vhost_of(&p.name) == vhost)
+        .filter(|p| covers(p.apply_to) && names::vhost_of(&p.name) == vhost)
         .filter(|p| pattern_matches(&p.pattern, name))
         .fold(None, |best: Option<&Policy>, p| match best {
             Some(b) if b.priority >= p.priority => Some(b),

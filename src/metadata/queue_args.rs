@@ -1,10 +1,13 @@
 //! The queue arguments mirrorq acts on (`x-message-ttl`, `x-max-length`,
-//! `x-overflow`, `x-dead-letter-exchange`, `x-dead-letter-routing-key`),
-//! validated once at declare time and stored with the queue, and how they
-//! combine with the same keys in the queue's effective policy.
+//! `x-overflow`, `x-dead-letter-exchange`, `x-dead-letter-routing-key`,
+//! `x-expires`, `x-max-priority`, `x-single-active-consumer`), validated
+//! once at declare time and stored with the queue, and how they combine
+//! with the same keys in the queue's effective policy. `x-queue-mode` and
+//! `x-queue-version` are checked and kept but change nothing: every queue
+//! here keeps its bodies on disk, as a lazy queue does.
 //!
-//! As in RabbitMQ: when both set a TTL or a maximum length the lower one
-//! wins; for the other keys the argument wins over the policy.
+//! As in RabbitMQ: when both set a TTL, an expiry or a maximum length the
+//! lower one wins; for the other keys the argument wins over the policy.
 
 use serde::{Deserialize, Serialize};
 
@@ -16,7 +19,7 @@ pub const OVERFLOW_REJECT_PUBLISH: &str = "reject-publish";
 
 /// Arguments we know but do not implement: refused at declare rather than
 /// silently ignored, so nobody relies on a limit that is not enforced.
-const UNSUPPORTED: &[&str] = &["x-max-length-bytes", "x-max-priority", "x-single-active-consumer"];
+const UNSUPPORTED: &[&str] = &["x-max-length-bytes"];
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QueueArgs {
@@ -26,6 +29,16 @@ pub struct QueueArgs {
     pub overflow: Option<String>,
     pub dead_letter_exchange: Option<String>,
     pub dead_letter_routing_key: Option<String>,
+    /// `x-expires`: the queue is deleted after this many ms unused.
+    pub expires: Option<u64>,
+    /// `x-max-priority`: a priority queue.
+    pub max_priority: Option<u8>,
+    /// `x-single-active-consumer`.
+    pub single_active_consumer: bool,
+    /// `x-queue-mode` (`default` or `lazy`), kept to show it back.
+    pub queue_mode: Option<String>,
+    /// `x-queue-version` (1 or 2), kept to show it back.
+    pub queue_version: Option<u8>,
 }
 
 impl QueueArgs {
@@ -56,6 +69,26 @@ impl QueueArgs {
                 }
                 "x-dead-letter-exchange" => out.dead_letter_exchange = Some(string()?),
                 "x-dead-letter-routing-key" => out.dead_letter_routing_key = Some(string()?),
+                "x-expires" => match non_negative()? {
+                    0 => return Err(format!("invalid arg '{k}': 0 is not a positive integer")),
+                    ms => out.expires = Some(ms),
+                },
+                "x-max-priority" => match non_negative()? {
+                    n @ 0..=255 => out.max_priority = Some(n as u8),
+                    n => return Err(format!("invalid arg '{k}': {n} is above the maximum priority 255")),
+                },
+                "x-single-active-consumer" => match v {
+                    ArgValue::Bool(b) => out.single_active_consumer = *b,
+                    other => return Err(format!("invalid arg '{k}': {} is not a boolean", show(other))),
+                },
+                "x-queue-mode" => match string()?.as_str() {
+                    m @ ("default" | "lazy") => out.queue_mode = Some(m.to_string()),
+                    m => return Err(format!("invalid arg '{k}': '{m}' is not one of default, lazy")),
+                },
+                "x-queue-version" => match non_negative()? {
+                    n @ (1 | 2) => out.queue_version = Some(n as u8),
+                    n => return Err(format!("invalid arg '{k}': {n} is not one of 1, 2")),
+                },
                 k if UNSUPPORTED.contains(&k) => return Err(format!("argument '{k}' is not supported by mirrorq")),
                 _ => {}
             }
@@ -84,6 +117,21 @@ impl QueueArgs {
         if let Some(v) = &self.dead_letter_routing_key {
             m.insert("x-dead-letter-routing-key".into(), v.clone().into());
         }
+        if let Some(v) = self.expires {
+            m.insert("x-expires".into(), v.into());
+        }
+        if let Some(v) = self.max_priority {
+            m.insert("x-max-priority".into(), v.into());
+        }
+        if self.single_active_consumer {
+            m.insert("x-single-active-consumer".into(), true.into());
+        }
+        if let Some(v) = &self.queue_mode {
+            m.insert("x-queue-mode".into(), v.clone().into());
+        }
+        if let Some(v) = self.queue_version {
+            m.insert("x-queue-version".into(), v.into());
+        }
         serde_json::Value::Object(m)
     }
 
@@ -100,6 +148,12 @@ impl QueueArgs {
             Some("x-dead-letter-exchange")
         } else if self.dead_letter_routing_key != other.dead_letter_routing_key {
             Some("x-dead-letter-routing-key")
+        } else if self.expires != other.expires {
+            Some("x-expires")
+        } else if self.max_priority != other.max_priority {
+            Some("x-max-priority")
+        } else if self.single_active_consumer != other.single_active_consumer {
+            Some("x-single-active-consumer")
         } else {
             None
         }
@@ -118,6 +172,11 @@ impl QueueArgs {
         let dead_letter_exchange = self.dead_letter_exchange.clone().or_else(|| text("dead-letter-exchange"));
         QueueArgs {
             message_ttl: lower(self.message_ttl, num("message-ttl")),
+            expires: lower(self.expires, num("expires")),
+            max_priority: self.max_priority,
+            single_active_consumer: self.single_active_consumer,
+            queue_mode: self.queue_mode.clone().or_else(|| text("queue-mode")),
+            queue_version: self.queue_version,
             max_length: lower(self.max_length, num("max-length")),
             overflow: self.overflow.clone().or_else(|| text("overflow")),
             dead_letter_routing_key: match &self.dead_letter_exchange {
@@ -155,8 +214,17 @@ mod tests {
             ("x-dead-letter-exchange", ArgValue::Str("dlx".into())),
             ("x-dead-letter-routing-key", ArgValue::Str("dead".into())),
             ("x-expires", ArgValue::Int(10_000)),
+            ("x-max-priority", ArgValue::Int(10)),
+            ("x-single-active-consumer", ArgValue::Bool(true)),
+            ("x-queue-mode", ArgValue::Str("lazy".into())),
+            ("x-queue-version", ArgValue::Int(2)),
+            ("x-unknown", ArgValue::Int(2)),
         ]))
         .unwrap();
+        assert_eq!(a.expires, Some(10_000));
+        assert_eq!(a.max_priority, Some(10));
+        assert!(a.single_active_consumer);
+        assert_eq!((a.queue_mode.as_deref(), a.queue_version), (Some("lazy"), Some(2)));
         assert_eq!(a.message_ttl, Some(500));
         assert_eq!(a.max_length, Some(3));
         assert_eq!(a.overflow.as_deref(), Some("reject-publish"));
@@ -173,6 +241,11 @@ mod tests {
             ("x-overflow", ArgValue::Str("reject-publish-dlx".into())),
             ("x-dead-letter-exchange", ArgValue::Int(1)),
             ("x-max-length-bytes", ArgValue::Int(1000)),
+            ("x-expires", ArgValue::Int(0)),
+            ("x-max-priority", ArgValue::Int(256)),
+            ("x-single-active-consumer", ArgValue::Str("true".into())),
+            ("x-queue-mode", ArgValue::Str("fast".into())),
+            ("x-queue-version", ArgValue::Int(3)),
         ];
         for (k, v) in bad {
             let err = QueueArgs::parse(&args(&[(k, v.clone())])).unwrap_err();

@@ -42,6 +42,9 @@ pub struct ExchangeMeta {
     pub durable: bool,
     pub auto_delete: bool,
     pub internal: bool,
+    /// The `alternate-exchange` argument (a key): where a message this
+    /// exchange cannot route goes.
+    pub alternate: Option<String>,
 }
 
 /// A header or binding-argument value, as far as routing compares them.
@@ -56,10 +59,15 @@ pub enum ArgValue {
 
 pub type Args = BTreeMap<String, ArgValue>;
 
+/// A binding from the exchange `exchange` (the source) to a queue or,
+/// with `to_exchange`, to another exchange. Sorted by source first, so an
+/// exchange's bindings are one range.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Binding {
     pub exchange: String,
-    pub queue: String,
+    /// A queue's key, or an exchange's with `to_exchange`.
+    pub destination: String,
+    pub to_exchange: bool,
     pub routing_key: String,
     pub args: Args,
 }
@@ -74,7 +82,7 @@ pub fn builtin(name: &str) -> Option<ExchangeMeta> {
         "amq.headers" | "amq.match" => ExchangeKind::Headers,
         _ => return None,
     };
-    Some(ExchangeMeta { name: name.to_string(), kind, durable: true, auto_delete: false, internal: false })
+    Some(ExchangeMeta { name: name.to_string(), kind, durable: true, auto_delete: false, internal: false, alternate: None })
 }
 
 /// AMQP topic matching: words split on '.', `*` is one word, `#` zero or
@@ -122,10 +130,16 @@ pub fn headers_match(binding: &Args, headers: &Args) -> bool {
 
 /// Queues (keys) a message published to `exchange` (a key) with
 /// `routing_key` and `headers` reaches (sorted, each once). `None`: no such exchange.
+///
+/// As RabbitMQ routes: through exchange-to-exchange bindings, each exchange
+/// visited once (cycles end there), and to an exchange's alternate
+/// (`alternate_of`: its argument, else its policy's) when none of its own
+/// bindings matched. An exchange missing on the way routes nowhere.
 pub fn route(
     exchanges: &BTreeMap<String, ExchangeMeta>,
     bindings: &BTreeSet<Binding>,
     queues: &dyn Fn(&str) -> bool,
+    alternate_of: &dyn Fn(&ExchangeMeta) -> Option<String>,
     exchange: &str,
     routing_key: &str,
     headers: &Args,
@@ -135,20 +149,41 @@ pub fn route(
         let queue = names::key(vhost, routing_key);
         return Some(if queues(&queue) { vec![queue] } else { Vec::new() });
     }
-    let ex = exchanges.get(exchange).cloned().or_else(|| builtin(exchange))?;
+    let first = exchanges.get(exchange).cloned().or_else(|| builtin(exchange))?;
     let mut out = BTreeSet::new();
-    // Bindings sort by exchange first: this exchange's are one range.
-    let from =
-        Binding { exchange: exchange.to_string(), queue: String::new(), routing_key: String::new(), args: Args::new() };
-    for b in bindings.range(from..).take_while(|b| b.exchange == exchange) {
-        let hit = match ex.kind {
-            ExchangeKind::Direct => b.routing_key == routing_key,
-            ExchangeKind::Fanout => true,
-            ExchangeKind::Topic => topic_matches(&b.routing_key, routing_key),
-            ExchangeKind::Headers => headers_match(&b.args, headers),
+    let mut seen = BTreeSet::from([exchange.to_string()]);
+    let mut work = vec![first];
+    while let Some(ex) = work.pop() {
+        let mut matched = false;
+        // Bindings sort by exchange first: this exchange's are one range.
+        let from = Binding {
+            exchange: ex.name.clone(),
+            destination: String::new(),
+            to_exchange: false,
+            routing_key: String::new(),
+            args: Args::new(),
         };
-        if hit {
-            out.insert(b.queue.clone());
+        for b in bindings.range(from..).take_while(|b| b.exchange == ex.name) {
+            let hit = match ex.kind {
+                ExchangeKind::Direct => b.routing_key == routing_key,
+                ExchangeKind::Fanout => true,
+                ExchangeKind::Topic => topic_matches(&b.routing_key, routing_key),
+                ExchangeKind::Headers => headers_match(&b.args, headers),
+            };
+            if !hit {
+                continue;
+            }
+            matched = true;
+            if !b.to_exchange {
+                out.insert(b.destination.clone());
+            } else if seen.insert(b.destination.clone()) {
+                work.extend(exchanges.get(&b.destination).cloned().or_else(|| builtin(&b.destination)));
+            }
+        }
+        if !matched {
+            if let Some(alt) = alternate_of(&ex).filter(|a| seen.insert(a.clone())) {
+                work.extend(exchanges.get(&alt).cloned().or_else(|| builtin(&alt)));
+            }
         }
     }
     Some(out.into_iter().collect())
@@ -209,12 +244,14 @@ mod tests {
                 durable: true,
                 auto_delete: false,
                 internal: false,
+                alternate: None,
             },
         );
         let mut b = BTreeSet::new();
         let bind = |e: &str, q: &str, k: &str| Binding {
             exchange: e.into(),
-            queue: q.into(),
+            destination: q.into(),
+            to_exchange: false,
             routing_key: k.into(),
             args: Args::new(),
         };
@@ -224,16 +261,69 @@ mod tests {
         b.insert(bind("amq.fanout", "f2", ""));
         b.insert(bind("amq.direct", "d", "k"));
         let queues = |q: &str| q == "plain";
+        let no_alt = |_: &ExchangeMeta| None;
         assert_eq!(
-            route(&ex, &b, &queues, "logs", "db.error", &Args::new()),
+            route(&ex, &b, &queues, &no_alt, "logs", "db.error", &Args::new()),
             Some(vec!["all".into(), "errors".into()])
         );
-        assert_eq!(route(&ex, &b, &queues, "logs", "db.info", &Args::new()), Some(vec!["all".into()]));
-        assert_eq!(route(&ex, &b, &queues, "amq.fanout", "x", &Args::new()), Some(vec!["f1".into(), "f2".into()]));
-        assert_eq!(route(&ex, &b, &queues, "amq.direct", "k", &Args::new()), Some(vec!["d".into()]));
-        assert_eq!(route(&ex, &b, &queues, "amq.direct", "other", &Args::new()), Some(vec![]));
-        assert_eq!(route(&ex, &b, &queues, "", "plain", &Args::new()), Some(vec!["plain".into()]));
-        assert_eq!(route(&ex, &b, &queues, "", "nothing", &Args::new()), Some(vec![]));
-        assert_eq!(route(&ex, &b, &queues, "missing", "k", &Args::new()), None);
+        assert_eq!(route(&ex, &b, &queues, &no_alt, "logs", "db.info", &Args::new()), Some(vec!["all".into()]));
+        assert_eq!(route(&ex, &b, &queues, &no_alt, "amq.fanout", "x", &Args::new()), Some(vec!["f1".into(), "f2".into()]));
+        assert_eq!(route(&ex, &b, &queues, &no_alt, "amq.direct", "k", &Args::new()), Some(vec!["d".into()]));
+        assert_eq!(route(&ex, &b, &queues, &no_alt, "amq.direct", "other", &Args::new()), Some(vec![]));
+        assert_eq!(route(&ex, &b, &queues, &no_alt, "", "plain", &Args::new()), Some(vec!["plain".into()]));
+        assert_eq!(route(&ex, &b, &queues, &no_alt, "", "nothing", &Args::new()), Some(vec![]));
+        assert_eq!(route(&ex, &b, &queues, &no_alt, "missing", "k", &Args::new()), None);
+    }
+
+    #[test]
+    fn exchange_to_exchange_bindings_and_alternate_exchanges() {
+        let ex = |name: &str, kind, alternate: Option<&str>| {
+            let meta = ExchangeMeta {
+                name: name.into(),
+                kind,
+                durable: true,
+                auto_delete: false,
+                internal: false,
+                alternate: alternate.map(str::to_string),
+            };
+            (name.to_string(), meta)
+        };
+        let exchanges: BTreeMap<String, ExchangeMeta> = [
+            ex("front", ExchangeKind::Direct, Some("unrouted")),
+            ex("logs", ExchangeKind::Topic, None),
+            ex("unrouted", ExchangeKind::Fanout, None),
+            ex("loop", ExchangeKind::Fanout, Some("front")),
+        ]
+        .into();
+        let bind = |e: &str, d: &str, to_exchange: bool, k: &str| Binding {
+            exchange: e.into(),
+            destination: d.into(),
+            to_exchange,
+            routing_key: k.into(),
+            args: Args::new(),
+        };
+        let b: BTreeSet<Binding> = [
+            bind("front", "logs", true, "log"),
+            bind("front", "orders", false, "order"),
+            bind("logs", "all-logs", false, "#"),
+            bind("logs", "front", true, "#"),
+            bind("unrouted", "lost", false, ""),
+            bind("loop", "loop", true, ""),
+            bind("front", "gone", true, "gone"),
+        ]
+        .into();
+        let queues = |_: &str| true;
+        let alt = |e: &ExchangeMeta| e.alternate.clone();
+        let r = |e: &str, k: &str| route(&exchanges, &b, &queues, &alt, e, k, &Args::new());
+        assert_eq!(r("front", "log"), Some(vec!["all-logs".into()]), "through logs, and its binding back to front ends");
+        assert_eq!(r("front", "order"), Some(vec!["orders".into()]));
+        assert_eq!(r("front", "nothing"), Some(vec!["lost".into()]), "unroutable: to the alternate");
+        assert_eq!(r("front", "gone"), Some(vec![]), "a missing destination exchange routes nowhere, no alternate");
+        assert_eq!(r("loop", "x"), Some(vec![]), "a binding to itself matched: no alternate, no endless walk");
+        assert_eq!(
+            r("logs", "x"),
+            Some(vec!["all-logs".into(), "lost".into()]),
+            "front, reached through logs, matched nothing: its alternate"
+        );
     }
 }

@@ -357,7 +357,7 @@ impl MetaState {
                 self.counts.remove(q);
             }) {
                 Some(_) => {
-                    self.bindings.retain(|b| &b.queue != name);
+                    self.bindings.retain(|b| b.to_exchange || &b.destination != name);
                     MetaReply::Ok
                 }
                 None => MetaReply::NotFound,
@@ -392,18 +392,23 @@ impl MetaState {
                 if !self.exchanges.contains_key(name) {
                     return MetaReply::NotFound;
                 }
+                // As RabbitMQ: bindings to it do not make it used.
                 if *if_unused && self.bindings.iter().any(|b| &b.exchange == name) {
                     return MetaReply::Conflict(format!("exchange '{bare}' in vhost '{vhost}' in use"));
                 }
                 self.exchanges.remove(name);
-                self.bindings.retain(|b| &b.exchange != name);
+                self.bindings.retain(|b| &b.exchange != name && !(b.to_exchange && &b.destination == name));
                 MetaReply::Ok
             }
             MetaCmd::Bind(b) => {
                 if names::name_of(&b.exchange).is_empty() {
                     return MetaReply::Refused("operation not permitted on the default exchange".into());
                 }
-                if self.exchange(&b.exchange).is_none() || !self.queues.contains_key(&b.queue) {
+                let destination = match b.to_exchange {
+                    true => self.exchange(&b.destination).is_some(),
+                    false => self.queues.contains_key(&b.destination),
+                };
+                if self.exchange(&b.exchange).is_none() || !destination {
                     return MetaReply::NotFound;
                 }
                 self.bindings.insert(b.clone());
@@ -462,7 +467,7 @@ impl MetaState {
                     }
                 }
                 self.exchanges.retain(|k, _| !inside(k));
-                self.bindings.retain(|b| !inside(&b.exchange) && !inside(&b.queue));
+                self.bindings.retain(|b| !inside(&b.exchange) && !inside(&b.destination));
                 self.policies.retain(|k, _| !inside(k));
                 self.permissions.remove(name);
                 MetaReply::Ok
@@ -561,6 +566,17 @@ impl MetaState {
         self.exchanges.get(name).cloned().or_else(|| builtin(name))
     }
 
+    /// Where a message `ex` cannot route goes (a key): its
+    /// `alternate-exchange` argument, else its effective policy's.
+    pub fn alternate_of(&self, ex: &ExchangeMeta) -> Option<String> {
+        ex.alternate.clone().or_else(|| {
+            let p = policy::effective_for_exchange(&self.policies, &ex.name)?;
+            let def: serde_json::Value = serde_json::from_str(&p.definition).ok()?;
+            let alt = def.get("alternate-exchange")?.as_str()?;
+            Some(names::key(names::vhost_of(&ex.name), alt))
+        })
+    }
+
     /// A node that restarts is asked about thousands of groups before it
     /// started their replicas: an index, not a walk over every queue.
     pub fn queue_by_group(&self, group: GroupId) -> Option<&QueueMeta> {
@@ -630,8 +646,14 @@ mod tests {
         use crate::metadata::routing::{Args, ExchangeKind};
         let mut s = with_nodes(1);
         s.apply(&decl("q", vec![1], true));
-        let ex =
-            |n: &str, k| ExchangeMeta { name: n.into(), kind: k, durable: true, auto_delete: false, internal: false };
+        let ex = |n: &str, k| ExchangeMeta {
+            name: n.into(),
+            kind: k,
+            durable: true,
+            auto_delete: false,
+            internal: false,
+            alternate: None,
+        };
         assert_eq!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Topic))), MetaReply::Ok);
         assert_eq!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Topic))), MetaReply::Ok);
         assert!(matches!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Fanout))), MetaReply::Conflict(_)));
@@ -641,7 +663,8 @@ mod tests {
         ));
         let b = |e: &str, q: &str| Binding {
             exchange: e.into(),
-            queue: q.into(),
+            destination: q.into(),
+            to_exchange: false,
             routing_key: "k".into(),
             args: Args::new(),
         };
@@ -653,9 +676,13 @@ mod tests {
             s.apply(&MetaCmd::DeleteExchange { name: "logs".into(), if_unused: true }),
             MetaReply::Conflict(_)
         ));
+        let to_ex = Binding { to_exchange: true, ..b("amq.topic", "logs") };
+        assert_eq!(s.apply(&MetaCmd::Bind(to_ex.clone())), MetaReply::Ok);
+        assert_eq!(s.apply(&MetaCmd::Bind(Binding { to_exchange: true, ..b("amq.topic", "nope") })), MetaReply::NotFound);
         s.apply(&MetaCmd::DeleteQueue { name: "q".into() });
-        assert!(s.bindings.is_empty(), "deleting a queue removes its bindings");
+        assert_eq!(s.bindings, BTreeSet::from([to_ex]), "deleting a queue removes its bindings, and only those");
         assert_eq!(s.apply(&MetaCmd::DeleteExchange { name: "logs".into(), if_unused: true }), MetaReply::Ok);
+        assert!(s.bindings.is_empty(), "deleting an exchange removes the bindings to it");
         assert!(matches!(
             s.apply(&MetaCmd::DeleteExchange { name: "amq.topic".into(), if_unused: false }),
             MetaReply::Refused(_)

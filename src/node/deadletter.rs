@@ -38,6 +38,8 @@ pub(super) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
             _ => Overflow::DropHead,
         },
         dead_letter: a.dead_letter_exchange.is_some(),
+        // 0 serves every message as priority 0: a plain queue.
+        max_priority: a.max_priority.filter(|p| *p > 0),
     }
 }
 

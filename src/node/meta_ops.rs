@@ -53,7 +53,8 @@ impl Node {
     }
 
     pub async fn bind(&self, b: Binding) -> Result<(), NodeError> {
-        let what = format!("no exchange '{}' or queue '{}' in vhost '/'", b.exchange, b.queue);
+        let kind = if b.to_exchange { "exchange" } else { "queue" };
+        let what = format!("no exchange '{}' or {kind} '{}' in vhost '/'", b.exchange, b.destination);
         meta_result(self.meta_write(MetaCmd::Bind(b)).await?, || what)
     }
 
@@ -66,7 +67,8 @@ impl Node {
     pub fn route(&self, exchange: &str, routing_key: &str, headers: &Args) -> Option<Vec<String>> {
         let meta = self.metadata();
         let queues = |q: &str| meta.queues.contains_key(q);
-        routing::route(&meta.exchanges, &meta.bindings, &queues, exchange, routing_key, headers)
+        let alternate = |ex: &ExchangeMeta| meta.alternate_of(ex);
+        routing::route(&meta.exchanges, &meta.bindings, &queues, &alternate, exchange, routing_key, headers)
     }
 
     /// The queue's metadata, catching up with the leader before saying it

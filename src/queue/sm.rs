@@ -34,7 +34,7 @@ use super::bodies::{self, Chunk, ChunkWriter, LogRef};
 use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
 use super::runs::Runs;
-use super::state::{Change, Counters, QueueState, HANDBACK_SEQ};
+use super::state::{Change, Counters, QueueState, HANDBACK_SEQ, TAG_PART};
 use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
 use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
 use crate::raft::types::{Request, Response};
@@ -347,7 +347,7 @@ impl QueueMachine {
     pub fn stored_since(space: &SmSpace, next_seq: u64, next_tag: u64) -> Result<Vec<Message>, StorageError> {
         let since = |seq: u64| match seq & HANDBACK_SEQ {
             0 => seq >= next_seq,
-            _ => seq & !HANDBACK_SEQ >= next_tag,
+            _ => seq & TAG_PART >= next_tag,
         };
         Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| since(*seq)).map(|(_, m)| m).collect())
     }

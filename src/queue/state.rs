@@ -11,17 +11,38 @@
 //! two counters, and restarting it reads only its unacked and requeued
 //! messages.
 //!
+//! A priority queue (`x-max-priority`) keeps its priority-0 messages in that
+//! range too; a message of a higher priority is tracked one by one, under a
+//! seq of the tracked space that carries its priority, and is served before
+//! every priority-0 one.
+//!
 //! Every replica applies the same commands in the same order and so makes the
 //! same choices (which message a get takes, which delivery tag it gets).
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use super::types::{DeathReason, Limits, MsgState, Origin, Overflow, QueueCmd, QueueReply};
+use super::types::{DeathReason, Limits, Message, MsgState, Origin, Overflow, QueueCmd, QueueReply};
 
-/// Seqs of handed-back messages have this bit set.
+/// Seqs of messages outside the never-delivered range (handed back, or of
+/// a priority above 0) have this bit set. Below it: the message's priority
+/// from [`PRIORITY_SHIFT`], and a number taken from the tag counter.
 pub const HANDBACK_SEQ: u64 = 1 << 63;
+/// Where a tracked seq keeps its message's priority (8 bits).
+const PRIORITY_SHIFT: u32 = 48;
+/// The part of a tracked seq taken from the tag counter.
+pub const TAG_PART: u64 = (1 << PRIORITY_SHIFT) - 1;
+
+/// The priority a message's seq records (0 for a plain seq).
+pub fn priority_of_seq(seq: u64) -> u8 {
+    if seq & HANDBACK_SEQ == 0 {
+        0
+    } else {
+        ((seq >> PRIORITY_SHIFT) & 0xff) as u8
+    }
+}
 
 /// Publish time of messages enqueued while the queue had no TTL: they
 /// never expire.
@@ -65,6 +86,15 @@ pub struct Counters {
     pub next_requeue: u64,
 }
 
+/// The message [`QueueState::take_head`] took.
+struct Head {
+    seq: u64,
+    /// It was delivered before.
+    redelivered: bool,
+    /// It has a stored state to remove with it.
+    tracked: bool,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Unacked {
     seq: u64,
@@ -75,9 +105,13 @@ struct Unacked {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct QueueState {
     counters: Counters,
-    /// Requeued messages by requeue order; served before `ready`, and always
-    /// redelivered.
+    /// Requeued messages of priority 0 by requeue order; served before the
+    /// never-delivered ones, and always redelivered.
     requeued: BTreeMap<u64, u64>,
+    /// Ready messages of a priority above 0 (a priority queue's): highest
+    /// priority first, then requeued (`false`) before never-delivered, then
+    /// in order. Served before every priority-0 message.
+    prioritized: BTreeMap<(Reverse<u8>, bool, u64), u64>,
     /// Delivered, awaiting ack: delivery tag -> message.
     unacked: HashMap<u64, Unacked>,
     /// Old-epoch entries whose messages were handed back already.
@@ -100,9 +134,8 @@ impl QueueState {
         let mut s = Self { counters, ..Self::default() };
         for (seq, st) in stored {
             match st {
-                MsgState::Requeued { order } => {
-                    s.requeued.insert(order, seq);
-                }
+                MsgState::Requeued { order } => s.ready_again(seq, order, false),
+                MsgState::Queued { order } => s.ready_again(seq, order, true),
                 MsgState::Unacked { tag, owner } => {
                     s.unacked.insert(tag, Unacked { seq, owner });
                 }
@@ -147,6 +180,9 @@ impl QueueState {
     }
 
     fn head(&self) -> Option<u64> {
+        if let Some((_, seq)) = self.prioritized.first_key_value() {
+            return Some(*seq);
+        }
         match self.requeued.first_key_value() {
             Some((_, seq)) => Some(*seq),
             None if self.fresh_count() > 0 => Some(self.counters.ready_head),
@@ -177,7 +213,7 @@ impl QueueState {
         &self.counters
     }
     pub fn ready_count(&self) -> u64 {
-        self.fresh_count() + self.requeued.len() as u64
+        self.fresh_count() + self.requeued.len() as u64 + self.prioritized.len() as u64
     }
     fn fresh_count(&self) -> u64 {
         self.counters.next_seq - self.counters.ready_head
@@ -197,15 +233,24 @@ impl QueueState {
     pub fn unacked_count(&self) -> u64 {
         self.unacked.len() as u64
     }
-    /// Seqs of the delivered and requeued messages.
+    /// Seqs of the messages tracked one by one: delivered, requeued and
+    /// prioritized ones.
     pub fn tracked_seqs(&self) -> BTreeSet<u64> {
-        self.requeued.values().copied().chain(self.unacked.values().map(|u| u.seq)).collect()
+        self.requeued
+            .values()
+            .chain(self.prioritized.values())
+            .copied()
+            .chain(self.unacked.values().map(|u| u.seq))
+            .collect()
     }
-    /// Delivered and requeued messages with their states, by seq.
+    /// The messages tracked one by one with their states, by seq.
     pub fn states(&self) -> Vec<(u64, MsgState)> {
         let requeued = self.requeued.iter().map(|(order, seq)| (*seq, MsgState::Requeued { order: *order }));
+        let prioritized = self.prioritized.iter().map(|((_, fresh, order), seq)| {
+            (*seq, if *fresh { MsgState::Queued { order: *order } } else { MsgState::Requeued { order: *order } })
+        });
         let unacked = self.unacked.iter().map(|(tag, u)| (u.seq, MsgState::Unacked { tag: *tag, owner: u.owner }));
-        let mut v: Vec<_> = requeued.chain(unacked).collect();
+        let mut v: Vec<_> = requeued.chain(prioritized).chain(unacked).collect();
         v.sort_unstable_by_key(|(seq, _)| *seq);
         v
     }
@@ -217,17 +262,17 @@ impl QueueState {
     /// Apply one command. Pure: no I/O, same input, same output.
     pub fn apply(&mut self, cmd: &QueueCmd, changes: &mut Vec<Change>) -> QueueReply {
         match cmd {
-            QueueCmd::Enqueue { msgs } => self.enqueue(msgs.len(), None, changes),
-            QueueCmd::EnqueueExpiring { msgs, ttl_ms } => self.enqueue(msgs.len(), Some(ttl_ms), changes),
+            QueueCmd::Enqueue { msgs } => self.enqueue(msgs, None, changes),
+            QueueCmd::EnqueueExpiring { msgs, ttl_ms } => self.enqueue(msgs, Some(ttl_ms), changes),
             QueueCmd::Get { owner, max, auto_ack } => {
                 let mut delivered = 0u32;
                 while delivered < *max {
-                    let Some((seq, redelivered)) = self.take_head() else { break };
+                    let Some(Head { seq, redelivered, tracked }) = self.take_head() else { break };
                     let tag = self.counters.next_tag;
                     self.counters.next_tag += 1;
                     changes.push(Change::Deliver { seq, tag, redelivered });
                     if *auto_ack {
-                        self.remove(seq, redelivered, changes);
+                        self.remove(seq, tracked, changes);
                     } else {
                         self.unacked.insert(tag, Unacked { seq, owner: *owner });
                         changes.push(Change::SetState { seq, state: MsgState::Unacked { tag, owner: *owner } });
@@ -301,22 +346,43 @@ impl QueueState {
         }
     }
 
-    /// Store `n` new messages (`ttl_ms`: their own TTLs, if any) under the
+    /// Store new messages (`ttl_ms`: their own TTLs, if any) under the
     /// entry's limits.
-    fn enqueue(&mut self, n: usize, ttl_ms: Option<&[Option<u64>]>, changes: &mut Vec<Change>) -> QueueReply {
+    fn enqueue(&mut self, msgs: &[Message], ttl_ms: Option<&[Option<u64>]>, changes: &mut Vec<Change>) -> QueueReply {
         self.stamp_run(changes);
         let mut accepted = 0;
-        for i in 0..n {
+        for (i, m) in msgs.iter().enumerate() {
             if self.limits.overflow == Overflow::RejectPublish
                 && self.limits.max_len.is_some_and(|max| self.ready_count() >= max)
             {
                 // Full: the rest of this publish is refused (nacked).
                 break;
             }
-            let seq = self.counters.next_seq;
-            self.counters.next_seq += 1;
-            changes.push(Change::Insert { seq, batch_index: i });
-            if let Some(ttl) = ttl_ms.and_then(|t| t.get(i).copied().flatten()) {
+            let own_ttl = ttl_ms.and_then(|t| t.get(i).copied().flatten());
+            let priority = match self.limits.max_priority {
+                Some(max) => crate::message::priority(&m.properties).min(max),
+                None => 0,
+            };
+            let seq = if priority == 0 {
+                let seq = self.counters.next_seq;
+                self.counters.next_seq += 1;
+                changes.push(Change::Insert { seq, batch_index: i });
+                seq
+            } else {
+                let seq = HANDBACK_SEQ | u64::from(priority) << PRIORITY_SHIFT | self.counters.next_tag;
+                self.counters.next_tag += 1;
+                changes.push(Change::Insert { seq, batch_index: i });
+                let order = self.counters.next_requeue;
+                self.counters.next_requeue += 1;
+                self.prioritized.insert((Reverse(priority), true, order), seq);
+                changes.push(Change::SetState { seq, state: MsgState::Queued { order } });
+                seq
+            };
+            // Outside the plain range a message has no run time: the
+            // queue's TTL becomes a deadline of its own.
+            let queue_ttl = if priority == 0 { None } else { self.limits.ttl_ms };
+            let due = [own_ttl, queue_ttl].into_iter().flatten().min();
+            if let Some(ttl) = due {
                 let at_ms = self.now_ms.saturating_add(ttl);
                 self.deadlines.insert(seq, at_ms);
                 changes.push(Change::Deadline { seq, at_ms });
@@ -377,24 +443,38 @@ impl QueueState {
         }
     }
 
-    /// Take the message at the head out of the ready ones: a requeued one
-    /// first (then `true`: it was delivered before and has a stored state),
-    /// else the oldest never-delivered one.
-    fn take_head(&mut self) -> Option<(u64, bool)> {
-        if let Some((_, seq)) = self.requeued.pop_first() {
-            Some((seq, true))
+    /// Take the message at the head out of the ready ones: a prioritized
+    /// one first, then a requeued one, else the oldest never-delivered one.
+    fn take_head(&mut self) -> Option<Head> {
+        if let Some(((_, fresh, _), seq)) = self.prioritized.pop_first() {
+            Some(Head { seq, redelivered: !fresh, tracked: true })
+        } else if let Some((_, seq)) = self.requeued.pop_first() {
+            Some(Head { seq, redelivered: true, tracked: true })
         } else if self.fresh_count() > 0 {
             self.counters.ready_head += 1;
-            Some((self.counters.ready_head - 1, false))
+            Some(Head { seq: self.counters.ready_head - 1, redelivered: false, tracked: false })
         } else {
             None
+        }
+    }
+
+    /// A message ready again under `order`: a prioritized one by its
+    /// priority, a priority-0 one with the requeued.
+    fn ready_again(&mut self, seq: u64, order: u64, fresh: bool) {
+        match priority_of_seq(seq) {
+            0 => {
+                self.requeued.insert(order, seq);
+            }
+            p => {
+                self.prioritized.insert((Reverse(p), fresh, order), seq);
+            }
         }
     }
 
     /// Remove the message at the head (requeued ones first, as they are
     /// served first). `false` if the queue has no ready message.
     fn drop_head(&mut self, reason: DeathReason, changes: &mut Vec<Change>) -> bool {
-        let Some((seq, tracked)) = self.take_head() else { return false };
+        let Some(Head { seq, tracked, .. }) = self.take_head() else { return false };
         if self.limits.dead_letter {
             changes.push(Change::DeadLetter { seq, reason });
         }
@@ -405,7 +485,7 @@ impl QueueState {
     /// Drop publish times no held message needs any more: every run
     /// before the one holding the oldest message still held.
     fn forget_times(&mut self, changes: &mut Vec<Change>) {
-        if self.times.len() < 2 && self.fresh_count() + self.requeued.len() as u64 + self.unacked_count() > 0 {
+        if self.times.len() < 2 && self.ready_count() + self.unacked_count() > 0 {
             return;
         }
         let plain = |seq: &u64| *seq & HANDBACK_SEQ == 0;
@@ -427,6 +507,9 @@ impl QueueState {
     }
 
     fn drop_ready(&mut self, changes: &mut Vec<Change>) {
+        for (_, seq) in std::mem::take(&mut self.prioritized) {
+            self.remove(seq, true, changes);
+        }
         for (_, seq) in std::mem::take(&mut self.requeued) {
             self.remove(seq, true, changes);
         }
@@ -463,7 +546,7 @@ impl QueueState {
         if requeue {
             let order = self.counters.next_requeue;
             self.counters.next_requeue += 1;
-            self.requeued.insert(order, seq);
+            self.ready_again(seq, order, false);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         } else {
             if self.limits.dead_letter {
@@ -695,6 +778,91 @@ mod tests {
         disk.insert(0, MsgState::Requeued { order: 1 });
         let restored = QueueState::restore(s.counters().clone(), disk);
         assert_eq!(restored, s);
+    }
+
+    fn with_priority(body: &str, priority: Option<u8>) -> Message {
+        let props = amq_protocol::protocol::basic::AMQPProperties::default();
+        let props = match priority {
+            Some(p) => props.with_priority(p),
+            None => props,
+        };
+        Message { properties: crate::message::encode_properties(&props), ..msg(body) }
+    }
+
+    /// The bodies' indexes (as enqueued by `publish_prioritized`) in the
+    /// order gets take them.
+    fn order_of(s: &mut QueueState, bodies: &BTreeMap<u64, usize>) -> Vec<usize> {
+        let (d, _) = get(s, 1, 100, true);
+        d.iter().map(|(seq, _, _)| bodies[seq]).collect()
+    }
+
+    /// Publishes messages of these priorities in one stamped entry, and
+    /// tells which seq each got.
+    fn publish_prioritized(s: &mut QueueState, max: u8, priorities: &[Option<u8>]) -> BTreeMap<u64, usize> {
+        stamp(s, 1_000, Limits { max_priority: Some(max), ..Limits::default() });
+        let msgs: Vec<Message> = priorities.iter().enumerate().map(|(i, p)| with_priority(&i.to_string(), *p)).collect();
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Enqueue { msgs }, &mut c);
+        c.iter()
+            .filter_map(|ch| match ch {
+                Change::Insert { seq, batch_index } => Some((*seq, *batch_index)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_priority_queue_serves_the_highest_priority_first_capped_at_its_maximum() {
+        let mut s = QueueState::default();
+        let p = [None, Some(3), Some(1), Some(9), Some(0), Some(3), Some(200)];
+        let seqs = publish_prioritized(&mut s, 5, &p);
+        assert_eq!(s.ready_count(), 7);
+        // 9 and 200 are both capped at 5, then kept in publish order.
+        assert_eq!(order_of(&mut s, &seqs), vec![3, 6, 1, 5, 2, 0, 4]);
+        assert_eq!(s.ready_count(), 0);
+        assert!(s.tracked_seqs().is_empty(), "auto-acked prioritized messages leave no state");
+        // Without the stamp's maximum, priorities are not looked at.
+        let mut plain = QueueState::default();
+        let mut c = Vec::new();
+        plain.apply(&QueueCmd::Enqueue { msgs: vec![with_priority("a", None), with_priority("b", Some(7))] }, &mut c);
+        assert!(c.iter().all(|ch| matches!(ch, Change::Insert { seq, .. } if *seq & HANDBACK_SEQ == 0)));
+    }
+
+    #[test]
+    fn a_requeued_prioritized_message_goes_back_by_its_priority_and_a_restart_keeps_the_order() {
+        let mut s = QueueState::default();
+        let seqs = publish_prioritized(&mut s, 10, &[Some(2), Some(7), None, Some(7), Some(2)]);
+        let (d, _) = get(&mut s, 1, 1, false);
+        assert_eq!(seqs[&d[0].0], 1, "the first priority-7 message");
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![d[0].1], requeue: true }, &mut c);
+        // Stored states as the adapter writes them, read back by a restart.
+        let disk = s.states();
+        assert_eq!(disk.len(), 4, "prioritized messages are tracked, the priority-0 one is not");
+        let mut restored = QueueState::restore(s.counters().clone(), disk);
+        let (d, _) = get(&mut restored, 1, 1, false);
+        assert!(d[0].2, "the requeued one comes back first among its priority, redelivered");
+        assert_eq!(seqs[&d[0].0], 1);
+        assert_eq!(order_of(&mut restored, &seqs), vec![3, 0, 4, 2]);
+        assert_eq!(order_of(&mut s, &seqs), vec![1, 3, 0, 4, 2], "the same order without the restart");
+    }
+
+    #[test]
+    fn prioritized_messages_expire_by_the_queues_ttl_and_are_purged() {
+        let mut s = QueueState::default();
+        stamp(&mut s, 1_000, Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() });
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Enqueue { msgs: vec![with_priority("hi", Some(4)), with_priority("lo", None)] }, &mut c);
+        let c = stamp(&mut s, 1_050, Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() });
+        assert!(dead(&c).is_empty());
+        let c = stamp(&mut s, 1_100, Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() });
+        assert_eq!(dead(&c).len(), 2, "both due at 1,100: the prioritized one by its deadline");
+        assert_eq!(s.ready_count(), 0);
+        publish_prioritized(&mut s, 5, &[Some(1), None, Some(3)]);
+        let mut c = Vec::new();
+        assert_eq!(s.apply(&QueueCmd::Purge, &mut c), QueueReply::Purged { count: 3 });
+        assert!(s.tracked_seqs().is_empty() && s.deadlines().is_empty());
+        assert_eq!(c.iter().filter(|ch| matches!(ch, Change::Remove { tracked: true, .. })).count(), 2);
     }
 
     fn stamp(s: &mut QueueState, now_ms: u64, limits: Limits) -> Vec<Change> {

@@ -15,6 +15,9 @@ pub enum MsgState {
     Requeued { order: u64 },
     /// Delivered under `tag` to `owner`, awaiting ack.
     Unacked { tag: u64, owner: u64 },
+    /// Never delivered, of a priority above 0 (a priority queue's), in
+    /// `order` among those of its priority.
+    Queued { order: u64 },
 }
 
 /// One operation on a queue. A Raft entry carries a batch of them.
@@ -114,12 +117,15 @@ pub struct Limits {
     /// Removed messages (expired, dropped, rejected) are handed to the
     /// dead-letter exchange.
     pub dead_letter: bool,
+    /// `x-max-priority`: messages are served by their `priority` property,
+    /// capped at this.
+    pub max_priority: Option<u8>,
 }
 
 impl Limits {
     /// Does the queue need stamped entries at all?
     pub fn any(&self) -> bool {
-        self.ttl_ms.is_some() || self.max_len.is_some() || self.dead_letter
+        self.ttl_ms.is_some() || self.max_len.is_some() || self.dead_letter || self.max_priority.is_some()
     }
 }
 

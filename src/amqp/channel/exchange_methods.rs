@@ -1,12 +1,13 @@
-//! `exchange.*`: declare, delete, bind (exchange-to-exchange bindings
-//! answer 540).
+//! `exchange.*`: declare (with an `alternate-exchange` argument), delete,
+//! and exchange-to-exchange bind and unbind.
 
 use amq_protocol::protocol::{exchange, AMQPClass};
 use amq_protocol::types::{FieldTable, ShortString};
 
 use crate::amqp::channel::Channel;
-use crate::amqp::reply::{hard, node_soft, soft, Hard, Soft, COMMAND_INVALID, NOT_IMPLEMENTED, PRECONDITION_FAILED};
+use crate::amqp::reply::{hard, node_soft, soft, Hard, Soft, COMMAND_INVALID, PRECONDITION_FAILED};
 use crate::message::to_args;
+use crate::metadata::routing::ArgValue;
 use crate::metadata::names;
 use crate::metadata::{Access, Binding, ExchangeKind, ExchangeMeta};
 
@@ -38,12 +39,21 @@ impl Channel {
                             format!("COMMAND_INVALID - unknown exchange type '{}'", d.kind.as_str()),
                         )));
                     };
+                    let alternate = match to_args(&d.arguments).get("alternate-exchange") {
+                        None => None,
+                        Some(ArgValue::Str(alt)) => Some(self.key(alt)),
+                        Some(_) => {
+                            let why = "PRECONDITION_FAILED - invalid arg 'alternate-exchange': not a string";
+                            return Err(Ok(soft(PRECONDITION_FAILED, why.to_string(), 40, 10)));
+                        }
+                    };
                     let ex = ExchangeMeta {
                         name,
                         kind,
                         durable: d.durable,
                         auto_delete: d.auto_delete,
                         internal: d.internal,
+                        alternate,
                     };
                     self.node.declare_exchange(ex).await.map_err(|e| Ok(node_soft(e, 40, 10)))?;
                 }
@@ -63,23 +73,43 @@ impl Channel {
                 }
                 Ok(true)
             }
-            other => Err(Err(hard(
-                NOT_IMPLEMENTED,
-                format!("NOT_IMPLEMENTED - exchange.{other:?} (exchange-to-exchange bindings)"),
-            ))),
+            // As RabbitMQ: write on the destination, read on the source.
+            E::Bind(b) => {
+                self.may(Access::Write, "exchange", b.destination.as_str(), 40, 30)?;
+                self.may(Access::Read, "exchange", b.source.as_str(), 40, 30)?;
+                let binding = self.binding_of(&b.source, &b.destination, true, &b.routing_key, &b.arguments);
+                self.node.bind(binding).await.map_err(|e| Ok(node_soft(e, 40, 30)))?;
+                if !b.nowait {
+                    self.reply(AMQPClass::Exchange(E::BindOk(exchange::BindOk {}))).await;
+                }
+                Ok(true)
+            }
+            E::Unbind(b) => {
+                self.may(Access::Write, "exchange", b.destination.as_str(), 40, 40)?;
+                self.may(Access::Read, "exchange", b.source.as_str(), 40, 40)?;
+                let binding = self.binding_of(&b.source, &b.destination, true, &b.routing_key, &b.arguments);
+                self.node.unbind(binding).await.map_err(|e| Ok(node_soft(e, 40, 40)))?;
+                if !b.nowait {
+                    self.reply(AMQPClass::Exchange(E::UnbindOk(exchange::UnbindOk {}))).await;
+                }
+                Ok(true)
+            }
+            other => Err(Err(hard(COMMAND_INVALID, format!("exchange.{other:?} is not a client method")))),
         }
     }
 
     pub(in crate::amqp) fn binding_of(
         &self,
         exchange: &ShortString,
-        queue: &ShortString,
+        destination: &ShortString,
+        to_exchange: bool,
         key: &ShortString,
         args: &FieldTable,
     ) -> Binding {
         Binding {
             exchange: self.key(exchange.as_str()),
-            queue: self.key(queue.as_str()),
+            destination: self.key(destination.as_str()),
+            to_exchange,
             routing_key: key.as_str().to_string(),
             args: to_args(args),
         }
