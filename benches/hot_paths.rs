@@ -104,7 +104,7 @@ fn state_apply(c: &mut Criterion) {
             |mut s| {
                 let mut changes = Vec::new();
                 s.apply(&QueueCmd::Enqueue { msgs: vec![msg.clone(); 100] }, &mut changes);
-                s.apply(&QueueCmd::Get { owner: 1, max: 100, auto_ack: false }, &mut changes);
+                s.apply(&QueueCmd::Get { owner: 1, max: 100, auto_ack: false, consumer: None }, &mut changes);
                 let tags = (0..100).collect();
                 s.apply(&QueueCmd::Ack { tags }, &mut changes);
                 black_box((s, changes))
@@ -125,25 +125,38 @@ fn routing(c: &mut Criterion) {
             durable: true,
             auto_delete: false,
             internal: false,
+            alternate: None,
         },
     );
     let bindings: BTreeSet<Binding> = (0..1000)
         .map(|i| Binding {
             exchange: "logs".into(),
-            queue: format!("q{i}"),
+            destination: format!("q{i}"),
+            to_exchange: false,
             routing_key: format!("app{}.*.error.#", i % 50),
             args: Args::new(),
         })
         .collect();
     let queues = |_: &str| true;
+    let no_alternate = |_: &ExchangeMeta| None;
     let mut g = c.benchmark_group("routing");
     g.throughput(Throughput::Elements(1));
     g.bench_function("default exchange", |b| {
-        b.iter(|| route(&exchanges, &bindings, &queues, black_box(""), black_box("orders"), &Args::new()))
+        b.iter(|| {
+            route(&exchanges, &bindings, &queues, &no_alternate, black_box(""), black_box("orders"), &Args::new())
+        })
     });
     g.bench_function("topic exchange, 1000 bindings", |b| {
         b.iter(|| {
-            route(&exchanges, &bindings, &queues, black_box("logs"), black_box("app7.db.error.disk"), &Args::new())
+            route(
+                &exchanges,
+                &bindings,
+                &queues,
+                &no_alternate,
+                black_box("logs"),
+                black_box("app7.db.error.disk"),
+                &Args::new(),
+            )
         })
     });
     g.finish();

@@ -60,8 +60,8 @@ async fn get_sees_publish_from_earlier_entry_in_same_apply() {
             5,
             vec![
                 entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }]),
-                entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }]),
-                entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false }]),
+                entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true, consumer: None }]),
+                entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false, consumer: None }]),
             ],
         ))
         .await
@@ -82,7 +82,7 @@ async fn state_survives_reopen() {
             5,
             vec![
                 entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
-                entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false }]),
+                entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false, consumer: None }]),
                 // tags 0 (a) and 1 (b): requeue b first, then a
                 entry(3, vec![QueueCmd::Nack { tags: vec![1, 0], requeue: true }]),
             ],
@@ -94,7 +94,7 @@ async fn state_survives_reopen() {
     let (db, _space, mut sm) = open_queue(dir.path());
     let (applied, _) = sm.applied_state().await.unwrap();
     assert_eq!(applied.map(|l| l.index), Some(3));
-    let get = vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false }])];
+    let get = vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false, consumer: None }])];
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(
         delivered(&out[0]),
@@ -107,6 +107,59 @@ async fn state_survives_reopen() {
     assert_eq!(msgs.iter().map(|d| d.tag).collect::<Vec<_>>(), vec![2, 3, 4], "tags keep counting after restart");
 }
 
+/// A single-active-consumer registry and a priority queue's order survive
+/// a reopen: the consumer active before is the one served after, and
+/// prioritized messages come back highest first.
+#[tokio::test]
+async fn consumer_registrations_and_priorities_survive_reopen() {
+    use mirrorq::queue::types::{ConsumerRef, Limits};
+    let dir = tempfile::tempdir().unwrap();
+    let prio = |b: &str, p: u8| {
+        let props = amq_protocol::protocol::basic::AMQPProperties::default().with_priority(p);
+        Message { properties: mirrorq::message::encode_properties(&props), ..msg(b) }
+    };
+    let consume = |owner, priority| QueueCmd::Consume {
+        owner,
+        consumer: ConsumerRef { number: 1, priority },
+        single_active: true,
+    };
+    let get =
+        |owner| QueueCmd::Get { owner, max: 1, auto_ack: true, consumer: Some(ConsumerRef { number: 1, priority: 0 }) };
+    {
+        let (db, _space, mut sm) = open_queue(dir.path());
+        let stamp = QueueCmd::Stamp { now_ms: 1, limits: Limits { max_priority: Some(9), ..Limits::default() } };
+        let publish = QueueCmd::Enqueue { msgs: vec![msg("low"), prio("mid", 4), prio("high", 9), prio("mid2", 4)] };
+        sm.apply(logged(
+            &db,
+            5,
+            vec![entry(1, vec![stamp, publish]), entry(2, vec![consume(7, 0)]), entry(3, vec![consume(8, 0)])],
+        ))
+        .await
+        .unwrap();
+        db.flusher().sync().await.unwrap();
+    }
+    let (db, _space, mut sm) = open_queue(dir.path());
+    let out = sm
+        .apply(logged(
+            &db,
+            5,
+            vec![
+                entry(4, vec![get(8)]),
+                entry(5, vec![get(7)]),
+                entry(6, vec![QueueCmd::Cancel { owner: 7, number: 1 }, get(8)]),
+                entry(7, vec![consume(9, 5), get(8), get(9)]),
+                entry(8, vec![QueueCmd::Release { owner: 9 }, get(8)]),
+            ],
+        ))
+        .await
+        .unwrap();
+    assert!(delivered(&out[0]).is_empty(), "owner 8 registered second: not active");
+    assert_eq!(delivered(&out[1]), vec![(b"high".to_vec(), false)], "the first registered, highest priority first");
+    assert_eq!(delivered(&out[2]), vec![(b"mid".to_vec(), false)], "cancelled: the next one is active");
+    assert_eq!(delivered(&out[3]), vec![(b"mid2".to_vec(), false)], "a consumer of a higher priority is active");
+    assert_eq!(delivered(&out[4]), vec![(b"low".to_vec(), false)], "its owner released: 8 again");
+}
+
 /// A mirror does not read bodies for deliveries: only the node that
 /// proposed an entry answers it. So a mirror lacking a body (one still
 /// catching up) applies a get of that message instead of failing with a
@@ -116,7 +169,7 @@ async fn only_the_answering_node_reads_delivered_bodies() {
     let dir = tempfile::tempdir().unwrap();
     let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
     let publish = entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }]);
-    let get = entry(2, vec![QueueCmd::Get { owner: 2, max: 1, auto_ack: false }]);
+    let get = entry(2, vec![QueueCmd::Get { owner: 2, max: 1, auto_ack: false, consumer: None }]);
 
     // Node 2, following leader 1 (the entries' proposer), without the
     // bodies: the entries are not in its log.
@@ -171,6 +224,7 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
                         owner: rng.gen_range(1..=2),
                         max: rng.gen_range(1..=30),
                         auto_ack: rng.gen_bool(0.2),
+                        consumer: None,
                     },
                     6 | 7 if !unacked.is_empty() => {
                         let k = rng.gen_range(1..=unacked.len());
@@ -258,7 +312,7 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
                     vec![
                         QueueCmd::Release { owner: 1 },
                         QueueCmd::Release { owner: 2 },
-                        QueueCmd::Get { owner: 3, max: u32::MAX, auto_ack: true },
+                        QueueCmd::Get { owner: 3, max: u32::MAX, auto_ack: true, consumer: None },
                     ],
                 )],
             ))
@@ -293,7 +347,7 @@ async fn a_step_cut_short_by_a_crash_is_finished_from_its_redo_record() {
             5,
             vec![
                 entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
-                entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false }]),
+                entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false, consumer: None }]),
             ],
         ))
         .await
@@ -332,7 +386,7 @@ async fn a_step_cut_short_by_a_crash_is_finished_from_its_redo_record() {
     assert_ne!(group_keys(&space), before);
     let (applied, _) = sm.applied_state().await.unwrap();
     assert_eq!(applied.map(|l| l.index), Some(3));
-    let get = vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false }])];
+    let get = vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false, consumer: None }])];
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(
         delivered(&out[0]),
@@ -355,14 +409,14 @@ async fn bodies_stay_in_the_log_until_a_snapshot_copies_them() {
         let publish = vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }])];
         sm.apply(logged(&db, 5, publish)).await.unwrap();
         assert_eq!(prefixes(&space), b"R", "one reference, no chunk");
-        let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }])];
+        let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true, consumer: None }])];
         sm.apply(logged(&db, 5, get)).await.unwrap();
         db.flusher().sync().await.unwrap();
     }
     // As after kill -9: the bodies come back from the log.
     let (db, space, mut sm) = open_queue(dir.path());
     assert_eq!(prefixes(&space), b"R");
-    let get = vec![entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false }])];
+    let get = vec![entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false, consumer: None }])];
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(delivered(&out[0]), vec![(b"b".to_vec(), false)]);
     let Response::Queue(r) = &out[0] else { panic!() };
@@ -379,7 +433,10 @@ async fn bodies_stay_in_the_log_until_a_snapshot_copies_them() {
     assert_eq!(stored, vec![b"b".to_vec(), b"c".to_vec()]);
     let requeue_and_get = vec![entry(
         4,
-        vec![QueueCmd::Nack { tags: vec![tag_b], requeue: true }, QueueCmd::Get { owner: 1, max: 5, auto_ack: true }],
+        vec![
+            QueueCmd::Nack { tags: vec![tag_b], requeue: true },
+            QueueCmd::Get { owner: 1, max: 5, auto_ack: true, consumer: None },
+        ],
     )];
     let out = sm.apply(logged(&db, 5, requeue_and_get)).await.unwrap();
     assert_eq!(delivered(&out[0]), vec![(b"b".to_vec(), true), (b"c".to_vec(), false)]);
@@ -403,7 +460,7 @@ async fn a_backlog_past_its_bound_moves_out_of_the_log_as_it_grows() {
     let chunks = keys.keys().filter(|k| k[0] == b'B').count();
     assert!((15..=16).contains(&in_log), "{in_log} bodies of 1 MiB left in the log");
     assert_eq!(in_log + chunks, 24, "every other body in a chunk");
-    let get = vec![entry(25, vec![QueueCmd::Get { owner: 1, max: 100, auto_ack: true }])];
+    let get = vec![entry(25, vec![QueueCmd::Get { owner: 1, max: 100, auto_ack: true, consumer: None }])];
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     let got: Vec<Vec<u8>> = delivered(&out[0]).into_iter().map(|(b, _)| b).collect();
     assert_eq!(got, (1..=24u64).map(|i| big(i).body).collect::<Vec<_>>());
@@ -426,7 +483,7 @@ async fn the_current_snapshot_copies_bodies_out_of_the_log() {
     db.wal().purge(5, upto);
     let bodies: Vec<Vec<u8>> = QueueMachine::stored_messages(&space).unwrap().into_iter().map(|m| m.body).collect();
     assert_eq!(bodies, vec![b"a".to_vec(), b"b".to_vec()]);
-    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 5, auto_ack: true }])];
+    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 5, auto_ack: true, consumer: None }])];
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(delivered(&out[0]), vec![(b"a".to_vec(), false), (b"b".to_vec(), false)]);
 }
@@ -443,7 +500,7 @@ async fn an_installed_snapshot_survives_a_crash_right_after_the_install() {
     sender.enable_snapshot_transfer();
     let entries = vec![
         entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
-        entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false }]),
+        entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false, consumer: None }]),
     ];
     sender.apply(logged(&sender_db, 5, entries)).await.unwrap();
     sender.get_snapshot_builder().await.build_snapshot().await.unwrap();
@@ -482,7 +539,7 @@ async fn a_closed_state_machine_applies_nothing_more() {
     sm.apply(logged(&db, 5, vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a")] }])])).await.unwrap();
     let mut worker = sm.clone();
     sm.close().await;
-    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }])];
+    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true, consumer: None }])];
     assert!(worker.apply(logged(&db, 5, get)).await.is_err(), "an apply after the close was taken");
     assert_eq!(mirrorq::raft::state_machine::stored_applied(&space).unwrap().map(|l| l.index), Some(1));
     assert_eq!(QueueMachine::stored_messages(&space).unwrap(), vec![msg("a")], "the message is still there");
@@ -523,14 +580,14 @@ async fn a_body_the_master_did_not_send_keeps_the_replica_catching_up() {
 
     // The first message is consumed here (as the master would have before
     // it read): asking again brings nothing, and the held one stays.
-    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }])];
+    let get = vec![entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true, consumer: None }])];
     sm.apply(logged(&db, 5, get)).await.unwrap();
     sm.with_mut(|m, space| m.fill(space, &[], lost + 1, None)).await.unwrap();
     let plan = sm.with(|m| m.plan().borrow().clone()).await.expect("still missing");
     assert_eq!(plan.missing, vec![(lost, lost + 1)]);
 
     // Consumed here too: nothing left to fetch.
-    let get = vec![entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true }])];
+    let get = vec![entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: true, consumer: None }])];
     sm.apply(logged(&db, 5, get)).await.unwrap();
     sm.with_mut(|m, space| m.fill(space, &[], lost + 1, None)).await.unwrap();
     assert!(sm.with(|m| m.plan().borrow().as_ref().is_some_and(|p| p.is_done())).await);

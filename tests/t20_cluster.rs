@@ -259,7 +259,7 @@ async fn a_consumers_get_goes_ahead_of_publishes_waiting_at_the_master() {
     }
     let consumer = {
         let node = node.clone();
-        tokio::spawn(async move { node.consumer_fetch("q-lane", 7, 100, false).await })
+        tokio::spawn(async move { node.consumer_fetch("q-lane", 7, 100, false, None).await })
     };
     // Started after the consumer get (it is in the proposer when this one is).
     // What waits in a proposer cannot be seen from outside: the spawned get
@@ -298,7 +298,7 @@ async fn publishes_go_on_behind_a_flood_of_consumer_gets() {
     let gets: Vec<_> = (0..2100u64)
         .map(|owner| {
             let node = node.clone();
-            tokio::spawn(async move { node.consumer_fetch("q-flood", owner, 1, false).await })
+            tokio::spawn(async move { node.consumer_fetch("q-flood", owner, 1, false, None).await })
         })
         .collect();
     // Time for the spawned gets to reach the proposer (not visible from outside).

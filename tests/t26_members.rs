@@ -169,7 +169,7 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
     };
     let get = RpcRequest::Queue {
         group: q.group,
-        cmds: vec![QueueCmd::Get { owner: 1, max: 10, auto_ack: true }],
+        cmds: vec![QueueCmd::Get { owner: 1, max: 10, auto_ack: true, consumer: None }],
         lane: mirrorq::queue::proposer::Lane::Arrival,
     };
     for (who, transport) in [

@@ -484,6 +484,29 @@ impl Conn {
                 self.out.one(method(0, AMQPClass::Connection(M::OpenOk(connection::OpenOk {})))).await;
                 Ok(true)
             }
+            // As RabbitMQ: a client with an expiring credential (a token)
+            // gives the new one on the open connection. Here the secret is
+            // the user's password: checked as at login, for the same user.
+            (State::Open, M::UpdateSecret(u)) => {
+                let valid = |meta: &crate::metadata::MetaState| {
+                    meta.users
+                        .get(&*self.user)
+                        .is_some_and(|user| user.password_matches(&String::from_utf8_lossy(u.new_secret.as_bytes())))
+                };
+                if !valid(&self.node.metadata()) && {
+                    self.node.meta_barrier().await;
+                    !valid(&self.node.metadata())
+                } {
+                    return Err(Hard {
+                        code: ACCESS_REFUSED,
+                        text: format!("ACCESS_REFUSED - the new secret of user '{}' was refused", self.user),
+                        class: 10,
+                        method: 70,
+                    });
+                }
+                self.out.one(method(0, AMQPClass::Connection(M::UpdateSecretOk(connection::UpdateSecretOk {})))).await;
+                Ok(true)
+            }
             (_, M::Close(_)) => {
                 self.out.one(method(0, AMQPClass::Connection(M::CloseOk(connection::CloseOk {})))).await;
                 Ok(false)

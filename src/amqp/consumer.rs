@@ -22,6 +22,7 @@ use super::deliveries::{Claim, ConsumerId, Deliveries};
 use super::writer::{method, push_frames, ss, Out};
 use crate::error::NodeError;
 use crate::node::Node;
+use crate::queue::types::ConsumerRef;
 use crate::queue::Delivery;
 
 /// Gets a consumer keeps in flight while the queue is deep.
@@ -52,10 +53,42 @@ pub(super) struct Consumer {
     pub stop: CancellationToken,
     /// The channel's delivery gate (see `Channel::delivery_gate`).
     pub gate: Arc<tokio::sync::Mutex<()>>,
+    /// Registered in the queue's log, as a consumer of a priority or of a
+    /// single-active-consumer queue: `(its reference, single active)`.
+    pub registered: Option<(ConsumerRef, bool)>,
 }
 
 impl Consumer {
     pub async fn run(self) {
+        let Some((me, single_active)) = self.registered else { return self.serve().await };
+        // Until the queue knows it, the consumer is not served at all on a
+        // single-active-consumer queue: register before the first get.
+        loop {
+            match self.node.register_consumer(&self.queue, self.owner, me, single_active).await {
+                Ok(()) => break,
+                Err(e @ NodeError::NoSuchQueue(_)) => {
+                    tracing::debug!(queue = %self.queue, error = %e, "consumer of a deleted queue");
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(queue = %self.queue, error = %e, "consumer registration failed; retrying");
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                }
+            }
+        }
+        let (node, queue, owner) = (self.node.clone(), self.queue.clone(), self.owner);
+        self.serve().await;
+        // A channel that closes releases its owner, registrations with it;
+        // a cancelled consumer's channel goes on, so it unregisters.
+        if let Err(e) = node.unregister_consumer(&queue, owner, me.number).await {
+            tracing::debug!(queue = %queue, error = %e, "consumer unregistration failed");
+        }
+    }
+
+    async fn serve(self) {
         let mut idle = Duration::from_millis(5);
         let mut gets: FuturesOrdered<Get> = FuturesOrdered::new();
         // Messages the gets in flight ask for.
@@ -86,12 +119,13 @@ impl Consumer {
                 }
                 asked += want as u64;
                 let (node, queue, owner, no_ack) = (self.node.clone(), self.queue.clone(), self.owner, self.no_ack);
+                let me = self.registered.map(|(me, _)| me);
                 gets.push_back(
                     async move {
                         let got = if park {
-                            node.consumer_get(&queue, owner, want, no_ack).await
+                            node.consumer_get(&queue, owner, want, no_ack, me).await
                         } else {
-                            node.consumer_fetch(&queue, owner, want, no_ack).await.map(|(msgs, _)| msgs)
+                            node.consumer_fetch(&queue, owner, want, no_ack, me).await.map(|(msgs, _)| msgs)
                         };
                         (claim, want, park, got)
                     }

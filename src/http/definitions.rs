@@ -150,7 +150,9 @@ pub async fn import(
         let alternate = match e.get("arguments").and_then(|a| a.get("alternate-exchange")) {
             None | Some(Value::Null) => None,
             Some(Value::String(alt)) => Some(key(vhost, alt)),
-            Some(_) => return Err(ApiError::bad_request(format!("exchange {name}: alternate-exchange must be a string"))),
+            Some(_) => {
+                return Err(ApiError::bad_request(format!("exchange {name}: alternate-exchange must be a string")))
+            }
         };
         exchanges.push(ExchangeMeta {
             name: key(vhost, name),

@@ -75,7 +75,7 @@ impl NodeClient {
     }
 
     pub async fn get(&self, queue: &str, owner: u64, max: u32, auto_ack: bool) -> Result<Vec<Delivery>, ClientError> {
-        match self.queue_op(queue, vec![QueueCmd::Get { owner, max, auto_ack }]).await?.pop() {
+        match self.queue_op(queue, vec![QueueCmd::Get { owner, max, auto_ack, consumer: None }]).await?.pop() {
             Some(QueueReply::Got { msgs, .. }) => Ok(msgs),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }

@@ -82,7 +82,14 @@ pub fn builtin(name: &str) -> Option<ExchangeMeta> {
         "amq.headers" | "amq.match" => ExchangeKind::Headers,
         _ => return None,
     };
-    Some(ExchangeMeta { name: name.to_string(), kind, durable: true, auto_delete: false, internal: false, alternate: None })
+    Some(ExchangeMeta {
+        name: name.to_string(),
+        kind,
+        durable: true,
+        auto_delete: false,
+        internal: false,
+        alternate: None,
+    })
 }
 
 /// AMQP topic matching: words split on '.', `*` is one word, `#` zero or
@@ -267,7 +274,10 @@ mod tests {
             Some(vec!["all".into(), "errors".into()])
         );
         assert_eq!(route(&ex, &b, &queues, &no_alt, "logs", "db.info", &Args::new()), Some(vec!["all".into()]));
-        assert_eq!(route(&ex, &b, &queues, &no_alt, "amq.fanout", "x", &Args::new()), Some(vec!["f1".into(), "f2".into()]));
+        assert_eq!(
+            route(&ex, &b, &queues, &no_alt, "amq.fanout", "x", &Args::new()),
+            Some(vec!["f1".into(), "f2".into()])
+        );
         assert_eq!(route(&ex, &b, &queues, &no_alt, "amq.direct", "k", &Args::new()), Some(vec!["d".into()]));
         assert_eq!(route(&ex, &b, &queues, &no_alt, "amq.direct", "other", &Args::new()), Some(vec![]));
         assert_eq!(route(&ex, &b, &queues, &no_alt, "", "plain", &Args::new()), Some(vec!["plain".into()]));
@@ -315,7 +325,11 @@ mod tests {
         let queues = |_: &str| true;
         let alt = |e: &ExchangeMeta| e.alternate.clone();
         let r = |e: &str, k: &str| route(&exchanges, &b, &queues, &alt, e, k, &Args::new());
-        assert_eq!(r("front", "log"), Some(vec!["all-logs".into()]), "through logs, and its binding back to front ends");
+        assert_eq!(
+            r("front", "log"),
+            Some(vec!["all-logs".into()]),
+            "through logs, and its binding back to front ends"
+        );
         assert_eq!(r("front", "order"), Some(vec!["orders".into()]));
         assert_eq!(r("front", "nothing"), Some(vec!["lost".into()]), "unroutable: to the alternate");
         assert_eq!(r("front", "gone"), Some(vec![]), "a missing destination exchange routes nowhere, no alternate");

@@ -42,7 +42,7 @@ pub struct QueueMeta {
     pub auto_delete: bool,
     /// Declare arguments mirrorq acts on (TTL, max length, dead-lettering).
     #[serde(default)]
-    pub args: QueueArgs,
+    pub args: Box<QueueArgs>,
 }
 
 impl QueueMeta {
@@ -174,7 +174,7 @@ pub enum MetaCmd {
         #[serde(default)]
         auto_delete: bool,
         #[serde(default)]
-        args: QueueArgs,
+        args: Box<QueueArgs>,
     },
     /// Add or replace a policy (validated first; nothing invalid is stored).
     SetPolicy(Policy),
@@ -607,7 +607,7 @@ mod tests {
             locator: None,
             exclusive_owner: None,
             auto_delete: false,
-            args: QueueArgs::default(),
+            args: Box::default(),
         }
     }
 
@@ -678,7 +678,10 @@ mod tests {
         ));
         let to_ex = Binding { to_exchange: true, ..b("amq.topic", "logs") };
         assert_eq!(s.apply(&MetaCmd::Bind(to_ex.clone())), MetaReply::Ok);
-        assert_eq!(s.apply(&MetaCmd::Bind(Binding { to_exchange: true, ..b("amq.topic", "nope") })), MetaReply::NotFound);
+        assert_eq!(
+            s.apply(&MetaCmd::Bind(Binding { to_exchange: true, ..b("amq.topic", "nope") })),
+            MetaReply::NotFound
+        );
         s.apply(&MetaCmd::DeleteQueue { name: "q".into() });
         assert_eq!(s.bindings, BTreeSet::from([to_ex]), "deleting a queue removes its bindings, and only those");
         assert_eq!(s.apply(&MetaCmd::DeleteExchange { name: "logs".into(), if_unused: true }), MetaReply::Ok);
@@ -732,7 +735,7 @@ mod policy_tests {
             locator: None,
             exclusive_owner: None,
             auto_delete: false,
-            args: QueueArgs::default(),
+            args: Box::default(),
         }) {
             MetaReply::NewQueue(q) => q,
             other => panic!("{other:?}"),

@@ -21,7 +21,7 @@ use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::link::transport::CallError;
 use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
-use crate::queue::proposer::{Answer, Lane};
+use crate::queue::proposer::{Answer, Lane, PARK_MAX};
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::types::{Raft, Request, Response};
 
@@ -424,6 +424,32 @@ impl Inner {
         cmds: Vec<QueueCmd>,
         lane: Lane,
     ) -> Result<Vec<QueueReply>, NodeError> {
+        if let [QueueCmd::Get { owner, consumer: Some(c), .. }] = cmds.as_slice() {
+            // A registered consumer's get: by its priority (`queue::ranking`).
+            let g = self.groups.read().expect("poisoned").get(&group).cloned();
+            let Some(g) = g else { return Err(NodeError::NotLeader { leader: None }) };
+            let _asking = g.ranking.begin((*owner, c.number), c.priority);
+            let lane = if lane == Lane::Parked {
+                // Parked in the proposer, it would be served by the next
+                // publish even if a consumer of a higher priority asked
+                // meanwhile: it waits for messages here instead.
+                let mut stats = g.stats.clone();
+                let ready = tokio::time::timeout(PARK_MAX, stats.wait_for(|s| s.ready > 0)).await;
+                if !ready.is_ok_and(|r| r.is_ok()) {
+                    return Ok(vec![QueueReply::Got { msgs: Vec::new(), remaining: 0 }]);
+                }
+                Lane::Consumer
+            } else {
+                lane
+            };
+            if g.ranking.outranked(c.priority) {
+                tokio::time::sleep(crate::queue::ranking::RECENT).await;
+                if g.ranking.outranked(c.priority) {
+                    return Ok(vec![QueueReply::Got { msgs: Vec::new(), remaining: 0 }]);
+                }
+            }
+            return self.local_enqueue(group, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped));
+        }
         self.local_enqueue(group, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped))
     }
 
@@ -437,7 +463,12 @@ impl Inner {
     ) -> Result<Answer, NodeError> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned();
         match g {
-            Some(g) => g.proposer.enqueue(cmds, lane).await,
+            Some(g) => {
+                if cmds.iter().any(super::expiry::is_use) {
+                    *g.used.lock().expect("poisoned") = Instant::now();
+                }
+                g.proposer.enqueue(cmds, lane).await
+            }
             None => Err(NodeError::NotLeader { leader: None }),
         }
     }

@@ -224,6 +224,7 @@ impl Node {
         node.spawn_metadata_leadership_count();
         node.spawn_log_compactor();
         node.spawn_reaper();
+        node.spawn_expirer();
         node.spawn_liveness();
         tracing::info!(
             id = cfg.node_id,

@@ -40,6 +40,7 @@ use crate::raft::types::Raft;
 mod body_fetch;
 mod compaction;
 mod deadletter;
+mod expiry;
 mod failover;
 mod forward;
 mod inbound;
@@ -185,6 +186,10 @@ struct QueueGroup {
     sync_run: watch::Sender<bool>,
     /// As master: members fetching bodies, by their reports.
     catching: confirm_gate::CatchingUp,
+    /// As master: which registered consumers are asking, by priority.
+    ranking: crate::queue::ranking::Ranking,
+    /// As master: when the queue was last used (`expiry.rs`).
+    used: std::sync::Mutex<Instant>,
     stop: CancellationToken,
 }
 

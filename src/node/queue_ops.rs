@@ -9,6 +9,7 @@ use crate::error::NodeError;
 use crate::ids::NodeId;
 use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
 use crate::queue::proposer::Lane;
+use crate::queue::types::ConsumerRef;
 use crate::queue::{Delivery, Message, QueueCmd, QueueReply};
 
 /// How many messages the enqueues among `replies` stored: a queue that is
@@ -74,7 +75,7 @@ impl Node {
             locator: opts.min_masters,
             exclusive_owner: opts.exclusive_owner,
             auto_delete: opts.auto_delete,
-            args: opts.args,
+            args: Box::new(opts.args),
         };
         let reply = self.meta_write(cmd).await?;
         let q = match reply {
@@ -154,14 +155,17 @@ impl Node {
     /// A consumer's get: with nothing ready at the master it waits there
     /// (briefly) for the next entry and takes what that entry publishes
     /// (`proposer::Lane::Parked`); answers empty if nothing came.
+    /// `consumer`: a registered consumer ([`Node::register_consumer`]).
     pub async fn consumer_get(
         &self,
         queue: &str,
         owner: u64,
         max: u32,
         auto_ack: bool,
+        consumer: Option<ConsumerRef>,
     ) -> Result<Vec<Delivery>, NodeError> {
-        self.fetch_in(queue, owner, max, auto_ack, Lane::Parked).await.map(|(msgs, _)| msgs)
+        let get = QueueCmd::Get { owner, max, auto_ack, consumer };
+        self.fetch_in(queue, get, Lane::Parked).await.map(|(msgs, _)| msgs)
     }
 
     /// A consumer's get of messages known to be ready: it goes into the
@@ -173,8 +177,26 @@ impl Node {
         owner: u64,
         max: u32,
         auto_ack: bool,
+        consumer: Option<ConsumerRef>,
     ) -> Result<(Vec<Delivery>, u64), NodeError> {
-        self.fetch_in(queue, owner, max, auto_ack, Lane::Consumer).await
+        self.fetch_in(queue, QueueCmd::Get { owner, max, auto_ack, consumer }, Lane::Consumer).await
+    }
+
+    /// A consumer starts on a single-active-consumer queue or with a
+    /// priority: registered in the queue's log ([`QueueCmd::Consume`]).
+    pub async fn register_consumer(
+        &self,
+        queue: &str,
+        owner: u64,
+        consumer: ConsumerRef,
+        single_active: bool,
+    ) -> Result<(), NodeError> {
+        self.single(queue, QueueCmd::Consume { owner, consumer, single_active }).await.map(|_| ())
+    }
+
+    /// A registered consumer stops.
+    pub async fn unregister_consumer(&self, queue: &str, owner: u64, number: u64) -> Result<(), NodeError> {
+        self.single(queue, QueueCmd::Cancel { owner, number }).await.map(|_| ())
     }
 
     /// [`Node::get`], also answering how many ready messages remain.
@@ -185,18 +207,16 @@ impl Node {
         max: u32,
         auto_ack: bool,
     ) -> Result<(Vec<Delivery>, u64), NodeError> {
-        self.fetch_in(queue, owner, max, auto_ack, Lane::Arrival).await
+        self.fetch_in(queue, QueueCmd::Get { owner, max, auto_ack, consumer: None }, Lane::Arrival).await
     }
 
     pub(super) async fn fetch_in(
         &self,
         queue: &str,
-        owner: u64,
-        max: u32,
-        auto_ack: bool,
+        get: QueueCmd,
         lane: Lane,
     ) -> Result<(Vec<Delivery>, u64), NodeError> {
-        match self.queue_op_in(queue, vec![QueueCmd::Get { owner, max, auto_ack }], lane).await?.pop() {
+        match self.queue_op_in(queue, vec![get], lane).await?.pop() {
             Some(QueueReply::Got { msgs, remaining }) => Ok((msgs, remaining)),
             other => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
         }

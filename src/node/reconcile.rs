@@ -497,6 +497,8 @@ impl Node {
             plan,
             sync_run: watch::channel(false).0,
             catching,
+            ranking: Default::default(),
+            used: std::sync::Mutex::new(std::time::Instant::now()),
             stop,
         });
         // A node that stops (its table emptied) or a replica started by

@@ -5,7 +5,8 @@
 //! a group goes through when it is re-formed after losing its majority ([`epoch`]);
 //! the bodies a replica still has to fetch after a snapshot ([`catchup`]);
 //! how bodies and deliveries are laid out on disk ([`bodies`], [`runs`]);
-//! a quiet group's heartbeats, off until its next entry ([`hush`]).
+//! a quiet group's heartbeats, off until its next entry ([`hush`]); which
+//! consumers a master serves first by their priorities ([`ranking`]).
 
 mod bodies;
 pub mod catchup;
@@ -13,6 +14,7 @@ pub mod confirm_gate;
 pub mod epoch;
 pub mod hush;
 pub mod proposer;
+pub mod ranking;
 mod runs;
 pub mod sm;
 pub mod state;

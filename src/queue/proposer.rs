@@ -76,7 +76,7 @@ pub enum Lane {
 
 /// How long a parked get waits for an entry or a ready message before it is
 /// answered empty (without an entry: an empty get changes nothing).
-const PARK_MAX: Duration = Duration::from_millis(200);
+pub const PARK_MAX: Duration = Duration::from_millis(200);
 
 /// Where the master hands the messages its entries dead-lettered, to be
 /// published to the queue's dead-letter exchange. Called when an entry is

@@ -35,7 +35,7 @@ use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
 use super::runs::Runs;
 use super::state::{Change, Counters, QueueState, HANDBACK_SEQ, TAG_PART};
-use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
+use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply, Registration};
 use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
 use crate::raft::types::{Request, Response};
 
@@ -98,6 +98,27 @@ fn time_key(seq: u64) -> [u8; 9] {
     let mut k = [b't'; 9];
     k[1..].copy_from_slice(&seq.to_be_bytes());
     k
+}
+
+/// A registered consumer: its channel owner and number.
+fn consumer_key(owner: u64, number: u64) -> [u8; 17] {
+    let mut k = [b'k'; 17];
+    k[1..9].copy_from_slice(&owner.to_be_bytes());
+    k[9..].copy_from_slice(&number.to_be_bytes());
+    k
+}
+
+/// A consumer registration as stored: (channel owner, number) and what it registered.
+type Registered = ((u64, u64), Registration);
+
+fn stored_consumers(space: &SmSpace) -> Result<Vec<Registered>, StorageError> {
+    let mut out = Vec::new();
+    for kv in space.scan(b"k") {
+        let (k, v) = kv?;
+        let n = |r: std::ops::Range<usize>| u64::from_be_bytes(k[r].try_into().expect("consumer key is 17 bytes"));
+        out.push(((n(1..9), n(9..17)), keys::decode::<Registration>(&v, "consumer registration")?));
+    }
+    Ok(out)
 }
 
 fn deadline_key(seq: u64) -> [u8; 9] {
@@ -560,6 +581,7 @@ struct Dump {
     handed: Vec<Origin>,
     times: Vec<(u64, u64)>,
     deadlines: Vec<(u64, u64)>,
+    consumers: Vec<Registered>,
 }
 
 impl Machine for QueueMachine {
@@ -578,7 +600,8 @@ impl Machine for QueueMachine {
         let state = QueueState::restore(counters, stored)
             .with_handed(handed)
             .with_times(stored_times(space, b"t")?)
-            .with_deadlines(stored_times(space, b"x")?);
+            .with_deadlines(stored_times(space, b"x")?)
+            .with_consumers(stored_consumers(space)?);
         let (stats, _) = watch::channel(QueueStats::of(&state));
         let plan = space.get(PLAN)?.map(|b| keys::decode::<Plan>(&b, "catch-up plan")).transpose()?;
         let (plan, _) = watch::channel(plan);
@@ -639,6 +662,13 @@ impl Machine for QueueMachine {
                     }
                     Change::Undeadline { seq } => {
                         batch.remove(space.key(&deadline_key(seq)));
+                    }
+                    Change::Registered { owner, number, registration } => {
+                        let v = keys::encode(&registration, "consumer registration")?;
+                        batch.insert(space.key(&consumer_key(owner, number)), v);
+                    }
+                    Change::Unregistered { owner, number } => {
+                        batch.remove(space.key(&consumer_key(owner, number)));
                     }
                     // Bodies go into replies only where a client gets them:
                     // a mirror reads none (one still catching up may not
@@ -723,7 +753,9 @@ impl Machine for QueueMachine {
         let times = self.state.times().iter().map(|(k, v)| (*k, *v)).collect();
         let deadlines = self.state.deadlines().iter().map(|(k, v)| (*k, *v)).collect();
         let states = self.state.states();
-        let dump = Dump { counters: self.state.counters().clone(), states, fork, handed, times, deadlines };
+        let consumers = self.state.consumers().iter().map(|(k, r)| (*k, *r)).collect();
+        let counters = self.state.counters().clone();
+        let dump = Dump { counters, states, fork, handed, times, deadlines, consumers };
         keys::encode(&dump, "queue dump")
     }
 
@@ -735,7 +767,8 @@ impl Machine for QueueMachine {
         let state = QueueState::restore(d.counters.clone(), d.states.iter().copied())
             .with_handed(d.handed.clone())
             .with_times(d.times.iter().copied())
-            .with_deadlines(d.deadlines.iter().copied());
+            .with_deadlines(d.deadlines.iter().copied())
+            .with_consumers(d.consumers.iter().copied());
         let tracked = state.tracked_seqs();
         let fresh = d.counters.ready_head..d.counters.next_seq;
         let mut batch = Batch::default();
@@ -748,6 +781,9 @@ impl Machine for QueueMachine {
         batch.insert(space.key(COUNTERS), keys::encode(&d.counters, "queue counters")?);
         for o in &d.handed {
             batch.insert(space.key(&handed_key(*o)), &[][..]);
+        }
+        for ((owner, number), r) in &d.consumers {
+            batch.insert(space.key(&consumer_key(*owner, *number)), keys::encode(r, "consumer registration")?);
         }
         if let Some(f) = &d.fork {
             batch.insert(space.key(FORK), keys::encode(f, "fork record")?);

@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use super::types::{DeathReason, Limits, Message, MsgState, Origin, Overflow, QueueCmd, QueueReply};
+use super::types::{DeathReason, Limits, Message, MsgState, Origin, Overflow, QueueCmd, QueueReply, Registration};
 
 /// Seqs of messages outside the never-delivered range (handed back, or of
 /// a priority above 0) have this bit set. Below it: the message's priority
@@ -52,28 +52,66 @@ pub const UNTIMED: u64 = u64::MAX;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     /// Store a new message (the body is the command's `msgs[index]`).
-    Insert { seq: u64, batch_index: usize },
+    Insert {
+        seq: u64,
+        batch_index: usize,
+    },
     /// A message's state changed (delivered, requeued).
-    SetState { seq: u64, state: MsgState },
+    SetState {
+        seq: u64,
+        state: MsgState,
+    },
     /// Remove a message for good (acked, rejected, purged). `tracked`: it
     /// has a stored state (was delivered or requeued) to remove as well.
-    Remove { seq: u64, tracked: bool },
+    Remove {
+        seq: u64,
+        tracked: bool,
+    },
     /// The reply includes this message: read its body before a later
     /// `Remove` of the same seq takes effect.
-    Deliver { seq: u64, tag: u64, redelivered: bool },
+    Deliver {
+        seq: u64,
+        tag: u64,
+        redelivered: bool,
+    },
     /// Remember that the messages of this old-epoch entry were handed back.
-    Handed { origin: Origin },
+    Handed {
+        origin: Origin,
+    },
     /// Messages from `seq` on were published at `at_ms` (master's clock).
-    Stamped { seq: u64, at_ms: u64 },
+    Stamped {
+        seq: u64,
+        at_ms: u64,
+    },
     /// The publish time recorded at `seq` is no longer needed.
-    Unstamped { seq: u64 },
+    Unstamped {
+        seq: u64,
+    },
     /// The message goes to the dead-letter exchange: read its body before
     /// the `Remove` that follows.
-    DeadLetter { seq: u64, reason: DeathReason },
+    DeadLetter {
+        seq: u64,
+        reason: DeathReason,
+    },
     /// The message expires at `at_ms` by its own TTL.
-    Deadline { seq: u64, at_ms: u64 },
+    Deadline {
+        seq: u64,
+        at_ms: u64,
+    },
     /// The deadline of a removed message is no longer needed.
-    Undeadline { seq: u64 },
+    Undeadline {
+        seq: u64,
+    },
+    /// Consumer `number` of channel `owner` registered.
+    Registered {
+        owner: u64,
+        number: u64,
+        registration: Registration,
+    },
+    Unregistered {
+        owner: u64,
+        number: u64,
+    },
 }
 
 /// Counters that must survive restarts alongside the per-message states.
@@ -122,6 +160,8 @@ pub struct QueueState {
     times: BTreeMap<u64, u64>,
     /// Deadlines of held messages published with a TTL of their own.
     deadlines: BTreeMap<u64, u64>,
+    /// Registered consumers by (channel owner, number on the channel).
+    consumers: BTreeMap<(u64, u64), Registration>,
     /// The current entry's stamp: the master's clock and the limits in
     /// force (none unless the entry starts with [`QueueCmd::Stamp`]).
     now_ms: u64,
@@ -174,6 +214,26 @@ impl QueueState {
         &self.deadlines
     }
 
+    /// Add the stored consumer registrations (after [`QueueState::restore`]).
+    pub fn with_consumers(mut self, consumers: impl IntoIterator<Item = ((u64, u64), Registration)>) -> Self {
+        self.consumers.extend(consumers);
+        self
+    }
+
+    pub fn consumers(&self) -> &BTreeMap<(u64, u64), Registration> {
+        &self.consumers
+    }
+
+    /// On a single-active-consumer queue, the consumer served: the one of
+    /// the highest priority, the earliest registered among those.
+    pub fn active_consumer(&self) -> Option<(u64, u64)> {
+        self.consumers
+            .iter()
+            .filter(|(_, r)| r.single_active)
+            .min_by_key(|(_, r)| (Reverse(r.priority), r.order))
+            .map(|(k, _)| *k)
+    }
+
     /// When the message at the head expires by its own TTL, if it has one.
     pub fn head_deadline(&self) -> Option<u64> {
         self.head().and_then(|seq| self.deadlines.get(&seq).copied())
@@ -222,9 +282,11 @@ impl QueueState {
     pub fn is_fresh(&self, seq: u64) -> bool {
         (self.counters.ready_head..self.counters.next_seq).contains(&seq)
     }
-    /// Everyone holding unacked messages, with the tags each holds.
+    /// Everyone holding unacked messages, with the tags each holds, and
+    /// the owners of registered consumers (whose registrations a
+    /// `Release` of a gone owner removes).
     pub fn held(&self) -> BTreeMap<u64, Vec<u64>> {
-        let mut out: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        let mut out: BTreeMap<u64, Vec<u64>> = self.consumers.keys().map(|(owner, _)| (*owner, Vec::new())).collect();
         for (tag, u) in &self.unacked {
             out.entry(u.owner).or_default().push(*tag);
         }
@@ -264,7 +326,12 @@ impl QueueState {
         match cmd {
             QueueCmd::Enqueue { msgs } => self.enqueue(msgs, None, changes),
             QueueCmd::EnqueueExpiring { msgs, ttl_ms } => self.enqueue(msgs, Some(ttl_ms), changes),
-            QueueCmd::Get { owner, max, auto_ack } => {
+            QueueCmd::Get { owner, max, auto_ack, consumer } => {
+                if let Some(c) = consumer {
+                    if self.active_consumer().is_some_and(|active| active != (*owner, c.number)) {
+                        return QueueReply::Got { msgs: Vec::new(), remaining: self.ready_count() };
+                    }
+                }
                 let mut delivered = 0u32;
                 while delivered < *max {
                     let Some(Head { seq, redelivered, tracked }) = self.take_head() else { break };
@@ -286,6 +353,12 @@ impl QueueState {
             QueueCmd::Nack { tags, requeue } => self.settle(tags, None, Some(*requeue), changes),
             QueueCmd::NackOf { owner, tags, requeue } => self.settle(tags, Some(*owner), Some(*requeue), changes),
             QueueCmd::Release { owner } => {
+                let theirs: Vec<(u64, u64)> =
+                    self.consumers.range((*owner, 0)..=(*owner, u64::MAX)).map(|(k, _)| *k).collect();
+                for (owner, number) in theirs {
+                    self.consumers.remove(&(owner, number));
+                    changes.push(Change::Unregistered { owner, number });
+                }
                 // Tags ascend with delivery order, so requeue in that order.
                 let mut tags: Vec<u64> =
                     self.unacked.iter().filter(|(_, u)| u.owner == *owner).map(|(t, _)| *t).collect();
@@ -343,6 +416,23 @@ impl QueueState {
                 QueueReply::DeadLetters { msgs: Vec::new() }
             }
             QueueCmd::Expire => QueueReply::Enqueued { count: 0 },
+            QueueCmd::Consume { owner, consumer, single_active } => {
+                if !self.consumers.contains_key(&(*owner, consumer.number)) {
+                    let order = self.counters.next_requeue;
+                    self.counters.next_requeue += 1;
+                    let registration =
+                        Registration { priority: consumer.priority, order, single_active: *single_active };
+                    self.consumers.insert((*owner, consumer.number), registration);
+                    changes.push(Change::Registered { owner: *owner, number: consumer.number, registration });
+                }
+                QueueReply::Enqueued { count: 0 }
+            }
+            QueueCmd::Cancel { owner, number } => {
+                if self.consumers.remove(&(*owner, *number)).is_some() {
+                    changes.push(Change::Unregistered { owner: *owner, number: *number });
+                }
+                QueueReply::Enqueued { count: 0 }
+            }
         }
     }
 
@@ -579,7 +669,7 @@ mod tests {
 
     fn get(s: &mut QueueState, owner: u64, max: u32, auto_ack: bool) -> (Vec<(u64, u64, bool)>, Vec<Change>) {
         let mut c = Vec::new();
-        s.apply(&QueueCmd::Get { owner, max, auto_ack }, &mut c);
+        s.apply(&QueueCmd::Get { owner, max, auto_ack, consumer: None }, &mut c);
         let d = c
             .iter()
             .filter_map(|ch| match ch {
@@ -800,7 +890,8 @@ mod tests {
     /// tells which seq each got.
     fn publish_prioritized(s: &mut QueueState, max: u8, priorities: &[Option<u8>]) -> BTreeMap<u64, usize> {
         stamp(s, 1_000, Limits { max_priority: Some(max), ..Limits::default() });
-        let msgs: Vec<Message> = priorities.iter().enumerate().map(|(i, p)| with_priority(&i.to_string(), *p)).collect();
+        let msgs: Vec<Message> =
+            priorities.iter().enumerate().map(|(i, p)| with_priority(&i.to_string(), *p)).collect();
         let mut c = Vec::new();
         s.apply(&QueueCmd::Enqueue { msgs }, &mut c);
         c.iter()
@@ -850,12 +941,24 @@ mod tests {
     #[test]
     fn prioritized_messages_expire_by_the_queues_ttl_and_are_purged() {
         let mut s = QueueState::default();
-        stamp(&mut s, 1_000, Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() });
+        stamp(
+            &mut s,
+            1_000,
+            Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() },
+        );
         let mut c = Vec::new();
         s.apply(&QueueCmd::Enqueue { msgs: vec![with_priority("hi", Some(4)), with_priority("lo", None)] }, &mut c);
-        let c = stamp(&mut s, 1_050, Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() });
+        let c = stamp(
+            &mut s,
+            1_050,
+            Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() },
+        );
         assert!(dead(&c).is_empty());
-        let c = stamp(&mut s, 1_100, Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() });
+        let c = stamp(
+            &mut s,
+            1_100,
+            Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() },
+        );
         assert_eq!(dead(&c).len(), 2, "both due at 1,100: the prioritized one by its deadline");
         assert_eq!(s.ready_count(), 0);
         publish_prioritized(&mut s, 5, &[Some(1), None, Some(3)]);

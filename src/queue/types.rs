@@ -32,6 +32,9 @@ pub enum QueueCmd {
         owner: u64,
         max: u32,
         auto_ack: bool,
+        /// The registered consumer asking (see [`QueueCmd::Consume`]): on a
+        /// single-active-consumer queue only the active one is served.
+        consumer: Option<ConsumerRef>,
     },
     Ack {
         tags: Vec<u64>,
@@ -93,6 +96,37 @@ pub enum QueueCmd {
         tags: Vec<u64>,
         requeue: bool,
     },
+    /// A consumer (number `consumer.number` of the channel `owner`) starts,
+    /// on a single-active-consumer queue or with a priority. Registered in
+    /// the log, so every replica knows which consumer is active and a new
+    /// master goes on with the same one. Gone with `Cancel` or with its
+    /// owner's `Release`.
+    Consume {
+        owner: u64,
+        consumer: ConsumerRef,
+        single_active: bool,
+    },
+    Cancel {
+        owner: u64,
+        number: u64,
+    },
+}
+
+/// A consumer as its gets name it: its number on its channel, and its
+/// `x-priority`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumerRef {
+    pub number: u64,
+    pub priority: i32,
+}
+
+/// A registered consumer, as every replica keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    pub priority: i32,
+    /// When it registered, among the queue's registrations.
+    pub order: u64,
+    pub single_active: bool,
 }
 
 /// What `x-overflow` does when a queue is at `x-max-length`.

@@ -7,11 +7,14 @@ use crate::amqp::channel::rand_id;
 use crate::amqp::channel::{Channel, PendingPublish};
 use crate::amqp::consumer::Consumer;
 use crate::amqp::reply::{
-    hard, node_soft, soft, unknown_tag, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, NOT_ALLOWED,
+    hard, node_soft, soft, unknown_tag, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, NOT_ALLOWED, PRECONDITION_FAILED,
 };
 use crate::amqp::writer::ss;
+use crate::message::to_args;
+use crate::metadata::routing::ArgValue;
 use crate::metadata::Access;
 use crate::queue::proposer::Lane;
+use crate::queue::types::ConsumerRef;
 use crate::queue::QueueCmd;
 
 #[derive(Clone, Copy)]
@@ -71,10 +74,21 @@ impl Channel {
                 let bare = c.queue.as_str().to_string();
                 self.may(Access::Read, "queue", &bare, 60, 20)?;
                 let queue = self.key(&bare);
-                match self.node.find_queue(&queue).await {
-                    Ok(q) => self.check_exclusive(&q, 60, 20)?,
+                let single_active = match self.node.find_queue(&queue).await {
+                    Ok(q) => {
+                        self.check_exclusive(&q, 60, 20)?;
+                        q.args.single_active_consumer
+                    }
                     Err(_) => return Err(self.not_found("queue", &bare, 60, 20)),
-                }
+                };
+                let priority = match to_args(&c.arguments).get("x-priority") {
+                    None => 0,
+                    Some(ArgValue::Int(p)) if i32::try_from(*p).is_ok() => *p as i32,
+                    Some(_) => {
+                        let why = "PRECONDITION_FAILED - invalid arg 'x-priority': not a 32-bit integer";
+                        return Err(Ok(soft(PRECONDITION_FAILED, why.to_string(), 60, 20)));
+                    }
+                };
                 let tag = if c.consumer_tag.as_str().is_empty() {
                     format!("amq.ctag-{:016x}", rand_id())
                 } else {
@@ -95,6 +109,8 @@ impl Channel {
                 }
                 self.next_consumer += 1;
                 let id = self.next_consumer;
+                let registered = (single_active || priority != 0)
+                    .then_some((ConsumerRef { number: id as u64, priority }, single_active));
                 let prefetch = self.deliveries.consumer_started(id);
                 let stop = self.closed.child_token();
                 self.consumers.insert(tag.clone(), stop.clone());
@@ -124,6 +140,7 @@ impl Channel {
                     frame_max: self.frame_max,
                     stop,
                     gate: self.delivery_gate.clone(),
+                    registered,
                 };
                 tokio::spawn(consumer.run());
                 Ok(true)

@@ -7,8 +7,8 @@ use amq_protocol::types::{FieldTable, ShortString};
 use crate::amqp::channel::Channel;
 use crate::amqp::reply::{hard, node_soft, soft, Hard, Soft, COMMAND_INVALID, PRECONDITION_FAILED};
 use crate::message::to_args;
-use crate::metadata::routing::ArgValue;
 use crate::metadata::names;
+use crate::metadata::routing::ArgValue;
 use crate::metadata::{Access, Binding, ExchangeKind, ExchangeMeta};
 
 impl Channel {

@@ -1,0 +1,125 @@
+//! Queue expiry (`x-expires`, or a policy's `expires`): a queue unused for
+//! that long is deleted, as RabbitMQ deletes it.
+//!
+//! Unused as RabbitMQ counts it: no consumer, no `basic.get`, not declared
+//! again; publishing to it does not count. Gets, consumers' gets, acks,
+//! registrations and the status read a re-declare makes all go through the
+//! queue's master, which notes the time of each ([`Node::touch`]). Once a
+//! second this node looks at the queues it masters that have an expiry;
+//! one idle for longer is deleted, after every node has said it holds no
+//! consumer of it (a consumer whose prefetch is full sends no gets). As in
+//! RabbitMQ, a new master starts the count again.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use openraft::ServerState;
+
+use super::{deadletter, Node};
+use crate::error::NodeError;
+use crate::ids::{GroupId, NodeId};
+use crate::link::rpc::{RpcRequest, RpcResponse};
+use crate::queue::QueueCmd;
+
+const EVERY: Duration = Duration::from_secs(1);
+
+/// Does this command count as using the queue?
+pub(super) fn is_use(cmd: &QueueCmd) -> bool {
+    matches!(
+        cmd,
+        QueueCmd::Get { .. }
+            | QueueCmd::Consume { .. }
+            | QueueCmd::Status
+            | QueueCmd::Ack { .. }
+            | QueueCmd::AckOf { .. }
+            | QueueCmd::Nack { .. }
+            | QueueCmd::NackOf { .. }
+    )
+}
+
+impl Node {
+    pub(super) fn spawn_expirer(&self) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // When each queue's replica here was first seen leading.
+            let mut leading_since: HashMap<GroupId, Instant> = HashMap::new();
+            loop {
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                node.expire_unused(&mut leading_since).await;
+            }
+        });
+    }
+
+    /// One look at the queues mastered here that have an expiry.
+    async fn expire_unused(&self, leading_since: &mut HashMap<GroupId, Instant>) {
+        let meta = self.metadata();
+        // Matching policies per queue every second is what a cluster of
+        // many queues must not pay when no policy sets an expiry.
+        let by_policy = meta.policies.values().any(|p| p.definition.contains("\"expires\""));
+        let groups: Vec<_> = self
+            .inner
+            .groups
+            .read()
+            .expect("poisoned")
+            .values()
+            .filter(|g| by_policy || g.meta.args.expires.is_some())
+            .cloned()
+            .collect();
+        let now = Instant::now();
+        let mut due = Vec::new();
+        let mut leading = Vec::new();
+        for g in groups {
+            if g.raft.metrics().borrow().state != ServerState::Leader {
+                continue;
+            }
+            let Some(q) = meta.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group) else { continue };
+            let expires = match by_policy {
+                true => deadletter::effective_args(&meta, q).expires,
+                false => q.args.expires,
+            };
+            let Some(expires) = expires else { continue };
+            leading.push(g.meta.group);
+            let since = *leading_since.entry(g.meta.group).or_insert(now);
+            let used = g.used.lock().expect("poisoned").max(since);
+            if now.duration_since(used) >= Duration::from_millis(expires) {
+                due.push(q.name.clone());
+            }
+        }
+        leading_since.retain(|group, _| leading.contains(group));
+        for name in due {
+            match self.consumers_anywhere(&name).await {
+                Some(0) => {}
+                // Consumers, or a node that did not say: not unused.
+                _ => continue,
+            }
+            match self.delete_queue(&name).await {
+                Ok(()) => tracing::info!(queue = %name, "queue expired unused (x-expires) and was deleted"),
+                Err(NodeError::NoSuchQueue(_)) => {}
+                Err(e) => tracing::warn!(queue = %name, error = %e, "could not delete an expired queue"),
+            }
+        }
+    }
+
+    /// How many consumers of `queue` every node holds; `None` if a node
+    /// did not answer. A node seen gone holds none (its consumers went
+    /// with it); one cut off may still serve some.
+    async fn consumers_anywhere(&self, queue: &str) -> Option<usize> {
+        let (_, mut consumers) = self.inner.clients.snapshot();
+        let peers: Vec<NodeId> =
+            self.metadata().nodes.keys().copied().filter(|id| *id != self.id() && !self.is_dead(*id)).collect();
+        let deadline = Instant::now() + Duration::from_millis(1000);
+        let asks = peers.iter().map(|peer| self.inner.call(*peer, &RpcRequest::Clients, deadline));
+        for answer in futures::future::join_all(asks).await {
+            match answer {
+                Ok(RpcResponse::Clients(_, k)) => consumers.extend(k),
+                _ => return None,
+            }
+        }
+        Some(consumers.iter().filter(|k| k.queue == queue).count())
+    }
+}
