@@ -54,4 +54,8 @@ pub struct QueueInfo {
     /// when this node is the master).
     #[serde(default)]
     pub catching_up: Vec<(NodeId, SyncProgress)>,
+    /// Messages published, delivered and acked, and their rates (only when
+    /// this node is the master: the rates are sampled there).
+    #[serde(default)]
+    pub flows: Option<crate::rates::Flows>,
 }

@@ -41,6 +41,7 @@ mod body_fetch;
 mod compaction;
 mod deadletter;
 mod failover;
+mod flows;
 mod forward;
 mod inbound;
 mod lifecycle;
@@ -223,6 +224,9 @@ struct Inner {
     alarms: Arc<Alarms>,
     /// What the front ends count, for `/metrics`.
     metrics: Metrics,
+    /// Samples of those counters and of the queues mastered here, for
+    /// the API's message rates (`rates.rs`).
+    rates: crate::rates::Sampler,
     /// Peers' reports of newer epochs of our groups.
     news: mpsc::UnboundedSender<EpochNews>,
     /// Groups being re-formed or healed: not (re)started meanwhile.
