@@ -54,4 +54,9 @@ pub struct QueueInfo {
     /// when this node is the master).
     #[serde(default)]
     pub catching_up: Vec<(NodeId, SyncProgress)>,
+    /// Messages published, delivered and acked, with the start of the
+    /// window their rates span (only when this node is the master: the
+    /// samples are taken there).
+    #[serde(default)]
+    pub flows: Option<crate::rates::Flows>,
 }

@@ -18,6 +18,7 @@
 //! - [`amqp`]: the AMQP 0-9-1 front end (amq-protocol frames) over the node API.
 //! - [`http`]: the management HTTP API (axum), RabbitMQ's field names.
 //! - [`metrics`]: Prometheus metrics for `GET /metrics`.
+//! - [`rates`]: message rates over a sample window (the API's `message_stats`).
 //! - [`alarms`]: memory and disk alarms that block publishers.
 //! - [`client`]: a client of the node link, for tools and tests.
 //! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
@@ -48,6 +49,7 @@ pub mod owners;
 pub mod perf;
 pub mod queue;
 pub mod raft;
+pub mod rates;
 pub mod serve;
 pub mod tls;
 

@@ -1,7 +1,10 @@
 //! The web UI driven in headless Chromium (Debian's `chromium`, through
 //! playwright-core in `tests/ui/`; `.ci/run` installs both): a three-node
 //! cluster, a policy and a queue added through the UI, the queue seen
-//! mirrored on three nodes, a message published and got back in the page.
+//! mirrored on three nodes, a message published and got back in the page;
+//! then, while messages flow through the HTTP API, the rate charts of the
+//! overview and of the queue draw, move and plot non-zero rates, and the
+//! API's `message_stats` carry those rates.
 
 mod common;
 
@@ -21,8 +24,11 @@ async fn the_web_ui_in_a_real_browser() {
     let cluster = Cluster::start(3, fast_timing(Duration::from_secs(3))).await;
     let ports = cluster.serve_http().await;
     let shots = tempfile::tempdir().unwrap();
+    // MIRRORQ_UI_SHOTS keeps the screenshots there, to look at them.
+    let kept = std::env::var_os("MIRRORQ_UI_SHOTS").map(std::path::PathBuf::from);
+    let shots_dir = kept.unwrap_or_else(|| shots.path().to_path_buf());
     let base = format!("http://127.0.0.1:{}", ports[0]);
-    let (script, dir) = (ui.join("browser.js"), shots.path().to_path_buf());
+    let (script, dir) = (ui.join("browser.js"), shots_dir.clone());
     let out = tokio::task::spawn_blocking(move || Command::new("node").arg(script).arg(&base).arg(&dir).output())
         .await
         .unwrap()
@@ -30,8 +36,10 @@ async fn the_web_ui_in_a_real_browser() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "browser run failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    tracing::info!("--- the browser saw:\n{stdout}");
     assert_eq!(stdout.lines().last(), Some("ok"), "{stdout}");
-    assert!(shots.path().join("queues.png").is_file());
+    assert!(shots_dir.join("queues.png").is_file());
+    assert!(shots_dir.join("charts.png").is_file());
 
     // What the browser did, seen through the library API.
     let node = cluster.node(2);

@@ -32,6 +32,7 @@ use crate::metadata::{
 };
 use crate::node::Node;
 use crate::queue::{Message, QueueCmd};
+use crate::rates::{message_stats_json, Rates, Tally};
 use access::Caller;
 pub use error::ApiError;
 
@@ -197,6 +198,12 @@ async fn overview(State(node): State<Node>, Extension(caller): Extension<Caller>
             unacked += info.unacked;
         }
     }
+    // What every node's clients did, summed (RabbitMQ's overview counts
+    // channels cluster-wide); a node that does not answer is left out.
+    let (mut tally, mut rates) = (Tally::default(), Rates::default());
+    for f in node.cluster_flows(Duration::from_millis(500)).await {
+        (tally, rates) = (tally + f.now, rates + f.rates());
+    }
     Json(json!({
         "cluster_name": "mirrorq",
         "node": node.name(),
@@ -204,6 +211,7 @@ async fn overview(State(node): State<Node>, Extension(caller): Extension<Caller>
         "product_version": env!("CARGO_PKG_VERSION"),
         "management_version": env!("CARGO_PKG_VERSION"),
         "queue_totals": {"messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked},
+        "message_stats": message_stats_json(&tally, &rates, true),
         "object_totals": {
             "queues": visible.len(),
             "exchanges": meta.exchanges.keys().filter(|k| caller.sees_key(&meta, k)).count()
@@ -325,6 +333,7 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         .map(|v| v.synchronised.iter().filter(|r| Some(**r) != master).map(name_of).collect())
         .unwrap_or_default();
     let (ready, unacked) = view.as_ref().map(|v| (v.ready, v.unacked)).unwrap_or((0, 0));
+    let flows = view.as_ref().and_then(|v| v.flows).unwrap_or_default();
     let catching: Vec<Value> = view
         .as_ref()
         .map(|v| {
@@ -358,6 +367,7 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         "messages": ready + unacked,
         "messages_ready": ready,
         "messages_unacknowledged": unacked,
+        "message_stats": message_stats_json(&flows.now, &flows.rates(), false),
         "policy": q.policy.as_deref().map(names::name_of),
         "effective_policy_definition": def,
         "sync_progress": catching,

@@ -167,6 +167,9 @@ pub enum RpcRequest {
         group: GroupId,
         to: NodeId,
     },
+    /// This node's message counters and their window (the overview's
+    /// `message_stats`). Last, so the other requests keep their tags.
+    Flows,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -207,6 +210,7 @@ pub enum RpcResponse {
     /// Whether the receiver had the connection asked to close.
     Closed(bool),
     Done,
+    Flows(crate::rates::Flows),
 }
 
 /// One encoded message body, as the master stores it.

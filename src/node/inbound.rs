@@ -202,6 +202,7 @@ impl Inner {
                     .collect(),
             ),
             RpcRequest::Readings => RpcResponse::Readings(self.alarms.readings()),
+            RpcRequest::Flows => RpcResponse::Flows(Node { inner: self }.own_flows()),
             RpcRequest::MetaIndex => {
                 let m = self.meta_raft.metrics().borrow().clone();
                 RpcResponse::MetaIndex(if m.current_leader == Some(self.id) {

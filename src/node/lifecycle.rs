@@ -174,6 +174,7 @@ impl Node {
             told: told::Told::default(),
             alarms: Arc::new(Alarms::new(&cfg.data_dir, cfg.memory_high_watermark, cfg.disk_free_limit)),
             metrics: Metrics::default(),
+            rates: Default::default(),
             news,
             busy: Mutex::default(),
             reach: Mutex::default(),
@@ -226,6 +227,7 @@ impl Node {
         node.spawn_reaper();
         node.spawn_expirer();
         node.spawn_liveness();
+        node.spawn_rate_sampler();
         tracing::info!(
             id = cfg.node_id,
             %addr,

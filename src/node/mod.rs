@@ -42,6 +42,7 @@ mod compaction;
 mod deadletter;
 mod expiry;
 mod failover;
+mod flows;
 mod forward;
 mod inbound;
 mod lifecycle;
@@ -228,6 +229,9 @@ struct Inner {
     alarms: Arc<Alarms>,
     /// What the front ends count, for `/metrics`.
     metrics: Metrics,
+    /// Samples of those counters and of the queues mastered here, for
+    /// the API's message rates (`rates.rs`).
+    rates: crate::rates::Sampler,
     /// Peers' reports of newer epochs of our groups.
     news: mpsc::UnboundedSender<EpochNews>,
     /// Groups being re-formed or healed: not (re)started meanwhile.

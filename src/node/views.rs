@@ -162,6 +162,7 @@ impl Node {
             settled: false,
             synchronised: Vec::new(),
             catching_up: Vec::new(),
+            flows: None,
         };
         if let Some(g) = group {
             let m = g.raft.metrics().borrow().clone();
@@ -174,6 +175,8 @@ impl Node {
             info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
             if g.is_leader(self.id()) {
                 info.catching_up = confirm_gate::catching_up(&g.catching).into_iter().collect();
+                let now = super::flows::queue_tally(&s.flow);
+                info.flows = Some(self.inner.rates.queue_flows(q.group, Instant::now(), now));
             }
         }
         Ok(info)

@@ -155,6 +155,40 @@ pub struct QueueStats {
     pub head_published_at: Option<u64>,
     /// When the head message expires by its own TTL, if it has one.
     pub head_deadline: Option<u64>,
+    /// Messages published, delivered (gets included) and acked since this
+    /// replica's machine was made: every replica applies the same
+    /// commands, so a new master's counts go on where they stood. Kept in
+    /// memory only (a restart begins again from the entries it replays).
+    pub flow: Flow,
+}
+
+/// What a queue's `message_stats` counts (RabbitMQ's `publish`,
+/// `deliver_get`, `ack`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Flow {
+    pub published: u64,
+    pub delivered: u64,
+    pub acked: u64,
+}
+
+impl Flow {
+    /// Count what one applied command did: its reply says how many it
+    /// stored or acked, its changes how many it delivered (on a mirror too,
+    /// which reads no bodies but makes the same changes).
+    fn count(&mut self, cmd: &QueueCmd, reply: &QueueReply, changes: &[Change]) {
+        match (cmd, reply) {
+            (QueueCmd::Enqueue { .. } | QueueCmd::EnqueueExpiring { .. }, QueueReply::Enqueued { count }) => {
+                self.published += u64::from(*count);
+            }
+            (QueueCmd::Ack { .. } | QueueCmd::AckOf { .. }, QueueReply::Settled { count, .. }) => {
+                self.acked += u64::from(*count);
+            }
+            (QueueCmd::Get { .. }, _) => {
+                self.delivered += changes.iter().filter(|c| matches!(c, Change::Deliver { .. })).count() as u64;
+            }
+            _ => {}
+        }
+    }
 }
 
 impl QueueStats {
@@ -164,6 +198,7 @@ impl QueueStats {
             unacked: state.unacked_count(),
             head_published_at: state.head_published_at(),
             head_deadline: state.head_deadline(),
+            flow: Flow::default(),
         }
     }
 }
@@ -188,6 +223,8 @@ pub struct QueueMachine {
     snapshot_at: Option<u64>,
     /// The chunk read last: a get reads its messages one after another.
     chunk: Option<Chunk>,
+    /// Published in [`QueueStats::flow`] with each commit.
+    flow: Flow,
 }
 
 /// Is any seq in `[start, end)` held, given the never-delivered range and
@@ -608,7 +645,19 @@ impl Machine for QueueMachine {
         let tracked = state.tracked_seqs();
         let refs: BTreeMap<u64, LogRef> = bodies::all_refs(space).collect::<Result<_, _>>()?;
         let in_log = refs.values().map(|r| r.bytes).sum();
-        Ok(Self { state, stats, plan, tracked, runs, refs, in_log, applied: 0, snapshot_at: None, chunk: None })
+        Ok(Self {
+            state,
+            stats,
+            plan,
+            tracked,
+            runs,
+            refs,
+            in_log,
+            applied: 0,
+            snapshot_at: None,
+            chunk: None,
+            flow: Flow::default(),
+        })
     }
 
     fn apply(
@@ -638,6 +687,7 @@ impl Machine for QueueMachine {
             }
             changes.clear();
             let mut reply = self.state.apply(cmd, &mut changes);
+            self.flow.count(cmd, &reply, &changes);
             for ch in &changes {
                 match *ch {
                     Change::Insert { seq, batch_index } => {
@@ -725,7 +775,7 @@ impl Machine for QueueMachine {
 
     fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError> {
         batch.insert(space.key(COUNTERS), keys::encode(self.state.counters(), "queue counters")?);
-        self.stats.send_replace(QueueStats::of(&self.state));
+        self.stats.send_replace(QueueStats { flow: self.flow, ..QueueStats::of(&self.state) });
         Ok(())
     }
 
@@ -837,5 +887,33 @@ mod tests {
         assert_eq!(in_log_allowed(SNAPSHOT_EVERY - 1), SNAPSHOT_COPY_BYTES);
         assert_eq!(in_log_allowed(SNAPSHOT_EVERY), 0);
         assert_eq!(in_log_allowed(10 * SNAPSHOT_EVERY), 0, "a snapshot is late: copy as entries come");
+    }
+
+    #[test]
+    fn flow_counts_publishes_deliveries_and_acks_as_applied() {
+        let msg = |b: &str| Message {
+            exchange: String::new(),
+            routing_key: "q".into(),
+            properties: Vec::new(),
+            body: b.as_bytes().to_vec(),
+        };
+        let (mut state, mut flow) = (QueueState::default(), Flow::default());
+        let mut apply = |cmd: QueueCmd| {
+            let mut changes = Vec::new();
+            let reply = state.apply(&cmd, &mut changes);
+            flow.count(&cmd, &reply, &changes);
+            reply
+        };
+        apply(QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] });
+        apply(QueueCmd::EnqueueExpiring { msgs: vec![msg("d")], ttl_ms: vec![None] });
+        // Two taken to ack, one with an automatic ack.
+        apply(QueueCmd::Get { owner: 1, max: 2, auto_ack: false });
+        apply(QueueCmd::Get { owner: 1, max: 1, auto_ack: true });
+        // One acked (99 is unknown), one requeued: a get of five finds two.
+        apply(QueueCmd::Ack { tags: vec![0, 99] });
+        apply(QueueCmd::Nack { tags: vec![1], requeue: true });
+        apply(QueueCmd::Get { owner: 1, max: 5, auto_ack: false });
+        apply(QueueCmd::AckOf { owner: 1, tags: vec![3, 4] });
+        assert_eq!(flow, Flow { published: 4, delivered: 5, acked: 3 });
     }
 }

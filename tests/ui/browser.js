@@ -1,12 +1,50 @@
 // Drives mirrorq's web UI in Debian's headless Chromium, as a user would:
 // log in, add a policy `ha-mode: all`, add a queue, wait until it shows a
 // master and two synchronised mirrors, publish a message on the queue's
-// page and get it back. Usage: node browser.js BASE_URL SCREENSHOT_DIR
+// page and get it back. Then, while messages flow through the HTTP API,
+// the overview's rate chart draws, moves and plots a non-zero rate, and
+// so does the flowing queue's. Usage: node browser.js BASE_URL SCREENSHOT_DIR
 // Exit 0 and a last line "ok" when everything was seen.
 const { chromium } = require('playwright-core');
 
 const [base, shots] = process.argv.slice(2);
 const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// The HTTP API straight from node (no page): the load the charts show.
+async function call(method, path, body) {
+  const headers = { Authorization: 'Basic ' + Buffer.from('guest:guest').toString('base64'), 'Content-Type': 'application/json' };
+  const r = await fetch(base + path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  const text = await r.text();
+  if (!r.ok) throw new Error(`${method} ${path}: HTTP ${r.status} ${text}`);
+  return text ? JSON.parse(text) : null;
+}
+
+// A chart's line as the page drew it: its points, the value it ends on,
+// and whether any point stands above the chart's zero line.
+function line(page, chart, series) {
+  return page.evaluate(([chart, series]) => {
+    const svg = document.querySelector(`#main svg[data-chart=${chart}]`);
+    const path = svg && svg.querySelector(`path[data-series=${series}]`);
+    if (!path) return null;
+    const zero = Number(svg.querySelector('line.axis').getAttribute('y1'));
+    const ys = [...path.getAttribute('d').matchAll(/[ML]([\d.]+) ([\d.]+)/g)].map((m) => Number(m[2]));
+    return { d: path.getAttribute('d'), points: ys.length, last: Number(path.dataset.last), above: ys.some((y) => y < zero - 1) };
+  }, [chart, series]);
+}
+
+// Wait until `series` of `chart` is drawn (two points at least) with a
+// non-zero rate plotted, and `also` holds of it.
+async function drawn(page, chart, series, timeout, also = () => true) {
+  const until = Date.now() + timeout;
+  let seen = null;
+  while (Date.now() < until) {
+    seen = await line(page, chart, series);
+    if (seen && seen.points >= 2 && seen.last > 0 && seen.above && also(seen)) return seen;
+    await sleep(250);
+  }
+  throw new Error(`chart ${chart} line ${series} not drawn as expected in ${timeout} ms: ${JSON.stringify(seen)}`);
+}
 
 (async () => {
   const browser = await chromium.launch({ executablePath: CHROMIUM, args: ['--no-sandbox'] });
@@ -62,6 +100,59 @@ const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
   if (payload !== 'hello from chromium') throw new Error(`got back ${JSON.stringify(payload)}`);
   console.log('published and got back: ' + payload);
   await page.screenshot({ path: shots + '/queue.png', fullPage: true });
+
+  // Messages flow: three publishers and a slower getter, so rates rise and
+  // messages pile up.
+  await call('PUT', '/api/queues/%2F/ui.flow', { durable: true });
+  let flowing = true;
+  let failed = null;
+  const counts = { published: 0, got: 0 };
+  const publisher = async () => {
+    while (flowing) {
+      await call('POST', '/api/exchanges/%2F/amq.default/publish', { properties: {}, routing_key: 'ui.flow', payload: 'tick', payload_encoding: 'string' });
+      counts.published++;
+    }
+  };
+  const getter = async () => {
+    while (flowing) {
+      counts.got += (await call('POST', '/api/queues/%2F/ui.flow/get', { count: 1, ackmode: 'ack_requeue_false', encoding: 'auto' })).length;
+      await sleep(250);
+    }
+  };
+  const flows = [publisher(), publisher(), publisher(), getter()].map((p) => p.catch((e) => { failed = failed || e; }));
+  const started = Date.now();
+  const since = () => `${((Date.now() - started) / 1000).toFixed(1)} s into the flow`;
+
+  await page.click('nav a[data-page=overview]');
+  const before = await drawn(page, 'rates', 'publish', 20000);
+  console.log(`overview rate chart drawn: publish at ${before.last}/s over ${before.points} points, ${since()}`);
+  // The page polls: the line moves on with the next point.
+  const after = await drawn(page, 'rates', 'publish', 10000, (l) => l.d !== before.d);
+  console.log(`overview rate chart moved: publish at ${after.last}/s over ${after.points} points, ${since()}`);
+  await drawn(page, 'rates', 'deliver_get', 5000);
+  const depth = await line(page, 'depth', 'ready');
+  if (!depth || depth.points < 2) throw new Error(`no depth chart drawn: ${JSON.stringify(depth)}`);
+  await page.screenshot({ path: shots + '/charts.png', fullPage: true });
+
+  // The rates come from the server, for any client of the API.
+  const ov = await call('GET', '/api/overview');
+  if (!(ov.message_stats.publish > 0 && ov.message_stats.publish_details.rate > 0 && ov.message_stats.confirm_details.rate > 0)) {
+    throw new Error('overview message_stats without a publish rate: ' + JSON.stringify(ov.message_stats));
+  }
+  const q = await call('GET', '/api/queues/%2F/ui.flow');
+  if (!(q.message_stats.publish > 0 && q.message_stats.publish_details.rate > 0 && q.message_stats.deliver_get > 0)) {
+    throw new Error('queue message_stats without a publish rate: ' + JSON.stringify(q.message_stats));
+  }
+  console.log(`API: overview publish ${ov.message_stats.publish_details.rate}/s, ui.flow publish ${q.message_stats.publish_details.rate}/s`);
+
+  await page.evaluate(() => { location.hash = '#/queue/%2F/ui.flow'; });
+  const queueLine = await drawn(page, 'rates', 'publish', 12000);
+  console.log(`ui.flow rate chart drawn: publish at ${queueLine.last}/s over ${queueLine.points} points, ${since()}`);
+  await page.screenshot({ path: shots + '/queue-charts.png', fullPage: true });
+  flowing = false;
+  await Promise.all(flows);
+  if (failed) throw failed;
+  console.log(`flowed: ${counts.published} published, ${counts.got} got`);
   await browser.close();
   console.log('ok');
 })().catch((e) => { console.error(String(e && e.stack || e)); process.exit(1); });
