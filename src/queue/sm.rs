@@ -907,12 +907,12 @@ mod tests {
         apply(QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] });
         apply(QueueCmd::EnqueueExpiring { msgs: vec![msg("d")], ttl_ms: vec![None] });
         // Two taken to ack, one with an automatic ack.
-        apply(QueueCmd::Get { owner: 1, max: 2, auto_ack: false });
-        apply(QueueCmd::Get { owner: 1, max: 1, auto_ack: true });
+        apply(QueueCmd::Get { owner: 1, max: 2, auto_ack: false, consumer: None });
+        apply(QueueCmd::Get { owner: 1, max: 1, auto_ack: true, consumer: None });
         // One acked (99 is unknown), one requeued: a get of five finds two.
         apply(QueueCmd::Ack { tags: vec![0, 99] });
         apply(QueueCmd::Nack { tags: vec![1], requeue: true });
-        apply(QueueCmd::Get { owner: 1, max: 5, auto_ack: false });
+        apply(QueueCmd::Get { owner: 1, max: 5, auto_ack: false, consumer: None });
         apply(QueueCmd::AckOf { owner: 1, tags: vec![3, 4] });
         assert_eq!(flow, Flow { published: 4, delivered: 5, acked: 3 });
     }
