@@ -225,3 +225,27 @@ fn a_node_whose_runtime_is_blocked_still_answers_pings_until_the_failure_timeout
     assert!(ping().is_err(), "a crashed node answered a ping");
     stop.cancel();
 }
+
+/// A consumer waiting its turn on a single-active-consumer queue asks the
+/// master again and again: its gets are answered at the master without an
+/// entry, so the quiet group stays quiet, and the active consumer is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_single_active_consumer_writes_no_entries() {
+    use mirrorq::queue::types::ConsumerRef;
+    init_tracing();
+    let (c, master, mirrors) = quiet_queue("sac").await;
+    let me = ConsumerRef { number: 1, priority: 0 };
+    c.node(1).register_consumer("sac", 101, me, true).await.unwrap();
+    c.node(2).register_consumer("sac", 102, me, true).await.unwrap();
+    wait_until(Duration::from_secs(15), "the group goes quiet again", || c.node(master).is_quiet_here("sac")).await;
+    let before: Vec<u64> = mirrors.iter().map(|id| c.node(*id).appends_received_by("sac").unwrap()).collect();
+    for _ in 0..30 {
+        let (got, _) = c.node(2).consumer_fetch("sac", 102, 10, false, Some(me)).await.unwrap();
+        assert!(got.is_empty(), "the waiting consumer was served");
+    }
+    let after: Vec<u64> = mirrors.iter().map(|id| c.node(*id).appends_received_by("sac").unwrap()).collect();
+    assert_eq!(before, after, "a waiting consumer's gets were written to the log");
+    let (got, _) = c.node(1).consumer_fetch("sac", 101, 10, false, Some(me)).await.unwrap();
+    assert_eq!(got.len(), 3, "the active consumer is served");
+    c.shutdown().await;
+}

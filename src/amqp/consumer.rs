@@ -53,38 +53,36 @@ pub(super) struct Consumer {
     pub stop: CancellationToken,
     /// The channel's delivery gate (see `Channel::delivery_gate`).
     pub gate: Arc<tokio::sync::Mutex<()>>,
+    /// Its number and `x-priority`, named in its gets.
+    pub me: ConsumerRef,
     /// Registered in the queue's log, as a consumer of a priority or of a
-    /// single-active-consumer queue: `(its reference, single active)`.
-    pub registered: Option<(ConsumerRef, bool)>,
+    /// single-active-consumer queue (`Some(single active)`).
+    pub register: Option<bool>,
 }
+
+/// How long a consumer goes on trying to register or unregister while the
+/// queue's master changes.
+const REGISTER_FOR: Duration = Duration::from_secs(60);
 
 impl Consumer {
     pub async fn run(self) {
-        let Some((me, single_active)) = self.registered else { return self.serve().await };
+        let Some(single_active) = self.register else { return self.serve().await };
+        let (node, queue, owner, me) = (self.node.clone(), self.queue.clone(), self.owner, self.me);
         // Until the queue knows it, the consumer is not served at all on a
         // single-active-consumer queue: register before the first get.
-        loop {
-            match self.node.register_consumer(&self.queue, self.owner, me, single_active).await {
-                Ok(()) => break,
-                Err(e @ NodeError::NoSuchQueue(_)) => {
-                    tracing::debug!(queue = %self.queue, error = %e, "consumer of a deleted queue");
-                    break;
-                }
-                Err(e) => {
-                    tracing::debug!(queue = %self.queue, error = %e, "consumer registration failed; retrying");
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return,
-                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                    }
-                }
-            }
+        let stop = self.stop.clone();
+        let registered = retry(&stop, || node.register_consumer(&queue, owner, me, single_active)).await;
+        if registered {
+            self.serve().await;
         }
-        let (node, queue, owner) = (self.node.clone(), self.queue.clone(), self.owner);
-        self.serve().await;
         // A channel that closes releases its owner, registrations with it;
-        // a cancelled consumer's channel goes on, so it unregisters.
-        if let Err(e) = node.unregister_consumer(&queue, owner, me.number).await {
-            tracing::debug!(queue = %queue, error = %e, "consumer unregistration failed");
+        // a cancelled consumer's channel goes on, so it unregisters (also
+        // after a registration that failed to answer but may have been
+        // applied). A registration left behind would keep a cancelled
+        // consumer active on a single-active-consumer queue.
+        let never = tokio_util::sync::CancellationToken::new();
+        if !retry(&never, || node.unregister_consumer(&queue, owner, me.number)).await {
+            tracing::warn!(queue = %queue, "a cancelled consumer could not be unregistered");
         }
     }
 
@@ -119,7 +117,7 @@ impl Consumer {
                 }
                 asked += want as u64;
                 let (node, queue, owner, no_ack) = (self.node.clone(), self.queue.clone(), self.owner, self.no_ack);
-                let me = self.registered.map(|(me, _)| me);
+                let me = Some(self.me);
                 gets.push_back(
                     async move {
                         let got = if park {
@@ -263,5 +261,28 @@ impl Consumer {
         }
         self.out.encoded(buf).await;
         Ok(())
+    }
+}
+
+/// Run a registration step until it is done, the queue is gone (`true`
+/// either way), `stop` or [`REGISTER_FOR`] (`false`).
+async fn retry<F, Fut>(stop: &CancellationToken, mut step: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), NodeError>>,
+{
+    let until = tokio::time::Instant::now() + REGISTER_FOR;
+    loop {
+        match step().await {
+            Ok(()) | Err(NodeError::NoSuchQueue(_)) => return true,
+            Err(e) => tracing::debug!(error = %e, "consumer registration step failed; retrying"),
+        }
+        if tokio::time::Instant::now() >= until {
+            return false;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return false,
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
     }
 }

@@ -693,7 +693,12 @@ async fn put_exchange(
     let flag = |k: &str, default: bool| bool_field(&b, k, default);
     let alternate = match b.get("arguments").and_then(|a| a.get("alternate-exchange")) {
         None | Some(Value::Null) => None,
-        Some(Value::String(alt)) => Some(key(&vhost, alt)),
+        Some(Value::String(alt)) => {
+            // As RabbitMQ: unroutable messages are written there.
+            caller.may(&node.metadata(), &vhost, Access::Write, "exchange", alt)?;
+            caller.may(&node.metadata(), &vhost, Access::Read, "exchange", &name)?;
+            Some(key(&vhost, alt))
+        }
         Some(_) => return Err(ApiError::bad_request("arguments.alternate-exchange must be a string")),
     };
     let ex = ExchangeMeta {

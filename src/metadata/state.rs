@@ -404,6 +404,9 @@ impl MetaState {
                 if names::name_of(&b.exchange).is_empty() {
                     return MetaReply::Refused("operation not permitted on the default exchange".into());
                 }
+                if b.to_exchange && names::name_of(&b.destination).is_empty() {
+                    return MetaReply::Refused("operation not permitted on the default exchange".into());
+                }
                 let destination = match b.to_exchange {
                     true => self.exchange(&b.destination).is_some(),
                     false => self.queues.contains_key(&b.destination),

@@ -87,15 +87,25 @@ impl Node {
             let since = *leading_since.entry(g.meta.group).or_insert(now);
             let used = g.used.lock().expect("poisoned").max(since);
             if now.duration_since(used) >= Duration::from_millis(expires) {
-                due.push(q.name.clone());
+                due.push((q.name.clone(), q.group, expires));
             }
         }
         leading_since.retain(|group, _| leading.contains(group));
-        for name in due {
+        for (name, group, expires) in due {
             match self.consumers_anywhere(&name).await {
                 Some(0) => {}
                 // Consumers, or a node that did not say: not unused.
                 _ => continue,
+            }
+            // Asking took time: still the same queue, still led here, and
+            // still unused (a re-declare meanwhile keeps it)?
+            let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
+            let still = g.is_some_and(|g| {
+                g.raft.metrics().borrow().state == ServerState::Leader
+                    && g.used.lock().expect("poisoned").elapsed() >= Duration::from_millis(expires)
+            }) && self.metadata().queues.get(&name).is_some_and(|q| q.group == group);
+            if !still {
+                continue;
             }
             match self.delete_queue(&name).await {
                 Ok(()) => tracing::info!(queue = %name, "queue expired unused (x-expires) and was deleted"),

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use openraft::error::{ClientWriteError, RaftError};
 
-use super::{Inner, Node, Submitted};
+use super::{Inner, Node, QueueGroup, Submitted};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
@@ -425,32 +425,50 @@ impl Inner {
         lane: Lane,
     ) -> Result<Vec<QueueReply>, NodeError> {
         if let [QueueCmd::Get { owner, consumer: Some(c), .. }] = cmds.as_slice() {
-            // A registered consumer's get: by its priority (`queue::ranking`).
             let g = self.groups.read().expect("poisoned").get(&group).cloned();
             let Some(g) = g else { return Err(NodeError::NotLeader { leader: None }) };
-            let _asking = g.ranking.begin((*owner, c.number), c.priority);
-            let lane = if lane == Lane::Parked {
-                // Parked in the proposer, it would be served by the next
-                // publish even if a consumer of a higher priority asked
-                // meanwhile: it waits for messages here instead.
-                let mut stats = g.stats.clone();
-                let ready = tokio::time::timeout(PARK_MAX, stats.wait_for(|s| s.ready > 0)).await;
-                if !ready.is_ok_and(|r| r.is_ok()) {
-                    return Ok(vec![QueueReply::Got { msgs: Vec::new(), remaining: 0 }]);
-                }
-                Lane::Consumer
-            } else {
-                lane
-            };
-            if g.ranking.outranked(c.priority) {
-                tokio::time::sleep(crate::queue::ranking::RECENT).await;
-                if g.ranking.outranked(c.priority) {
-                    return Ok(vec![QueueReply::Got { msgs: Vec::new(), remaining: 0 }]);
-                }
+            if g.stats.borrow().ranked {
+                return match self.ranked_get(&g, (*owner, c.number), c.priority, lane).await {
+                    Some(lane) => self.local_enqueue(group, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped)),
+                    None => Ok(vec![QueueReply::Got { msgs: Vec::new(), remaining: 0 }]),
+                };
             }
-            return self.local_enqueue(group, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped));
         }
         self.local_enqueue(group, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped))
+    }
+
+    /// A consumer's get of a queue with registered consumers
+    /// (`queue::ranking`), before it is proposed: `None` when it is not
+    /// this consumer's turn (another is the single active one, or one of a
+    /// higher priority is asking), answered empty without an entry; else
+    /// the lane to propose it in.
+    async fn ranked_get(&self, g: &QueueGroup, who: (u64, u64), priority: i32, lane: Lane) -> Option<Lane> {
+        let _asking = g.ranking.begin(who, priority);
+        let mut stats = g.stats.clone();
+        if stats.borrow().active_consumer.is_some_and(|active| active != who) {
+            // Waits for the registrations to change rather than asking again at once.
+            let _ = tokio::time::timeout(PARK_MAX, stats.changed()).await;
+            return None;
+        }
+        let lane = if lane == Lane::Parked {
+            // Parked in the proposer, it would be served by the next
+            // publish even if a consumer of a higher priority asked
+            // meanwhile: it waits for messages here instead.
+            let ready = tokio::time::timeout(PARK_MAX, stats.wait_for(|s| s.ready > 0)).await;
+            if !ready.is_ok_and(|r| r.is_ok()) {
+                return None;
+            }
+            Lane::Consumer
+        } else {
+            lane
+        };
+        if g.ranking.outranked(priority) {
+            tokio::time::sleep(crate::queue::ranking::RECENT).await;
+            if g.ranking.outranked(priority) {
+                return None;
+            }
+        }
+        Some(lane)
     }
 
     /// Put operations in this node's proposer for `group`, in call order

@@ -25,9 +25,11 @@ const REPLICA_START_WAIT: Duration = Duration::from_millis(200);
 impl RpcHandler for Inner {
     async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion {
         if let RpcRequest::Queue { group, cmds, lane } = req {
-            if matches!(cmds.as_slice(), [QueueCmd::Get { consumer: Some(_), .. }]) {
-                // A registered consumer's get may wait for its turn
-                // (`queue::ranking`): not in the admission order.
+            let ranked = || self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.stats.borrow().ranked);
+            if matches!(cmds.as_slice(), [QueueCmd::Get { consumer: Some(_), .. }]) && ranked() {
+                // A consumer's get of a queue with registered consumers may
+                // wait for its turn (`queue::ranking`): not in the
+                // admission order.
                 return Box::pin(async move { RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await) });
             }
             return match self.local_enqueue(group, cmds, lane).await {

@@ -160,6 +160,11 @@ pub struct QueueStats {
     /// commands, so a new master's counts go on where they stood. Kept in
     /// memory only (a restart begins again from the entries it replays).
     pub flow: Flow,
+    /// The consumer served, on a single-active-consumer queue.
+    pub active_consumer: Option<(u64, u64)>,
+    /// Consumers are registered (priorities, single active): the master
+    /// ranks consumers' gets (`queue::ranking`).
+    pub ranked: bool,
 }
 
 /// What a queue's `message_stats` counts (RabbitMQ's `publish`,
@@ -199,6 +204,8 @@ impl QueueStats {
             head_published_at: state.head_published_at(),
             head_deadline: state.head_deadline(),
             flow: Flow::default(),
+            active_consumer: state.active_consumer(),
+            ranked: state.ranked(),
         }
     }
 }

@@ -224,6 +224,12 @@ impl QueueState {
         &self.consumers
     }
 
+    /// Does any consumer take part in who is served (a registered one: of
+    /// a priority, or of a single-active-consumer queue)?
+    pub fn ranked(&self) -> bool {
+        !self.consumers.is_empty()
+    }
+
     /// On a single-active-consumer queue, the consumer served: the one of
     /// the highest priority, the earliest registered among those.
     pub fn active_consumer(&self) -> Option<(u64, u64)> {

@@ -196,8 +196,8 @@ ch_l.basic_qos(prefetch_count=50)
 held = []
 ch_h.basic_consume("f.cprio", lambda ch, m, p, b: (got["high"].append(b), held.append(m.delivery_tag)),
                    arguments={"x-priority": 10})
-ch_l.basic_consume("f.cprio", lambda ch, m, p, b: (got["low"].append(b), ch.basic_ack(m.delivery_tag)),
-                   arguments={"x-priority": 1})
+# The lower one gives no x-priority: priority 0, as in RabbitMQ.
+ch_l.basic_consume("f.cprio", lambda ch, m, p, b: (got["low"].append(b), ch.basic_ack(m.delivery_tag)))
 pump([c1, c2], 1.0)
 publish(ch1, "", "f.cprio", [f"c{i}" for i in range(30)])
 counts = lambda: f"(high {len(got['high'])}, low {len(got['low'])})"
@@ -209,6 +209,26 @@ until("the low-priority consumer served once the high one is full",
       lambda: (pump([c1, c2], 0.2), len(got["high"]) + len(got["low"]) == 70)[1], detail=counts)
 assert len(got["high"]) == 50, len(got["high"])
 assert len(got["low"]) == 20, len(got["low"])
+
+# The default exchange is no binding's destination; an alternate exchange
+# needs write permission on it.
+try:
+    c1.channel().exchange_bind(destination="", source="f.front", routing_key="x")
+    sys.exit("a binding to the default exchange was accepted")
+except pika.exceptions.ChannelClosedByBroker as e:
+    assert e.reply_code == 403, e
+assert api(1, "PUT", "/api/users/limited", {"password": "limited-pw", "tags": ""})[0] in (201, 204)
+assert api(1, "PUT", "/api/permissions/%2F/limited",
+           {"configure": ".*", "write": "^f\\.mine", "read": ".*"})[0] in (201, 204)
+lim = pika.BlockingConnection(pika.ConnectionParameters(
+    host="127.0.0.1", port=AMQP[1], credentials=pika.PlainCredentials("limited", "limited-pw")))
+try:
+    lim.channel().exchange_declare("f.mine", exchange_type="direct", arguments={"alternate-exchange": "f.ae"})
+    sys.exit("an alternate exchange the user may not write to was accepted")
+except pika.exceptions.ChannelClosedByBroker as e:
+    assert e.reply_code == 403, e
+lim.channel().exchange_declare("f.mine", exchange_type="direct", arguments={"alternate-exchange": "f.mine-ae"})
+lim.close()
 
 # x-expires: an unused queue goes; one with a consumer stays.
 ch1.queue_declare("f.exp", durable=True, arguments={"x-expires": 1500})

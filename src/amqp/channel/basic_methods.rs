@@ -109,8 +109,8 @@ impl Channel {
                 }
                 self.next_consumer += 1;
                 let id = self.next_consumer;
-                let registered = (single_active || priority != 0)
-                    .then_some((ConsumerRef { number: id as u64, priority }, single_active));
+                let me = ConsumerRef { number: id as u64, priority };
+                let register = (single_active || priority != 0).then_some(single_active);
                 let prefetch = self.deliveries.consumer_started(id);
                 let stop = self.closed.child_token();
                 self.consumers.insert(tag.clone(), stop.clone());
@@ -140,7 +140,8 @@ impl Channel {
                     frame_max: self.frame_max,
                     stop,
                     gate: self.delivery_gate.clone(),
-                    registered,
+                    me,
+                    register,
                 };
                 tokio::spawn(consumer.run());
                 Ok(true)

@@ -41,7 +41,12 @@ impl Channel {
                     };
                     let alternate = match to_args(&d.arguments).get("alternate-exchange") {
                         None => None,
-                        Some(ArgValue::Str(alt)) => Some(self.key(alt)),
+                        Some(ArgValue::Str(alt)) => {
+                            // As RabbitMQ: unroutable messages are written there.
+                            self.may(Access::Write, "exchange", alt, 40, 10)?;
+                            self.may(Access::Read, "exchange", bare, 40, 10)?;
+                            Some(self.key(alt))
+                        }
                         Some(_) => {
                             let why = "PRECONDITION_FAILED - invalid arg 'alternate-exchange': not a string";
                             return Err(Ok(soft(PRECONDITION_FAILED, why.to_string(), 40, 10)));
