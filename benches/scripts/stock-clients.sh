@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 TIME=${TIME:-10}
 SYSTEMS=${SYSTEMS:-"rabbitmq-quorum mirrorq"}
+CLIENTS=${CLIENTS:-"pika amqplib"}
 PY=${PYTHON:-target/test-venv/bin/python3}
 OUT=${OUT:-target/stock-clients}
 mkdir -p "$OUT"
@@ -27,13 +28,16 @@ trap cleanup EXIT
 run() {
   local system=$1 port=$2; shift 2
   for window in 1 1000; do
-    local line
-    line=$("$PY" benches/scripts/pika_perf.py --port "$port" --queue "mirrored-pika-$window" \
-      --window $window --time "$TIME" "$@")
-    printf '{"system":"%s","client":"pika",%s\n' "$system" "${line#\{}" | tee -a "$OUT/results.jsonl"
-    line=$(node benches/scripts/amqplib_perf.js --port "$port" --queue "mirrored-amqplib-$window" \
-      --window $window --time "$TIME" "$@")
-    printf '{"system":"%s","client":"amqplib",%s\n' "$system" "${line#\{}" | tee -a "$OUT/results.jsonl"
+    local line client
+    for client in $CLIENTS; do
+      case $client in
+        pika) line=$("$PY" benches/scripts/pika_perf.py --port "$port" --queue "mirrored-pika-$window" \
+          --window $window --time "$TIME" "$@") ;;
+        amqplib) line=$(node benches/scripts/amqplib_perf.js --port "$port" --queue "mirrored-amqplib-$window" \
+          --window $window --time "$TIME" "$@") ;;
+      esac
+      printf '{"system":"%s","client":"%s",%s\n' "$system" "$client" "${line#\{}" | tee -a "$OUT/results.jsonl"
+    done
   done
 }
 
