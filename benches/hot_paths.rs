@@ -126,6 +126,7 @@ fn routing(c: &mut Criterion) {
             auto_delete: false,
             internal: false,
             alternate: None,
+            args: Default::default(),
         },
     );
     let bindings: BTreeSet<Binding> = (0..1000)

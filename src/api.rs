@@ -15,6 +15,10 @@ pub struct DeclareOpts {
     pub exclusive_owner: Option<u64>,
     /// Delete the queue when its last consumer goes away.
     pub auto_delete: bool,
+    /// Declared not durable. Shown as declared; the queue is kept on disk
+    /// and across restarts all the same (mirrorq never drops messages a
+    /// restart could keep).
+    pub transient: bool,
     /// Validated declare arguments (TTL, max length, dead-lettering).
     pub args: crate::metadata::QueueArgs,
 }

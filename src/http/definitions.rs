@@ -48,7 +48,7 @@ pub async fn export(State(node): State<Node>, Extension(caller): Extension<Calle
             "source": names::name_of(&b.exchange), "vhost": vhost(&b.exchange),
             "destination": names::name_of(&b.destination),
             "destination_type": if b.to_exchange { "exchange" } else { "queue" },
-            "routing_key": b.routing_key, "arguments": super::args_json(&b.args),
+            "routing_key": b.routing_key, "arguments": crate::message::args_json(&b.args),
         })).collect::<Vec<_>>(),
     })))
 }
@@ -161,6 +161,7 @@ pub async fn import(
             auto_delete: e.get("auto_delete").and_then(Value::as_bool).unwrap_or(false),
             internal: e.get("internal").and_then(Value::as_bool).unwrap_or(false),
             alternate,
+            args: super::json_args(e.get("arguments")),
         });
     }
     let mut queues = Vec::new();
@@ -173,7 +174,14 @@ pub async fn import(
         names::check("queue", name).map_err(ApiError::bad_request)?;
         let args = super::queue_args(q.get("arguments"))
             .map_err(|why| ApiError::bad_request(format!("queue {name}: {why}")))?;
-        queues.push((key(vhost, name), args));
+        let flag = |k: &str, default: bool| q.get(k).and_then(Value::as_bool).unwrap_or(default);
+        let opts = crate::api::DeclareOpts {
+            args,
+            transient: !flag("durable", true),
+            auto_delete: flag("auto_delete", false),
+            ..Default::default()
+        };
+        queues.push((key(vhost, name), opts));
     }
     let mut bindings = Vec::new();
     for b in list(&defs, "bindings")? {
@@ -197,8 +205,8 @@ pub async fn import(
     for e in exchanges {
         node.declare_exchange(e).await?;
     }
-    for (q, args) in queues {
-        node.declare_queue_with(&q, Vec::new(), crate::api::DeclareOpts { args, ..Default::default() }).await?;
+    for (q, opts) in queues {
+        node.declare_queue_with(&q, Vec::new(), opts).await?;
     }
     for b in bindings {
         node.bind(b).await?;

@@ -18,7 +18,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::{Extension, Json, Router};
 use base64::Engine;
 use serde_json::{json, Value};
@@ -96,6 +96,9 @@ pub fn router(node: Node) -> Router {
         .route("/api/vhosts", get(users::list_vhosts))
         .route("/api/vhosts/{name}", get(users::get_vhost).put(users::put_vhost).delete(users::delete_vhost))
         .route("/api/vhosts/{name}/permissions", get(users::vhost_permissions))
+        .route("/api/vhost-limits", get(users::list_vhost_limits))
+        .route("/api/vhost-limits/{name}", get(users::vhost_limits))
+        .route("/api/vhost-limits/{name}/{limit}", put(users::put_vhost_limit).delete(users::delete_vhost_limit))
         .route("/api/permissions", get(users::list_permissions))
         .route(
             "/api/permissions/{vhost}/{user}",
@@ -358,7 +361,7 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         "name": name,
         "vhost": vhost,
         "durable": q.durable,
-        "auto_delete": false,
+        "auto_delete": q.auto_delete,
         "exclusive": q.exclusive_owner.is_some(),
         "arguments": q.args.to_json(),
         "node": master.map(|m| name_of(&m)).unwrap_or_else(|| name_of(&q.replicas[0])),
@@ -425,9 +428,8 @@ async fn put_queue(
     let bare = name;
     let name = key(&vhost, &bare);
     let b = parse_body(&body)?;
-    for k in ["durable", "auto_delete"] {
-        bool_field(&b, k, false)?;
-    }
+    let durable = bool_field(&b, "durable", true)?;
+    let auto_delete = bool_field(&b, "auto_delete", false)?;
     if b.get("arguments").is_some_and(|v| !v.is_object() && !v.is_null()) {
         return Err(ApiError::bad_request("arguments must be an object"));
     }
@@ -445,31 +447,14 @@ async fn put_queue(
         }
     }
     // Decided by the metadata apply, not a local look-up that may lag.
-    let opts = DeclareOpts { args, ..DeclareOpts::default() };
+    let opts = DeclareOpts { args, transient: !durable, auto_delete, ..DeclareOpts::default() };
     let (_, created) = node.declare_queue_with(&name, Vec::new(), opts).await?;
     Ok(put_status(created))
 }
 
-/// AMQP arguments as an `arguments` object of the API.
-pub(crate) fn args_json(args: &Args) -> Value {
-    let m = args.iter().map(|(k, v)| {
-        let v = match v {
-            ArgValue::Str(s) => Value::from(s.clone()),
-            ArgValue::Int(n) => Value::from(*n),
-            ArgValue::Bool(b) => Value::from(*b),
-            ArgValue::Other(o) => serde_json::from_str(o).unwrap_or_else(|_| Value::from(o.clone())),
-        };
-        (k.clone(), v)
-    });
-    Value::Object(m.collect())
-}
-
 /// An exchange's `arguments`, as declared.
 pub(crate) fn exchange_args_json(e: &ExchangeMeta) -> Value {
-    match &e.alternate {
-        Some(alt) => json!({"alternate-exchange": names::name_of(alt)}),
-        None => json!({}),
-    }
+    crate::message::args_json(&e.args)
 }
 
 /// An `arguments` object of the API (queues, bindings) as AMQP arguments.
@@ -708,6 +693,7 @@ async fn put_exchange(
         auto_delete: flag("auto_delete", false)?,
         internal: flag("internal", false)?,
         alternate,
+        args: json_args(b.get("arguments")),
     };
     let existed = node.metadata().exchange(&ex.name).is_some();
     node.declare_exchange(ex).await?;
@@ -724,21 +710,35 @@ async fn delete_exchange(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// How RabbitMQ names a binding in its API's paths: its routing key, `~`
-/// for an empty one.
-fn properties_key(b: &Binding) -> &str {
-    if b.routing_key.is_empty() {
-        "~"
-    } else {
-        &b.routing_key
+/// How RabbitMQ names a binding in its API's paths (its "properties
+/// key"): `~` for an empty routing key without arguments, else the routing
+/// key form-encoded (so a `/` or `~` in it cannot break a path), and with
+/// arguments `~` and a digest of them, so bindings that differ only in
+/// their arguments have keys of their own.
+fn properties_key(b: &Binding) -> String {
+    if b.routing_key.is_empty() && b.args.is_empty() {
+        return "~".into();
     }
+    let mut key: String = form_urlencoded::byte_serialize(b.routing_key.as_bytes()).collect();
+    if !b.args.is_empty() {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(crate::message::args_json(&b.args).to_string().as_bytes());
+        key.push('~');
+        key.extend(digest[..6].iter().map(|byte| format!("{byte:02x}")));
+    }
+    key
+}
+
+/// One segment of an API path, percent-encoded.
+fn path_segment(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
 }
 
 fn binding_json(b: &Binding) -> Value {
     let (vhost, source) = names::split(&b.exchange);
     let kind = if b.to_exchange { "exchange" } else { "queue" };
     json!({"source": source, "vhost": vhost, "destination": names::name_of(&b.destination), "destination_type": kind,
-           "routing_key": b.routing_key, "arguments": args_json(&b.args), "properties_key": properties_key(b)})
+           "routing_key": b.routing_key, "arguments": crate::message::args_json(&b.args), "properties_key": properties_key(b)})
 }
 
 /// A binding's place in the API's paths: its source, and its destination
@@ -880,7 +880,7 @@ async fn bind(
     Extension(caller): Extension<Caller>,
     Path((vhost, exchange, queue)): Path<(String, String, String)>,
     body: Bytes,
-) -> Result<StatusCode, ApiError> {
+) -> Result<Response, ApiError> {
     bind_ends(&node, &caller, Ends::of(false, (vhost, exchange, queue)), &body).await
 }
 
@@ -890,11 +890,11 @@ async fn bind_exchange(
     Extension(caller): Extension<Caller>,
     Path((vhost, exchange, destination)): Path<(String, String, String)>,
     body: Bytes,
-) -> Result<StatusCode, ApiError> {
+) -> Result<Response, ApiError> {
     bind_ends(&node, &caller, Ends::of(true, (vhost, exchange, destination)), &body).await
 }
 
-async fn bind_ends(node: &Node, caller: &Caller, ends: Ends, body: &Bytes) -> Result<StatusCode, ApiError> {
+async fn bind_ends(node: &Node, caller: &Caller, ends: Ends, body: &Bytes) -> Result<Response, ApiError> {
     ends.may_bind(caller, &node.metadata())?;
     let b = parse_body(body)?;
     let routing_key = match b.get("routing_key") {
@@ -906,15 +906,25 @@ async fn bind_ends(node: &Node, caller: &Caller, ends: Ends, body: &Bytes) -> Re
         return Err(ApiError::bad_request("arguments must be an object"));
     }
     let args = json_args(b.get("arguments"));
-    node.bind(Binding {
+    let binding = Binding {
         exchange: key(&ends.vhost, &ends.source),
         destination: key(&ends.vhost, &ends.destination),
         to_exchange: ends.to_exchange,
         routing_key,
         args,
-    })
-    .await?;
-    Ok(StatusCode::CREATED)
+    };
+    // As RabbitMQ: where the new binding is, its properties key last
+    // (Terraform's provider reads the key from here).
+    let location = format!(
+        "/api/bindings/{}/e/{}/{}/{}/{}",
+        path_segment(&ends.vhost),
+        path_segment(&ends.source),
+        if ends.to_exchange { "e" } else { "q" },
+        path_segment(&ends.destination),
+        path_segment(&properties_key(&binding)),
+    );
+    node.bind(binding).await?;
+    Ok((StatusCode::CREATED, [(header::LOCATION, location)]).into_response())
 }
 
 async fn publish(

@@ -130,6 +130,11 @@ pub fn vhost_from(name: &str, b: &serde_json::Map<String, Value>) -> Result<Vhos
         Some(_) => return Err(ApiError::bad_request("description must be a string")),
     };
     let tags = parse_tags(field("tags").unwrap_or(&Value::Null)).map_err(ApiError::bad_request)?;
+    match field("tracing") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+        Some(Value::Bool(true)) => return Err(ApiError::bad_request("message tracing is not supported by mirrorq")),
+        Some(_) => return Err(ApiError::bad_request("tracing must be a boolean")),
+    }
     Ok(Vhost { name: name.into(), description, tags })
 }
 
@@ -143,6 +148,49 @@ pub async fn put_vhost(
     let vhost = vhost_from(&name, &parse_body(&body)?)?;
     let created = node.meta_change(MetaCmd::PutVhost(vhost), String::new).await?;
     Ok(put_status(created))
+}
+
+/// Vhost limits (`max-connections`, `max-queues`): none are set, as none
+/// can be; tools that read them (Terraform's provider reads them with each
+/// vhost) see an empty list, as RabbitMQ answers for a vhost without limits.
+pub async fn list_vhost_limits(Extension(caller): Extension<Caller>) -> Result<Json<Value>, ApiError> {
+    caller.admin()?;
+    Ok(Json(json!([])))
+}
+
+pub async fn vhost_limits(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    caller.admin()?;
+    if !node.metadata().vhosts.contains_key(&name) {
+        return Err(ApiError::not_found());
+    }
+    Ok(Json(json!([])))
+}
+
+/// Setting a limit is refused with the reason, rather than stored and not
+/// enforced.
+pub async fn put_vhost_limit(
+    Extension(caller): Extension<Caller>,
+    Path((_, limit)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    caller.admin()?;
+    Err(ApiError::bad_request(format!("vhost limit '{limit}' is not supported by mirrorq")))
+}
+
+/// Clearing a limit that is not set succeeds, as RabbitMQ's does.
+pub async fn delete_vhost_limit(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Path((name, _)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    caller.admin()?;
+    if !node.metadata().vhosts.contains_key(&name) {
+        return Err(ApiError::not_found());
+    }
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Deletes the vhost and everything in it, as RabbitMQ does.

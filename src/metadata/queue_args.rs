@@ -39,6 +39,9 @@ pub struct QueueArgs {
     pub queue_mode: Option<String>,
     /// `x-queue-version` (1 or 2), kept to show it back.
     pub queue_version: Option<u8>,
+    /// Arguments mirrorq does not act on (`x-queue-type`, other
+    /// plugins'), kept as declared to show them back, as RabbitMQ does.
+    pub others: Args,
 }
 
 impl QueueArgs {
@@ -90,7 +93,9 @@ impl QueueArgs {
                     n => return Err(format!("invalid arg '{k}': {n} is not one of 1, 2")),
                 },
                 k if UNSUPPORTED.contains(&k) => return Err(format!("argument '{k}' is not supported by mirrorq")),
-                _ => {}
+                _ => {
+                    out.others.insert(k.clone(), v.clone());
+                }
             }
         }
         if out.dead_letter_routing_key.is_some() && out.dead_letter_exchange.is_none() {
@@ -131,6 +136,9 @@ impl QueueArgs {
         }
         if let Some(v) = self.queue_version {
             m.insert("x-queue-version".into(), v.into());
+        }
+        if let serde_json::Value::Object(others) = crate::message::args_json(&self.others) {
+            m.extend(others);
         }
         serde_json::Value::Object(m)
     }
@@ -177,6 +185,7 @@ impl QueueArgs {
             single_active_consumer: self.single_active_consumer,
             queue_mode: self.queue_mode.clone().or_else(|| text("queue-mode")),
             queue_version: self.queue_version,
+            others: self.others.clone(),
             max_length: lower(self.max_length, num("max-length")),
             overflow: self.overflow.clone().or_else(|| text("overflow")),
             dead_letter_routing_key: match &self.dead_letter_exchange {

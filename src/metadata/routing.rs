@@ -45,6 +45,8 @@ pub struct ExchangeMeta {
     /// The `alternate-exchange` argument (a key): where a message this
     /// exchange cannot route goes.
     pub alternate: Option<String>,
+    /// Every argument as declared, shown back as RabbitMQ does.
+    pub args: Args,
 }
 
 /// A header or binding-argument value, as far as routing compares them.
@@ -89,6 +91,7 @@ pub fn builtin(name: &str) -> Option<ExchangeMeta> {
         auto_delete: false,
         internal: false,
         alternate: None,
+        args: Args::new(),
     })
 }
 
@@ -252,6 +255,7 @@ mod tests {
                 auto_delete: false,
                 internal: false,
                 alternate: None,
+                args: Args::new(),
             },
         );
         let mut b = BTreeSet::new();
@@ -295,6 +299,7 @@ mod tests {
                 auto_delete: false,
                 internal: false,
                 alternate: alternate.map(str::to_string),
+                args: Args::new(),
             };
             (name.to_string(), meta)
         };

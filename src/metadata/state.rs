@@ -656,6 +656,7 @@ mod tests {
             auto_delete: false,
             internal: false,
             alternate: None,
+            args: Default::default(),
         };
         assert_eq!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Topic))), MetaReply::Ok);
         assert_eq!(s.apply(&MetaCmd::DeclareExchange(ex("logs", ExchangeKind::Topic))), MetaReply::Ok);

@@ -70,7 +70,7 @@ impl Node {
         let cmd = MetaCmd::DeclareQueue {
             name: name.to_string(),
             replicas,
-            durable: true,
+            durable: !opts.transient,
             declared_on: self.id(),
             locator: opts.min_masters,
             exclusive_owner: opts.exclusive_owner,

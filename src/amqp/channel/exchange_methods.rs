@@ -59,6 +59,7 @@ impl Channel {
                         auto_delete: d.auto_delete,
                         internal: d.internal,
                         alternate,
+                        args: to_args(&d.arguments),
                     };
                     self.node.declare_exchange(ex).await.map_err(|e| Ok(node_soft(e, 40, 10)))?;
                 }

@@ -87,6 +87,7 @@ impl Channel {
                             min_masters,
                             exclusive_owner: d.exclusive.then_some(self.conn_id),
                             auto_delete: d.auto_delete,
+                            transient: !d.durable,
                             args: args.clone().unwrap_or_default(),
                         };
                         // Placed by the effective policy (none: one replica, here).
