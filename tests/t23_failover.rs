@@ -792,3 +792,54 @@ async fn a_restarted_mirror_does_not_heal_alone_into_a_minoritys_fork() {
     assert_eq!(distinct, ["a0", "a1", "a2", "a3", "a4", "b0", "c0"].into(), "every confirmed message is delivered");
     c.shutdown().await;
 }
+
+/// Campaign seed 1168. Node 3 is cut off and re-forms the queue alone: a
+/// minority's fork, whose members are node 3 alone. The majority (master
+/// 2, mirror 1) confirms a message. A policy then moves the queue off node
+/// 1, and node 1 asks the replicas that stay whether the change excluding
+/// it is in effect; it can reach node 3, whose fork answers for its own
+/// membership. Node 1 deleted its replica on that word (the majority's
+/// epoch was left with node 2 alone, and in the campaign the message
+/// confirmed by 1 and 2 was never delivered): only a replica of its own
+/// epoch may tell it it was moved away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_moved_away_is_not_told_so_by_a_minoritys_fork() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    let all = r#"{"ha-mode":"all","queue-master-locator":"client-local"}"#;
+    c.node(2).set_policy(policy("^mv", all)).await.unwrap();
+    c.node(2).declare_queue("mv.q", vec![]).await.unwrap();
+    publish_retrying(c.node(2), "mv.q", b"a0".to_vec()).await;
+    wait_until(Duration::from_secs(10), "every replica applied it", || {
+        (1..=3).all(|id| c.node(id).queue_info("mv.q").is_ok_and(|i| i.ready == 1))
+    })
+    .await;
+    assert!(c.node(2).is_master("mv.q"));
+    tracing::info!("--- node 3 is cut off and re-forms alone");
+    for id in [1, 2] {
+        c.node(id).transport().control.block(3);
+        c.node(3).transport().control.block(id);
+    }
+    publish_retrying(c.node(2), "mv.q", b"b0".to_vec()).await;
+    let n3 = c.node(3).clone();
+    wait_until(Duration::from_secs(30), "node 3 re-formed alone", || {
+        n3.queue_members("mv.q") == Some(BTreeSet::from([3])) && n3.is_master("mv.q")
+    })
+    .await;
+    tracing::info!("--- the queue moves off node 1; node 1 can reach the fork, nobody else can");
+    let off_1 = r#"{"ha-mode":"nodes","ha-params":["mirrorq@2","mirrorq@3"],"queue-master-locator":"client-local"}"#;
+    c.node(2).set_policy(policy("^mv", off_1)).await.unwrap();
+    wait_until(Duration::from_secs(10), "node 1 sees the move", || {
+        c.node(1).metadata().queues.get("mv.q").is_some_and(|q| !q.replicas.contains(&1))
+    })
+    .await;
+    c.node(1).transport().control.unblock(3);
+    // Many reconciler rounds, each asking the replicas that stay.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        c.node(1).queue_members("mv.q").is_some(),
+        "node 1 deleted its replica of the majority's epoch on the word of a minority's fork"
+    );
+    assert_eq!(c.node(1).queue_info("mv.q").unwrap().ready, 2, "node 1 holds both confirmed messages");
+    c.shutdown().await;
+}

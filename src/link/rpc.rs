@@ -58,10 +58,13 @@ pub enum RpcRequest {
         lane: Lane,
     },
     /// The members (voters and learners) of `group` as the receiver's replica
-    /// sees them; `None` if it hosts none. A replica moved away asks this to
-    /// learn that the membership change excluding it is in effect.
+    /// sees them; `None` if it hosts none, or (with `epoch`) none of that
+    /// epoch. A replica moved away asks this to learn that the membership
+    /// change excluding it is in effect: only a replica of its own epoch
+    /// can say so (a minority's fork has a membership of its own).
     Members {
         group: GroupId,
+        epoch: Option<crate::queue::epoch::Epoch>,
     },
     /// A liveness ping from node `from`, which holds the receiver's list of
     /// quietly led groups at `have` (incarnation, generation): the answer

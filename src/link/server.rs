@@ -342,7 +342,7 @@ mod tests {
         let t = Transport::new();
         let mut waits = Vec::new();
         for group in 0..budget as u64 + 500 {
-            waits.push(t.start_call(&addr, &RpcRequest::Members { group }).await.unwrap());
+            waits.push(t.start_call(&addr, &RpcRequest::Members { group, epoch: None }).await.unwrap());
         }
         assert_eq!(settled(&held.admitted).await, budget, "requests in hand beyond the budget");
         held.release.add_permits(10);

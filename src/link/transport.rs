@@ -470,7 +470,7 @@ mod tests {
         let t = Transport::new();
         assert!(t.link_lost_at(&addr).is_none(), "never dialled");
         let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
-        let _reply = t.start_call(&addr, &RpcRequest::Members { group: 0 }).await.unwrap();
+        let _reply = t.start_call(&addr, &RpcRequest::Members { group: 0, epoch: None }).await.unwrap();
         let server_side = accept.await.unwrap();
         assert!(t.link_lost_at(&addr).is_none(), "the link is up");
         let before = Instant::now();

@@ -218,10 +218,17 @@ impl Inner {
             // like a group that excludes the asker, which would then drop
             // what may be the only complete copy of the queue.
             RpcRequest::Liveness { from, have } => self.quiescence.answer(from, have),
-            RpcRequest::Members { group } => RpcResponse::Members(self.raft_of(group).and_then(|r| {
-                let m = r.metrics().borrow().membership_config.clone();
-                m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())
-            })),
+            RpcRequest::Members { group, epoch } => {
+                let same_epoch = |e| self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.epoch == e);
+                let raft = match epoch {
+                    Some(e) if !same_epoch(e) => None,
+                    _ => self.raft_of(group),
+                };
+                RpcResponse::Members(raft.and_then(|r| {
+                    let m = r.metrics().borrow().membership_config.clone();
+                    m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())
+                }))
+            }
             RpcRequest::Meta { cmd } => {
                 let leader = self.meta_raft.metrics().borrow().current_leader;
                 RpcResponse::Meta(if leader == Some(self.id) {

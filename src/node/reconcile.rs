@@ -239,7 +239,7 @@ impl Node {
         };
         settled &= to_stop.is_empty() && moved.is_empty();
         for (g, stay) in moved {
-            if !self.excluded_by_peers(g.meta.group, &stay).await {
+            if !self.excluded_by_peers(g.meta.group, g.epoch, &stay).await {
                 continue;
             }
             // Not while a re-form or a heal holds it (they may replace it).
@@ -312,12 +312,16 @@ impl Node {
         failed
     }
 
-    pub(super) async fn excluded_by_peers(&self, group: GroupId, peers: &[NodeId]) -> bool {
+    /// Does a replica of `group` in our `epoch` on one of `peers` say the
+    /// membership excludes this node? Replicas of another epoch are not
+    /// asked about ours: a minority's fork that dropped this node from its
+    /// own membership made a replica of the majority's epoch delete itself,
+    /// and a message its epoch had confirmed was lost (campaign seed 1168).
+    pub(super) async fn excluded_by_peers(&self, group: GroupId, epoch: Epoch, peers: &[NodeId]) -> bool {
         let deadline = Instant::now() + Duration::from_secs(1);
         for peer in peers.iter().filter(|p| **p != self.id()) {
-            if let Ok(RpcResponse::Members(Some(members))) =
-                self.inner.call(*peer, &RpcRequest::Members { group }, deadline).await
-            {
+            let ask = RpcRequest::Members { group, epoch: Some(epoch) };
+            if let Ok(RpcResponse::Members(Some(members))) = self.inner.call(*peer, &ask, deadline).await {
                 if !members.contains(&self.id()) {
                     return true;
                 }

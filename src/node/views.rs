@@ -116,7 +116,7 @@ impl Node {
     pub async fn ping(&self, id: NodeId, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         matches!(
-            self.inner.call(id, &RpcRequest::Members { group: METADATA_GROUP }, deadline).await,
+            self.inner.call(id, &RpcRequest::Members { group: METADATA_GROUP, epoch: None }, deadline).await,
             Ok(RpcResponse::Members(_))
         )
     }
