@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{GroupId, NodeId};
 use crate::queue::catchup::SyncProgress;
+use crate::queue::epoch::Epoch;
 
 /// Options of `Node::declare_queue_with`.
 #[derive(Debug, Clone, Default)]
@@ -31,6 +32,9 @@ pub struct GroupRaftMetrics {
     /// Last log index applied here (committed, as far as this replica knows).
     pub committed: Option<u64>,
     pub leader: Option<NodeId>,
+    /// The incarnation of the group this replica is in: after a split,
+    /// replicas of one queue in different epochs have not healed yet.
+    pub epoch: Epoch,
 }
 
 /// A queue as this node sees it.

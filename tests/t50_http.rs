@@ -504,6 +504,9 @@ async fn prometheus_metrics() {
         let m = scrape(&api, n).await;
         assert!(sample(&m, &format!("rabbitmq_raft_term{q}")) >= 1.0, "node {n}");
         assert!(sample(&m, &format!("rabbitmq_raft_log_commit_index{q}")) >= 4.0, "node {n}: 3 publishes and a get");
+        // Never re-formed: every replica is in the epoch the group was founded in.
+        assert_eq!(sample(&m, &format!("mirrorq_queue_epoch_term{q}")), 0.0, "node {n}");
+        assert_eq!(sample(&m, &format!("mirrorq_queue_epoch_node{q}")), 0.0, "node {n}");
         assert!(sample(&m, "mirrorq_fsync_seconds_count") >= 1.0, "node {n} synced");
         assert!(sample(&m, "rabbitmq_process_resident_memory_bytes") > 1e6);
         assert!(sample(&m, "rabbitmq_disk_space_available_bytes") > 0.0);

@@ -160,11 +160,19 @@ pub fn render(node: &Node) -> String {
     let term = labelled(&mut r, "rabbitmq_raft_term", "Current Raft term of the replica here");
     let commit = labelled(&mut r, "rabbitmq_raft_log_commit_index", "Raft commit index of the replica here");
     let leader = labelled(&mut r, "mirrorq_raft_leader_node", "Node id of the group's leader as known here (0: none)");
+    // Replicas of one queue that show different epochs are a split not
+    // healed yet: one of them is a minority's fork.
+    let epoch_term =
+        labelled(&mut r, "mirrorq_queue_epoch_term", "Term of the epoch (group incarnation) of the replica here");
+    let epoch_node =
+        labelled(&mut r, "mirrorq_queue_epoch_node", "Node that formed the epoch of the replica here (0: as founded)");
     for g in node.local_raft_metrics() {
         let labels = queue_labels(&g.queue);
         term.get_or_create(&labels).set(g.term as i64);
         commit.get_or_create(&labels).set(g.committed.unwrap_or(0) as i64);
         leader.get_or_create(&labels).set(g.leader.unwrap_or(0) as i64);
+        epoch_term.get_or_create(&labels).set(g.epoch.term as i64);
+        epoch_node.get_or_create(&labels).set(g.epoch.node as i64);
         if g.leader == Some(node.id()) && !g.queue.is_empty() {
             if let Ok(info) = node.queue_info(&g.queue) {
                 ready.get_or_create(&labels).set(info.ready as i64);

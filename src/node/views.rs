@@ -72,6 +72,7 @@ impl Node {
                     term: m.current_term,
                     committed: m.last_applied.map(|l| l.index),
                     leader: m.current_leader,
+                    epoch: g.epoch,
                 })
             })
             .collect()

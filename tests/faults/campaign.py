@@ -738,7 +738,7 @@ def run_one(args, seed, root):
     net = Net(args.nodes)
     c = Cluster(args, net, root, secret)
     clients = None
-    wedged, undrained, held = [], {}, {}
+    wedged, undrained, held, splits = [], {}, {}, {}
     run = f"s{seed}"
     try:
         net.setup()
@@ -789,12 +789,54 @@ def run_one(args, seed, root):
             c.anomalies.append("client process did not stop in 30s")
         reap(clients)
         undrained, held = leftovers(c, out)
+        splits = epoch_splits(c)
     finally:
         if clients:
             reap(clients)
         cleanup_all()
 
-    return analyse(args, seed, root, faults, c, out, wedged, undrained, held)
+    return analyse(args, seed, root, faults, c, out, wedged, undrained, held, splits)
+
+
+EPOCH_RE = re.compile(r'^mirrorq_queue_epoch_(term|node)\{queue="([^"]+)",vhost="/"\} (\d+)$')
+
+
+def replica_epochs(c):
+    """{queue: {node: "term.node"}} from each node's metrics; None when a
+    node did not answer or its build has no epoch metric."""
+    seen = {q: {} for q in QUEUES}
+    for i in c.nodes:
+        s, text = http(c.net, i, "GET", "/metrics", timeout=5)
+        if s != 200 or not isinstance(text, str) or "mirrorq_queue_epoch_term" not in text:
+            return None
+        parts = {}
+        for line in text.splitlines():
+            m = EPOCH_RE.match(line)
+            if m and m.group(2) in seen:
+                parts.setdefault(m.group(2), {})[m.group(1)] = m.group(3)
+        for q, p in parts.items():
+            seen[q][i] = f"{p.get('term')}.{p.get('node')}"
+    return seen
+
+
+def epoch_splits(c, timeout=60):
+    """Queues whose replicas are still in different epochs a minute after
+    the drain: a minority's fork and the group that kept its majority that
+    never met to decide which keeps the queue. The drain alone cannot see
+    this when the fork serves and the majority's copy holds messages the
+    fork lacks (seed 1168)."""
+    end = time.time() + timeout
+    while True:
+        seen = replica_epochs(c)
+        split = {} if seen is None else {q: e for q, e in seen.items() if len(set(e.values())) > 1}
+        if not split or time.time() >= end:
+            break
+        c.sleep(2)
+    if seen is None:
+        c.anomalies.append("replica epochs not known: a node's metrics did not answer or have no epoch")
+    for q, e in split.items():
+        say(f"!! SPLIT: {q} replicas in different epochs {timeout}s after the drain: {e}")
+    return split
 
 
 def probe_queues(c, out, run):
@@ -937,7 +979,7 @@ def duplicate_bound(args, faults, out):
     return bound
 
 
-def analyse(args, seed, root, faults, c, out, wedged, undrained, held):
+def analyse(args, seed, root, faults, c, out, wedged, undrained, held, splits):
     attempted, confirmed, errors = {}, {}, 0
     for f in sorted(os.listdir(out)):
         if not f.startswith("pub-"):
@@ -972,7 +1014,7 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held):
     bound = duplicate_bound(args, faults, out)
     if bound is not None and dups > bound:
         c.anomalies.append(f"{dups} duplicates, more than the {bound} the faults allow")
-    ok = (not lost and not unexpected and not wedged and not undrained and not held and not storms
+    ok = (not lost and not unexpected and not wedged and not undrained and not held and not storms and not splits
           and (bound is None or dups <= bound))
     if not confirmed:
         # Nothing confirmed means the workload never ran, not that all is well.
@@ -983,11 +1025,13 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held):
           f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} "
           f"duplicate_bound={'-' if bound is None else bound} wedged={len(wedged)} "
           f"undrained={sum(undrained.values())} held={sum(r + u for r, u in held.values())} client_errors={errors} stuck_publishes={stuck} "
-          f"node_panics={len(panics)} log_storms={len(storms)} result={'PASS' if ok else 'FAIL'}", flush=True)
+          f"node_panics={len(panics)} log_storms={len(storms)} splits={len(splits)} result={'PASS' if ok else 'FAIL'}", flush=True)
     for a in c.anomalies + [f"n{i} log contains 'panicked'" for i in panics]:
         print(f"  anomaly: {a}")
     if wedged:
         print(f"  wedged queues: {wedged}")
+    for q, e in splits.items():
+        print(f"  split: {q} replicas in epochs {e}")
     if undrained:
         print(f"  undrained (in the queue, never delivered to a consumer): {undrained}")
     for m in lost[:20]:
