@@ -6,7 +6,8 @@ Every subcommand appends its figures, one JSON object a line
 what it measured on stderr. Talks to the management HTTP API (mirrorq's or
 RabbitMQ's, guest/guest, loopback only) and reads /proc.
 
-  declare SYSTEM N PARALLEL PORT...      declare N durable queues
+  declare SYSTEM N PARALLEL PORT...      declare N durable queues (from
+                                         number $SCALE_FIRST, default 0)
   sync SYSTEM PORT N REPLICAS TIMEOUT    wait until all are synchronised
   rss SYSTEM KEY PID...                  VmRSS of each node (KiB)
   idle SYSTEM SECONDS PID...             CPU of each node over SECONDS
@@ -88,7 +89,8 @@ def declare(system, n, parallel, ports):
     n, parallel = int(n), int(parallel)
     ports = [int(p) for p in ports]
     todo = queue.Queue()
-    for i in range(n):
+    first = int(os.environ.get("SCALE_FIRST", "0"))
+    for i in range(first, first + n):
         todo.put(i)
     body = {"durable": True, "auto_delete": False, "arguments": {}}
     if system == "rabbitmq-quorum":
