@@ -53,9 +53,7 @@ async fn a_declared_group_goes_quiet_without_a_settle_window() {
     c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
     for id in [2, 3] {
         wait_until(Duration::from_secs(10), "the mirror has the founding log", || {
-            c.node(id)
-                .queue_raft("q")
-                .is_some_and(|r| r.metrics().borrow().last_log_index == Some(1))
+            c.node(id).queue_raft("q").is_some_and(|r| r.metrics().borrow().last_log_index == Some(1))
         })
         .await;
     }
