@@ -63,6 +63,10 @@ async fn a_declared_group_goes_quiet_without_a_settle_window() {
         m.replication.as_ref().is_some_and(|r| r.values().all(|matched| matched.map(|l| l.index) == Some(1)))
     })
     .await;
+    wait_until(Duration::from_secs(10), "the master counts both mirrors synchronised", || {
+        c.node(1).queue_info("q").is_ok_and(|i| i.synchronised.len() == 3)
+    })
+    .await;
     let round = |id: u64| {
         let node = c.node(id).clone();
         async move { node.watch_failures_over(vec![node.replica_view("q").unwrap()]).await }

@@ -17,8 +17,7 @@ use openraft::ServerState;
 
 use super::{deadletter, Node};
 use crate::error::NodeError;
-use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
+use crate::ids::GroupId;
 use crate::queue::QueueCmd;
 
 const EVERY: Duration = Duration::from_secs(1);
@@ -119,17 +118,7 @@ impl Node {
     /// did not answer. A node seen gone holds none (its consumers went
     /// with it); one cut off may still serve some.
     async fn consumers_anywhere(&self, queue: &str) -> Option<usize> {
-        let (_, mut consumers) = self.inner.clients.snapshot();
-        let peers: Vec<NodeId> =
-            self.metadata().nodes.keys().copied().filter(|id| *id != self.id() && !self.is_dead(*id)).collect();
-        let deadline = Instant::now() + Duration::from_millis(1000);
-        let asks = peers.iter().map(|peer| self.inner.call(*peer, &RpcRequest::Clients, deadline));
-        for answer in futures::future::join_all(asks).await {
-            match answer {
-                Ok(RpcResponse::Clients(_, k)) => consumers.extend(k),
-                _ => return None,
-            }
-        }
+        let (_, consumers) = self.clients_of_nodes(true).await?;
         Some(consumers.iter().filter(|k| k.queue == queue).count())
     }
 }

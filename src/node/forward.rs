@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 use openraft::error::{ClientWriteError, RaftError};
 
-use super::{Inner, Node, QueueGroup, Submitted};
+use super::{Inner, Node, Submitted};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::link::transport::CallError;
 use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
-use crate::queue::proposer::{Answer, Lane, PARK_MAX};
+use crate::queue::proposer::{Answer, Lane};
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::types::{Raft, Request, Response};
 
@@ -416,79 +416,6 @@ impl Inner {
     ) -> Result<RpcResponse, CallError> {
         let addr = self.link_addr(target)?;
         self.transport.ping(&addr, req, limit).await
-    }
-
-    pub(super) async fn local_queue_op(
-        &self,
-        group: GroupId,
-        cmds: Vec<QueueCmd>,
-        lane: Lane,
-    ) -> Result<Vec<QueueReply>, NodeError> {
-        if let [QueueCmd::Get { owner, consumer: Some(c), .. }] = cmds.as_slice() {
-            let g = self.groups.read().expect("poisoned").get(&group).cloned();
-            let Some(g) = g else { return Err(NodeError::NotLeader { leader: None }) };
-            if g.stats.borrow().ranked {
-                return match self.ranked_get(&g, (*owner, c.number), c.priority, lane).await {
-                    Some(lane) => self.local_enqueue(group, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped)),
-                    None => Ok(vec![QueueReply::Got { msgs: Vec::new(), remaining: 0 }]),
-                };
-            }
-        }
-        self.local_enqueue(group, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped))
-    }
-
-    /// A consumer's get of a queue with registered consumers
-    /// (`queue::ranking`), before it is proposed: `None` when it is not
-    /// this consumer's turn (another is the single active one, or one of a
-    /// higher priority is asking), answered empty without an entry; else
-    /// the lane to propose it in.
-    async fn ranked_get(&self, g: &QueueGroup, who: (u64, u64), priority: i32, lane: Lane) -> Option<Lane> {
-        let _asking = g.ranking.begin(who, priority);
-        let mut stats = g.stats.clone();
-        if stats.borrow().active_consumer.is_some_and(|active| active != who) {
-            // Waits for the registrations to change rather than asking again at once.
-            let _ = tokio::time::timeout(PARK_MAX, stats.changed()).await;
-            return None;
-        }
-        let lane = if lane == Lane::Parked {
-            // Parked in the proposer, it would be served by the next
-            // publish even if a consumer of a higher priority asked
-            // meanwhile: it waits for messages here instead.
-            let ready = tokio::time::timeout(PARK_MAX, stats.wait_for(|s| s.ready > 0)).await;
-            if !ready.is_ok_and(|r| r.is_ok()) {
-                return None;
-            }
-            Lane::Consumer
-        } else {
-            lane
-        };
-        if g.ranking.outranked(priority) {
-            tokio::time::sleep(crate::queue::ranking::RECENT).await;
-            if g.ranking.outranked(priority) {
-                return None;
-            }
-        }
-        Some(lane)
-    }
-
-    /// Put operations in this node's proposer for `group`, in call order
-    /// within their lane ([`Lane`]).
-    pub(super) async fn local_enqueue(
-        &self,
-        group: GroupId,
-        cmds: Vec<QueueCmd>,
-        lane: Lane,
-    ) -> Result<Answer, NodeError> {
-        let g = self.groups.read().expect("poisoned").get(&group).cloned();
-        match g {
-            Some(g) => {
-                if cmds.iter().any(super::expiry::is_use) {
-                    *g.used.lock().expect("poisoned") = Instant::now();
-                }
-                g.proposer.enqueue(cmds, lane).await
-            }
-            None => Err(NodeError::NotLeader { leader: None }),
-        }
     }
 
     pub(super) async fn local_meta_write(&self, cmd: MetaCmd) -> Result<(MetaReply, u64), NodeError> {

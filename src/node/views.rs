@@ -80,18 +80,37 @@ impl Node {
 
     /// AMQP connections and consumers of every reachable node.
     pub async fn cluster_clients(&self) -> (Vec<ConnectionInfo>, Vec<ConsumerInfo>) {
+        self.clients_of_nodes(false).await.unwrap_or_default()
+    }
+
+    /// Connections and consumers of this node and every other, asked all
+    /// at once (a peer that does not answer costs the deadline once). A
+    /// peer that does not answer is left out, unless `complete`: then the
+    /// answer is `None`, for callers that act on an absence (a node may
+    /// serve consumers it could not tell of). With `complete`, a peer seen
+    /// gone is not asked: its clients went with it.
+    pub(super) async fn clients_of_nodes(&self, complete: bool) -> Option<(Vec<ConnectionInfo>, Vec<ConsumerInfo>)> {
         let (mut conns, mut consumers) = self.inner.clients.snapshot();
-        let peers: Vec<NodeId> = self.metadata().nodes.keys().copied().filter(|id| *id != self.id()).collect();
-        // All at once: a peer that does not answer costs the deadline once.
+        let peers: Vec<NodeId> = self
+            .metadata()
+            .nodes
+            .keys()
+            .copied()
+            .filter(|id| *id != self.id() && !(complete && self.is_dead(*id)))
+            .collect();
         let deadline = Instant::now() + Duration::from_millis(1000);
         let asks = peers.iter().map(|peer| self.inner.call(*peer, &RpcRequest::Clients, deadline));
         for answer in futures::future::join_all(asks).await {
-            if let Ok(RpcResponse::Clients(c, k)) = answer {
-                conns.extend(c);
-                consumers.extend(k);
+            match answer {
+                Ok(RpcResponse::Clients(c, k)) => {
+                    conns.extend(c);
+                    consumers.extend(k);
+                }
+                _ if complete => return None,
+                _ => {}
             }
         }
-        (conns, consumers)
+        Some((conns, consumers))
     }
 
     /// Close AMQP connection `conn` (as listed, with the node that holds

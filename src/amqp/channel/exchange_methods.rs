@@ -79,22 +79,17 @@ impl Channel {
                 }
                 Ok(true)
             }
-            // As RabbitMQ: write on the destination, read on the source.
             E::Bind(b) => {
-                self.may(Access::Write, "exchange", b.destination.as_str(), 40, 30)?;
-                self.may(Access::Read, "exchange", b.source.as_str(), 40, 30)?;
                 let binding = self.binding_of(&b.source, &b.destination, true, &b.routing_key, &b.arguments);
-                self.node.bind(binding).await.map_err(|e| Ok(node_soft(e, 40, 30)))?;
+                self.change_binding(binding, true, (40, 30)).await?;
                 if !b.nowait {
                     self.reply(AMQPClass::Exchange(E::BindOk(exchange::BindOk {}))).await;
                 }
                 Ok(true)
             }
             E::Unbind(b) => {
-                self.may(Access::Write, "exchange", b.destination.as_str(), 40, 40)?;
-                self.may(Access::Read, "exchange", b.source.as_str(), 40, 40)?;
                 let binding = self.binding_of(&b.source, &b.destination, true, &b.routing_key, &b.arguments);
-                self.node.unbind(binding).await.map_err(|e| Ok(node_soft(e, 40, 40)))?;
+                self.change_binding(binding, false, (40, 40)).await?;
                 if !b.nowait {
                     self.reply(AMQPClass::Exchange(E::UnbindOk(exchange::UnbindOk {}))).await;
                 }
@@ -102,6 +97,22 @@ impl Channel {
             }
             other => Err(Err(hard(COMMAND_INVALID, format!("exchange.{other:?} is not a client method")))),
         }
+    }
+
+    /// Make (`add`) or remove a binding a client asked for with method
+    /// `(class, method)`: as RabbitMQ, write permission on the destination
+    /// and read on the source first.
+    pub(in crate::amqp) async fn change_binding(
+        &mut self,
+        binding: Binding,
+        add: bool,
+        (class, method): (u16, u16),
+    ) -> Result<(), Result<Soft, Hard>> {
+        let kind = if binding.to_exchange { "exchange" } else { "queue" };
+        self.may(Access::Write, kind, names::name_of(&binding.destination), class, method)?;
+        self.may(Access::Read, "exchange", names::name_of(&binding.exchange), class, method)?;
+        let done = if add { self.node.bind(binding).await } else { self.node.unbind(binding).await };
+        done.map_err(|e| Ok(node_soft(e, class, method)))
     }
 
     pub(in crate::amqp) fn binding_of(

@@ -155,20 +155,16 @@ impl Channel {
                 Ok(true)
             }
             Q::Bind(b) => {
-                self.may(Access::Write, "queue", b.queue.as_str(), 50, 20)?;
-                self.may(Access::Read, "exchange", b.exchange.as_str(), 50, 20)?;
                 let binding = self.binding_of(&b.exchange, &b.queue, false, &b.routing_key, &b.arguments);
-                self.node.bind(binding).await.map_err(|e| Ok(node_soft(e, 50, 20)))?;
+                self.change_binding(binding, true, (50, 20)).await?;
                 if !b.nowait {
                     self.reply(AMQPClass::Queue(Q::BindOk(queue::BindOk {}))).await;
                 }
                 Ok(true)
             }
             Q::Unbind(b) => {
-                self.may(Access::Write, "queue", b.queue.as_str(), 50, 50)?;
-                self.may(Access::Read, "exchange", b.exchange.as_str(), 50, 50)?;
                 let binding = self.binding_of(&b.exchange, &b.queue, false, &b.routing_key, &b.arguments);
-                self.node.unbind(binding).await.map_err(|e| Ok(node_soft(e, 50, 50)))?;
+                self.change_binding(binding, false, (50, 50)).await?;
                 self.reply(AMQPClass::Queue(Q::UnbindOk(queue::UnbindOk {}))).await;
                 Ok(true)
             }
