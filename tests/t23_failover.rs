@@ -843,3 +843,106 @@ async fn a_replica_moved_away_is_not_told_so_by_a_minoritys_fork() {
     assert_eq!(c.node(1).queue_info("mv.q").unwrap().ready, 2, "node 1 holds both confirmed messages");
     c.shutdown().await;
 }
+
+/// This node's replica of `queue`, if it runs; a replica whose core
+/// stopped (quit on an error, or panicked) fails the test at once.
+fn replica_running(node: &mirrorq::Node, queue: &str) -> bool {
+    let Some(raft) = node.queue_raft(queue) else { return false };
+    let rx = raft.metrics();
+    assert!(rx.has_changed().is_ok(), "node {}'s replica of {queue} stopped: its core is gone", node.id());
+    if let Err(e) = &rx.borrow().running_state {
+        panic!("node {}'s replica of {queue} stopped: {e}", node.id());
+    }
+    true
+}
+
+/// Campaign seed 1168, second half. Node 1 deleted its replica while it was
+/// still a voter (`Inner::drop_replica`), and its reconciler started the
+/// replica again, blank, in the same group and epoch, while the master
+/// (node 2), whose log no longer began at 0, still held node 1 as matched
+/// far along. openraft 0.9's leader does not expect a follower's log to go
+/// back: a debug build panics in the master's core; a release build's
+/// search for the match point wrapped around and sent the blank replica
+/// `prev_log_id: None` with the entries from the master's first kept one,
+/// which the replica took as its log with a hole from index 0: its core
+/// quit at the first apply ("try to get log at index 0 but got Some(..)"),
+/// never started again, and the group, whose membership needed node 1,
+/// was wedged. The master must fill the blank replica instead (snapshot,
+/// then entries): no replica's core stops, every confirmed message is on
+/// every replica, and the replica starts again after a crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_voter_wiped_and_started_blank_is_filled_by_its_master() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    let all = r#"{"ha-mode":"all","queue-master-locator":"client-local"}"#;
+    c.node(2).set_policy(policy("^bv", all)).await.unwrap();
+    c.node(2).declare_queue("bv.q", vec![]).await.unwrap();
+    let mut sent = BTreeSet::new();
+    // Publish on node 2 until confirmed; every replica's core must stay up.
+    async fn publish(c: &Cluster, sent: &mut BTreeSet<String>, body: String) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match c.node(2).publish("bv.q", vec![common::msg(body.clone())]).await {
+                Ok(()) => break,
+                Err(e @ (mirrorq::NodeError::Unconfirmed(_) | mirrorq::NodeError::Unavailable(_))) => {
+                    for id in 1..=3 {
+                        replica_running(c.node(id), "bv.q");
+                    }
+                    assert!(std::time::Instant::now() < deadline, "never confirmed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("publish failed: {e}"),
+            }
+        }
+        sent.insert(body);
+    }
+    let holds = |c: &Cluster, id: u64, n: usize| {
+        replica_running(c.node(id), "bv.q")
+            && c.node(id).queue_info("bv.q").is_ok_and(|i| i.ready == n as u64)
+            && c.node(id).local_stored_count("bv.q").is_ok_and(|s| s == n)
+    };
+    for i in 0..20 {
+        publish(&c, &mut sent, format!("a{i}")).await;
+    }
+    assert!(c.node(2).is_master("bv.q"));
+    wait_until(Duration::from_secs(10), "every replica holds the first messages", || {
+        (1..=3).all(|id| holds(&c, id, sent.len()))
+    })
+    .await;
+
+    tracing::info!("--- the master snapshots and purges its log: it no longer starts at 0");
+    let raft = c.node(2).queue_raft("bv.q").unwrap();
+    let applied = raft.metrics().borrow().last_applied.unwrap().index;
+    raft.trigger().snapshot().await.unwrap();
+    let limit = Some(Duration::from_secs(10));
+    raft.wait(limit).metrics(|m| m.snapshot.is_some_and(|s| s.index >= applied), "snapshot").await.unwrap();
+    raft.trigger().purge_log(applied).await.unwrap();
+    raft.wait(limit).metrics(|m| m.purged.is_some_and(|p| p.index >= applied), "purged").await.unwrap();
+    for i in 0..5 {
+        publish(&c, &mut sent, format!("b{i}")).await;
+    }
+    wait_until(Duration::from_secs(10), "node 1 holds them too", || holds(&c, 1, sent.len())).await;
+
+    tracing::info!("--- node 1's replica is wiped while it is a voter; the master goes on");
+    c.node(1).wipe_replica("bv.q").await.unwrap();
+    for i in 0..5 {
+        publish(&c, &mut sent, format!("c{i}")).await;
+    }
+    wait_until(Duration::from_secs(30), "node 1's blank replica is filled by the master", || {
+        (1..=3).all(|id| holds(&c, id, sent.len()))
+    })
+    .await;
+    assert_eq!(c.node(2).queue_members("bv.q"), Some(BTreeSet::from([1, 2, 3])));
+    publish(&c, &mut sent, "d0".into()).await;
+
+    tracing::info!("--- node 1 crashes and restarts: its replica starts again");
+    c.crash(1).await;
+    c.restart(1).await;
+    wait_until(Duration::from_secs(30), "every replica holds every message after the restart", || {
+        (1..=3).all(|id| holds(&c, id, sent.len()))
+    })
+    .await;
+    let got: BTreeSet<String> = drain(c.node(2), "bv.q").await.into_iter().collect();
+    assert_eq!(got, sent, "every confirmed message is delivered");
+    c.shutdown().await;
+}

@@ -90,6 +90,26 @@ impl Node {
         Ok(out)
     }
 
+    /// Delete this node's replica of `queue` as a replica told it moved
+    /// away deletes itself (`Inner::drop_replica`), whatever the group's
+    /// membership says: a voter's data lost while the group goes on. The
+    /// reconciler starts the replica again, blank, at its next round if the
+    /// metadata still places it here (as a disk replaced under a running
+    /// node would leave it).
+    pub async fn wipe_replica(&self, queue: &str) -> Result<(), NodeError> {
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let g = self.inner.groups.read().expect("poisoned").get(&q.group).cloned();
+        let g = g.ok_or_else(|| NodeError::Unavailable(format!("no replica of {queue} here")))?;
+        let busy = super::failover::Busy::take(&self.inner.busy, q.group);
+        let _busy = busy.ok_or_else(|| NodeError::Unavailable(format!("replica of {queue} is busy")))?;
+        if !self.inner.take_out(&g) {
+            return Err(NodeError::Unavailable(format!("replica of {queue} was replaced meanwhile")));
+        }
+        g.stop.cancel();
+        g.shut_down().await;
+        self.inner.drop_replica(q.group).map_err(|e| NodeError::Unavailable(e.to_string()))
+    }
+
     /// Stop abruptly, as a crash would: tasks end, connections drop, no
     /// final sync or handover happens, and storage loses everything not
     /// synced (the write-ahead log is cut back to its last sync, sled's
