@@ -9,7 +9,8 @@
 #
 # Usage: benches/scripts/declare-cost.sh
 #   BATCHES=10 P=8 (defaults); MIRRORQ_BIN=target/release/mirrorq (built if missing)
-#   PERF=FILE: record node 1 with perf (call graphs) during the last batch
+#   PERF=FILE: record node 1 with perf (call graphs) during the last batch;
+#   with PERF_ALL=1 every CPU instead, without call graphs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BATCHES=${BATCHES:-10}
@@ -49,7 +50,12 @@ echo "|---|---|---|---|---|"
 perf_pid=
 for b in $(seq 1 "$BATCHES"); do
   if [ "$b" -eq "$BATCHES" ] && [ -n "${PERF:-}" ]; then
-    perf record -F ${PERF_HZ:-250} --call-graph dwarf,32768 -p "$(cat "$DIR/m1.pid")" -o "$PERF" >/dev/null 2>&1 &
+    if [ -n "${PERF_ALL:-}" ]; then
+      # Every CPU, no call graphs: what each process and function costs.
+      perf record -a -F "${PERF_HZ:-999}" -o "$PERF" >/dev/null 2>&1 &
+    else
+      perf record -F "${PERF_HZ:-250}" --call-graph dwarf,32768 -p "$(cat "$DIR/m1.pid")" -o "$PERF" >/dev/null 2>&1 &
+    fi
     perf_pid=$!
   fi
   s0=$(counter mirrorq_fsync_seconds_count)

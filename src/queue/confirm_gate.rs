@@ -71,12 +71,6 @@ impl Samples {
         }
     }
 
-    /// Whether time alone can no longer move the threshold: the index one
-    /// timeout ago is the last one.
-    fn settled(&self, now: Instant, timeout: Duration, last: u64) -> bool {
-        self.threshold(now, timeout) == Some(last)
-    }
-
     /// The index a member must have reached to count as synchronised.
     fn threshold(&self, now: Instant, timeout: Duration) -> Option<u64> {
         match self.points.front() {
@@ -263,11 +257,14 @@ pub fn spawn(
                     tracing::info!(group, term = m.current_term, synchronised = ?in_sync, was = ?reported, "synchronised replicas changed");
                     reported = in_sync.clone();
                 }
-                ticking = !lagging.is_empty()
-                    || now < grace_until
-                    || in_sync != st.members
-                    || !behind.is_empty()
-                    || !samples.settled(now, timeout, last.unwrap_or(0));
+                // With every member synchronised and none behind the last
+                // index, neither the grace period's end nor a rising
+                // threshold (never above the last index) can change
+                // anything: metrics changes wake it, and a just-founded
+                // group does not tick ten times a second for a timeout.
+                // (The samples lose nothing: the index moves only with the
+                // metrics.)
+                ticking = !lagging.is_empty() || in_sync != st.members || !behind.is_empty();
                 st.synchronised = in_sync.clone();
                 st.confirmed = confirmed;
                 st.leader_term = Some(m.current_term);
