@@ -254,7 +254,7 @@ async fn the_node_link_over_mutual_tls_serves_only_the_clusters_certificates() {
     assert_eq!(got.len(), 1, "served across the nodes over TLS");
 
     let addr = c.configs[0].raft_listen.clone();
-    let ask = RpcRequest::Client(ClientRequest::QueueInfo { name: "tq".into() });
+    let ask = RpcRequest::Client(ClientRequest::QueueInfo { name: "tq".into(), declared: false });
     let refused = |c: &Cluster| c.node(1).metrics().link_refused.get();
     for (who, transport) in [
         ("the secret, no TLS", Transport::new().with_secret(Some(secret.clone()))),

@@ -86,6 +86,26 @@ async fn a_declared_group_goes_quiet_without_a_settle_window() {
     c.shutdown().await;
 }
 
+/// Clients declare their queues at every connection: declaring a queue
+/// that exists asks its master for its counts and writes nothing to its
+/// log, so a quiet group stays quiet (it wrote a status entry, which woke
+/// it for a settle window of heartbeats).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declaring_an_existing_queue_leaves_its_quiet_group_alone() {
+    init_tracing();
+    let (c, master, mirrors) = quiet_queue("q").await;
+    let raft = c.node(master).queue_raft("q").unwrap();
+    let last = raft.metrics().borrow().last_log_index;
+    for id in [master, mirrors[0], mirrors[1]] {
+        let (q, created) = c.node(id).declare_queue_reporting("q", Vec::new()).await.expect("declared again");
+        assert!(!created);
+        assert_eq!(q.name, "q");
+    }
+    assert_eq!(raft.metrics().borrow().last_log_index, last, "a declare wrote to the queue's log");
+    assert!(c.node(master).is_quiet_here("q"), "a declare woke the quiet group");
+    c.shutdown().await;
+}
+
 /// The first publish wakes the group: it is confirmed, every mirror
 /// applies it (the commit index reaches them without waiting for anyone to
 /// notice), and the group goes quiet again afterwards.

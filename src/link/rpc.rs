@@ -248,9 +248,11 @@ pub enum ClientRequest {
     DeleteQueue {
         name: String,
     },
-    /// Queue status as this node sees it locally.
+    /// Queue status as this node sees it locally. `declared`: asked by a
+    /// declare of the queue, which counts as a use of it (`x-expires`).
     QueueInfo {
         name: String,
+        declared: bool,
     },
     /// Queue operations, forwarded by the receiving node to the master.
     QueueOp {

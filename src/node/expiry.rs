@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 
-use super::{deadletter, Node};
+use super::{deadletter, Inner, Node};
 use crate::error::NodeError;
 use crate::ids::GroupId;
 use crate::queue::QueueCmd;
@@ -120,5 +120,16 @@ impl Node {
     async fn consumers_anywhere(&self, queue: &str) -> Option<usize> {
         let (_, consumers) = self.clients_of_nodes(true).await?;
         Some(consumers.iter().filter(|k| k.queue == queue).count())
+    }
+}
+
+impl Inner {
+    /// A declare of `queue` reached this node's replica: a use, as a get
+    /// is (RabbitMQ: a redeclare renews the lease).
+    pub(super) fn declared_here(&self, queue: &str) {
+        let Some(group) = self.meta.borrow().queues.get(queue).map(|q| q.group) else { return };
+        if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
+            *g.used.lock().expect("poisoned") = Instant::now();
+        }
     }
 }

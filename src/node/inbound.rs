@@ -252,7 +252,12 @@ impl Node {
                 self.declare_queue(&name, replicas).await.map(ClientReply::Declared)
             }
             ClientRequest::DeleteQueue { name } => self.delete_queue(&name).await.map(|_| ClientReply::Deleted),
-            ClientRequest::QueueInfo { name } => self.queue_info(&name).map(ClientReply::QueueInfo),
+            ClientRequest::QueueInfo { name, declared } => {
+                if declared {
+                    self.inner.declared_here(&name);
+                }
+                self.queue_info(&name).map(ClientReply::QueueInfo)
+            }
             ClientRequest::QueueOp { queue, cmds } => self.queue_op(&queue, cmds).await.map(ClientReply::Queue),
         }
     }

@@ -60,7 +60,7 @@ impl Node {
         // the metadata majority still answers declares of the queues it
         // serves (as every client library declares before it uses a queue).
         if let Some(q) = self.metadata().queues.get(name).cloned() {
-            self.queue_op(name, vec![QueueCmd::Status]).await?;
+            self.view_at_master(name, true).await?;
             return Ok((q, false));
         }
         // Placement needs this node in the metadata; right after start its
@@ -103,7 +103,7 @@ impl Node {
                 None => false,
             };
         if !led_here {
-            self.queue_op(name, vec![QueueCmd::Status]).await?;
+            self.view_at_master(name, true).await?;
         }
         Ok(q)
     }

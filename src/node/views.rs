@@ -19,13 +19,24 @@ impl Node {
     /// The queue as its master sees it (counts, synchronised mirrors), asked
     /// over the node link when the master is elsewhere.
     pub async fn master_view(&self, name: &str) -> Result<QueueInfo, NodeError> {
+        self.view_at_master(name, false).await
+    }
+
+    /// [`Node::master_view`] for a declare of the queue: proves that a
+    /// master serves it, and counts as a use (`x-expires`), without an
+    /// entry in its log (a quiet group stays quiet; clients declare their
+    /// queues at every connection).
+    pub(super) async fn view_at_master(&self, name: &str, declared: bool) -> Result<QueueInfo, NodeError> {
         let q = self.find_queue(name).await?;
         let deadline = Instant::now() + Duration::from_secs(2);
         self.forward(Leader::Of(&q), Resend::Safe, deadline, |target| async move {
             let info = if target == self.id() {
+                if declared {
+                    self.inner.declared_here(name);
+                }
                 self.queue_info(name)
             } else {
-                let req = RpcRequest::Client(ClientRequest::QueueInfo { name: name.into() });
+                let req = RpcRequest::Client(ClientRequest::QueueInfo { name: name.into(), declared });
                 match self.inner.call(target, &req, deadline).await {
                     Ok(RpcResponse::Client(Ok(ClientReply::QueueInfo(i)))) => Ok(i),
                     Ok(RpcResponse::Client(Err(e))) => Err(e),
