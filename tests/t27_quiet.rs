@@ -39,53 +39,6 @@ async fn an_idle_group_sends_no_heartbeats_once_settled() {
     c.shutdown().await;
 }
 
-/// A declared queue's group holds nothing but its founding, so its master
-/// announces it quiet at the first failure-watch round that finds every
-/// mirror holding that log, and turns its heartbeats off at the next round
-/// once the mirrors' nodes fetched the announcement: with ten thousand
-/// declares, each settle window of heartbeats cost every mirror a few more
-/// appends. Watch rounds are run by hand here.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_declared_group_goes_quiet_without_a_settle_window() {
-    init_tracing();
-    let timing = fast_timing(Duration::from_secs(60));
-    let c = Cluster::start_configured(3, timing.clone(), |cfg| cfg.watch_after = Duration::from_secs(600)).await;
-    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
-    for id in [2, 3] {
-        wait_until(Duration::from_secs(10), "the mirror has the founding log", || {
-            c.node(id).queue_raft("q").is_some_and(|r| r.metrics().borrow().last_log_index == Some(1))
-        })
-        .await;
-    }
-    let master = c.node(1).queue_raft("q").unwrap();
-    wait_until(Duration::from_secs(10), "the master sees both mirrors matched", || {
-        let m = master.metrics().borrow().clone();
-        m.replication.as_ref().is_some_and(|r| r.values().all(|matched| matched.map(|l| l.index) == Some(1)))
-    })
-    .await;
-    wait_until(Duration::from_secs(10), "the master counts both mirrors synchronised", || {
-        c.node(1).queue_info("q").is_ok_and(|i| i.synchronised.len() == 3)
-    })
-    .await;
-    let round = |id: u64| {
-        let node = c.node(id).clone();
-        async move { node.watch_failures_over(vec![node.replica_view("q").unwrap()]).await }
-    };
-    // The master's first round announces the group. A mirror's node holds
-    // the list after its next ping and says so at the one after (a round
-    // pings at most every 400 ms); then the master's second round quiets it.
-    round(1).await;
-    for _ in 0..2 {
-        tokio::time::sleep(Duration::from_millis(450)).await;
-        round(2).await;
-        round(3).await;
-    }
-    round(1).await;
-    assert!(c.node(1).is_quiet_here("q"), "a founded group waited out a settle window before going quiet");
-    assert_eq!(c.node(1).quiet_groups(), 1);
-    c.shutdown().await;
-}
-
 /// Clients declare their queues at every connection: declaring a queue
 /// that exists asks its master for its counts and writes nothing to its
 /// log, so a quiet group stays quiet (it wrote a status entry, which woke

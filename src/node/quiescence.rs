@@ -27,7 +27,6 @@ use std::time::Instant;
 
 use openraft::{RaftMetrics, ServerState};
 
-use super::reconcile::{FOUNDING_LAST_INDEX, FOUNDING_TERM};
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::RpcResponse;
@@ -271,19 +270,13 @@ impl Node {
         let leading = m.state == ServerState::Leader && !self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
         let now_settled = leading && settled(g, m, me);
         let mark = (m.current_term, m.last_log_index);
-        // A group that holds nothing but its founding has no commit index
-        // worth carrying (a blank entry), so it is announced as soon as
-        // every member has its log: a declare then costs each mirror about
-        // four heartbeats instead of eight.
-        let founding_only = mark == (FOUNDING_TERM, Some(FOUNDING_LAST_INDEX));
         let since = {
             let mut s = g.watch.settled.lock().expect("poisoned");
             match *s {
                 Some((at, was)) if now_settled && was == mark => Some(at),
                 _ => {
-                    let now = Instant::now();
-                    *s = now_settled.then_some((now, mark));
-                    (now_settled && founding_only).then_some(now)
+                    *s = now_settled.then(|| (Instant::now(), mark));
+                    None
                 }
             }
         };
@@ -296,7 +289,7 @@ impl Node {
             q.withdraw(group);
             return;
         };
-        if !founding_only && since.elapsed() < self.inner.timing.heartbeat * SETTLE_HEARTBEATS {
+        if since.elapsed() < self.inner.timing.heartbeat * SETTLE_HEARTBEATS {
             return;
         }
         let gen = q.announce(group, m.current_term);

@@ -27,10 +27,7 @@ use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft, TypeConfig};
 
 /// The term a new queue's group starts in, led by its designated master.
-pub(super) const FOUNDING_TERM: u64 = 1;
-/// The last index of a founded group's log before its first entry
-/// (`founding_log`).
-pub(super) const FOUNDING_LAST_INDEX: u64 = 1;
+const FOUNDING_TERM: u64 = 1;
 
 /// Replicas started at once by one round.
 const STARTS_AT_ONCE: usize = 16;
@@ -564,9 +561,6 @@ fn founding_log(q: &QueueMeta, state: &MetaState, master: NodeId) -> Vec<Entry<T
     let voters = nodes.keys().copied().collect::<BTreeSet<_>>();
     vec![
         Entry { log_id: LogId::default(), payload: EntryPayload::Membership(Membership::new(vec![voters], nodes)) },
-        Entry {
-            log_id: LogId::new(CommittedLeaderId::new(FOUNDING_TERM, master), FOUNDING_LAST_INDEX),
-            payload: EntryPayload::Blank,
-        },
+        Entry { log_id: LogId::new(CommittedLeaderId::new(FOUNDING_TERM, master), 1), payload: EntryPayload::Blank },
     ]
 }
