@@ -28,7 +28,10 @@ impl Node {
     /// queues at every connection).
     pub(super) async fn view_at_master(&self, name: &str, declared: bool) -> Result<QueueInfo, NodeError> {
         let q = self.find_queue(name).await?;
-        let deadline = Instant::now() + Duration::from_secs(2);
+        // A declare waits for a master as long as any operation does (one
+        // may be elected meanwhile); a look at the queue does not.
+        let limit = if declared { self.inner.timing.op_timeout } else { Duration::from_secs(2) };
+        let deadline = Instant::now() + limit;
         self.forward(Leader::Of(&q), Resend::Safe, deadline, |target| async move {
             let info = if target == self.id() {
                 if declared {
