@@ -9,6 +9,7 @@
 #
 # Usage: benches/scripts/declare-cost.sh
 #   BATCHES=10 P=8 (defaults); MIRRORQ_BIN=target/release/mirrorq (built if missing)
+#   VIA=amqp: declare with AMQP queue.declare (pika) instead of HTTP
 #   PERF=FILE: record node 1 with perf (call graphs) during the last batch;
 #   with PERF_ALL=1 every CPU instead, without call graphs
 set -euo pipefail
@@ -44,7 +45,7 @@ counter() {
   echo $t
 }
 hz=$(getconf CLK_TCK)
-echo "Run $(date -u '+%Y-%m-%d %H:%M') UTC at $(git rev-parse --short HEAD), $(nproc) cores; BATCHES=$BATCHES P=$P"
+echo "Run $(date -u '+%Y-%m-%d %H:%M') UTC at $(git rev-parse --short HEAD), $(nproc) cores; BATCHES=$BATCHES P=$P VIA=${VIA:-http}"
 echo "| queues | declares/s | CPU per declare, 3 nodes (ms) | syncs per declare | appends received per declare |"
 echo "|---|---|---|---|---|"
 perf_pid=
@@ -62,8 +63,13 @@ for b in $(seq 1 "$BATCHES"); do
   a0=$(counter mirrorq_raft_appends_received_total)
   c0=$(cpu)
   t0=$(date +%s.%N)
-  SCALE_FIRST=$(((b - 1) * 1000)) SCALE_RESULTS=$DIR/results.jsonl \
-    python3 benches/scripts/scale.py declare mirrorq 1000 "$P" 15691 15692 15693
+  if [ "${VIA:-http}" = amqp ]; then
+    SCALE_FIRST=$(((b - 1) * 1000)) SCALE_RESULTS=$DIR/results.jsonl \
+      python3 benches/scripts/scale.py declare-amqp mirrorq 1000 "$P" 5691 5692 5693
+  else
+    SCALE_FIRST=$(((b - 1) * 1000)) SCALE_RESULTS=$DIR/results.jsonl \
+      python3 benches/scripts/scale.py declare mirrorq 1000 "$P" 15691 15692 15693
+  fi
   t1=$(date +%s.%N)
   c1=$(cpu)
   s1=$(counter mirrorq_fsync_seconds_count)

@@ -8,6 +8,9 @@ RabbitMQ's, guest/guest, loopback only) and reads /proc.
 
   declare SYSTEM N PARALLEL PORT...      declare N durable queues (from
                                          number $SCALE_FIRST, default 0)
+  declare-amqp SYSTEM N PARALLEL PORT... the same with AMQP queue.declare
+                                         (pika, one connection per client;
+                                         PORTs are AMQP ports)
   sync SYSTEM PORT N REPLICAS TIMEOUT    wait until all are synchronised
   rss SYSTEM KEY PID...                  VmRSS of each node (KiB)
   idle SYSTEM SECONDS PID...             CPU of each node over SECONDS
@@ -136,6 +139,55 @@ def declare(system, n, parallel, ports):
         log(f"  declare failed: {e}")
     log(f"{system}: {n - len(errors)} of {n} queues declared in {secs:.1f} s "
         f"({(n - len(errors)) / secs:.1f}/s, {parallel} clients, {retries[0]} retries)")
+
+
+def declare_amqp(system, n, parallel, ports):
+    """As `declare`, through AMQP: PARALLEL pika clients, client c on node
+    c mod 3, each on one connection and channel, declaring the next queue
+    (durable) and waiting for its declare-ok."""
+    import pika  # only this subcommand needs it
+
+    n, parallel = int(n), int(parallel)
+    ports = [int(p) for p in ports]
+    todo = queue.Queue()
+    first = int(os.environ.get("SCALE_FIRST", "0"))
+    for i in range(first, first + n):
+        todo.put(i)
+    errors = []
+    lock = threading.Lock()
+
+    def client(c):
+        params = pika.ConnectionParameters("127.0.0.1", ports[c % len(ports)],
+                                           credentials=pika.PlainCredentials("guest", "guest"))
+        conn = pika.BlockingConnection(params)
+        ch = conn.channel()
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                ch.queue_declare(qname(i), durable=True)
+            except Exception as e:  # noqa: BLE001
+                with lock:
+                    errors.append(f"{qname(i)}: {e!r}")
+                conn = pika.BlockingConnection(params)
+                ch = conn.channel()
+        conn.close()
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(parallel)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    secs = time.monotonic() - start
+    record(system, "amqp_declares_per_s", (n - len(errors)) / secs)
+    record(system, "amqp_declare_errors", len(errors))
+    for e in errors[:5]:
+        log(f"  declare failed: {e}")
+    log(f"{system}: {n - len(errors)} of {n} queues declared over AMQP in {secs:.1f} s "
+        f"({(n - len(errors)) / secs:.1f}/s, {parallel} clients)")
 
 
 # ---- what the API says about each queue ------------------------------------
@@ -425,6 +477,8 @@ def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "declare":
         declare(args[0], args[1], args[2], args[3:])
+    elif cmd == "declare-amqp":
+        declare_amqp(args[0], args[1], args[2], args[3:])
     elif cmd == "sync":
         sync(*args)
     elif cmd == "rss":
