@@ -98,6 +98,25 @@ async fn wait_view(node: &Node, queue: &str, what: &str, cond: impl Fn(&QueueInf
     }
 }
 
+/// A mirror added to a queue nobody uses: the master hears from it that it
+/// lacks the old bodies after its log is complete, and no Raft metric
+/// changes then; the report alone must take it out of the synchronised
+/// set (a master's confirm gate with nothing to wait for does not tick).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_added_to_an_idle_queue_is_not_counted_synchronised_while_it_lacks_bodies() {
+    init_tracing();
+    let c = cluster(3, 8 * KIB).await;
+    let (_, mirror) = queue_with_new_manual_mirror(&c, "man-idle", 500).await;
+    wait_view(c.node(1), "man-idle", "the mirror reports", |v| v.catching_up.iter().any(|(id, _)| *id == mirror)).await;
+    // Nothing is published: only the report can have moved the set.
+    let v = wait_view(c.node(1), "man-idle", "the master counts the mirror out", |v| !v.synchronised.contains(&mirror))
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let later = view(c.node(1), "man-idle").await;
+    assert!(!later.synchronised.contains(&mirror), "counted synchronised without its bodies: {later:?} (was {v:?})");
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn manual_mirror_gets_only_new_messages_until_sync_which_runs_while_the_queue_is_used() {
     init_tracing();

@@ -10,8 +10,7 @@
 //! and a 3.7 s confirm stall once in the side-by-side runs.
 //!
 //! Once a second, each idle group the log names as pinning its oldest
-//! segment (from its third segment on), unless its whole log is small, is
-//! compacted instead: a snapshot (a sled
+//! segment (from its third segment on) is compacted instead: a snapshot (a sled
 //! sync and one key: the state machine is on disk already), then a purge
 //! of everything the snapshot covers. A master purges only what every
 //! replica has: a replica behind it would otherwise need the whole state
@@ -26,13 +25,6 @@ use crate::raft::types::Raft;
 
 /// How often the log is asked which groups pin its oldest segment.
 const EVERY: Duration = Duration::from_secs(1);
-
-/// Logs smaller than this are copied forward by the log itself rather
-/// than compacted: a queue that holds only its founding entries (or a few
-/// more) costs a few hundred bytes to copy, against a snapshot (a sled
-/// sync) and a purge. With ten thousand idle queues both came at once
-/// while busy ones filled the log.
-const COPY_BELOW: u64 = 64 << 10;
 
 /// What one step of compaction does for a group.
 #[derive(Debug, PartialEq, Eq)]
@@ -53,7 +45,7 @@ impl Node {
                     _ = node.inner.stop.cancelled() => return,
                     _ = tick.tick() => {}
                 }
-                for group in node.inner.db.wal().pinning_oldest(COPY_BELOW) {
+                for group in node.inner.db.wal().pinning_oldest() {
                     let raft = if group == METADATA_GROUP {
                         Some(node.inner.meta_raft.clone())
                     } else {

@@ -2,9 +2,10 @@
 //! that long is deleted, as RabbitMQ deletes it.
 //!
 //! Unused as RabbitMQ counts it: no consumer, no `basic.get`, not declared
-//! again; publishing to it does not count. Gets, consumers' gets, acks,
-//! registrations and the status read a re-declare makes all go through the
-//! queue's master, which notes the time of each ([`Node::touch`]). Once a
+//! again; publishing to it does not count. Gets, consumers' gets, acks and
+//! registrations go through the queue's master, and a declare asks the
+//! master for its view ([`Inner::declared_here`]): the master notes the
+//! time of each. Once a
 //! second this node looks at the queues it masters that have an expiry;
 //! one idle for longer is deleted, after every node has said it holds no
 //! consumer of it (a consumer whose prefetch is full sends no gets). As in

@@ -26,7 +26,7 @@ impl Node {
     /// master serves it, and counts as a use (`x-expires`), without an
     /// entry in its log (a quiet group stays quiet; clients declare their
     /// queues at every connection).
-    pub(super) async fn view_at_master(&self, name: &str, declared: bool) -> Result<QueueInfo, NodeError> {
+    pub async fn view_at_master(&self, name: &str, declared: bool) -> Result<QueueInfo, NodeError> {
         let q = self.find_queue(name).await?;
         // A declare waits for a master as long as any operation does (one
         // may be elected meanwhile); a look at the queue does not.
@@ -48,6 +48,14 @@ impl Node {
                 }
             };
             match info {
+                // A declare counts a use at the master and proves that one
+                // serves: only a settled master's answer will do.
+                Ok(i) if declared && i.group != q.group => Attempt::Elsewhere(None),
+                Ok(i) if declared && !(i.leader == Some(target) && i.settled) => {
+                    Attempt::Elsewhere(i.leader.filter(|l| *l != target))
+                }
+                // A node that has not applied the queue's creation yet.
+                Err(NodeError::NoSuchQueue(_)) if target != self.id() => Attempt::Elsewhere(None),
                 // A replica that knows of another master: ask that one.
                 Ok(i) if i.local && i.leader.is_some_and(|l| l != target) => Attempt::Elsewhere(i.leader),
                 // A master just elected, still applying what its

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 use prometheus_client::metrics::counter::Counter;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::catchup::SyncProgress;
@@ -108,6 +108,9 @@ pub struct CatchUpBook {
     /// Members heard from in `term`.
     heard: BTreeSet<NodeId>,
     term: u64,
+    /// Wakes the confirm gate at each report: a report changes no Raft
+    /// metric, and a gate with nothing to wait for does not tick.
+    reported: Arc<Notify>,
 }
 
 pub type CatchingUp = Arc<RwLock<CatchUpBook>>;
@@ -121,6 +124,7 @@ impl CatchUpBook {
             self.heard.clear();
         }
         self.heard.insert(from);
+        self.reported.notify_one();
         match report {
             Some(p) => {
                 self.behind.insert(from, (p, Instant::now()));
@@ -162,6 +166,7 @@ pub fn spawn(
     let (tx, rx) = watch::channel(SyncState::default());
     tokio::spawn(async move {
         let mut metrics = raft.metrics();
+        let reports = catching.read().expect("poisoned").reported.clone();
         let mut samples = Samples { term: 0, points: VecDeque::new() };
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -183,6 +188,7 @@ pub fn spawn(
             tokio::select! {
                 _ = stop.cancelled() => return,
                 r = metrics.changed() => if r.is_err() { return },
+                _ = reports.notified() => {}
                 _ = tick.tick(), if ticking => {}
             }
             let now = Instant::now();
@@ -264,7 +270,9 @@ pub fn spawn(
                 // group does not tick ten times a second for a timeout.
                 // (The samples lose nothing: the index moves only with the
                 // metrics.)
-                ticking = !lagging.is_empty() || in_sync != st.members || !behind.is_empty();
+                // A report from a member since removed stays in the book.
+                let members_behind = behind.keys().any(|id| st.members.contains(id));
+                ticking = !lagging.is_empty() || in_sync != st.members || members_behind;
                 st.synchronised = in_sync.clone();
                 st.confirmed = confirmed;
                 st.leader_term = Some(m.current_term);

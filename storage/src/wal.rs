@@ -928,12 +928,8 @@ impl Wal {
     /// [`Wal::relocate_idle`] stays the fallback for a group that cannot
     /// purge (a replica behind it). Busy groups are left to their own
     /// snapshots: one a second would hold their applies for a sled sync
-    /// each time. A group whose whole log holds fewer than `min_bytes` is
-    /// left to the copy: moving a few small entries costs less than a
-    /// snapshot and a purge (ten thousand idle queues holding only their
-    /// founding entries each took both at once, while the busy ones filled
-    /// the log).
-    pub fn pinning_oldest(&self, min_bytes: u64) -> Vec<GroupId> {
+    /// each time.
+    pub fn pinning_oldest(&self) -> Vec<GroupId> {
         let inner = self.lock();
         if inner.segments.len() < COMPACT_AT {
             return Vec::new();
@@ -942,8 +938,7 @@ impl Wal {
         if s.live == 0 {
             return Vec::new();
         }
-        let bytes = |g: &GroupId| inner.groups.get(g).map_or(0, |l| l.locs.iter().map(|l| u64::from(l.len)).sum());
-        inner.idle_in(oldest).into_iter().filter(|g| bytes(g) >= min_bytes).collect()
+        inner.idle_in(oldest)
     }
 
     /// Bytes moved to the head by [`Wal::relocate_idle`] since the log was
@@ -1353,7 +1348,7 @@ mod tests {
             wal.append(1, &[(i, vec![1; 300])]).unwrap();
             wal.purge(1, i.saturating_sub(1));
         }
-        assert_eq!(wal.pinning_oldest(0), vec![9]);
+        assert_eq!(wal.pinning_oldest(), vec![9]);
         assert_eq!(wal.relocate_idle().unwrap(), 0, "just gone idle: its owner compacts first");
         assert_eq!(wal.relocate_idle().unwrap(), 0);
         std::thread::sleep(Duration::from_millis(400));
@@ -1368,7 +1363,7 @@ mod tests {
             let wal = Wal::open(dir.path(), 1024).unwrap().with_relocate_after(Duration::from_millis(100));
             wal.append(9, &idle).unwrap();
             wal.append(1, &[(1, vec![1; 300])]).unwrap();
-            assert_eq!(wal.pinning_oldest(0), Vec::<GroupId>::new(), "one segment: nothing to compact");
+            assert_eq!(wal.pinning_oldest(), Vec::<GroupId>::new(), "one segment: nothing to compact");
             for i in 2..=60u64 {
                 wal.append(1, &[(i, vec![1; 300])]).unwrap();
                 wal.purge(1, i.saturating_sub(2));
@@ -1378,8 +1373,7 @@ mod tests {
             // oldest segment: nothing can go yet.
             assert!(wal.reclaimable().is_empty());
             assert!(wal.segment_count() > MAX_SEGMENTS);
-            assert_eq!(wal.pinning_oldest(300), vec![9], "its owner is asked to compact it");
-            assert_eq!(wal.pinning_oldest(301), Vec::<GroupId>::new(), "a smaller log is left to the copy");
+            assert_eq!(wal.pinning_oldest(), vec![9], "its owner is asked to compact it");
             // The owner gets its chance before anything is copied.
             assert_eq!(wal.relocate_idle().unwrap(), 0);
             assert_eq!(wal.relocate_idle().unwrap(), 0);

@@ -238,6 +238,14 @@ ch_k.basic_consume("f.exp-kept", lambda ch, m, p, b: None)
 until("the unused queue expired", lambda: (pump([c1, c2], 0.1), api(1, "GET", "/api/queues/%2F/f.exp")[0] == 404)[1])
 pump([c1, c2], 2.0)
 assert api(2, "GET", "/api/queues/%2F/f.exp-kept")[0] == 200, "a queue with a consumer expired"
+# A declare, passive or not, renews the lease (RabbitMQ: redeclaring
+# resets the expiry timer), through whichever node the client is on.
+ch1.queue_declare("f.exp-declared", durable=True, arguments={"x-expires": 1500})
+ch_r = c2.channel()
+for _ in range(8):
+    ch_r.queue_declare("f.exp-declared", passive=True)
+    pump([c1, c2], 0.4)
+assert api(1, "GET", "/api/queues/%2F/f.exp-declared")[0] == 200, "a queue declared every 0.4 s expired"
 
 # connection.update-secret: the user's own secret is accepted, another refused.
 c1.update_secret("guest", "rotated")

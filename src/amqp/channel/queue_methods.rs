@@ -104,8 +104,10 @@ impl Channel {
                 };
                 self.check_exclusive(&q, 50, 10)?;
                 // The master's count as applied, read without an entry in
-                // its log (RabbitMQ's count is no more exact).
-                let ready = self.node.master_view(&name).await.map_err(|e| Ok(node_soft(e, 50, 10)))?.ready;
+                // its log (RabbitMQ's count is no more exact); a declare,
+                // passive or not, counts as a use (x-expires).
+                let view = self.node.view_at_master(&name, true).await;
+                let ready = view.map_err(|e| Ok(node_soft(e, 50, 10)))?.ready;
                 if !d.nowait {
                     let consumers = self.node.consumers_of(&name).await.len();
                     self.reply(AMQPClass::Queue(Q::DeclareOk(queue::DeclareOk {
