@@ -67,4 +67,8 @@ pub struct QueueInfo {
     /// samples are taken there).
     #[serde(default)]
     pub flows: Option<crate::rates::Flows>,
+    /// The single active consumer, as `(owner, number)` (a queue with
+    /// `x-single-active-consumer`; as its replica here has applied).
+    #[serde(default)]
+    pub active_consumer: Option<(u64, u64)>,
 }

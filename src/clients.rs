@@ -32,6 +32,15 @@ pub struct ConsumerInfo {
     /// `basic.consume` with `exclusive`: the queue's only consumer.
     #[serde(default)]
     pub exclusive: bool,
+    /// Who it is in the queue's registrations: its channel's owner and its
+    /// number there (`queue::types::ConsumerRef`).
+    #[serde(default)]
+    pub owner: u64,
+    #[serde(default)]
+    pub number: u64,
+    /// Consuming from a queue with `x-single-active-consumer`.
+    #[serde(default)]
+    pub single_active: bool,
 }
 
 /// Tells one connection to close, with the reason given.

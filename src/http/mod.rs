@@ -10,6 +10,7 @@ mod prometheus;
 mod props;
 mod users;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -1048,14 +1049,30 @@ async fn list_consumers(State(node): State<Node>, Extension(caller): Extension<C
     let (conns, consumers) = node.cluster_clients().await;
     let conn = |id: u64| conns.iter().find(|c| c.id == id);
     let name_of = |id: u64| conn(id).map(|c| c.name.clone()).unwrap_or_default();
+    let shown: Vec<_> =
+        consumers.iter().filter(|k| conn(k.connection).is_some_and(|c| own(&caller, &c.user))).collect();
+    // RabbitMQ's `active` and `activity_status`: on a single-active-consumer
+    // queue, as its master has the registrations (asked once per queue).
+    let mut active_of: BTreeMap<&str, Option<(u64, u64)>> = BTreeMap::new();
+    for k in shown.iter().filter(|k| k.single_active) {
+        if !active_of.contains_key(k.queue.as_str()) {
+            let active = node.master_view(&k.queue).await.ok().and_then(|v| v.active_consumer);
+            active_of.insert(&k.queue, active);
+        }
+    }
     Json(Value::Array(
-        consumers
+        shown
             .iter()
-            .filter(|k| conn(k.connection).is_some_and(|c| own(&caller, &c.user)))
             .map(|k| {
                 let (vhost, queue) = names::split(&k.queue);
+                let (active, status) = if k.single_active {
+                    let active = active_of.get(k.queue.as_str()).copied().flatten() == Some((k.owner, k.number));
+                    (active, if active { "single_active" } else { "waiting" })
+                } else {
+                    (true, "up")
+                };
                 json!({"consumer_tag": k.tag, "queue": {"name": queue, "vhost": vhost}, "ack_required": k.ack_required,
-                       "prefetch_count": k.prefetch, "exclusive": k.exclusive,
+                       "prefetch_count": k.prefetch, "exclusive": k.exclusive, "active": active, "activity_status": status,
                        "channel_details": {"name": format!("{} ({})", name_of(k.connection), k.channel), "number": k.channel}})
             })
             .collect(),

@@ -205,6 +205,7 @@ impl Node {
             synchronised: Vec::new(),
             catching_up: Vec::new(),
             flows: None,
+            active_consumer: None,
         };
         if let Some(g) = group {
             let m = g.raft.metrics().borrow().clone();
@@ -214,6 +215,7 @@ impl Node {
                 && m.last_applied.is_some_and(|l| l.leader_id.term == m.current_term);
             let s = *g.stats.borrow();
             (info.ready, info.unacked) = (s.ready, s.unacked);
+            info.active_consumer = s.active_consumer;
             info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
             if g.is_leader(self.id()) {
                 info.catching_up = confirm_gate::catching_up(&g.catching).into_iter().collect();

@@ -127,7 +127,7 @@ seen = {"a": [], "b": []}
 ch_a, ch_b = c1.channel(), c2.channel()
 tag_a = ch_a.basic_consume("f.sac", lambda ch, m, p, b: (seen["a"].append(b), ch.basic_ack(m.delivery_tag)))
 pump([c1, c2], 0.5)
-ch_b.basic_consume("f.sac", lambda ch, m, p, b: (seen["b"].append(b), ch.basic_ack(m.delivery_tag)))
+tag_b = ch_b.basic_consume("f.sac", lambda ch, m, p, b: (seen["b"].append(b), ch.basic_ack(m.delivery_tag)))
 pump([c1, c2], 0.5)
 publish(ch0, "", "f.sac", [f"s{i}" for i in range(10)])
 until("the active consumer's deliveries", lambda: (pump([c1, c2], 0.2), len(seen["a"]) == 10)[1])
@@ -135,6 +135,11 @@ pump([c1, c2], 1.0)
 assert seen["b"] == [], f"the waiting consumer got {seen['b']}"
 status, consumers = api(1, "GET", "/api/consumers")
 assert sum(1 for k in consumers if k["queue"]["name"] == "f.sac") == 2, consumers
+# As RabbitMQ's API shows them: the active one and the waiting one.
+sac = {k["consumer_tag"]: k for k in consumers if k["queue"]["name"] == "f.sac"}
+assert (sac[tag_a]["active"], sac[tag_a]["activity_status"]) == (True, "single_active"), sac
+assert (sac[tag_b]["active"], sac[tag_b]["activity_status"]) == (False, "waiting"), sac
+assert all(k["activity_status"] == "up" for k in consumers if k["queue"]["name"] != "f.sac"), consumers
 
 # The node that masters every queue goes, with no warning.
 c0.close()

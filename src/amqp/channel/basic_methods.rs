@@ -122,6 +122,9 @@ impl Channel {
                     ack_required: !c.no_ack,
                     prefetch,
                     exclusive: c.exclusive,
+                    owner: self.owner,
+                    number: me.number,
+                    single_active,
                 });
                 if !c.nowait {
                     self.reply(AMQPClass::Basic(B::ConsumeOk(basic::ConsumeOk { consumer_tag: ss(&tag) }))).await;
