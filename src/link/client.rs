@@ -57,7 +57,7 @@ impl NodeClient {
 
     pub async fn queue_info(&self, name: &str) -> Result<QueueInfo, ClientError> {
         match self.request(ClientRequest::QueueInfo { name: name.into(), declared: false }).await? {
-            ClientReply::QueueInfo(q) => Ok(q),
+            ClientReply::QueueInfo(q) => Ok(*q),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
     }

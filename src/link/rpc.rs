@@ -265,7 +265,7 @@ pub enum ClientRequest {
 pub enum ClientReply {
     Declared(crate::metadata::QueueMeta),
     Deleted,
-    QueueInfo(crate::api::QueueInfo),
+    QueueInfo(Box<crate::api::QueueInfo>),
     Queue(Vec<QueueReply>),
 }
 

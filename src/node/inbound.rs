@@ -256,7 +256,7 @@ impl Node {
                 if declared {
                     self.inner.declared_here(&name);
                 }
-                self.queue_info(&name).map(ClientReply::QueueInfo)
+                self.queue_info(&name).map(|i| ClientReply::QueueInfo(Box::new(i)))
             }
             ClientRequest::QueueOp { queue, cmds } => self.queue_op(&queue, cmds).await.map(ClientReply::Queue),
         }

@@ -41,7 +41,7 @@ impl Node {
             } else {
                 let req = RpcRequest::Client(ClientRequest::QueueInfo { name: name.into(), declared });
                 match self.inner.call(target, &req, deadline).await {
-                    Ok(RpcResponse::Client(Ok(ClientReply::QueueInfo(i)))) => Ok(i),
+                    Ok(RpcResponse::Client(Ok(ClientReply::QueueInfo(i)))) => Ok(*i),
                     Ok(RpcResponse::Client(Err(e))) => Err(e),
                     Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
                     Err(e) => return Attempt::failed(e),
