@@ -86,15 +86,32 @@ class Api:
 
 # ---- declare ---------------------------------------------------------------
 
+def numbered(n):
+    """A queue of the numbers of N queues to declare, from $SCALE_FIRST."""
+    todo = queue.Queue()
+    first = int(os.environ.get("SCALE_FIRST", "0"))
+    for i in range(first, first + n):
+        todo.put(i)
+    return todo
+
+
+def run_clients(client, parallel):
+    """Run `client(c)` in PARALLEL threads; the seconds they took together."""
+    start = time.monotonic()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(parallel)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - start
+
+
 def declare(system, n, parallel, ports):
     """PARALLEL clients, client c on node c mod 3, each taking the next queue
     name; a refused declare (503 under load, a reset) is retried up to 5 times."""
     n, parallel = int(n), int(parallel)
     ports = [int(p) for p in ports]
-    todo = queue.Queue()
-    first = int(os.environ.get("SCALE_FIRST", "0"))
-    for i in range(first, first + n):
-        todo.put(i)
+    todo = numbered(n)
     body = {"durable": True, "auto_delete": False, "arguments": {}}
     if system == "rabbitmq-quorum":
         body["arguments"] = {"x-queue-type": "quorum"}
@@ -124,13 +141,7 @@ def declare(system, n, parallel, ports):
                     errors.append(f"{qname(i)}: {status} {payload[:200]!r}")
         api.close()
 
-    start = time.monotonic()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(parallel)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    secs = time.monotonic() - start
+    secs = run_clients(client, parallel)
     record(system, "declare_seconds", secs)
     record(system, "declares_per_s", (n - len(errors)) / secs)
     record(system, "declare_retries", retries[0])
@@ -149,10 +160,7 @@ def declare_amqp(system, n, parallel, ports):
 
     n, parallel = int(n), int(parallel)
     ports = [int(p) for p in ports]
-    todo = queue.Queue()
-    first = int(os.environ.get("SCALE_FIRST", "0"))
-    for i in range(first, first + n):
-        todo.put(i)
+    todo = numbered(n)
     errors = []
     lock = threading.Lock()
 
@@ -175,13 +183,7 @@ def declare_amqp(system, n, parallel, ports):
                 ch = conn.channel()
         conn.close()
 
-    start = time.monotonic()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(parallel)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    secs = time.monotonic() - start
+    secs = run_clients(client, parallel)
     record(system, "amqp_declares_per_s", (n - len(errors)) / secs)
     record(system, "amqp_declare_errors", len(errors))
     for e in errors[:5]:
