@@ -253,10 +253,7 @@ impl Node {
             }
             ClientRequest::DeleteQueue { name } => self.delete_queue(&name).await.map(|_| ClientReply::Deleted),
             ClientRequest::QueueInfo { name, declared } => {
-                if declared {
-                    self.inner.declared_here(&name);
-                }
-                self.queue_info(&name).map(|i| ClientReply::QueueInfo(Box::new(i)))
+                self.queue_info_declared(&name, declared).map(|i| ClientReply::QueueInfo(Box::new(i)))
             }
             ClientRequest::QueueOp { queue, cmds } => self.queue_op(&queue, cmds).await.map(ClientReply::Queue),
         }

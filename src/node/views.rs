@@ -34,10 +34,7 @@ impl Node {
         let deadline = Instant::now() + limit;
         self.forward(Leader::Of(&q), Resend::Safe, deadline, |target| async move {
             let info = if target == self.id() {
-                if declared {
-                    self.inner.declared_here(name);
-                }
-                self.queue_info(name)
+                self.queue_info_declared(name, declared)
             } else {
                 let req = RpcRequest::Client(ClientRequest::QueueInfo { name: name.into(), declared });
                 match self.inner.call(target, &req, deadline).await {
@@ -65,6 +62,17 @@ impl Node {
             }
         })
         .await
+    }
+
+    /// This node's view of the queue, for [`Node::view_at_master`]: a
+    /// declare counts as a use (`x-expires`) only where the answer is
+    /// taken, at the settled master, whose mark is the one read.
+    pub(super) fn queue_info_declared(&self, name: &str, declared: bool) -> Result<QueueInfo, NodeError> {
+        let info = self.queue_info(name)?;
+        if declared && info.leader == Some(self.id()) && info.settled {
+            self.inner.declared_here(name);
+        }
+        Ok(info)
     }
 
     /// Memory and disk readings of node `id` (this one's own, or asked over

@@ -51,7 +51,7 @@ impl Channel {
                         .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 50, 10)))?;
                     Some(parsed)
                 };
-                let q = match existing {
+                let (q, created) = match existing {
                     Some(q) => {
                         if let Some(arg) = args.as_ref().and_then(|a| a.inequivalent(&q.args)) {
                             return Err(Ok(soft(
@@ -67,7 +67,7 @@ impl Channel {
                                 10,
                             )));
                         }
-                        q
+                        (q, false)
                     }
                     None => {
                         let min_masters = match d.arguments.inner().get(&ss("x-queue-master-locator")) {
@@ -99,17 +99,24 @@ impl Channel {
                         if created && d.exclusive {
                             self.exclusive.lock().expect("poisoned").insert(name.clone());
                         }
-                        q
+                        (q, created)
                     }
                 };
                 self.check_exclusive(&q, 50, 10)?;
-                // The master's count as applied, read without an entry in
-                // its log (RabbitMQ's count is no more exact); a declare,
-                // passive or not, counts as a use (x-expires).
-                let view = self.node.view_at_master(&name, true).await;
-                let ready = view.map_err(|e| Ok(node_soft(e, 50, 10)))?.ready;
+                // A queue this declare created has a master serving it (the
+                // declare waited for one), no message and no consumer yet.
+                // Otherwise: the master's count as applied, read without an
+                // entry in its log (RabbitMQ's count is no more exact); a
+                // declare, passive or not, counts as a use (x-expires).
+                let ready = match created {
+                    true => 0,
+                    false => self.node.view_at_master(&name, true).await.map_err(|e| Ok(node_soft(e, 50, 10)))?.ready,
+                };
                 if !d.nowait {
-                    let consumers = self.node.consumers_of(&name).await.len();
+                    let consumers = match created {
+                        true => 0,
+                        false => self.node.consumers_of(&name).await.len(),
+                    };
                     self.reply(AMQPClass::Queue(Q::DeclareOk(queue::DeclareOk {
                         queue: ss(&bare),
                         message_count: ready.min(u32::MAX as u64) as u32,
