@@ -38,6 +38,10 @@ SYSTEMS = ["mirrorq", "rabbitmq-quorum"]
 LABELS = {"mirrorq": "mirrorq (ha-mode all)", "rabbitmq-quorum": "RabbitMQ 3.10 quorum"}
 # Idle queues published to after the idle window (`wake`).
 WAKE_COUNT = 50
+# Queues published to through the rolling restart (`probe`).
+PROBE_COUNT = 50
+# How scale.sh runs benches/scripts/amqplib_declare.js.
+AMQP_CLIENTS = "8 connections over 3 nodes, 4 channels each"
 
 
 def log(msg):
@@ -326,12 +330,29 @@ def wake(system, port, n, count):
     log(f"{system}: publish to an idle queue, confirm ms: p50 {took[len(took) // 2]:.1f}, max {took[-1]:.1f}")
 
 
+def amqp_declared(system, line):
+    """Record the JSON line of benches/scripts/amqplib_declare.js."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        r = {}
+    record(system, "amqp_declares_per_s", r.get("per_s"))
+    record(system, "amqp_declare_errors", r.get("errors"))
+    for e in r.get("first_errors") or []:
+        log(f"  declare failed: {e}")
+    if r:
+        log(f"{system}: {r['declared']} queues declared over AMQP in {r['seconds']:.1f} s ({r['per_s']}/s)")
+    else:
+        log(f"{system}: the AMQP declares gave no result: {line!r}")
+
+
 # ---- restart ---------------------------------------------------------------
 
-def served(system, port, n, replicas, timeout, since):
+def served(system, port, n, replicas, timeout, since, key="restart"):
     """Poll the restarted node's GET /api/queues from SINCE (the epoch time
     its new process was started): first until it answers with every queue
-    served, then until every queue is synchronised on all replicas again."""
+    served, then until every queue is synchronised on all replicas again.
+    Recorded as KEY_served_seconds and KEY_synced_seconds."""
     n, replicas, timeout = int(n), int(replicas), float(timeout)
     start = time.monotonic() - (time.time() - float(since))
     api = Api(int(port), timeout=120)
@@ -345,10 +366,10 @@ def served(system, port, n, replicas, timeout, since):
             now = time.monotonic() - start
             if got_served is None and len(qs) >= n and s >= n:
                 got_served = now
-                record(system, "restart_served_seconds", now)
+                record(system, f"{key}_served_seconds", now)
                 log(f"{system}: restarted node serves all {n} queues {now:.1f} s after its start")
             if got_served is not None and y >= n:
-                record(system, "restart_synced_seconds", now)
+                record(system, f"{key}_synced_seconds", now)
                 log(f"{system}: all {n} queues synchronised again {now:.1f} s after the restart")
                 return
         except Exception as e:  # noqa: BLE001
@@ -356,9 +377,32 @@ def served(system, port, n, replicas, timeout, since):
             last = str(e)
         time.sleep(0.2)
     if got_served is None:
-        record(system, "restart_served_seconds", None)
-    record(system, "restart_synced_seconds", None)
+        record(system, f"{key}_served_seconds", None)
+    record(system, f"{key}_synced_seconds", None)
     log(f"{system}: restart not complete within {timeout:.0f} s (listed, served, synchronised: {last})")
+
+
+def probe_queues(n, count):
+    """The COUNT queues spread over the N that the rolling restart's probe
+    publishes to, comma-separated."""
+    n, count = int(n), int(count)
+    print(",".join(qname(k * n // count) for k in range(count)))
+
+
+def probed(system, line):
+    """Record the JSON line of benches/scripts/amqplib_probe.js."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        r = {}
+    record(system, "rolling_gap_ms", r.get("gap_ms"))
+    record(system, "rolling_confirmed", r.get("confirmed"))
+    record(system, "rolling_failed", r.get("failed"))
+    if r:
+        log(f"{system}: rolling restart: {r['confirmed']} probe publishes confirmed, {r['failed']} failed; "
+            f"longest a probed queue went without a confirm: {r['gap_ms']} ms ({r['worst']})")
+    else:
+        log(f"{system}: the rolling restart's probe gave no result: {line!r}")
 
 
 # ---- report ----------------------------------------------------------------
@@ -374,8 +418,8 @@ def machine():
     return f"{os.cpu_count()} cores ({model}), {mem:.0f} GiB, {os.uname().release}"
 
 
-def report(path, n, parallel, idle_s, busy="100"):
-    n = int(n)
+def report(path, n, parallel, idle_s, busy="100", amqp_n="0"):
+    n, amqp_n = int(n), int(amqp_n)
     res = {}
     with open(path) as f:
         for line in f:
@@ -425,6 +469,21 @@ def report(path, n, parallel, idle_s, busy="100"):
             return num(v, 0)
         if key in ("restart_served_seconds", "restart_synced_seconds"):
             return "not within the timeout" if key in r and v is None else num(v, 2)
+        if key == "rolling_served":
+            got = [r.get(f"rolling{i}_served_seconds") for i in (1, 2, 3)]
+            if all(f"rolling{i}_served_seconds" not in r for i in (1, 2, 3)):
+                return "-"
+            return " / ".join("not within the timeout" if x is None else f"{x:.2f}" for x in got)
+        if key == "rolling_gap_ms":
+            if v is None:
+                return "-"
+            return (f"{v:,.0f} ({r.get('rolling_confirmed', 0):,} publishes confirmed, "
+                    f"{r.get('rolling_failed', 0):,} failed)")
+        if key == "amqp_declares_per_s":
+            if v is None:
+                return "-"
+            errors = r.get("amqp_declare_errors")
+            return num(v) + (f" (**{errors} failed**)" if errors else "")
         return num(v, 2)
 
     rows = [
@@ -438,9 +497,14 @@ def report(path, n, parallel, idle_s, busy="100"):
         ("10 busy queues alone, confirmed msg/s", "busy_10"),
         (f"{busy} busy queues alone, confirmed msg/s", f"busy_{busy}"),
         (f"{busy} busy queues among the {n:,} idle, confirmed msg/s", "busy_among_idle"),
+        (f"declares per second (AMQP, amqplib, {AMQP_CLIENTS}), {amqp_n:,} more queues",
+         "amqp_declares_per_s"),
         ("node 3 SIGTERM to exit (s)", "stop_seconds"),
         ("node 3 restarted: serves every queue (s from its start)", "restart_served_seconds"),
         ("node 3 restarted: every queue synchronised again (s)", "restart_synced_seconds"),
+        ("rolling restart, nodes 1, 2, 3 in turn: each serves every queue (s from its start)", "rolling_served"),
+        (f"rolling restart: longest a probed queue had no confirmed publish (ms, {PROBE_COUNT} queues)",
+         "rolling_gap_ms"),
     ]
     rev = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
                          capture_output=True, text=True).stdout.strip() or "?"
@@ -489,6 +553,12 @@ def main():
         idle(*args)
     elif cmd == "served":
         served(*args)
+    elif cmd == "probe-queues":
+        probe_queues(args[0], PROBE_COUNT)
+    elif cmd == "probed":
+        probed(*args)
+    elif cmd == "amqp-declared":
+        amqp_declared(*args)
     elif cmd == "wake":
         wake(args[0], args[1], args[2], WAKE_COUNT)
     elif cmd == "record":

@@ -29,6 +29,11 @@
 #     the idle ones: confirmed msg/s each time. RSS before is read after
 #     the first busy runs: what they leave in memory (hundreds of MiB on
 #     both systems) is not the idle queues' cost.
+#  4c. declares over AMQP: AMQP_QUEUES more durable queues (scale-amqp-...)
+#     declared with `queue.declare` by Node's amqplib
+#     (benches/scripts/amqplib_declare.js: 8 connections spread over the
+#     nodes, 4 channels each, every channel declaring its next queue once
+#     the last one's declare-ok came). Reported: queues per second.
 #  5. restart: node 3 gets SIGTERM (reported: time until it exited), is
 #     started again on its data dir, and its GET /api/queues/%2F is polled
 #     every 0.2 s. Reported, from the new process's start: until it answers
@@ -36,13 +41,21 @@
 #     syncing, RabbitMQ a leader among the online members; both answered
 #     through that node, so its API must be up), then until every queue
 #     is synchronised on all 3 replicas again.
+#  6. rolling restart: nodes 1, 2 and 3 in turn, as in 5, each once every
+#     queue is synchronised again. Meanwhile one amqplib client per node
+#     keeps a publish with confirms in flight to each of 50 queues spread
+#     over the range (benches/scripts/amqplib_probe.js, reconnecting
+#     whenever its node drops or refuses it). Reported: each node's time
+#     to serve every queue, and the longest a probed queue went without a
+#     confirmed publish through any node.
 #
 # Prints a markdown table (also written to OUT if set) with the command,
 # date, machine and git revision. Loopback only; every process it started
 # is stopped on exit and on Ctrl-C.
 #
 # Usage: benches/scripts/scale.sh
-#   QUEUES=1000 PARALLEL=4 IDLE=30 SETTLE=5 BUSY=100 BUSY_TIME=15 (defaults)
+#   QUEUES=1000 PARALLEL=4 IDLE=30 SETTLE=5 BUSY=100 BUSY_TIME=15 AMQP_QUEUES=1000 (defaults)
+#   ROLLING=0: no rolling restart
 #   MIRRORQ_ONLY=1 / RABBIT_ONLY=1: one system only
 #   MIRRORQ_BIN=target/release/mirrorq (built if missing)
 #   MIRRORQ_WORKERS=1 (clusters.sh: runtime threads per node; "" = tokio's default)
@@ -52,7 +65,7 @@ cd "$(dirname "$0")/../.."
 
 # The command as given, for the report.
 SCALE_COMMAND=
-for v in QUEUES PARALLEL IDLE SETTLE BUSY BUSY_TIME MIRRORQ_ONLY RABBIT_ONLY MIRRORQ_BIN MIRRORQ_WORKERS; do
+for v in QUEUES PARALLEL IDLE SETTLE BUSY BUSY_TIME AMQP_QUEUES ROLLING MIRRORQ_ONLY RABBIT_ONLY MIRRORQ_BIN MIRRORQ_WORKERS; do
   [ -z "${!v+x}" ] || SCALE_COMMAND+="$v=${!v} "
 done
 export SCALE_COMMAND="${SCALE_COMMAND}benches/scripts/scale.sh"
@@ -63,6 +76,10 @@ IDLE=${IDLE:-30}
 SETTLE=${SETTLE:-5}
 BUSY=${BUSY:-100}
 BUSY_TIME=${BUSY_TIME:-15}
+AMQP_QUEUES=${AMQP_QUEUES:-1000}
+ROLLING=${ROLLING:-1}
+# Every queue the restarts wait for.
+TOTAL=$((QUEUES + AMQP_QUEUES))
 SYNC_TIMEOUT=${SYNC_TIMEOUT:-1800}
 RESTART_TIMEOUT=${RESTART_TIMEOUT:-600}
 RMQ=/usr/lib/rabbitmq/bin
@@ -132,6 +149,68 @@ busy_before() {
   for n in 1 10 "$BUSY"; do busy "$system" "busy_$n" "$port" "$n" "$@"; done
 }
 
+# Node's amqplib (benches/node; npm installs it if missing).
+have_amqplib() {
+  command -v node >/dev/null || return 1
+  [ -d benches/node/node_modules/amqplib ] || npm install --prefix benches/node --no-audit --no-fund >/dev/null 2>&1 || true
+  [ -d benches/node/node_modules/amqplib ]
+}
+
+# amqp_declares SYSTEM PORTS [amqplib_declare.js args]: AMQP_QUEUES more
+# queues declared over AMQP by amqplib.
+amqp_declares() {
+  local system=$1 ports=$2 line
+  shift 2
+  [ "$AMQP_QUEUES" -gt 0 ] || return 0
+  have_amqplib || { echo "$system: no Node or amqplib: no AMQP declare figures" >&2; return 0; }
+  line=$(node benches/scripts/amqplib_declare.js --ports "$ports" --count "$AMQP_QUEUES" \
+    --connections 8 --channels 4 "$@" 2>&1 | tail -1) || true
+  py amqp-declared "$system" "$line"
+}
+
+# rolling SYSTEM API_PORT_PREFIX AMQP_PORTS: nodes 1, 2, 3 restarted in
+# turn (restart_node), each once the last one serves and has every queue
+# synchronised, under the probe's publishes (benches/scripts/amqplib_probe.js).
+rolling() {
+  local system=$1 api=$2 ports=$3 stop=$DIR/probe-stop i probe_pid
+  [ "$ROLLING" != 0 ] || return 0
+  have_amqplib || { echo "$system: no Node or amqplib: no rolling restart" >&2; return 0; }
+  rm -f "$stop"
+  node benches/scripts/amqplib_probe.js --ports "$ports" --queues "$(py probe-queues "$QUEUES")" \
+    --stop "$stop" > "$DIR/probe.out" 2>&1 &
+  probe_pid=$!
+  for i in 1 2 3; do
+    restart_node "$system" "$i"
+    py served "$system" "$api$i" "$TOTAL" 3 "$RESTART_TIMEOUT" "$STARTED" "rolling$i"
+  done
+  touch "$stop"
+  wait "$probe_pid" || true
+  py probed "$system" "$(tail -1 "$DIR/probe.out")"
+}
+
+# restart_node SYSTEM I: SIGTERM node I, wait for its exit, start it again
+# on its data dir; STARTED: the new process's start time.
+restart_node() {
+  local system=$1 i=$2 pid
+  if [ "$system" = mirrorq ]; then
+    pid=$(cat "$DIR/m$i.pid")
+    kill -TERM "$pid"
+    wait_exit "$pid" 300
+    wait "$pid" 2>/dev/null || true
+    STARTED=$(now)
+    launch_mirrorq_node "$i"
+  else
+    # Written early in the boot: a node restarted a moment ago may not have it yet.
+    for _ in $(seq 100); do [ -f "$DIR/r$i/pid" ] && break; sleep 0.1; done
+    pid=$(cat "$DIR/r$i/pid")
+    kill -TERM "$pid"
+    wait_exit "$pid" 300
+    rm -f "$DIR/r$i/pid"
+    STARTED=$(now)
+    launch_rabbit_node "$i"
+  fi
+}
+
 # wait_exit PID SECONDS: until PID is gone; kill -9 after SECONDS.
 wait_exit() {
   local pid=$1 limit=$2 t0
@@ -186,6 +265,7 @@ run_mirrorq() {
   py rss mirrorq rss_after $(mirrorq_pids)
   py wake mirrorq 5691 "$QUEUES"
   busy mirrorq busy_among_idle 5691 "$BUSY"
+  amqp_declares mirrorq 5691,5692,5693
 
   local pid t0 t1
   pid=$(cat "$DIR/m3.pid")
@@ -198,7 +278,8 @@ run_mirrorq() {
   echo "mirrorq: node 3 exited $(python3 -c "print(f'{$t1 - $t0:.1f}')") s after SIGTERM" >&2
   t0=$(now)
   launch_mirrorq_node 3
-  py served mirrorq 15693 "$QUEUES" 3 "$RESTART_TIMEOUT" "$t0"
+  py served mirrorq 15693 "$TOTAL" 3 "$RESTART_TIMEOUT" "$t0"
+  rolling mirrorq 1569 5691,5692,5693
   stop_mirrorq
 }
 
@@ -224,6 +305,7 @@ run_rabbitmq() {
   py rss rabbitmq-quorum rss_after $(rabbit_pids)
   py wake rabbitmq-quorum 5681 "$QUEUES"
   busy rabbitmq-quorum busy_among_idle 5681 "$BUSY" --quorum
+  amqp_declares rabbitmq-quorum 5681,5682,5683 --quorum
 
   local pid t0 t1
   pid=$(cat "$DIR/r3/pid")
@@ -236,9 +318,12 @@ run_rabbitmq() {
   echo "rabbitmq-quorum: node 3 exited $(python3 -c "print(f'{$t1 - $t0:.1f}')") s after SIGTERM" >&2
   t0=$(now)
   launch_rabbit_node 3
-  py served rabbitmq-quorum 15683 "$QUEUES" 3 "$RESTART_TIMEOUT" "$t0"
-  # Its pid file (for stop_rabbitmq) is written early in the boot.
-  for _ in $(seq 100); do [ -f "$DIR/r3/pid" ] && break; sleep 0.1; done
+  py served rabbitmq-quorum 15683 "$TOTAL" 3 "$RESTART_TIMEOUT" "$t0"
+  rolling rabbitmq-quorum 1568 5681,5682,5683
+  # Pid files (for stop_rabbitmq) are written early in the boot.
+  for i in 1 2 3; do
+    for _ in $(seq 100); do [ -f "$DIR/r$i/pid" ] && break; sleep 0.1; done
+  done
   stop_rabbitmq
 }
 
@@ -248,4 +333,4 @@ if [ -z "${MIRRORQ_ONLY:-}" ]; then
   run_rabbitmq
 fi
 echo >&2
-py report "$SCALE_RESULTS" "$QUEUES" "$PARALLEL" "$IDLE" "$BUSY" | tee ${OUT:+"$OUT"}
+py report "$SCALE_RESULTS" "$QUEUES" "$PARALLEL" "$IDLE" "$BUSY" "$AMQP_QUEUES" | tee ${OUT:+"$OUT"}
