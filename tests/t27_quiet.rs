@@ -39,6 +39,24 @@ async fn an_idle_group_sends_no_heartbeats_once_settled() {
     c.shutdown().await;
 }
 
+/// A stopping node moves its masterships one group at a time; until a
+/// quiet group's turn comes, it stays quiet. Waking them all as the stop
+/// began (a node leading 6,700 quiet groups) sent heartbeats from every one
+/// at once, which saturated every node of a 10,000-queue cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_node_keeps_its_quiet_groups_quiet_until_it_moves_them() {
+    init_tracing();
+    let (c, master, mirrors) = quiet_queue("q").await;
+    let heartbeat = fast_timing(Duration::from_secs(60)).heartbeat;
+    let before: Vec<u64> = mirrors.iter().map(|id| c.node(*id).appends_received_by("q").unwrap()).collect();
+    c.node(master).begin_leaving();
+    tokio::time::sleep(heartbeat * 15).await;
+    let after: Vec<u64> = mirrors.iter().map(|id| c.node(*id).appends_received_by("q").unwrap()).collect();
+    assert!(c.node(master).is_quiet_here("q"), "the leaving node woke its quiet group");
+    assert_eq!(before, after, "appends sent to the mirrors of a quiet group of a leaving node");
+    c.shutdown().await;
+}
+
 /// Clients declare their queues at every connection: declaring a queue
 /// that exists asks its master for its counts and writes nothing to its
 /// log, so a quiet group stays quiet (it wrote a status entry, which woke

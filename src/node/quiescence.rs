@@ -267,7 +267,16 @@ impl Node {
         let group = g.meta.group;
         let q = &self.inner.quiescence;
         let me = self.id();
-        let leading = m.state == ServerState::Leader && !self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
+        let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
+        // A stopping node announces nothing new, but keeps its quiet groups
+        // quiet: each one's move restarts it anyway, and waking them all
+        // at once (a node leading 6,700 of them) sent heartbeats from every
+        // one, which saturated every node, so that the moves ran out of
+        // time and what was left stood for election all at once.
+        if leaving && m.state == ServerState::Leader && g.hush.is_quiet() {
+            return;
+        }
+        let leading = m.state == ServerState::Leader && !leaving;
         let now_settled = leading && settled(g, m, me);
         let mark = (m.current_term, m.last_log_index);
         let since = {

@@ -37,6 +37,13 @@ impl Node {
         Some(g.watch.appends.load(std::sync::atomic::Ordering::Relaxed))
     }
 
+    /// The first step of a graceful stop alone: the node is leaving (its
+    /// replicas stand for no election, its failure watch knows), and its
+    /// masterships are not moved yet.
+    pub fn begin_leaving(&self) {
+        self.prepare_hand_over();
+    }
+
     /// Whether this node's replica of `queue` has its heartbeats off.
     pub fn is_quiet_here(&self, queue: &str) -> bool {
         let Some(q) = self.metadata().queues.get(queue).cloned() else { return false };
