@@ -1,21 +1,22 @@
 // Is every queue available through a rolling restart? One amqplib
 // connection per node (opened again whenever its node drops or refuses
 // it), each keeping one persistent message with publisher confirms in
-// flight to every one of the given queues, the next one sent as soon as
-// the last is confirmed. A queue is available while some node confirms its
+// flight to every one of the given queues, the next one sent once the last
+// is confirmed and --every ms (default 100) have passed since it was sent:
+// a probe, not a load that would slow what it watches. A queue is available while some node confirms its
 // publishes. Runs until the file --stop exists, then prints one JSON line:
 // confirmed, failed (publishes nacked or lost with their connection),
 // gap_ms (the longest stretch in which no node confirmed a publish to one
 // of the queues) and worst (that queue and when its stretch began, in s
 // from the start). Works against RabbitMQ and mirrorq.
 //
-// node amqplib_probe.js --ports 5691,5692,5693 --queues q1,q2 --stop FILE
+// node amqplib_probe.js --ports 5691,5692,5693 --queues q1,q2 --stop FILE [--every 100]
 'use strict';
 const fs = require('fs');
 const path = require('path');
 const amqp = require(path.join(__dirname, '../node/node_modules/amqplib'));
 
-const opts = { ports: '', queues: '', stop: '' };
+const opts = { ports: '', queues: '', stop: '', every: '100' };
 const argv = process.argv.slice(2);
 for (let i = 0; i < argv.length; i++) {
   const k = argv[i].replace(/^--/, '');
@@ -64,6 +65,7 @@ async function client(port) {
       });
       const one = async (q) => {
         while (!stopping && !broken) {
+          const sent = Date.now();
           const done = new Promise((resolve) => {
             ch.publish('', q, body, { persistent: true, mandatory: true }, (err) => resolve(!err));
           });
@@ -71,6 +73,8 @@ async function client(port) {
           const confirmedHere = await Promise.race([done, closed.then(() => false)]);
           if (confirmedHere) ok(q);
           else failed += 1;
+          const wait = sent + Number(opts.every) - Date.now();
+          if (wait > 0) await sleep(wait);
         }
       };
       await Promise.all(queues.map(one));

@@ -43,8 +43,9 @@
 #     is synchronised on all 3 replicas again.
 #  6. rolling restart: nodes 1, 2 and 3 in turn, as in 5, each once every
 #     queue is synchronised again. Meanwhile one amqplib client per node
-#     keeps a publish with confirms in flight to each of 50 queues spread
-#     over the range (benches/scripts/amqplib_probe.js, reconnecting
+#     publishes with confirms to each of 50 queues spread over the range,
+#     one message in flight per queue and at most one each 100 ms
+#     (benches/scripts/amqplib_probe.js, reconnecting
 #     whenever its node drops or refuses it). Reported: each node's time
 #     to serve every queue, and the longest a probed queue went without a
 #     confirmed publish through any node.
