@@ -330,12 +330,18 @@ def wake(system, port, n, count):
     log(f"{system}: publish to an idle queue, confirm ms: p50 {took[len(took) // 2]:.1f}, max {took[-1]:.1f}")
 
 
-def amqp_declared(system, line):
-    """Record the JSON line of benches/scripts/amqplib_declare.js."""
+def json_line(line):
+    """A client's one-line JSON result, or {} if it printed none."""
     try:
         r = json.loads(line)
     except ValueError:
-        r = {}
+        return {}
+    return r if isinstance(r, dict) else {}
+
+
+def amqp_declared(system, line):
+    """Record the JSON line of benches/scripts/amqplib_declare.js."""
+    r = json_line(line)
     record(system, "amqp_declares_per_s", r.get("per_s"))
     record(system, "amqp_declare_errors", r.get("errors"))
     for e in r.get("first_errors") or []:
@@ -391,10 +397,7 @@ def probe_queues(n, count):
 
 def probed(system, line):
     """Record the JSON line of benches/scripts/amqplib_probe.js."""
-    try:
-        r = json.loads(line)
-    except ValueError:
-        r = {}
+    r = json_line(line)
     record(system, "rolling_gap_ms", r.get("gap_ms"))
     record(system, "rolling_confirmed", r.get("confirmed"))
     record(system, "rolling_failed", r.get("failed"))
