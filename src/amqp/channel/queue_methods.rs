@@ -108,15 +108,13 @@ impl Channel {
                 // Otherwise: the master's count as applied, read without an
                 // entry in its log (RabbitMQ's count is no more exact); a
                 // declare, passive or not, counts as a use (x-expires).
-                let ready = match created {
-                    true => 0,
-                    false => self.node.view_at_master(&name, true).await.map_err(|e| Ok(node_soft(e, 50, 10)))?.ready,
+                let ready = if created {
+                    0
+                } else {
+                    self.node.view_at_master(&name, true).await.map_err(|e| Ok(node_soft(e, 50, 10)))?.ready
                 };
                 if !d.nowait {
-                    let consumers = match created {
-                        true => 0,
-                        false => self.node.consumers_of(&name).await.len(),
-                    };
+                    let consumers = if created { 0 } else { self.node.consumers_of(&name).await.len() };
                     self.reply(AMQPClass::Queue(Q::DeclareOk(queue::DeclareOk {
                         queue: ss(&bare),
                         message_count: ready.min(u32::MAX as u64) as u32,
