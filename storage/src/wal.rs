@@ -56,7 +56,7 @@
 //!
 //! ## Reclaiming space
 //!
-//! Each segment counts the live entries it holds. The oldest segments go
+//! Each segment counts the live entries each group holds in it. The oldest segments go
 //! (oldest first, so a truncation or drop record never outlives what it
 //! removed) once they hold none, after sled is synced so that the purge
 //! points that killed those entries are durable. Going means being renamed
@@ -149,11 +149,10 @@ impl GroupLog {
 struct Segment {
     file: Arc<File>,
     path: PathBuf,
-    /// Live entries in this segment.
-    live: usize,
-    /// Live entries in this segment by group: which groups pin it, found
-    /// without going over every group's entries (ten thousand idle
-    /// groups beside busy ones whose logs hold a thousand entries each).
+    /// Live entries in this segment by group (none: the segment is dead):
+    /// which groups pin it, found without going over every group's entries
+    /// (ten thousand idle groups beside busy ones whose logs hold a
+    /// thousand entries each).
     holders: HashMap<GroupId, u32>,
     /// Written since its last sync.
     dirty: bool,
@@ -368,7 +367,6 @@ impl Inner {
     /// `n` live entries of `group` in segment `seg` fewer.
     fn unlive(&mut self, group: GroupId, seg: u64, n: u32) {
         if let Some(s) = self.segments.get_mut(&seg) {
-            s.live -= n as usize;
             if let Entry::Occupied(mut e) = s.holders.entry(group) {
                 *e.get_mut() -= n;
                 if *e.get() == 0 {
@@ -399,7 +397,6 @@ impl Inner {
 
     fn live(&mut self, group: GroupId, loc: Loc) {
         let s = self.segments.get_mut(&loc.seg).expect("written to a known segment");
-        s.live += 1;
         *s.holders.entry(group).or_default() += 1;
     }
 
@@ -534,10 +531,9 @@ impl Wal {
             }
             head_sealed = !salted || parsed.sealed;
             let synced = parsed.valid;
-            inner.segments.insert(
-                id,
-                Segment { file: Arc::new(file), path, live: 0, holders: HashMap::new(), dirty: false, synced },
-            );
+            inner
+                .segments
+                .insert(id, Segment { file: Arc::new(file), path, holders: HashMap::new(), dirty: false, synced });
             for r in &parsed.records {
                 inner.apply(id, r);
             }
@@ -610,7 +606,7 @@ impl Wal {
         };
         // The new name must survive a crash as much as what is written to it.
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| self.io_err(e))?;
-        inner.segments.insert(id, Segment { file, path, live: 0, holders: HashMap::new(), dirty: false, synced: 0 });
+        inner.segments.insert(id, Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0 });
         inner.active = id;
         inner.active_len = 0;
         Ok(())
@@ -828,7 +824,12 @@ impl Wal {
     /// purge points durable that killed their entries.
     pub fn reclaimable(&self) -> Vec<u64> {
         let inner = self.lock();
-        inner.segments.iter().take_while(|(id, s)| **id != inner.active && s.live == 0).map(|(id, _)| *id).collect()
+        inner
+            .segments
+            .iter()
+            .take_while(|(id, s)| **id != inner.active && s.holders.is_empty())
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// Remove segments [`Wal::reclaimable`] named (they stay dead: nothing
@@ -848,7 +849,7 @@ impl Wal {
         let mut inner = self.lock();
         let mut out = Vec::new();
         for id in ids {
-            let dead = inner.segments.get(id).is_some_and(|s| s.live == 0) && *id != inner.active;
+            let dead = inner.segments.get(id).is_some_and(|s| s.holders.is_empty()) && *id != inner.active;
             if dead {
                 if let Some(s) = inner.segments.remove(id) {
                     out.push(Retired { id: *id, path: s.path, file: s.file });
@@ -903,7 +904,7 @@ impl Wal {
                 return Ok(0);
             }
             let Some((&oldest, s)) = inner.segments.iter().next() else { return Ok(0) };
-            if s.live == 0 {
+            if s.holders.is_empty() {
                 return Ok(0);
             }
             // The wait starts when idle groups pin the oldest segment, not
@@ -968,7 +969,7 @@ impl Wal {
             return Vec::new();
         }
         let Some((&oldest, s)) = inner.segments.iter().next() else { return Vec::new() };
-        if s.live == 0 {
+        if s.holders.is_empty() {
             return Vec::new();
         }
         inner.idle_in(oldest)
