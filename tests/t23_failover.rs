@@ -844,6 +844,94 @@ async fn a_replica_moved_away_is_not_told_so_by_a_minoritys_fork() {
     c.shutdown().await;
 }
 
+/// Campaign seed 1211. Node 4, cut off from 1, 2 and 3, re-forms the queue
+/// alone (epoch E). Node 5, cut off from them too, heals into E but gets
+/// nothing of it: node 4 cannot reach it. Node 4's cut heals, and E yields
+/// to the majority's group, whose master then crashes: the new master never
+/// judged E. When node 5 returns, the only replica of E left is node 5's,
+/// which has no record of when E formed and no master. The group that kept
+/// its majority must still have it yield; in the campaign it waited for a
+/// record no one had, and node 5's replica stayed stranded in E.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_left_alone_in_a_yielded_fork_without_its_record_yields_too() {
+    let mut c = five_messages_everywhere(5).await;
+    let majority = [1u64, 2, 3];
+    tracing::info!("--- partition {{1,2,3}} | {{4,5}}; node 4 cannot reach node 5 either");
+    for a in majority {
+        for b in [4, 5] {
+            c.node(a).transport().control.block(b);
+            c.node(b).transport().control.block(a);
+        }
+    }
+    c.node(4).transport().control.block(5);
+    publish_retrying(c.node(1), "q", b"b0".to_vec()).await;
+    let (n4, n5) = (c.node(4).clone(), c.node(5).clone());
+    wait_until(Duration::from_secs(30), "node 4 re-formed alone", || {
+        n4.queue_members("q") == Some(BTreeSet::from([4])) && n4.is_master("q")
+    })
+    .await;
+    let fork = n4.replica_epoch("q").unwrap();
+    publish_retrying(&n4, "q", b"c0".to_vec()).await;
+    wait_until(Duration::from_secs(30), "node 5 healed into node 4's epoch", || n5.replica_epoch("q") == Some(fork))
+        .await;
+    assert_eq!(n5.local_stored_count("q").unwrap(), 0, "node 5 got nothing from the fork's master");
+
+    tracing::info!("--- node 4's cut heals: its epoch yields");
+    for a in majority {
+        c.node(a).transport().control.unblock(4);
+        n4.transport().control.unblock(a);
+    }
+    wait_until(Duration::from_secs(40), "node 4 follows the majority's master", || {
+        n4.replica_epoch("q") != Some(fork)
+            && n4.queue_info("q").ok().and_then(|i| i.leader).is_some_and(|l| majority.contains(&l))
+    })
+    .await;
+    // Node 4 a voter again, the change complete (no joint configuration):
+    // without node 1, four of five voters are alive and elect a master,
+    // where fewer would re-form the queue into an epoch newer than the fork.
+    wait_until(Duration::from_secs(20), "node 4 is a voter again", || {
+        majority.iter().all(|id| {
+            c.node(*id).queue_raft("q").is_some_and(|r| {
+                let m = r.metrics().borrow().membership_config.membership().clone();
+                m.get_joint_config() == &vec![BTreeSet::from([1, 2, 3, 4, 5])]
+            })
+        })
+    })
+    .await;
+    let judge = c.master_of("q").await;
+    tracing::info!(judge, "--- the master that judged the fork crashes");
+    c.crash(judge).await;
+    let others: Vec<u64> = [1, 2, 3, 4].into_iter().filter(|id| *id != judge).collect();
+    wait_until(Duration::from_secs(30), "a master among the others", || {
+        others.iter().any(|id| c.node(*id).is_master("q"))
+    })
+    .await;
+
+    tracing::info!("--- node 5's cut heals");
+    for a in &others {
+        c.node(*a).transport().control.unblock(5);
+        n5.transport().control.unblock(*a);
+    }
+    wait_until(Duration::from_secs(40), "node 5 left the fork and follows the group's master", || {
+        n5.replica_epoch("q") != Some(fork)
+            && n5.queue_info("q").ok().and_then(|i| i.leader).is_some_and(|l| others.contains(&l))
+    })
+    .await;
+    n5.transport().control.unblock(judge);
+    c.restart(judge).await;
+    wait_until(Duration::from_secs(60), "one group of five, serving", || {
+        (1..=5).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3, 4, 5])))
+            && (1..=5).any(|id| c.node(id).is_master("q"))
+    })
+    .await;
+    let m = c.master_of("q").await;
+    let got = drain(c.node(m), "q").await;
+    let distinct: BTreeSet<&str> = got.iter().map(String::as_str).collect();
+    let want: BTreeSet<&str> = ["a0", "a1", "a2", "a3", "a4", "b0", "c0"].into();
+    assert_eq!(distinct, want, "every confirmed message is delivered");
+    c.shutdown().await;
+}
+
 /// This node's replica of `queue`, if it runs; a replica whose core
 /// stopped (quit on an error, or panicked) fails the test at once.
 fn replica_running(node: &mirrorq::Node, queue: &str) -> bool {

@@ -14,7 +14,7 @@ use crate::ids::{GroupId, NodeId};
 use crate::error::NodeError;
 use crate::metadata::{MetaCmd, MetaReply};
 use crate::queue::catchup::SyncProgress;
-use crate::queue::epoch::{Epoch, ForkRecord};
+use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::types::TypeConfig;
@@ -203,9 +203,8 @@ pub enum RpcResponse {
     UnknownGroup(GroupId),
     /// The receiver's replica is in a newer epoch than the sender's.
     NewerEpoch(Epoch),
-    /// The fork record of the receiver's epoch, and that epoch's master if
-    /// the receiver knows one in reach.
-    Fork(Option<ForkRecord>, Option<NodeId>),
+    /// What the receiver's replica tells of its epoch, if it hosts one.
+    Fork(Option<EpochReport>),
     History(Option<ForkRecord>),
     Bodies(Result<BodyChunk, NodeError>),
     Moved(Result<(), NodeError>),

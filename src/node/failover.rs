@@ -16,14 +16,15 @@ use openraft::{
 use tokio::sync::mpsc;
 
 use super::split::{
-    add_defeated, add_formed, defeated, left_through_own_forks, wall_ms, Formed, MajorityStretch, Undecided, Verdict,
+    add_defeated, add_formed, defeated, left_through_own_forks, quorum, wall_ms, Formed, MajorityStretch, Undecided,
+    Verdict,
 };
 use super::{Inner, Node, QueueGroup};
 use crate::error::{NodeError, ServerError};
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::{policy, MetaState, QueueMeta};
-use crate::queue::epoch::{divergence, Epoch, ForkRecord};
+use crate::queue::epoch::{divergence, Epoch, EpochReport, ForkRecord};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::raft::network::EpochNews;
@@ -248,21 +249,19 @@ impl Inner {
         Some(ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids))
     }
 
-    /// The fork record of our replica's epoch of `group`, if it has one,
-    /// and the master of that epoch in reach as our replica knows it.
-    pub(super) fn fork_record(&self, group: GroupId) -> Option<(ForkRecord, Option<NodeId>)> {
+    /// Our replica's epoch of `group`, with its fork record if the replica
+    /// has it, and the master of that epoch in reach as our replica knows it.
+    pub(super) fn epoch_report(&self, group: GroupId) -> Option<EpochReport> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
-        let rec = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok()??;
-        if rec.epoch != g.epoch {
-            return None;
-        }
+        let record = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok()?;
+        let record = record.filter(|r| r.epoch == g.epoch);
         let m = g.raft.metrics().borrow().clone();
         let heard = *g.watch.master_heard.lock().expect("poisoned");
         let master = match m.state {
             ServerState::Leader => Some(self.id),
             _ => m.current_leader.filter(|_| heard.is_some_and(|t| t.elapsed() < self.timing.failure_timeout)),
         };
-        Some((rec, master))
+        Some(EpochReport { epoch: g.epoch, record, master })
     }
 }
 
@@ -395,12 +394,12 @@ impl Node {
             if !members.contains(&self.id()) {
                 continue;
             }
-            let alive_voters = voters.intersection(&reach).count();
+            let majority = quorum(m.membership_config.membership().get_joint_config(), |v| reach.contains(&v));
             let alive: BTreeSet<NodeId> = members.intersection(&reach).copied().collect();
             let now = Instant::now();
             let seen = {
                 let mut stretch = g.watch.majority.lock().expect("poisoned");
-                stretch.observe(alive_voters * 2 > voters.len(), now, wall_ms(), timing.failure_timeout);
+                stretch.observe(majority, now, wall_ms(), timing.failure_timeout);
                 stretch.seen()
             };
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
@@ -503,7 +502,6 @@ impl Node {
             // Quiet, with a majority in reach (nothing here is waiting for
             // a timeout to run out): the next rounds pass it over quickly
             // while nothing changes.
-            let majority = alive_voters * 2 > voters.len();
             let quiet = (m.state == ServerState::Leader && g.hush.is_quiet()) || hold == Some(true);
             if quiet && majority {
                 *g.watch.passed.lock().expect("poisoned") = Some((world, majority));
@@ -517,7 +515,7 @@ impl Node {
             let all_dead = voters.iter().filter(|v| !reach.contains(v)).all(|v| self.is_dead(*v));
             let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
             if now.duration_since(seen) >= wait
-                && alive_voters * 2 <= voters.len()
+                && !majority
                 && reformer(&q.replicas, &alive_voter_set, &alive) == Some(self.id())
                 && ha.promote_on_failure_always
                 && g.plan.borrow().is_none()
@@ -745,7 +743,7 @@ impl Node {
                 if self.inner.repeated(group, "split-undecided", &what) {
                     match why {
                         Undecided::CannotAsk => {
-                            tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists, but none of its replicas can be asked when it formed: this group keeps its majority and goes on serving until one can (told once)")
+                            tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists, but none of its replicas that answer can tell when it formed: this group keeps its majority and goes on serving until one can (told once)")
                         }
                         Undecided::NoMaster => {
                             tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists but has no master to hand back to; waiting for one, or for this group's master to decide (told once)")
@@ -914,7 +912,7 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             let answers = self.ask_forks(group, &peers).await;
-            if let Some((rec, _)) = answers.into_iter().find(|(rec, _)| rec.epoch >= news.epoch) {
+            if let Some(rec) = answers.into_iter().filter_map(|a| a.record).find(|rec| rec.epoch >= news.epoch) {
                 return Some(rec);
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -922,17 +920,16 @@ impl Node {
         None
     }
 
-    /// Each of `peers`' fork record of `group` and the master it has in
-    /// reach, asked all at once; those that do not answer in a second are
-    /// left out.
-    pub(super) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<(ForkRecord, Option<NodeId>)> {
+    /// What each of `peers`' replica of `group` tells of its epoch, asked
+    /// all at once; those that do not answer in a second are left out.
+    pub(super) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<EpochReport> {
         let limit = Instant::now() + Duration::from_secs(1);
         let req = RpcRequest::Fork { group };
         let answers = futures::future::join_all(peers.iter().map(|p| self.inner.call(*p, &req, limit))).await;
         answers
             .into_iter()
             .filter_map(|a| match a {
-                Ok(RpcResponse::Fork(Some(rec), master)) => Some((rec, master)),
+                Ok(RpcResponse::Fork(report)) => report,
                 _ => None,
             })
             .collect()

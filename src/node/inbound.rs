@@ -113,10 +113,7 @@ impl Inner {
                 Ok(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
                 Err(refusal) => refusal,
             },
-            RpcRequest::Fork { group } => match self.fork_record(group) {
-                Some((rec, master)) => RpcResponse::Fork(Some(rec), master),
-                None => RpcResponse::Fork(None, None),
-            },
+            RpcRequest::Fork { group } => RpcResponse::Fork(self.epoch_report(group)),
             RpcRequest::History { group } => RpcResponse::History(self.history(group).await),
             RpcRequest::Yield { group, defeated, winner, from } => {
                 let node = Node { inner: self };

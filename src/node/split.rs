@@ -164,8 +164,10 @@ pub(super) enum Verdict {
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
 pub(super) enum Undecided {
     /// We are the master, our group has its majority, and no replica of
-    /// the newer epoch can be asked when it formed (a one-way cut: its
-    /// messages reach us, ours do not reach it). Keep serving.
+    /// the newer epoch can tell when it formed: none can be asked (a
+    /// one-way cut: its messages reach us, ours do not reach it), or those
+    /// that answer joined it and have not had its record from its master
+    /// yet. Keep serving.
     CannotAsk,
     /// The newer epoch has no master to take a hand-back (its replicas
     /// lost theirs), and our group cannot decide either: wait for one.
@@ -175,8 +177,9 @@ pub(super) enum Undecided {
 /// What the replicas of a newer epoch tell of it.
 #[derive(Debug, Clone, Copy)]
 struct ForkNews {
-    /// When the epoch was formed (wall clock, ms).
-    formed_ms: u64,
+    /// When the epoch was formed (wall clock, ms), if a replica that
+    /// answered has its record.
+    formed_ms: Option<u64>,
     /// Its master, if one of its replicas knows one in reach.
     master: Option<NodeId>,
 }
@@ -190,32 +193,46 @@ fn master_verdict(kept_since: Option<u64>, fork: Option<ForkNews>, failure_timeo
     // majority kept from before that is well clear of it.
     let margin = failure_timeout.as_millis() as u64 / 2;
     match (kept_since, fork) {
-        (Some(since), Some(f)) if since.saturating_add(margin) <= f.formed_ms => Verdict::Keep,
-        // Formed while our group had no majority (the classic demo), but
-        // that epoch has lost its master since and ours serves: healing
-        // would hand a serving queue to a group that cannot elect one
-        // (campaign seed 743: the fork's former had moved on to a newer
-        // fork of its own). Its replicas give back what they hold instead.
+        (Some(since), Some(ForkNews { formed_ms: Some(formed), .. })) if since.saturating_add(margin) <= formed => {
+            Verdict::Keep
+        }
+        // Formed while our group had no majority (the classic demo), or
+        // when is not known, but that epoch has lost its master since and
+        // ours serves: healing would hand a serving queue to a group that
+        // cannot elect one. Its replicas give back what they hold instead.
+        // Campaign seed 743: the fork's former had moved on to a newer
+        // fork of its own. Seed 1211: the fork's former had yielded, and
+        // the one replica left had joined the fork without ever hearing
+        // from its master, so it has no record of when the fork formed.
         (Some(_), Some(ForkNews { master: None, .. })) => Verdict::Keep,
-        (Some(_), Some(_)) => Verdict::Heal,
-        (Some(_), None) => Verdict::Undecided(Undecided::CannotAsk),
+        (Some(_), Some(ForkNews { formed_ms: Some(_), .. })) => Verdict::Heal,
+        (Some(_), Some(ForkNews { formed_ms: None, .. }) | None) => Verdict::Undecided(Undecided::CannotAsk),
         (None, Some(ForkNews { master: None, .. })) => Verdict::Undecided(Undecided::NoMaster),
         (None, _) => Verdict::Heal,
     }
 }
 
-/// Whether a majority of `voters` is in our epoch: not heard from a newer
-/// one (`in_newer`: when each replica last answered from one) within the
-/// failure timeout.
+/// Whether the voters that `counts` make a quorum of a group whose voter
+/// configurations are `configs`: a majority of each. While a membership
+/// change is under way (a joint configuration) a group elects and commits
+/// only with a majority of the old voters and of the new alike; a majority
+/// of their union is not enough. (A master crashed mid-change while an old
+/// voter was cut off: the others stood for election in vain, each sure a
+/// majority was in reach, and no one re-formed the queue.)
+pub(super) fn quorum(configs: &[BTreeSet<NodeId>], counts: impl Fn(NodeId) -> bool) -> bool {
+    !configs.is_empty() && configs.iter().all(|c| c.iter().filter(|v| counts(**v)).count() * 2 > c.len())
+}
+
+/// Whether a quorum of the voter configurations `configs` is in our
+/// epoch: not heard from a newer one (`in_newer`: when each replica last
+/// answered from one) within the failure timeout.
 fn majority_in_our_epoch(
-    voters: &[NodeId],
+    configs: &[BTreeSet<NodeId>],
     in_newer: &HashMap<NodeId, Instant>,
     now: Instant,
     failure_timeout: Duration,
 ) -> bool {
-    let left =
-        voters.iter().filter(|v| in_newer.get(v).is_some_and(|t| now.duration_since(*t) < failure_timeout)).count();
-    (voters.len() - left) * 2 > voters.len()
+    quorum(configs, |v| in_newer.get(&v).is_none_or(|t| now.duration_since(*t) >= failure_timeout))
 }
 
 impl Node {
@@ -266,23 +283,26 @@ impl Node {
     /// not even take them out of its membership (no quorum).
     pub(super) fn majority_still_ours(&self, g: &QueueGroup) -> bool {
         let m = g.raft.metrics().borrow().clone();
-        let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+        let configs = m.membership_config.membership().get_joint_config();
         let in_newer = g.watch.in_newer.lock().expect("poisoned");
-        majority_in_our_epoch(&voters, &in_newer, Instant::now(), self.inner.timing.failure_timeout)
+        majority_in_our_epoch(configs, &in_newer, Instant::now(), self.inner.timing.failure_timeout)
     }
 
     /// Ask the replicas of the newer epoch of `news` (the one that told us
     /// first, its former, then the queue's other replicas) when it formed
-    /// and who masters it.
+    /// and who masters it. `None` if no replica of it answers.
     async fn fetch_fork_news(&self, news: EpochNews) -> Option<ForkNews> {
         let q = self.metadata().queues.values().find(|q| q.group == news.group).cloned()?;
         let peers = self.asked_about(&q, news);
         let mut found: Option<ForkNews> = None;
-        for (rec, master) in self.ask_forks(news.group, &peers).await {
-            if rec.epoch == news.epoch && rec.formed_ms > 0 {
-                let f = found.get_or_insert(ForkNews { formed_ms: rec.formed_ms, master });
-                f.master = f.master.or(master);
+        for report in self.ask_forks(news.group, &peers).await {
+            if report.epoch != news.epoch {
+                continue;
             }
+            let formed_ms = report.record.map(|r| r.formed_ms).filter(|ms| *ms > 0);
+            let f = found.get_or_insert(ForkNews { formed_ms: None, master: None });
+            f.formed_ms = f.formed_ms.or(formed_ms);
+            f.master = f.master.or(report.master);
         }
         found
     }
@@ -378,7 +398,12 @@ mod tests {
     }
 
     fn fork(formed_ms: u64, master: Option<NodeId>) -> Option<ForkNews> {
-        Some(ForkNews { formed_ms, master })
+        Some(ForkNews { formed_ms: Some(formed_ms), master })
+    }
+
+    /// A replica of the newer epoch answered, without its record.
+    fn unrecorded(master: Option<NodeId>) -> Option<ForkNews> {
+        Some(ForkNews { formed_ms: None, master })
     }
 
     #[test]
@@ -407,15 +432,42 @@ mod tests {
     }
 
     #[test]
+    fn a_fork_whose_only_replica_has_no_record_and_no_master_yields_to_a_serving_group() {
+        // Seed 1211: the fork's former yielded; the replica left in it had
+        // joined without ever hearing from the fork's master.
+        assert_eq!(master_verdict(Some(1_000), unrecorded(None), TIMEOUT), Verdict::Keep);
+        assert_eq!(master_verdict(None, unrecorded(None), TIMEOUT), Verdict::Undecided(Undecided::NoMaster));
+        // It knows a master, which will send it the record: ask again then.
+        assert_eq!(master_verdict(Some(1_000), unrecorded(Some(4)), TIMEOUT), Verdict::Undecided(Undecided::CannotAsk));
+        assert_eq!(master_verdict(None, unrecorded(Some(4)), TIMEOUT), Verdict::Heal);
+    }
+
+    #[test]
     fn a_group_with_its_majority_waits_when_no_replica_of_the_fork_answers() {
         assert_eq!(master_verdict(Some(1_000), None, TIMEOUT), Verdict::Undecided(Undecided::CannotAsk));
         assert_eq!(master_verdict(None, None, TIMEOUT), Verdict::Heal);
     }
 
     #[test]
+    fn a_joint_configuration_needs_a_majority_of_each_of_its_voter_sets() {
+        let (old, new) = (BTreeSet::from([1, 2, 3, 5]), BTreeSet::from([1, 2, 3, 4, 5]));
+        let joint = [old.clone(), new.clone()];
+        // The master (1) crashed mid-change and 5 is cut off: 2, 3 and 4
+        // are three of the five, but two of the old four.
+        let alive = BTreeSet::from([2, 3, 4]);
+        assert!(quorum(std::slice::from_ref(&new), |v| alive.contains(&v)));
+        assert!(!quorum(&joint, |v| alive.contains(&v)), "no majority of the old voters");
+        let alive = BTreeSet::from([1, 2, 4]);
+        assert!(!quorum(&joint, |v| alive.contains(&v)), "no majority of the new voters");
+        let alive = BTreeSet::from([1, 2, 3]);
+        assert!(quorum(&joint, |v| alive.contains(&v)));
+        assert!(!quorum(&[], |_| true), "no voters, no quorum");
+    }
+
+    #[test]
     fn voters_answering_from_a_newer_epoch_are_no_longer_ours() {
         let t0 = Instant::now();
-        let voters = [1, 2, 3];
+        let voters = [BTreeSet::from([1, 2, 3])];
         let mut in_newer = HashMap::from([(3, t0)]);
         assert!(majority_in_our_epoch(&voters, &in_newer, t0, TIMEOUT), "one of three left: two remain");
         in_newer.insert(2, t0);

@@ -50,6 +50,12 @@ impl Node {
         self.inner.groups.read().expect("poisoned").get(&q.group).is_some_and(|g| g.hush.is_quiet())
     }
 
+    /// The epoch this node's replica of `queue` is in, if it hosts one.
+    pub fn replica_epoch(&self, queue: &str) -> Option<crate::queue::epoch::Epoch> {
+        let q = self.metadata().queues.get(queue).cloned()?;
+        self.inner.groups.read().expect("poisoned").get(&q.group).map(|g| g.epoch)
+    }
+
     /// The metadata group's Raft handle.
     pub fn metadata_raft(&self) -> &Raft {
         &self.inner.meta_raft

@@ -65,6 +65,17 @@ pub struct ForkRecord {
     pub formed_ms: u64,
 }
 
+/// What a replica tells of the epoch it is in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochReport {
+    pub epoch: Epoch,
+    /// The epoch's fork record, if the replica has it: a replica that
+    /// joined the epoch has it only once its master sent it.
+    pub record: Option<ForkRecord>,
+    /// The epoch's master, if the replica knows one in reach.
+    pub master: Option<NodeId>,
+}
+
 impl ForkRecord {
     /// Build from the log ids of a log (ascending) and its purge point.
     pub fn from_log(epoch: Epoch, purged: Option<LogId<NodeId>>, ids: impl IntoIterator<Item = LogId<NodeId>>) -> Self {
