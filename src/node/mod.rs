@@ -175,6 +175,10 @@ struct QueueGroup {
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,
+    /// Whether this replica leads, as its confirm gate last saw the metrics:
+    /// lets a scan over every group skip the followers without a look at
+    /// each one's metrics ([`QueueGroup::is_leader`]).
+    leading: Arc<AtomicBool>,
     /// Its heartbeats, off while it is quiet (`quiescence.rs`).
     hush: Arc<Hush>,
     proposer: Proposer,
@@ -361,6 +365,12 @@ impl QueueGroup {
         self.raft.metrics().borrow().membership_config.membership().get_node(&id).is_some()
     }
     fn is_leader(&self, id: NodeId) -> bool {
+        // Set a moment after the metrics show a new leadership, and cleared
+        // a moment after they show its end: the metrics decide whenever it
+        // is set.
+        if !self.leading.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
         let rx = self.raft.metrics();
         let m = rx.borrow();
         m.state == ServerState::Leader && m.current_leader == Some(id)

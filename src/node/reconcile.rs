@@ -466,13 +466,14 @@ impl Node {
         sm.enable_snapshot_transfer();
         let stop = self.inner.stop.child_token();
         let catching = confirm_gate::CatchingUp::default();
+        let leading = Arc::new(AtomicBool::new(false));
         let sync = confirm_gate::spawn(
             q.group,
             raft.clone(),
             self.inner.timing.sync_timeout,
             self.inner.down.clone(),
             catching.clone(),
-            self.inner.metrics.queue_leaderships.clone(),
+            confirm_gate::Leadership { taken: self.inner.metrics.queue_leaderships.clone(), now: leading.clone() },
             stop.clone(),
         );
         let hush = Arc::new(Hush::new(raft.clone()));
@@ -493,6 +494,7 @@ impl Node {
             watch: failover::GroupWatch::new(raft.metrics()),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
+            leading,
             hush,
             proposer,
             sync,

@@ -13,6 +13,7 @@
 //! synchronised member always holds every confirmed message.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -154,15 +155,25 @@ pub fn catching_up(c: &CatchingUp) -> BTreeMap<NodeId, SyncProgress> {
     c.read().expect("poisoned").behind.iter().map(|(id, (p, _))| (*id, *p)).collect()
 }
 
+/// What the gate reports of this replica's leaderships.
+pub struct Leadership {
+    /// Counts each leadership taken (node-wide).
+    pub taken: Counter,
+    /// Whether the replica leads now, as the gate last saw its metrics:
+    /// for the node's scans over every group.
+    pub now: Arc<AtomicBool>,
+}
+
 pub fn spawn(
     group: u64,
     raft: Raft,
     timeout: Duration,
     down: Down,
     catching: CatchingUp,
-    leaderships: Counter,
+    leadership: Leadership,
     stop: CancellationToken,
 ) -> watch::Receiver<SyncState> {
+    let Leadership { taken: leaderships, now: leading } = leadership;
     let (tx, rx) = watch::channel(SyncState::default());
     tokio::spawn(async move {
         let mut metrics = raft.metrics();
@@ -193,6 +204,7 @@ pub fn spawn(
             }
             let now = Instant::now();
             let m = metrics.borrow_and_update().clone();
+            leading.store(m.state == ServerState::Leader && m.current_leader == Some(m.id), Ordering::Release);
             let members: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
             let mut st = SyncState { term: m.current_term, members, ..SyncState::default() };
             ticking = false;

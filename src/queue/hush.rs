@@ -3,6 +3,7 @@
 //! (`node::quiescence`); the proposer wakes it, so the first entry after a
 //! quiet stretch never waits for anyone to notice.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::raft::types::Raft;
@@ -12,11 +13,14 @@ pub struct Hush {
     /// Whether heartbeats are off, changed only with the flag in openraft
     /// under this lock, so a wake and a hush cannot cross.
     quiet: Mutex<bool>,
+    /// The same, for readers: the node's rounds ask every group whether it
+    /// is quiet, ten thousand of them, and need no lock for it.
+    seen_quiet: AtomicBool,
 }
 
 impl Hush {
     pub fn new(raft: Raft) -> Self {
-        Hush { raft, quiet: Mutex::new(false) }
+        Hush { raft, quiet: Mutex::new(false), seen_quiet: AtomicBool::new(false) }
     }
 
     /// Stop heartbeats, if `still_idle` holds under the lock (checked here
@@ -34,6 +38,7 @@ impl Hush {
         self.raft.runtime_config().heartbeat(false);
         self.raft.runtime_config().tick(false);
         *quiet = true;
+        self.seen_quiet.store(true, Ordering::Release);
         true
     }
 
@@ -46,10 +51,11 @@ impl Hush {
         self.raft.runtime_config().tick(true);
         self.raft.runtime_config().heartbeat(true);
         *quiet = false;
+        self.seen_quiet.store(false, Ordering::Release);
         true
     }
 
     pub fn is_quiet(&self) -> bool {
-        *self.quiet.lock().expect("poisoned")
+        self.seen_quiet.load(Ordering::Acquire)
     }
 }
