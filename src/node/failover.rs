@@ -912,7 +912,7 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             let answers = self.ask_forks(group, &peers).await;
-            if let Some(rec) = answers.into_iter().filter_map(|a| a.record).find(|rec| rec.epoch >= news.epoch) {
+            if let Some(rec) = answers.into_iter().filter_map(|(_, a)| a.record).find(|rec| rec.epoch >= news.epoch) {
                 return Some(rec);
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -922,14 +922,15 @@ impl Node {
 
     /// What each of `peers`' replica of `group` tells of its epoch, asked
     /// all at once; those that do not answer in a second are left out.
-    pub(super) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<EpochReport> {
+    pub(super) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<(NodeId, EpochReport)> {
         let limit = Instant::now() + Duration::from_secs(1);
         let req = RpcRequest::Fork { group };
         let answers = futures::future::join_all(peers.iter().map(|p| self.inner.call(*p, &req, limit))).await;
-        answers
-            .into_iter()
-            .filter_map(|a| match a {
-                Ok(RpcResponse::Fork(report)) => report,
+        peers
+            .iter()
+            .zip(answers)
+            .filter_map(|(p, a)| match a {
+                Ok(RpcResponse::Fork(report)) => report.map(|r| (*p, r)),
                 _ => None,
             })
             .collect()

@@ -182,6 +182,9 @@ struct ForkNews {
     formed_ms: Option<u64>,
     /// Its master, if one of its replicas knows one in reach.
     master: Option<NodeId>,
+    /// The node that formed it answered from another epoch: it left it
+    /// (yielded, healed or re-formed again), so it masters it no more.
+    former_left: bool,
 }
 
 /// The split rule for a master (see [`Verdict`]). `kept_since`: since
@@ -196,15 +199,18 @@ fn master_verdict(kept_since: Option<u64>, fork: Option<ForkNews>, failure_timeo
         (Some(since), Some(ForkNews { formed_ms: Some(formed), .. })) if since.saturating_add(margin) <= formed => {
             Verdict::Keep
         }
-        // Formed while our group had no majority (the classic demo), or
-        // when is not known, but that epoch has lost its master since and
-        // ours serves: healing would hand a serving queue to a group that
-        // cannot elect one. Its replicas give back what they hold instead.
-        // Campaign seed 743: the fork's former had moved on to a newer
-        // fork of its own. Seed 1211: the fork's former had yielded, and
-        // the one replica left had joined the fork without ever hearing
-        // from its master, so it has no record of when the fork formed.
-        (Some(_), Some(ForkNews { master: None, .. })) => Verdict::Keep,
+        // Formed while our group had no majority (the classic demo), but
+        // that epoch has lost its master since and ours serves: healing
+        // would hand a serving queue to a group that cannot elect one. Its
+        // replicas give back what they hold instead. Campaign seed 743:
+        // the fork's former had moved on to a newer fork of its own.
+        (Some(_), Some(ForkNews { master: None, formed_ms: Some(_), .. })) => Verdict::Keep,
+        // When it formed is not known either: no replica that answered has
+        // its record. Seed 1211: the former had yielded, and the one
+        // replica left had joined the fork without ever hearing from its
+        // master. That a replica knows no master proves little (it may not
+        // have heard from a live one yet); that the former left does.
+        (Some(_), Some(ForkNews { master: None, formed_ms: None, former_left: true })) => Verdict::Keep,
         (Some(_), Some(ForkNews { formed_ms: Some(_), .. })) => Verdict::Heal,
         (Some(_), Some(ForkNews { formed_ms: None, .. }) | None) => Verdict::Undecided(Undecided::CannotAsk),
         (None, Some(ForkNews { master: None, .. })) => Verdict::Undecided(Undecided::NoMaster),
@@ -295,16 +301,18 @@ impl Node {
         let q = self.metadata().queues.values().find(|q| q.group == news.group).cloned()?;
         let peers = self.asked_about(&q, news);
         let mut found: Option<ForkNews> = None;
-        for report in self.ask_forks(news.group, &peers).await {
+        let mut former_left = false;
+        for (peer, report) in self.ask_forks(news.group, &peers).await {
             if report.epoch != news.epoch {
+                former_left |= peer == news.epoch.node;
                 continue;
             }
             let formed_ms = report.record.map(|r| r.formed_ms).filter(|ms| *ms > 0);
-            let f = found.get_or_insert(ForkNews { formed_ms: None, master: None });
+            let f = found.get_or_insert(ForkNews { formed_ms: None, master: None, former_left: false });
             f.formed_ms = f.formed_ms.or(formed_ms);
             f.master = f.master.or(report.master);
         }
-        found
+        found.map(|f| ForkNews { former_left, ..f })
     }
 
     /// Tell a replica of a defeated epoch to yield to ours. It comes back
@@ -398,12 +406,12 @@ mod tests {
     }
 
     fn fork(formed_ms: u64, master: Option<NodeId>) -> Option<ForkNews> {
-        Some(ForkNews { formed_ms: Some(formed_ms), master })
+        Some(ForkNews { formed_ms: Some(formed_ms), master, former_left: false })
     }
 
-    /// A replica of the newer epoch answered, without its record.
-    fn unrecorded(master: Option<NodeId>) -> Option<ForkNews> {
-        Some(ForkNews { formed_ms: None, master })
+    /// Replicas of the newer epoch answered, none with its record.
+    fn unrecorded(master: Option<NodeId>, former_left: bool) -> Option<ForkNews> {
+        Some(ForkNews { formed_ms: None, master, former_left })
     }
 
     #[test]
@@ -435,11 +443,20 @@ mod tests {
     fn a_fork_whose_only_replica_has_no_record_and_no_master_yields_to_a_serving_group() {
         // Seed 1211: the fork's former yielded; the replica left in it had
         // joined without ever hearing from the fork's master.
-        assert_eq!(master_verdict(Some(1_000), unrecorded(None), TIMEOUT), Verdict::Keep);
-        assert_eq!(master_verdict(None, unrecorded(None), TIMEOUT), Verdict::Undecided(Undecided::NoMaster));
+        assert_eq!(master_verdict(Some(1_000), unrecorded(None, true), TIMEOUT), Verdict::Keep);
+        assert_eq!(master_verdict(None, unrecorded(None, true), TIMEOUT), Verdict::Undecided(Undecided::NoMaster));
+        // The former did not say it left: the replica may just not have
+        // heard from a live master yet. Ask again later.
+        assert_eq!(
+            master_verdict(Some(1_000), unrecorded(None, false), TIMEOUT),
+            Verdict::Undecided(Undecided::CannotAsk)
+        );
         // It knows a master, which will send it the record: ask again then.
-        assert_eq!(master_verdict(Some(1_000), unrecorded(Some(4)), TIMEOUT), Verdict::Undecided(Undecided::CannotAsk));
-        assert_eq!(master_verdict(None, unrecorded(Some(4)), TIMEOUT), Verdict::Heal);
+        assert_eq!(
+            master_verdict(Some(1_000), unrecorded(Some(4), false), TIMEOUT),
+            Verdict::Undecided(Undecided::CannotAsk)
+        );
+        assert_eq!(master_verdict(None, unrecorded(Some(4), false), TIMEOUT), Verdict::Heal);
     }
 
     #[test]
