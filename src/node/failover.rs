@@ -180,6 +180,18 @@ fn reformer(replicas: &[NodeId], alive_voters: &BTreeSet<NodeId>, alive: &BTreeS
     replicas.iter().copied().find(|id| from.contains(id)).or_else(|| from.first().copied())
 }
 
+/// The voters in reach that [`reformer`] picks from. While a membership
+/// change is under way (a joint configuration), the voters of the old set
+/// in reach, if any: a voter only of the new set may be a learner promoted
+/// a moment ago, still behind the last commit.
+fn reform_voters(configs: &[BTreeSet<NodeId>], reach: &BTreeSet<NodeId>) -> BTreeSet<NodeId> {
+    let old: BTreeSet<NodeId> = configs.first().map(|c| c.intersection(reach).copied().collect()).unwrap_or_default();
+    if !old.is_empty() {
+        return old;
+    }
+    configs.iter().flatten().filter(|v| reach.contains(v)).copied().collect()
+}
+
 /// Whether the last master a replica knows still leads the queue: it is
 /// this replica, or in reach and heard from lately (a quiet master's
 /// announcement holds its followers before this is asked), and still a
@@ -516,7 +528,11 @@ impl Node {
             let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
             if now.duration_since(seen) >= wait
                 && !majority
-                && reformer(&q.replicas, &alive_voter_set, &alive) == Some(self.id())
+                && reformer(
+                    &q.replicas,
+                    &reform_voters(m.membership_config.membership().get_joint_config(), &reach),
+                    &alive,
+                ) == Some(self.id())
                 && ha.promote_on_failure_always
                 && g.plan.borrow().is_none()
             {
@@ -1166,6 +1182,21 @@ mod tests {
         // No voter left: the most senior wanted replica carries on.
         assert_eq!(reformer(&replicas, &set(&[]), &set(&[3, 5])), Some(3));
         assert_eq!(reformer(&replicas, &set(&[]), &set(&[])), None);
+    }
+
+    #[test]
+    fn in_a_membership_change_a_voter_of_the_old_set_re_forms() {
+        let set = |ids: &[NodeId]| ids.iter().copied().collect::<BTreeSet<NodeId>>();
+        // 4, senior by the queue's order, is a voter only of the new set:
+        // promoted a moment ago, it may lack the last commit.
+        let (replicas, joint) = ([4, 1, 2, 3, 5], [set(&[1, 2, 3]), set(&[1, 2, 3, 4])]);
+        let reach = set(&[2, 4]);
+        assert_eq!(reform_voters(&joint, &reach), set(&[2]));
+        assert_eq!(reformer(&replicas, &reform_voters(&joint, &reach), &reach), Some(2));
+        // No voter of the old set in reach: the new set's.
+        assert_eq!(reform_voters(&joint, &set(&[4, 5])), set(&[4]));
+        // Without a change under way, every voter in reach.
+        assert_eq!(reform_voters(&[set(&[1, 2, 3])], &set(&[2, 3, 5])), set(&[2, 3]));
     }
 
     /// A replica that led terms up to 7 heals into another epoch: wiped, it
