@@ -932,6 +932,52 @@ async fn a_replica_left_alone_in_a_yielded_fork_without_its_record_yields_too() 
     c.shutdown().await;
 }
 
+/// Audit of the seed-1211 fix: node 3, cut off, re-forms the queue alone,
+/// and stops before the entry carrying the fork's record commits (the
+/// test takes the record out of its state instead: the entry stays in
+/// its log, already applied). When the cut heals, the majority's master
+/// asks when the fork formed. Without the record kept beside the log,
+/// node 3 could only answer that it masters the fork, and the master
+/// waited for a record no one had while both epochs served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_whose_record_entry_never_committed_still_yields() {
+    let c = five_messages_everywhere(3).await;
+    tracing::info!("--- node 3 is cut off and re-forms alone");
+    for id in [1, 2] {
+        c.node(id).transport().control.block(3);
+        c.node(3).transport().control.block(id);
+    }
+    publish_retrying(c.node(1), "q", b"b0".to_vec()).await;
+    let n3 = c.node(3).clone();
+    wait_until(Duration::from_secs(30), "node 3 re-formed alone", || {
+        n3.queue_members("q") == Some(BTreeSet::from([3])) && n3.is_master("q")
+    })
+    .await;
+    let fork = n3.replica_epoch("q").unwrap();
+    publish_retrying(&n3, "q", b"c0".to_vec()).await;
+    n3.forget_fork_record("q").unwrap();
+
+    tracing::info!("--- the cut heals");
+    for id in [1, 2] {
+        c.node(id).transport().control.unblock(3);
+        n3.transport().control.unblock(id);
+    }
+    wait_until(Duration::from_secs(40), "node 3 left its fork and follows the majority's master", || {
+        n3.replica_epoch("q") != Some(fork)
+            && n3.queue_info("q").ok().and_then(|i| i.leader).is_some_and(|l| l == 1 || l == 2)
+    })
+    .await;
+    wait_until(Duration::from_secs(40), "one group of three", || {
+        (1..=3).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3])))
+    })
+    .await;
+    let m = c.master_of("q").await;
+    let got = drain(c.node(m), "q").await;
+    let distinct: BTreeSet<&str> = got.iter().map(String::as_str).collect();
+    assert_eq!(distinct, ["a0", "a1", "a2", "a3", "a4", "b0", "c0"].into(), "every confirmed message is delivered");
+    c.shutdown().await;
+}
+
 /// This node's replica of `queue`, if it runs; a replica whose core
 /// stopped (quit on an error, or panicked) fails the test at once.
 fn replica_running(node: &mirrorq::Node, queue: &str) -> bool {

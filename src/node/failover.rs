@@ -16,8 +16,8 @@ use openraft::{
 use tokio::sync::mpsc;
 
 use super::split::{
-    add_defeated, add_formed, defeated, left_through_own_forks, quorum, wall_ms, Formed, MajorityStretch, Undecided,
-    Verdict,
+    add_defeated, add_formed, defeated, formed_record, formed_record_key, left_through_own_forks, quorum, wall_ms,
+    Formed, MajorityStretch, Undecided, Verdict,
 };
 use super::{Inner, Node, QueueGroup};
 use crate::error::{NodeError, ServerError};
@@ -266,7 +266,10 @@ impl Inner {
     pub(super) fn epoch_report(&self, group: GroupId) -> Option<EpochReport> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
         let record = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok()?;
-        let record = record.filter(|r| r.epoch == g.epoch);
+        // Formed here: the record as kept beside the log, if its entry was
+        // never committed (a stop right after the re-form); without it the
+        // other side would wait for a record no one has, both serving.
+        let record = record.filter(|r| r.epoch == g.epoch).or_else(|| formed_record(&self.db, group, g.epoch));
         let m = g.raft.metrics().borrow().clone();
         let heard = *g.watch.master_heard.lock().expect("poisoned");
         let master = match m.state {
@@ -688,6 +691,9 @@ impl Node {
         // majority across this moment keeps the queue when the two meet.
         let c = QueueMachine::stored_counters(&SmSpace::new(self.inner.db.clone(), group))?;
         add_formed(&self.inner.db, group, Formed { epoch, from: g.epoch, next_seq: c.next_seq, next_tag: c.next_tag })?;
+        self.inner
+            .db
+            .put_node_value(&formed_record_key(group), &mirrorq_storage::keys::encode(&record, "formed record")?)?;
         let epoch_value = (epoch_key(group), mirrorq_storage::keys::encode(&epoch, "group epoch")?);
         log.refound(&Vote::new_committed(term, me), entries, (&epoch_value.0, epoch_value.1))
             .await

@@ -404,6 +404,7 @@ impl Inner {
         self.db.drop_group(group)?;
         self.db.remove_node_value(&failover::term_floor_key(group))?;
         self.db.remove_node_value(&split::formed_key(group))?;
+        self.db.remove_node_value(&split::formed_record_key(group))?;
         self.db.remove_node_value(&split::defeated_key(group))?;
         self.db.remove_node_value(&body_fetch::new_mirror_key(group))
     }

@@ -17,7 +17,7 @@ use openraft::ServerState;
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::RpcRequest;
-use crate::queue::epoch::Epoch;
+use crate::queue::epoch::{Epoch, ForkRecord};
 use crate::raft::network::EpochNews;
 use mirrorq_storage::{NodeDb, StorageError};
 
@@ -26,6 +26,20 @@ use mirrorq_storage::{NodeDb, StorageError};
 pub(super) fn formed_key(group: GroupId) -> String {
     format!("formed-chain/{group}")
 }
+/// The fork record of the last epoch of the group this node formed, kept
+/// beside the group's log: the record's own entry may never have been
+/// written (the node stopped between starting the epoch and committing it).
+pub(super) fn formed_record_key(group: GroupId) -> String {
+    format!("formed-record/{group}")
+}
+
+/// The record of `epoch` as this node formed it, if it did.
+pub(super) fn formed_record(db: &NodeDb, group: GroupId, epoch: Epoch) -> Option<ForkRecord> {
+    let b = db.get_node_value(&formed_record_key(group)).ok()??;
+    let rec: ForkRecord = mirrorq_storage::keys::decode(&b, "formed record").ok()?;
+    (rec.epoch == epoch).then_some(rec)
+}
+
 /// Epochs of the group formed by a minority while our group kept its
 /// majority: their replicas yield to ours.
 pub(super) fn defeated_key(group: GroupId) -> String {

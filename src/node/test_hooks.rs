@@ -56,6 +56,15 @@ impl Node {
         self.inner.groups.read().expect("poisoned").get(&q.group).map(|g| g.epoch)
     }
 
+    /// Forget this replica's fork record of its epoch of `queue`, as if the
+    /// node had stopped between re-forming the queue and committing the
+    /// record's entry (the entry stays in the log; the state lacks it).
+    pub fn forget_fork_record(&self, queue: &str) -> Result<(), NodeError> {
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        QueueMachine::forget_fork_record(&SmSpace::new(self.inner.db.clone(), q.group))
+            .map_err(|e| NodeError::Unavailable(e.to_string()))
+    }
+
     /// The metadata group's Raft handle.
     pub fn metadata_raft(&self) -> &Raft {
         &self.inner.meta_raft

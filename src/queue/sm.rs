@@ -465,6 +465,15 @@ impl QueueMachine {
         space.get(FORK)?.map(|b| keys::decode(&b, "fork record")).transpose()
     }
 
+    /// Forget the fork record, as a replica whose former stopped before the
+    /// record's entry committed never had it (tests).
+    #[cfg(feature = "test-hooks")]
+    pub fn forget_fork_record(space: &SmSpace) -> Result<(), StorageError> {
+        let mut batch = Batch::default();
+        batch.remove(space.key(FORK));
+        space.apply(batch)
+    }
+
     /// The body of a live message; `None` if this replica has not fetched
     /// it yet (such a replica never leads, so the reply is not used).
     fn read_body(&mut self, space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
