@@ -655,6 +655,24 @@ async fn five_messages_everywhere(n: u64) -> Cluster {
     c
 }
 
+/// Node 3 of a three-node cluster is cut off from the others, which
+/// confirm `b0` to `queue` through node `via`, and re-forms the queue
+/// alone: a minority's fork. Returns node 3.
+async fn node_3_forks_alone(c: &Cluster, queue: &str, via: u64) -> mirrorq::Node {
+    tracing::info!("--- node 3 is cut off and re-forms alone");
+    for id in [1, 2] {
+        c.node(id).transport().control.block(3);
+        c.node(3).transport().control.block(id);
+    }
+    publish_retrying(c.node(via), queue, b"b0".to_vec()).await;
+    let n3 = c.node(3).clone();
+    wait_until(Duration::from_secs(30), "node 3 re-formed alone", || {
+        n3.queue_members(queue) == Some(BTreeSet::from([3])) && n3.is_master(queue)
+    })
+    .await;
+    n3
+}
+
 /// Campaign seed 743. Nodes 4 and 5 are cut off from 1, 2 and 3 and
 /// re-form the queue between them (epoch A); then one of them stops and the
 /// other re-forms it again alone (epoch B). When the partition heals, B
@@ -757,17 +775,7 @@ async fn a_fork_of_a_fork_yields_to_a_master_that_never_saw_the_split() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_mirror_does_not_heal_alone_into_a_minoritys_fork() {
     let mut c = five_messages_everywhere(3).await;
-    tracing::info!("--- node 3 is cut off and re-forms alone");
-    for id in [1, 2] {
-        c.node(id).transport().control.block(3);
-        c.node(3).transport().control.block(id);
-    }
-    publish_retrying(c.node(1), "q", b"b0".to_vec()).await;
-    let n3 = c.node(3).clone();
-    wait_until(Duration::from_secs(30), "node 3 re-formed alone", || {
-        n3.queue_members("q") == Some(BTreeSet::from([3])) && n3.is_master("q")
-    })
-    .await;
+    let n3 = node_3_forks_alone(&c, "q", 1).await;
     publish_retrying(&n3, "q", b"c0".to_vec()).await;
 
     tracing::info!("--- node 2 restarts hearing the fork, not yet its master");
@@ -815,17 +823,7 @@ async fn a_replica_moved_away_is_not_told_so_by_a_minoritys_fork() {
     })
     .await;
     assert!(c.node(2).is_master("mv.q"));
-    tracing::info!("--- node 3 is cut off and re-forms alone");
-    for id in [1, 2] {
-        c.node(id).transport().control.block(3);
-        c.node(3).transport().control.block(id);
-    }
-    publish_retrying(c.node(2), "mv.q", b"b0".to_vec()).await;
-    let n3 = c.node(3).clone();
-    wait_until(Duration::from_secs(30), "node 3 re-formed alone", || {
-        n3.queue_members("mv.q") == Some(BTreeSet::from([3])) && n3.is_master("mv.q")
-    })
-    .await;
+    node_3_forks_alone(&c, "mv.q", 2).await;
     tracing::info!("--- the queue moves off node 1; node 1 can reach the fork, nobody else can");
     let off_1 = r#"{"ha-mode":"nodes","ha-params":["mirrorq@2","mirrorq@3"],"queue-master-locator":"client-local"}"#;
     c.node(2).set_policy(policy("^mv", off_1)).await.unwrap();
@@ -942,17 +940,7 @@ async fn a_replica_left_alone_in_a_yielded_fork_without_its_record_yields_too() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_whose_record_entry_never_committed_still_yields() {
     let c = five_messages_everywhere(3).await;
-    tracing::info!("--- node 3 is cut off and re-forms alone");
-    for id in [1, 2] {
-        c.node(id).transport().control.block(3);
-        c.node(3).transport().control.block(id);
-    }
-    publish_retrying(c.node(1), "q", b"b0".to_vec()).await;
-    let n3 = c.node(3).clone();
-    wait_until(Duration::from_secs(30), "node 3 re-formed alone", || {
-        n3.queue_members("q") == Some(BTreeSet::from([3])) && n3.is_master("q")
-    })
-    .await;
+    let n3 = node_3_forks_alone(&c, "q", 1).await;
     let fork = n3.replica_epoch("q").unwrap();
     publish_retrying(&n3, "q", b"c0".to_vec()).await;
     n3.forget_fork_record("q").unwrap();
