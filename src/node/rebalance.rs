@@ -14,8 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use openraft::storage::RaftLogStorage;
-use openraft::Vote;
+use openraft::ServerState;
 use serde::Serialize;
 
 use super::failover::Busy;
@@ -23,7 +22,6 @@ use super::Node;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
-use crate::raft::types::LogStore;
 
 /// One mastership move of a rebalance, and how it went.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -210,25 +208,23 @@ impl Node {
         let term = caught_up.current_term;
 
         // From here on the move goes through even if the successor fails
-        // to win: someone else then leads, and nothing was lost.
-        if !self.inner.take_out(&g) {
-            return Err(NodeError::Unavailable("the queue's replica was replaced while its master moved".into()));
-        }
+        // to win: someone else then leads, and nothing was lost. This
+        // replica gives its vote for the next term to the successor and
+        // steps down; it must not stand meanwhile.
         self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
-        g.stop.cancel();
-        g.shut_down().await;
+        g.raft.trigger().hand_over(to, term).await.map_err(|_| NodeError::Stopped)?;
+        g.raft
+            .wait(Some(limit))
+            .metrics(|m| m.current_term > term || m.state != ServerState::Leader, "stepped down")
+            .await
+            .map_err(|_| NodeError::Unavailable("the master did not step down".into()))?;
         drop(hold);
-        let mut log = LogStore::new(self.inner.db.clone(), group);
-        log.save_vote(&Vote::new(term + 1, to)).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
-        let state = self.metadata();
-        let q = state.queue_by_group(group).cloned().ok_or_else(|| NodeError::NoSuchQueue(g.meta.name.clone()))?;
-        self.start_group(q, &state).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
         drop(busy);
 
         let deadline = Instant::now() + Duration::from_secs(2);
         let _ = self.inner.call(to, &RpcRequest::Elect { group, from: me, leaving }, deadline).await;
-        let raft = self.inner.raft_of(group).ok_or(NodeError::Stopped)?;
-        let moved = raft
+        let moved = g
+            .raft
             .wait(Some(self.inner.timing.election_max * 3))
             .metrics(|m| m.current_leader.is_some_and(|l| l != me), "a new master")
             .await
@@ -244,9 +240,9 @@ impl Node {
     }
 }
 
-/// Masterships moved at once by a stopping node. Each move restarts the
-/// group's replica here and holds an election; ten thousand of them at
-/// once saturated every node, and the peers' calls timed out.
+/// Masterships moved at once by a stopping node. Each move holds an
+/// election; ten thousand of them at once saturated every node, and the
+/// peers' calls timed out.
 const MOVES_AT_ONCE: usize = 32;
 
 /// How long a stopping node starts new moves; the rest are handed over

@@ -1264,6 +1264,20 @@ where
                             tracing::info!(leader = display(&leader), "ExternalCommand: leader lease expired");
                         }
                     }
+                    ExternalCommand::HandOver { to, term } => {
+                        // mirrorq patch: a vote for `to` at the next term is
+                        // greater than the leader's own, so the leader steps
+                        // down (and saves it) as it would for `to`'s request.
+                        let leads = self.engine.leader.is_some()
+                            && self.engine.state.vote_ref().leader_id().term == term
+                            && to != self.id
+                            && self.engine.state.membership_state.effective().is_voter(&to);
+                        if leads {
+                            let next = Vote::new(term + 1, to.clone());
+                            let res = self.engine.vote_handler().update_vote(&next);
+                            tracing::info!(to = display(&to), term, ok = res.is_ok(), "ExternalCommand: hand over");
+                        }
+                    }
                     ExternalCommand::Heartbeat => {
                         self.send_heartbeat("ExternalCommand");
                     }

@@ -58,6 +58,20 @@ where C: RaftTypeConfig
         self.raft_inner.send_external_command(ExternalCommand::ExpireLease { leader }, "expire_lease").await
     }
 
+    /// mirrorq patch: if this node still leads `term`, step down in favour
+    /// of the voter `to`: the node takes the vote of `to` for `term + 1`,
+    /// not committed, and becomes a follower. It then grants `to`'s
+    /// request at that term (the same vote), which with `to`'s own makes a
+    /// majority of three. A restart with that vote saved did the same, at
+    /// the cost of a new Raft instance. Nothing else changes: `to` must
+    /// still stand (`elect`) and win with an up-to-date log, and a caller
+    /// that lets entries in after checking `to`'s log may hand over to a
+    /// voter that cannot win, which costs an election. A no-op when this
+    /// node no longer leads `term` or `to` is not a voter.
+    pub async fn hand_over(&self, to: C::NodeId, term: u64) -> Result<(), Fatal<C::NodeId>> {
+        self.raft_inner.send_external_command(ExternalCommand::HandOver { to, term }, "hand_over").await
+    }
+
     /// Trigger a heartbeat at once and return at once.
     ///
     /// Returns error when RaftCore has [`Fatal`] error, e.g. shut down or having storage error.

@@ -29,6 +29,10 @@ pub(crate) enum ExternalCommand<C: RaftTypeConfig> {
     /// this follower grants a vote at once (see `Trigger::expire_lease`).
     ExpireLease { leader: C::NodeId },
 
+    /// mirrorq patch: a leader of `term` steps down in favour of `to` (see
+    /// `Trigger::hand_over`).
+    HandOver { to: C::NodeId, term: u64 },
+
     /// Purge logs covered by a snapshot up to a specified index.
     ///
     /// Openraft respects the [`max_in_snapshot_log_to_keep`] config when purging.
@@ -67,6 +71,9 @@ where C: RaftTypeConfig
             }
             ExternalCommand::ExpireLease { leader } => {
                 write!(f, "ExpireLease[{}]", leader)
+            }
+            ExternalCommand::HandOver { to, term } => {
+                write!(f, "HandOver[{}, term {}]", to, term)
             }
         }
     }
