@@ -10,7 +10,12 @@ use std::time::{Duration, Instant};
 use common::{fast_timing, init_tracing, msg, publish_retrying, wait_until, Cluster};
 
 async fn quiet_queue(name: &str) -> (Cluster, u64, Vec<u64>) {
-    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    quiet_queue_synced_within(name, Duration::from_secs(60)).await
+}
+
+/// `sync_timeout`: how long confirms wait for a mirror that is down.
+async fn quiet_queue_synced_within(name: &str, sync_timeout: Duration) -> (Cluster, u64, Vec<u64>) {
+    let c = Cluster::start(3, fast_timing(sync_timeout)).await;
     c.node(1).declare_queue(name, vec![1, 2, 3]).await.unwrap();
     for i in 0..3 {
         publish_retrying(c.node(1), name, format!("m{i}").into_bytes()).await;
@@ -54,6 +59,49 @@ async fn a_stopping_node_keeps_its_quiet_groups_quiet_until_it_moves_them() {
     let after: Vec<u64> = mirrors.iter().map(|id| c.node(*id).appends_received_by("q").unwrap()).collect();
     assert!(c.node(master).is_quiet_here("q"), "the leaving node woke its quiet group");
     assert_eq!(before, after, "appends sent to the mirrors of a quiet group of a leaving node");
+    c.shutdown().await;
+}
+
+/// A stopping node moves its masterships; each new master's group goes
+/// quiet while the stopping node is still up. That node's replicas report
+/// to no new master (so none counts it synchronised and waits for it once
+/// it is gone), and the groups waited for its report to settle: at 10,000
+/// queues the thousands of masterships it moved kept their heartbeats on
+/// until it was gone, which saturated the node taking them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_moved_off_a_stopping_node_goes_quiet_before_that_node_is_gone() {
+    init_tracing();
+    let (c, master, _) = quiet_queue("q").await;
+    assert_eq!(c.node(master).move_masterships_away().await, 0, "a mastership did not move");
+    let successor = c.master_of("q").await;
+    assert_ne!(successor, master);
+    wait_until(Duration::from_secs(15), "the moved group goes quiet", || c.node(successor).is_quiet_here("q")).await;
+    let info = c.node(successor).queue_info("q").unwrap();
+    assert!(!info.synchronised.contains(&master), "the stopping node counted as synchronised");
+    c.shutdown().await;
+}
+
+/// A mirror is down while a message comes: the group goes quiet without
+/// it (heartbeats cannot reach it), and when it returns the master wakes
+/// the group, brings it every entry, counts it synchronised again, and goes
+/// quiet once more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_goes_quiet_with_a_mirror_down_and_wakes_to_bring_it_back() {
+    init_tracing();
+    let (mut c, master, mirrors) = quiet_queue_synced_within("q", Duration::from_secs(3)).await;
+    let away = mirrors[0];
+    c.crash(away).await;
+    publish_retrying(c.node(master), "q", b"while away".to_vec()).await;
+    wait_until(Duration::from_secs(20), "quiet with a mirror down", || c.node(master).is_quiet_here("q")).await;
+    let info = c.node(master).queue_info("q").unwrap();
+    assert!(!info.synchronised.contains(&away));
+    c.restart(away).await;
+    wait_until(Duration::from_secs(30), "the returned mirror synchronised", || {
+        c.node(master).queue_info("q").is_ok_and(|i| i.synchronised.contains(&away))
+    })
+    .await;
+    assert_eq!(c.node(away).local_stored_count("q").unwrap(), 4, "the returned mirror lacks the message");
+    wait_until(Duration::from_secs(15), "quiet again", || c.node(master).is_quiet_here("q")).await;
     c.shutdown().await;
 }
 

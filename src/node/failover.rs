@@ -339,8 +339,13 @@ impl Node {
             }
         }
         *self.inner.reach.lock().expect("poisoned") = Some((Instant::now(), set.clone()));
-        *self.inner.down.write().expect("poisoned") =
-            state.nodes.keys().copied().filter(|id| !set.contains(id)).collect();
+        let down: BTreeSet<NodeId> = state.nodes.keys().copied().filter(|id| !set.contains(id)).collect();
+        self.inner.down.send_if_modified(|was| {
+            *was != down && {
+                *was = down;
+                true
+            }
+        });
         set
     }
 
@@ -364,6 +369,7 @@ impl Node {
             return;
         }
         let mut reach = self.reachable(state).await;
+        let mut present = self.inner.quiescence.present(&reach);
         let timing = &self.inner.timing;
         for g in groups {
             if self.inner.stop.is_cancelled() {
@@ -419,7 +425,7 @@ impl Node {
             };
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
             let senior_voter = by_seniority(q, &alive_voter_set).first().copied();
-            self.steer_quiet(&g, &m);
+            self.steer_quiet(&g, &m, &present);
             let hold = if m.state != ServerState::Leader {
                 self.held_by_quiet_master(&g, &m, &voters, &reach, now)
             } else {
@@ -555,6 +561,7 @@ impl Node {
                 // A re-form may take seconds: the groups after it are judged
                 // on fresh pings, not on this round's.
                 reach = self.reachable(state).await;
+                present = self.inner.quiescence.present(&reach);
             }
         }
     }

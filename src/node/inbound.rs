@@ -154,7 +154,8 @@ impl Inner {
             }
             RpcRequest::Elect { group, from, leaving } => {
                 if leaving {
-                    self.down.write().expect("poisoned").insert(from);
+                    self.down.send_if_modified(|down| down.insert(from));
+                    self.quiescence.departs(from);
                 }
                 let g = self.groups.read().expect("poisoned").get(&group).cloned();
                 // A replica still fetching bodies never stands, asked or not:

@@ -180,7 +180,7 @@ impl Node {
             reach: Mutex::default(),
             seen: Mutex::default(),
             dead: Mutex::default(),
-            down: confirm_gate::Down::default(),
+            down: confirm_gate::Down::new(Default::default()),
             leaving: AtomicBool::new(false),
             quiet: Mutex::default(),
             quiescence: super::quiescence::Quiescence::new(incarnation),

@@ -79,6 +79,10 @@ pub(super) struct Quiescence {
     /// for each such change made the watch look at every hosted group in
     /// full twice a second, ten thousand of them.
     news: Mutex<HashMap<GroupId, u64>>,
+    /// Peers that said they are stopping (a master handing its groups
+    /// over), with the life they said it in: a group need not wait for
+    /// them to settle. A new life of the peer is present again.
+    departing: Mutex<HashMap<NodeId, Option<u64>>>,
 }
 
 impl Quiescence {
@@ -90,7 +94,26 @@ impl Quiescence {
             fetched: Mutex::default(),
             world: std::sync::atomic::AtomicU64::new(0),
             news: Mutex::default(),
+            departing: Mutex::default(),
         }
+    }
+
+    /// `peer` said it is stopping.
+    pub(super) fn departs(&self, peer: NodeId) {
+        let life = self.heard.lock().expect("poisoned").get(&peer).map(|h| h.incarnation);
+        self.departing.lock().expect("poisoned").insert(peer, life);
+    }
+
+    /// The peers in `reach` that have not said they are stopping, in the
+    /// life this node still hears from.
+    pub(super) fn present(&self, reach: &BTreeSet<NodeId>) -> BTreeSet<NodeId> {
+        let departing = self.departing.lock().expect("poisoned");
+        if departing.is_empty() {
+            return reach.clone();
+        }
+        let heard = self.heard.lock().expect("poisoned");
+        let life = |p: &NodeId| heard.get(p).map(|h| h.incarnation);
+        reach.iter().copied().filter(|p| departing.get(p).is_none_or(|said| *said != life(p))).collect()
     }
 
     /// What the failure watch's verdict on `group` depends on beyond its
@@ -207,22 +230,33 @@ impl Quiescence {
     }
 }
 
-/// Whether a master's group has settled: nothing for the heartbeats to carry.
-fn settled(g: &QueueGroup, m: &Metrics, me: NodeId) -> bool {
+/// Whether a master's group has settled: nothing for the heartbeats to
+/// carry to any member in `present` (this node's peers that answer pings
+/// and have not said they are stopping), and those are a majority of the
+/// voters. A member away is not waited for: heartbeats cannot reach it, and
+/// when it returns the watch looks at the group again (a change of the
+/// peers in reach, or of a peer's life, changes the world) and wakes it if
+/// that member lacks anything or has not reported to this master.
+fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>) -> bool {
     let membership = m.membership_config.membership();
     let applied = m.last_applied.map(|l| l.index);
     if applied != m.last_log_index || membership.get_joint_config().len() != 1 {
         return false;
     }
     let Some(replication) = m.replication.as_ref() else { return false };
-    let members: BTreeSet<NodeId> = membership.nodes().map(|(id, _)| *id).collect();
+    let here = |id: &NodeId| *id == me || present.contains(id);
+    let voters: Vec<NodeId> = membership.voter_ids().collect();
+    if voters.iter().filter(|v| here(v)).count() * 2 <= voters.len() {
+        return false;
+    }
+    let members: BTreeSet<NodeId> = membership.nodes().map(|(id, _)| *id).filter(here).collect();
     let all_have = members
         .iter()
         .filter(|id| **id != me)
         .all(|id| replication.get(id).is_some_and(|matched| matched.map(|l| l.index) == m.last_log_index));
     let sync = g.sync.borrow();
     all_have
-        && sync.synchronised == members
+        && members.is_subset(&sync.synchronised)
         && g.plan.borrow().is_none()
         && !g.changing.load(std::sync::atomic::Ordering::Acquire)
 }
@@ -263,13 +297,13 @@ impl Node {
     /// At every failure-watch round, per hosted group: as master, announce
     /// a settled group and then quiet it; wake it and withdraw the
     /// announcement when it is no longer settled or no longer ours.
-    pub(super) fn steer_quiet(&self, g: &QueueGroup, m: &Metrics) {
+    pub(super) fn steer_quiet(&self, g: &QueueGroup, m: &Metrics, present: &BTreeSet<NodeId>) {
         let group = g.meta.group;
         let q = &self.inner.quiescence;
         let me = self.id();
         let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
         // A stopping node announces nothing new, but keeps its quiet groups
-        // quiet: each one's move restarts it anyway, and waking them all
+        // quiet until each one moves, as waking them all
         // at once (a node leading 6,700 of them) sent heartbeats from every
         // one, which saturated every node, so that the moves ran out of
         // time and what was left stood for election all at once.
@@ -277,7 +311,7 @@ impl Node {
             return;
         }
         let leading = m.state == ServerState::Leader && !leaving;
-        let now_settled = leading && settled(g, m, me);
+        let now_settled = leading && settled(g, m, me, present);
         let mark = (m.current_term, m.last_log_index);
         let since = {
             let mut s = g.watch.settled.lock().expect("poisoned");
@@ -302,7 +336,7 @@ impl Node {
             return;
         }
         let gen = q.announce(group, m.current_term);
-        let others = m.membership_config.membership().voter_ids().filter(|v| *v != me);
+        let others = m.membership_config.membership().voter_ids().filter(|v| *v != me && present.contains(v));
         if !q.fetched_by_all(gen, others) {
             return;
         }

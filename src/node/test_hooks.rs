@@ -44,6 +44,14 @@ impl Node {
         self.prepare_hand_over();
     }
 
+    /// The first two steps of a graceful stop: leaving, and every
+    /// mastership moved to its successor; the node then stays up. Returns
+    /// how many did not move.
+    pub async fn move_masterships_away(&self) -> usize {
+        let successors = self.prepare_hand_over();
+        self.move_masters_away(successors).await.len()
+    }
+
     /// Whether this node's replica of `queue` has its heartbeats off.
     pub fn is_quiet_here(&self, queue: &str) -> bool {
         let Some(q) = self.metadata().queues.get(queue).cloned() else { return false };

@@ -85,6 +85,40 @@ impl Samples {
 /// leader writes an empty entry to restart replication to it.
 const STALL: Duration = Duration::from_millis(500);
 
+/// What, besides its metrics and reports, must wake a master's gate.
+#[derive(Debug, PartialEq, Eq)]
+struct Wakeups {
+    /// Look again every tick.
+    tick: bool,
+    /// Look again when the set of nodes down changes.
+    on_return: bool,
+}
+
+impl Wakeups {
+    /// `busy`: in the grace period after takeover, or a member still
+    /// fetching bodies. Otherwise time changes nothing for a member out of
+    /// the synchronised set: it comes back in on a report or on its
+    /// progress, which wake the gate anyway. Ticking for such a member (a
+    /// stopping node stays silent, a dead one says nothing) kept thousands
+    /// of new masters waking ten times a second while a node of a rolling
+    /// restart was away. A lagging member still synchronised must be timed
+    /// out, and one not down may need a kick; a lagging member that is
+    /// down is kicked when it returns.
+    fn of<'a>(
+        lagging: impl Iterator<Item = &'a NodeId> + Clone,
+        in_sync: &BTreeSet<NodeId>,
+        members: &BTreeSet<NodeId>,
+        down: &BTreeSet<NodeId>,
+        busy: bool,
+    ) -> Wakeups {
+        let timed = lagging.clone().any(|id| in_sync.contains(id) || !down.contains(id));
+        Wakeups {
+            tick: timed || (busy && in_sync != members),
+            on_return: lagging.into_iter().any(|id| down.contains(id)),
+        }
+    }
+}
+
 /// Watch `raft`'s metrics and publish the group's [`SyncState`] until `stop`.
 ///
 /// Also un-sticks replication: openraft 0.9 drops replication events while it
@@ -92,8 +126,10 @@ const STALL: Duration = Duration::from_millis(500);
 /// comes to replicate, so a member that comes back would stay behind (and
 /// unsynchronised) until the next publish. An empty entry wakes it up.
 /// Nodes known to be down (no answer to pings, or a master that announced
-/// its stop): not waited for during a new term's grace period.
-pub type Down = Arc<RwLock<BTreeSet<NodeId>>>;
+/// its stop): not waited for during a new term's grace period, and not
+/// watched for progress: a gate whose only lagging member is down (and no
+/// longer synchronised) sleeps until this set changes.
+pub type Down = watch::Sender<BTreeSet<NodeId>>;
 
 /// What members told this node, as their master, about their message
 /// bodies. Every member reports to each new master (and every second while
@@ -168,7 +204,7 @@ pub fn spawn(
     group: u64,
     raft: Raft,
     timeout: Duration,
-    down: Down,
+    mut down: watch::Receiver<BTreeSet<NodeId>>,
     catching: CatchingUp,
     leadership: Leadership,
     stop: CancellationToken,
@@ -195,19 +231,25 @@ pub fn spawn(
         let mut floor: Option<u64> = None;
         let mut grace_until = Instant::now();
         let mut reported: BTreeSet<NodeId> = BTreeSet::new();
+        // A lagging member is down: its return wakes the gate (to kick
+        // replication to it at once).
+        let mut awaiting_return = false;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 r = metrics.changed() => if r.is_err() { return },
                 _ = reports.notified() => {}
                 _ = tick.tick(), if ticking => {}
+                r = down.changed(), if awaiting_return => if r.is_err() { return },
             }
             let now = Instant::now();
+            let down_now = down.borrow_and_update().clone();
             let m = metrics.borrow_and_update().clone();
             leading.store(m.state == ServerState::Leader && m.current_leader == Some(m.id), Ordering::Release);
             let members: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
             let mut st = SyncState { term: m.current_term, members, ..SyncState::default() };
             ticking = false;
+            awaiting_return = false;
             if let (ServerState::Leader, Some(repl)) = (m.state, m.replication.as_ref()) {
                 if samples.term != m.current_term {
                     // New leadership: only the leader is known to hold every
@@ -233,7 +275,7 @@ pub fn spawn(
                     let entry = lagging.entry(*id).or_insert((matched, now));
                     if entry.0 != matched {
                         *entry = (matched, now);
-                    } else if now.duration_since(entry.1) >= STALL {
+                    } else if now.duration_since(entry.1) >= STALL && !down_now.contains(id) {
                         stalled = true;
                     }
                 }
@@ -254,9 +296,8 @@ pub fn spawn(
                 });
                 // What every replica waited on has: during the grace period
                 // after takeover that is every member, later the synchronised.
-                let down = down.read().expect("poisoned").clone();
                 let waiting = st.members.iter().filter(|id| {
-                    in_sync.contains(id) || (now < grace_until && !down.contains(id) && !behind.contains_key(id))
+                    in_sync.contains(id) || (now < grace_until && !down_now.contains(id) && !behind.contains_key(id))
                 });
                 let confirmed = waiting.map(matched_of).min().flatten();
                 // Back in only with everything confirmed so far (so joining
@@ -284,7 +325,9 @@ pub fn spawn(
                 // metrics.)
                 // A report from a member since removed stays in the book.
                 let members_behind = behind.keys().any(|id| st.members.contains(id));
-                ticking = !lagging.is_empty() || in_sync != st.members || members_behind;
+                let wake =
+                    Wakeups::of(lagging.keys(), &in_sync, &st.members, &down_now, now < grace_until || members_behind);
+                (ticking, awaiting_return) = (wake.tick, wake.on_return);
                 st.synchronised = in_sync.clone();
                 st.confirmed = confirmed;
                 st.leader_term = Some(m.current_term);
@@ -318,6 +361,28 @@ mod tests {
         assert_eq!(s.threshold(t0 + Duration::from_millis(1000), timeout), Some(10));
         s.record(t0 + Duration::from_millis(1600), 40, timeout);
         assert_eq!(s.threshold(t0 + Duration::from_millis(1600), timeout), Some(20));
+    }
+
+    #[test]
+    fn a_gate_ticks_only_while_time_can_change_what_it_decides() {
+        let set = |ids: &[NodeId]| ids.iter().copied().collect::<BTreeSet<NodeId>>();
+        let members = set(&[1, 2, 3]);
+        let of = |lagging: &[NodeId], in_sync: &[NodeId], down: &[NodeId], busy: bool| {
+            Wakeups::of(lagging.iter(), &set(in_sync), &members, &set(down), busy)
+        };
+        let (tick, on_return, quiet) = (
+            Wakeups { tick: true, on_return: false },
+            Wakeups { tick: false, on_return: true },
+            Wakeups { tick: false, on_return: false },
+        );
+        assert_eq!(of(&[], &[1, 2, 3], &[], false), quiet, "everyone synchronised and up to date");
+        // Node 3 is stopping: it has every entry but tells no new master.
+        assert_eq!(of(&[], &[1, 2], &[], false), quiet, "a silent member out of the set");
+        assert_eq!(of(&[], &[1, 2], &[], true), tick, "the grace period ends by time");
+        // Node 3 is behind: timed out while synchronised, kicked while up.
+        assert_eq!(of(&[3], &[1, 2, 3], &[3], false), Wakeups { tick: true, on_return: true });
+        assert_eq!(of(&[3], &[1, 2], &[], false), tick);
+        assert_eq!(of(&[3], &[1, 2], &[3], false), on_return, "down and out of the set: its return wakes the gate");
     }
 
     #[test]
