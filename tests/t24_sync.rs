@@ -342,3 +342,27 @@ async fn moving_a_queue_keeps_the_old_replica_until_the_new_ones_have_every_body
     }
     assert_eq!(got, (0..300).map(|i| format!("old{i}")).collect::<BTreeSet<_>>());
 }
+
+/// A mirror's node says it is stopping, then stops: its master stops
+/// waiting for it at the first publish it lacks, where it held that
+/// confirm for the sync timeout (a busy queue stalled for seconds at each
+/// node of a rolling restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_that_said_it_is_stopping_holds_up_no_confirm() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    common::publish_retrying(c.node(1), "q", b"before".to_vec()).await;
+    let master = c.master_of("q").await;
+    let stopping = (1..=3).find(|id| *id != master).unwrap();
+    wait_view(c.node(master), "q", "every mirror synchronised", |i| i.synchronised.len() == 3).await;
+    assert_eq!(c.node(stopping).move_masterships_away().await, 0);
+    c.crash(stopping).await;
+    let confirmed =
+        tokio::time::timeout(Duration::from_secs(10), c.node(master).publish("q", vec![msg("after")])).await;
+    assert!(matches!(confirmed, Ok(Ok(()))), "confirm held up by the stopped mirror: {confirmed:?}");
+    let info = view(c.node(master), "q").await;
+    assert!(!info.synchronised.contains(&stopping), "a mirror lacking a confirmed message counted synchronised");
+    assert_eq!(info.synchronised.len(), 2);
+    c.shutdown().await;
+}

@@ -154,6 +154,14 @@ pub enum RpcRequest {
         /// It is stopping: confirms need not wait for it.
         leaving: bool,
     },
+    /// A node that is stopping tells each peer before it moves its
+    /// masterships: confirms stop waiting for its replicas, and groups
+    /// settle without them.
+    Departing {
+        from: NodeId,
+        /// The life it stops (a late notice must not mark the next one).
+        incarnation: u64,
+    },
     /// A node asks to join the cluster (sent to any member; answered by the
     /// metadata leader once the node is a voter of the metadata group and
     /// registered).

@@ -339,10 +339,13 @@ impl Node {
             }
         }
         *self.inner.reach.lock().expect("poisoned") = Some((Instant::now(), set.clone()));
-        let down: BTreeSet<NodeId> = state.nodes.keys().copied().filter(|id| !set.contains(id)).collect();
-        self.inner.down.send_if_modified(|was| {
-            *was != down && {
-                *was = down;
+        let news = crate::queue::confirm_gate::PeerNews {
+            down: state.nodes.keys().copied().filter(|id| !set.contains(id)).collect(),
+            departed: self.inner.quiescence.departed(),
+        };
+        self.inner.peers.send_if_modified(|was| {
+            *was != news && {
+                *was = news;
                 true
             }
         });
@@ -369,7 +372,7 @@ impl Node {
             return;
         }
         let mut reach = self.reachable(state).await;
-        let mut present = self.inner.quiescence.present(&reach);
+        let mut present = self.present(state);
         let timing = &self.inner.timing;
         for g in groups {
             if self.inner.stop.is_cancelled() {
@@ -561,7 +564,7 @@ impl Node {
                 // A re-form may take seconds: the groups after it are judged
                 // on fresh pings, not on this round's.
                 reach = self.reachable(state).await;
-                present = self.inner.quiescence.present(&reach);
+                present = self.present(state);
             }
         }
     }
@@ -1148,6 +1151,26 @@ impl Node {
             g.raft.runtime_config().elect(false);
         }
         self.successors()
+    }
+
+    /// Graceful stop, before any mastership moves: tell every peer. Their
+    /// masters stop waiting for this node's replicas (a busy queue would
+    /// otherwise hold its confirms for the sync timeout once they stop)
+    /// and settle groups without them.
+    pub(super) async fn announce_departure(&self) {
+        let state = self.metadata();
+        let req = RpcRequest::Departing { from: self.id(), incarnation: self.inner.quiescence.incarnation() };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let peers = state.nodes.keys().copied().filter(|id| *id != self.id());
+        let calls = peers.map(|id| {
+            let req = &req;
+            async move {
+                if self.inner.call(id, req, deadline).await.is_err() {
+                    tracing::info!(node = id, "peer not told of this node's stop");
+                }
+            }
+        });
+        futures::future::join_all(calls).await;
     }
 
     /// After our groups stopped: ask each successor to stand for election

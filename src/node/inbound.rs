@@ -154,8 +154,7 @@ impl Inner {
             }
             RpcRequest::Elect { group, from, leaving } => {
                 if leaving {
-                    self.down.send_if_modified(|down| down.insert(from));
-                    self.quiescence.departs(from);
+                    self.peers.send_if_modified(|p| p.down.insert(from));
                 }
                 let g = self.groups.read().expect("poisoned").get(&group).cloned();
                 // A replica still fetching bodies never stands, asked or not:
@@ -183,6 +182,12 @@ impl Inner {
                         tracing::debug!(node = me, "gave up standing after a handover");
                     });
                 }
+                RpcResponse::Done
+            }
+            RpcRequest::Departing { from, incarnation } => {
+                self.quiescence.departs(from, incarnation);
+                self.peers.send_if_modified(|p| p.departed.insert(from));
+                tracing::info!(node = from, "peer is stopping: confirms no longer wait for it");
                 RpcResponse::Done
             }
             RpcRequest::Queue { group, cmds, lane } => RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await),

@@ -180,7 +180,7 @@ impl Node {
             reach: Mutex::default(),
             seen: Mutex::default(),
             dead: Mutex::default(),
-            down: confirm_gate::Down::new(Default::default()),
+            peers: confirm_gate::Peers::new(Default::default()),
             leaving: AtomicBool::new(false),
             quiet: Mutex::default(),
             quiescence: super::quiescence::Quiescence::new(incarnation),
@@ -243,6 +243,7 @@ impl Node {
     pub async fn shutdown(&self) {
         self.inner.closing.cancel();
         let successors = self.prepare_hand_over();
+        self.announce_departure().await;
         // Move each mastership while this node can still vote for its
         // successor (which then wins at once); what does not move in time
         // is handed over the slow way below, after the groups stop.

@@ -250,7 +250,7 @@ struct Inner {
     dead: Mutex<HashMap<NodeId, Instant>>,
     /// Peers known down (the complement of `reach`, plus masters that
     /// announced their stop): confirms do not wait for them at a new term.
-    down: confirm_gate::Down,
+    peers: confirm_gate::Peers,
     /// Set once a graceful stop starts handing masterships over: no replica
     /// here stands for election any more.
     leaving: AtomicBool,

@@ -30,6 +30,7 @@ use openraft::{RaftMetrics, ServerState};
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::RpcResponse;
+use crate::metadata::MetaState;
 type Metrics = RaftMetrics<NodeId, openraft::BasicNode>;
 
 /// A master's term and last log index: the group is settled while they
@@ -82,7 +83,7 @@ pub(super) struct Quiescence {
     /// Peers that said they are stopping (a master handing its groups
     /// over), with the life they said it in: a group need not wait for
     /// them to settle. A new life of the peer is present again.
-    departing: Mutex<HashMap<NodeId, Option<u64>>>,
+    departing: Mutex<HashMap<NodeId, u64>>,
 }
 
 impl Quiescence {
@@ -98,22 +99,30 @@ impl Quiescence {
         }
     }
 
-    /// `peer` said it is stopping.
-    pub(super) fn departs(&self, peer: NodeId) {
-        let life = self.heard.lock().expect("poisoned").get(&peer).map(|h| h.incarnation);
-        self.departing.lock().expect("poisoned").insert(peer, life);
+    /// This node's life, as its peers tell it apart from the next.
+    pub(super) fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
-    /// The peers in `reach` that have not said they are stopping, in the
-    /// life this node still hears from.
-    pub(super) fn present(&self, reach: &BTreeSet<NodeId>) -> BTreeSet<NodeId> {
+    /// `peer` said, in its life `incarnation`, that it is stopping.
+    pub(super) fn departs(&self, peer: NodeId, incarnation: u64) {
+        self.departing.lock().expect("poisoned").insert(peer, incarnation);
+    }
+
+    /// The peers that said they are stopping, unless this node has heard
+    /// from a later life of theirs since. A peer not heard from at all
+    /// counts as in the life it said it in.
+    pub(super) fn departed(&self) -> BTreeSet<NodeId> {
         let departing = self.departing.lock().expect("poisoned");
         if departing.is_empty() {
-            return reach.clone();
+            return BTreeSet::new();
         }
         let heard = self.heard.lock().expect("poisoned");
-        let life = |p: &NodeId| heard.get(p).map(|h| h.incarnation);
-        reach.iter().copied().filter(|p| departing.get(p).is_none_or(|said| *said != life(p))).collect()
+        departing
+            .iter()
+            .filter(|(p, said)| heard.get(p).is_none_or(|h| h.incarnation <= **said))
+            .map(|(p, _)| *p)
+            .collect()
     }
 
     /// What the failure watch's verdict on `group` depends on beyond its
@@ -231,12 +240,12 @@ impl Quiescence {
 }
 
 /// Whether a master's group has settled: nothing for the heartbeats to
-/// carry to any member in `present` (this node's peers that answer pings
-/// and have not said they are stopping), and those are a majority of the
-/// voters. A member away is not waited for: heartbeats cannot reach it, and
-/// when it returns the watch looks at the group again (a change of the
-/// peers in reach, or of a peer's life, changes the world) and wakes it if
-/// that member lacks anything or has not reported to this master.
+/// carry to any member in `present` (`Node::present`), and those are a
+/// majority of the voters. A member gone or stopping is not waited for:
+/// heartbeats cannot reach it, and when it returns the watch looks at the
+/// group again (a peer seen alive again, or a new life of it, changes the
+/// world) and wakes it if that member lacks anything or has not reported
+/// to this master.
 fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>) -> bool {
     let membership = m.membership_config.membership();
     let applied = m.last_applied.map(|l| l.index);
@@ -262,6 +271,17 @@ fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>) 
 }
 
 impl Node {
+    /// The nodes a group waits for to settle: every node but those seen
+    /// gone (their port refuses a dial, `liveness.rs`) and those that said
+    /// they are stopping. A node merely out of reach still counts: cut off
+    /// one way, it could still unseat a master whose heartbeats are off
+    /// (and whose lease has lapsed) again and again.
+    pub(super) fn present(&self, state: &MetaState) -> BTreeSet<NodeId> {
+        let departed = self.inner.quiescence.departed();
+        let dead = self.inner.dead.lock().expect("poisoned");
+        state.nodes.keys().copied().filter(|id| !dead.contains_key(id) && !departed.contains(id)).collect()
+    }
+
     /// As follower: whether a quiet master stands in for the group's
     /// heartbeats. It does while its node answers pings and announces the
     /// group in our term (`Some(true)`), and for an election timeout after

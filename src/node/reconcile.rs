@@ -471,7 +471,7 @@ impl Node {
             q.group,
             raft.clone(),
             self.inner.timing.sync_timeout,
-            self.inner.down.subscribe(),
+            self.inner.peers.subscribe(),
             catching.clone(),
             confirm_gate::Leadership { taken: self.inner.metrics.queue_leaderships.clone(), now: leading.clone() },
             stop.clone(),

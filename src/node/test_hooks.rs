@@ -44,11 +44,12 @@ impl Node {
         self.prepare_hand_over();
     }
 
-    /// The first two steps of a graceful stop: leaving, and every
-    /// mastership moved to its successor; the node then stays up. Returns
-    /// how many did not move.
+    /// The first steps of a graceful stop: leaving, the peers told, and
+    /// every mastership moved to its successor; the node then stays up.
+    /// Returns how many did not move.
     pub async fn move_masterships_away(&self) -> usize {
         let successors = self.prepare_hand_over();
+        self.announce_departure().await;
         self.move_masters_away(successors).await.len()
     }
 

@@ -102,19 +102,20 @@ impl Wakeups {
     /// stopping node stays silent, a dead one says nothing) kept thousands
     /// of new masters waking ten times a second while a node of a rolling
     /// restart was away. A lagging member still synchronised must be timed
-    /// out, and one not down may need a kick; a lagging member that is
-    /// down is kicked when it returns.
+    /// out, and one neither down nor stopping may need a kick; a lagging
+    /// member that is down is kicked when it returns.
     fn of<'a>(
         lagging: impl Iterator<Item = &'a NodeId> + Clone,
         in_sync: &BTreeSet<NodeId>,
         members: &BTreeSet<NodeId>,
-        down: &BTreeSet<NodeId>,
+        peers: &PeerNews,
         busy: bool,
     ) -> Wakeups {
-        let timed = lagging.clone().any(|id| in_sync.contains(id) || !down.contains(id));
+        let timed =
+            lagging.clone().any(|id| in_sync.contains(id) || !(peers.down.contains(id) || peers.departed.contains(id)));
         Wakeups {
             tick: timed || (busy && in_sync != members),
-            on_return: lagging.into_iter().any(|id| down.contains(id)),
+            on_return: lagging.into_iter().any(|id| peers.down.contains(id)),
         }
     }
 }
@@ -125,11 +126,22 @@ impl Wakeups {
 /// backs off from an unreachable member, and on an idle queue nothing new
 /// comes to replicate, so a member that comes back would stay behind (and
 /// unsynchronised) until the next publish. An empty entry wakes it up.
-/// Nodes known to be down (no answer to pings, or a master that announced
-/// its stop): not waited for during a new term's grace period, and not
-/// watched for progress: a gate whose only lagging member is down (and no
-/// longer synchronised) sleeps until this set changes.
-pub type Down = watch::Sender<BTreeSet<NodeId>>;
+/// What a node knows of its peers that its gates judge members by.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerNews {
+    /// Not answering pings, or a master that announced its stop: not
+    /// waited for during a new term's grace period, and not watched for
+    /// progress (a gate whose only lagging member is down, and no longer
+    /// synchronised, sleeps until this changes).
+    pub down: BTreeSet<NodeId>,
+    /// Said they are stopping: confirms do not wait for them. Such a member
+    /// stays synchronised while it has every entry (an idle group need not
+    /// wake for it when it returns) and leaves the set at the first entry
+    /// it lacks, without the sync timeout.
+    pub departed: BTreeSet<NodeId>,
+}
+
+pub type Peers = watch::Sender<PeerNews>;
 
 /// What members told this node, as their master, about their message
 /// bodies. Every member reports to each new master (and every second while
@@ -204,7 +216,7 @@ pub fn spawn(
     group: u64,
     raft: Raft,
     timeout: Duration,
-    mut down: watch::Receiver<BTreeSet<NodeId>>,
+    mut peers: watch::Receiver<PeerNews>,
     catching: CatchingUp,
     leadership: Leadership,
     stop: CancellationToken,
@@ -240,10 +252,11 @@ pub fn spawn(
                 r = metrics.changed() => if r.is_err() { return },
                 _ = reports.notified() => {}
                 _ = tick.tick(), if ticking => {}
-                r = down.changed(), if awaiting_return => if r.is_err() { return },
+                r = peers.changed(), if awaiting_return => if r.is_err() { return },
             }
             let now = Instant::now();
-            let down_now = down.borrow_and_update().clone();
+            let news = peers.borrow_and_update().clone();
+            let (down_now, departed) = (&news.down, &news.departed);
             let m = metrics.borrow_and_update().clone();
             leading.store(m.state == ServerState::Leader && m.current_leader == Some(m.id), Ordering::Release);
             let members: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
@@ -265,6 +278,7 @@ pub fn spawn(
                 samples.record(now, m.last_log_index.unwrap_or(0), timeout);
                 let threshold = samples.threshold(now, timeout);
                 let last = m.last_log_index;
+                lagging.retain(|id, _| st.members.contains(id));
                 let mut stalled = false;
                 for id in &st.members {
                     let matched = repl.get(id).cloned().flatten().map(|l| l.index);
@@ -275,7 +289,7 @@ pub fn spawn(
                     let entry = lagging.entry(*id).or_insert((matched, now));
                     if entry.0 != matched {
                         *entry = (matched, now);
-                    } else if now.duration_since(entry.1) >= STALL && !down_now.contains(id) {
+                    } else if now.duration_since(entry.1) >= STALL && !down_now.contains(id) && !departed.contains(id) {
                         stalled = true;
                     }
                 }
@@ -292,12 +306,16 @@ pub fn spawn(
                     *id == m.id
                         || (st.members.contains(id)
                             && !behind.contains_key(id)
-                            && (threshold.is_none() || matched_of(id) >= threshold))
+                            && (threshold.is_none() || matched_of(id) >= threshold)
+                            && !(departed.contains(id) && matched_of(id) < last))
                 });
                 // What every replica waited on has: during the grace period
                 // after takeover that is every member, later the synchronised.
+                // A departed member still in the set has every entry.
                 let waiting = st.members.iter().filter(|id| {
-                    in_sync.contains(id) || (now < grace_until && !down_now.contains(id) && !behind.contains_key(id))
+                    !departed.contains(id)
+                        && (in_sync.contains(id)
+                            || (now < grace_until && !down_now.contains(id) && !behind.contains_key(id)))
                 });
                 let confirmed = waiting.map(matched_of).min().flatten();
                 // Back in only with everything confirmed so far (so joining
@@ -307,6 +325,7 @@ pub fn spawn(
                     if catching.read().expect("poisoned").heard_in(m.current_term, *id)
                         && !in_sync.contains(id)
                         && !behind.contains_key(id)
+                        && !departed.contains(id)
                         && matched_of(id) >= entry_floor
                     {
                         in_sync.insert(*id);
@@ -326,7 +345,7 @@ pub fn spawn(
                 // A report from a member since removed stays in the book.
                 let members_behind = behind.keys().any(|id| st.members.contains(id));
                 let wake =
-                    Wakeups::of(lagging.keys(), &in_sync, &st.members, &down_now, now < grace_until || members_behind);
+                    Wakeups::of(lagging.keys(), &in_sync, &st.members, &news, now < grace_until || members_behind);
                 (ticking, awaiting_return) = (wake.tick, wake.on_return);
                 st.synchronised = in_sync.clone();
                 st.confirmed = confirmed;
@@ -368,7 +387,8 @@ mod tests {
         let set = |ids: &[NodeId]| ids.iter().copied().collect::<BTreeSet<NodeId>>();
         let members = set(&[1, 2, 3]);
         let of = |lagging: &[NodeId], in_sync: &[NodeId], down: &[NodeId], busy: bool| {
-            Wakeups::of(lagging.iter(), &set(in_sync), &members, &set(down), busy)
+            let peers = PeerNews { down: set(down), departed: BTreeSet::new() };
+            Wakeups::of(lagging.iter(), &set(in_sync), &members, &peers, busy)
         };
         let (tick, on_return, quiet) = (
             Wakeups { tick: true, on_return: false },
@@ -383,6 +403,9 @@ mod tests {
         assert_eq!(of(&[3], &[1, 2, 3], &[3], false), Wakeups { tick: true, on_return: true });
         assert_eq!(of(&[3], &[1, 2], &[], false), tick);
         assert_eq!(of(&[3], &[1, 2], &[3], false), on_return, "down and out of the set: its return wakes the gate");
+        // Node 3 said it is stopping, and lags: out of the set at once, no kick.
+        let stopping = PeerNews { down: BTreeSet::new(), departed: set(&[3]) };
+        assert_eq!(Wakeups::of([3].iter(), &set(&[1, 2]), &members, &stopping, false), quiet);
     }
 
     #[test]
