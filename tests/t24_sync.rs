@@ -346,7 +346,7 @@ async fn moving_a_queue_keeps_the_old_replica_until_the_new_ones_have_every_body
 /// A mirror's node says it is stopping, then stops: its master stops
 /// waiting for it at the first publish it lacks, where it held that
 /// confirm for the sync timeout (a busy queue stalled for seconds at each
-/// node of a rolling restart).
+/// node of a rolling restart). Back, it is synchronised again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mirror_that_said_it_is_stopping_holds_up_no_confirm() {
     init_tracing();
@@ -364,5 +364,12 @@ async fn a_mirror_that_said_it_is_stopping_holds_up_no_confirm() {
     let info = view(c.node(master), "q").await;
     assert!(!info.synchronised.contains(&stopping), "a mirror lacking a confirmed message counted synchronised");
     assert_eq!(info.synchronised.len(), 2);
+    // Back as a new life, with nothing more published: synchronised again.
+    c.restart(stopping).await;
+    wait_view(c.node(master), "q", "the returned mirror synchronised", |i| i.synchronised.contains(&stopping)).await;
+    wait_until(Duration::from_secs(10), "both messages applied on the returned mirror", || {
+        c.node(stopping).local_stored_count("q").is_ok_and(|n| n == 2)
+    })
+    .await;
     c.shutdown().await;
 }

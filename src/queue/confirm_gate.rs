@@ -90,20 +90,22 @@ const STALL: Duration = Duration::from_millis(500);
 struct Wakeups {
     /// Look again every tick.
     tick: bool,
-    /// Look again when the set of nodes down changes.
-    on_return: bool,
+    /// Look again when what the node knows of its peers changes.
+    on_peers: bool,
 }
 
 impl Wakeups {
     /// `busy`: in the grace period after takeover, or a member still
     /// fetching bodies. Otherwise time changes nothing for a member out of
-    /// the synchronised set: it comes back in on a report or on its
-    /// progress, which wake the gate anyway. Ticking for such a member (a
-    /// stopping node stays silent, a dead one says nothing) kept thousands
-    /// of new masters waking ten times a second while a node of a rolling
-    /// restart was away. A lagging member still synchronised must be timed
-    /// out, and one neither down nor stopping may need a kick; a lagging
-    /// member that is down is kicked when it returns.
+    /// the synchronised set: it comes back in on a report, on its progress
+    /// (both wake the gate anyway), or once it no longer counts as
+    /// stopping, which only the news of its peers tells. Ticking for such
+    /// a member (a stopping node stays silent, a dead one says nothing)
+    /// kept thousands of new masters waking ten times a second while a
+    /// node of a rolling restart was away. A lagging member still
+    /// synchronised must be timed out, and one neither down nor stopping
+    /// may need a kick; a lagging member that is down is kicked when it
+    /// returns.
     fn of<'a>(
         lagging: impl Iterator<Item = &'a NodeId> + Clone,
         in_sync: &BTreeSet<NodeId>,
@@ -115,7 +117,7 @@ impl Wakeups {
             lagging.clone().any(|id| in_sync.contains(id) || !(peers.down.contains(id) || peers.departed.contains(id)));
         Wakeups {
             tick: timed || (busy && in_sync != members),
-            on_return: lagging.into_iter().any(|id| peers.down.contains(id)),
+            on_peers: in_sync != members || lagging.into_iter().any(|id| peers.down.contains(id)),
         }
     }
 }
@@ -243,16 +245,17 @@ pub fn spawn(
         let mut floor: Option<u64> = None;
         let mut grace_until = Instant::now();
         let mut reported: BTreeSet<NodeId> = BTreeSet::new();
-        // A lagging member is down: its return wakes the gate (to kick
-        // replication to it at once).
-        let mut awaiting_return = false;
+        // A member out of the synchronised set, or down and lagging: news
+        // of the peers (a return, a stop that is over) may let it in, or
+        // call for a kick.
+        let mut on_peers = false;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 r = metrics.changed() => if r.is_err() { return },
                 _ = reports.notified() => {}
                 _ = tick.tick(), if ticking => {}
-                r = peers.changed(), if awaiting_return => if r.is_err() { return },
+                r = peers.changed(), if on_peers => if r.is_err() { return },
             }
             let now = Instant::now();
             let news = peers.borrow_and_update().clone();
@@ -262,7 +265,7 @@ pub fn spawn(
             let members: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
             let mut st = SyncState { term: m.current_term, members, ..SyncState::default() };
             ticking = false;
-            awaiting_return = false;
+            on_peers = false;
             if let (ServerState::Leader, Some(repl)) = (m.state, m.replication.as_ref()) {
                 if samples.term != m.current_term {
                     // New leadership: only the leader is known to hold every
@@ -346,7 +349,7 @@ pub fn spawn(
                 let members_behind = behind.keys().any(|id| st.members.contains(id));
                 let wake =
                     Wakeups::of(lagging.keys(), &in_sync, &st.members, &news, now < grace_until || members_behind);
-                (ticking, awaiting_return) = (wake.tick, wake.on_return);
+                (ticking, on_peers) = (wake.tick, wake.on_peers);
                 st.synchronised = in_sync.clone();
                 st.confirmed = confirmed;
                 st.leader_term = Some(m.current_term);
@@ -386,26 +389,26 @@ mod tests {
     fn a_gate_ticks_only_while_time_can_change_what_it_decides() {
         let set = |ids: &[NodeId]| ids.iter().copied().collect::<BTreeSet<NodeId>>();
         let members = set(&[1, 2, 3]);
-        let of = |lagging: &[NodeId], in_sync: &[NodeId], down: &[NodeId], busy: bool| {
-            let peers = PeerNews { down: set(down), departed: BTreeSet::new() };
-            Wakeups::of(lagging.iter(), &set(in_sync), &members, &peers, busy)
+        let of = |lagging: &[NodeId], in_sync: &[NodeId], down: &[NodeId], departed: &[NodeId], busy: bool| {
+            let peers = PeerNews { down: set(down), departed: set(departed) };
+            let w = Wakeups::of(lagging.iter(), &set(in_sync), &members, &peers, busy);
+            (w.tick, w.on_peers)
         };
-        let (tick, on_return, quiet) = (
-            Wakeups { tick: true, on_return: false },
-            Wakeups { tick: false, on_return: true },
-            Wakeups { tick: false, on_return: false },
-        );
-        assert_eq!(of(&[], &[1, 2, 3], &[], false), quiet, "everyone synchronised and up to date");
-        // Node 3 is stopping: it has every entry but tells no new master.
-        assert_eq!(of(&[], &[1, 2], &[], false), quiet, "a silent member out of the set");
-        assert_eq!(of(&[], &[1, 2], &[], true), tick, "the grace period ends by time");
+        assert_eq!(of(&[], &[1, 2, 3], &[], &[], false), (false, false), "everyone synchronised and up to date");
+        // Node 3 is stopping: it has every entry but tells no new master;
+        // only its return (no longer stopping) lets it in without a report.
+        assert_eq!(of(&[], &[1, 2], &[], &[3], false), (false, true), "a silent member out of the set");
+        assert_eq!(of(&[], &[1, 2], &[], &[3], true), (true, true), "the grace period ends by time");
         // Node 3 is behind: timed out while synchronised, kicked while up.
-        assert_eq!(of(&[3], &[1, 2, 3], &[3], false), Wakeups { tick: true, on_return: true });
-        assert_eq!(of(&[3], &[1, 2], &[], false), tick);
-        assert_eq!(of(&[3], &[1, 2], &[3], false), on_return, "down and out of the set: its return wakes the gate");
-        // Node 3 said it is stopping, and lags: out of the set at once, no kick.
-        let stopping = PeerNews { down: BTreeSet::new(), departed: set(&[3]) };
-        assert_eq!(Wakeups::of([3].iter(), &set(&[1, 2]), &members, &stopping, false), quiet);
+        assert_eq!(of(&[3], &[1, 2, 3], &[3], &[], false), (true, true));
+        assert_eq!(of(&[3], &[1, 2], &[], &[], false), (true, true));
+        assert_eq!(
+            of(&[3], &[1, 2], &[3], &[], false),
+            (false, true),
+            "down and out of the set: its return wakes the gate"
+        );
+        // Node 3 said it is stopping, and lags: out of the set, no kick.
+        assert_eq!(of(&[3], &[1, 2], &[], &[3], false), (false, true));
     }
 
     #[test]
