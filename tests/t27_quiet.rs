@@ -71,13 +71,31 @@ async fn a_stopping_node_keeps_its_quiet_groups_quiet_until_it_moves_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_moved_off_a_stopping_node_goes_quiet_before_that_node_is_gone() {
     init_tracing();
-    let (c, master, _) = quiet_queue("q").await;
+    let (mut c, master, _) = quiet_queue("q").await;
     assert_eq!(c.node(master).move_masterships_away().await, 0, "a mastership did not move");
     let successor = c.master_of("q").await;
     assert_ne!(successor, master);
     wait_until(Duration::from_secs(15), "the moved group goes quiet", || c.node(successor).is_quiet_here("q")).await;
     let info = c.node(successor).queue_info("q").unwrap();
     assert!(!info.synchronised.contains(&master), "the stopping node counted as synchronised");
+    // The stop goes on: the group stays quiet as that node goes.
+    let woke = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = {
+        let (node, woke) = (c.node(successor).clone(), woke.clone());
+        tokio::spawn(async move {
+            loop {
+                if !node.is_quiet_here("q") {
+                    woke.store(true, std::sync::atomic::Ordering::Release);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    c.node(master).shutdown().await;
+    c.crash(master).await;
+    tokio::time::sleep(fast_timing(Duration::from_secs(60)).election_max * 3).await;
+    watch.abort();
+    assert!(!woke.load(std::sync::atomic::Ordering::Acquire), "the moved group woke as the stopping node went");
     c.shutdown().await;
 }
 
