@@ -132,3 +132,27 @@ async fn masters_spread_on_declare_and_rebalance_evens_them_out_while_publishing
     }
     c.shutdown().await;
 }
+
+/// Two nodes stop at once: the stopping master does not hand its queue to
+/// the senior mirror whose node is stopping too (it would lead a queue it
+/// has no one to hand to), but to the one that stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_master_hands_over_to_no_mirror_that_is_stopping_too() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    common::publish_retrying(c.node(1), "q", b"m".to_vec()).await;
+    let master = c.master_of("q").await;
+    let replicas = c.node(master).metadata().queues["q"].replicas.clone();
+    let mirrors: Vec<u64> = replicas.iter().copied().filter(|id| *id != master).collect();
+    // By seniority the first mirror would take over; its node stops first.
+    let (senior, other) = (mirrors[0], mirrors[1]);
+    wait_until(Duration::from_secs(20), "every mirror synchronised", || {
+        c.node(master).queue_info("q").is_ok_and(|i| i.synchronised.len() == 3)
+    })
+    .await;
+    assert_eq!(c.node(senior).move_masterships_away().await, 0);
+    assert_eq!(c.node(master).move_masterships_away().await, 0, "the mastership did not move");
+    assert_eq!(c.master_of("q").await, other, "handed to a node that is stopping");
+    c.shutdown().await;
+}

@@ -1111,6 +1111,7 @@ impl Node {
         let state = self.metadata();
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
         let by_group: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
+        let departed = self.inner.quiescence.departed();
         let mut out = Vec::new();
         let mut stranded = Vec::new();
         for g in groups {
@@ -1125,9 +1126,10 @@ impl Node {
             let voters: BTreeSet<NodeId> =
                 m.membership_config.membership().voter_ids().filter(|id| *id != me).collect();
             let eligible = if ha_of(&state, q).promote_on_shutdown_always { voters } else { synced };
-            // A mirror whose node is gone (stopped before us: an idle
-            // queue still counts it synchronised) cannot take over.
-            let eligible: BTreeSet<NodeId> = eligible.into_iter().filter(|id| !self.is_dead(*id)).collect();
+            // A mirror whose node is gone or stopping too (an idle queue
+            // still counts it synchronised) cannot take over.
+            let eligible: BTreeSet<NodeId> =
+                eligible.into_iter().filter(|id| !self.is_dead(*id) && !departed.contains(id)).collect();
             match by_seniority(q, &eligible).first() {
                 Some(next) => out.push((g.meta.group, *next)),
                 None => stranded.push(q.name.clone()),

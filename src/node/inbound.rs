@@ -158,8 +158,11 @@ impl Inner {
                 }
                 let g = self.groups.read().expect("poisoned").get(&group).cloned();
                 // A replica still fetching bodies never stands, asked or not:
-                // as master it would answer gets without those bodies.
-                if let Some(r) = g.filter(|g| g.plan.borrow().is_none()).map(|g| g.raft.clone()) {
+                // as master it would answer gets without those bodies. Nor
+                // does one on a node that is stopping itself (two stopping
+                // at once): it would lead a group it has no one to hand to.
+                let stopping = self.leaving.load(std::sync::atomic::Ordering::Acquire);
+                if let Some(r) = g.filter(|g| g.plan.borrow().is_none() && !stopping).map(|g| g.raft.clone()) {
                     // The other mirrors refuse votes until the lease of the
                     // old master's last heartbeat runs out: keep standing
                     // until someone leads, a little longer than that lease.
@@ -186,7 +189,10 @@ impl Inner {
             }
             RpcRequest::Departing { from, incarnation } => {
                 self.quiescence.departs(from, incarnation);
-                self.peers.send_if_modified(|p| p.departed.insert(from));
+                // Unless a later life of it was heard already (a late notice).
+                if self.quiescence.departed().contains(&from) {
+                    self.peers.send_if_modified(|p| p.departed.insert(from));
+                }
                 tracing::info!(node = from, "peer is stopping: confirms no longer wait for it");
                 RpcResponse::Done
             }

@@ -110,19 +110,17 @@ impl Quiescence {
     }
 
     /// The peers that said they are stopping, unless this node has heard
-    /// from a later life of theirs since. A peer not heard from at all
-    /// counts as in the life it said it in.
+    /// from another life of theirs since (a later one, or a first one on
+    /// an empty data dir, whose count starts again). A peer not heard
+    /// from at all counts as in the life it said it in.
     pub(super) fn departed(&self) -> BTreeSet<NodeId> {
-        let departing = self.departing.lock().expect("poisoned");
+        let mut departing = self.departing.lock().expect("poisoned");
         if departing.is_empty() {
             return BTreeSet::new();
         }
         let heard = self.heard.lock().expect("poisoned");
-        departing
-            .iter()
-            .filter(|(p, said)| heard.get(p).is_none_or(|h| h.incarnation <= **said))
-            .map(|(p, _)| *p)
-            .collect()
+        departing.retain(|p, said| heard.get(p).is_none_or(|h| h.incarnation == *said));
+        departing.keys().copied().collect()
     }
 
     /// What the failure watch's verdict on `group` depends on beyond its
@@ -394,5 +392,23 @@ mod tests {
         // A new life of the peer: every group is judged anew.
         q.heard(2, 8, 1, Some(vec![(10, 3)]));
         assert_ne!(key(10), now[0]);
+    }
+
+    /// A peer that said it is stopping counts as stopping until it is heard
+    /// in any other life: a later one, or one that starts counting again on
+    /// an empty data dir; a notice that comes after its next life was heard
+    /// marks nothing.
+    #[test]
+    fn a_peer_stops_counting_as_stopping_once_heard_in_another_life() {
+        let q = Quiescence::new(1);
+        q.departs(2, 7);
+        assert!(q.departed().contains(&2), "not heard from at all: in the life it said");
+        q.heard(2, 7, 1, Some(vec![]));
+        assert!(q.departed().contains(&2));
+        q.heard(2, 1, 1, Some(vec![]));
+        assert!(q.departed().is_empty(), "back on an empty data dir, its life counts from 1 again");
+        q.heard(3, 9, 1, Some(vec![]));
+        q.departs(3, 8);
+        assert!(q.departed().is_empty(), "a late notice from an earlier life");
     }
 }

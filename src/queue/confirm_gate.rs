@@ -103,9 +103,9 @@ impl Wakeups {
     /// a member (a stopping node stays silent, a dead one says nothing)
     /// kept thousands of new masters waking ten times a second while a
     /// node of a rolling restart was away. A lagging member still
-    /// synchronised must be timed out, and one neither down nor stopping
-    /// may need a kick; a lagging member that is down is kicked when it
-    /// returns.
+    /// synchronised must be timed out, and one that is up (stopping or
+    /// not: it may be needed for a commit) may need a kick; a lagging
+    /// member that is down is kicked when it returns.
     fn of<'a>(
         lagging: impl Iterator<Item = &'a NodeId> + Clone,
         in_sync: &BTreeSet<NodeId>,
@@ -113,8 +113,7 @@ impl Wakeups {
         peers: &PeerNews,
         busy: bool,
     ) -> Wakeups {
-        let timed =
-            lagging.clone().any(|id| in_sync.contains(id) || !(peers.down.contains(id) || peers.departed.contains(id)));
+        let timed = lagging.clone().any(|id| in_sync.contains(id) || !peers.down.contains(id));
         Wakeups {
             tick: timed || (busy && in_sync != members),
             on_peers: in_sync != members || lagging.into_iter().any(|id| peers.down.contains(id)),
@@ -292,7 +291,7 @@ pub fn spawn(
                     let entry = lagging.entry(*id).or_insert((matched, now));
                     if entry.0 != matched {
                         *entry = (matched, now);
-                    } else if now.duration_since(entry.1) >= STALL && !down_now.contains(id) && !departed.contains(id) {
+                    } else if now.duration_since(entry.1) >= STALL && !down_now.contains(id) {
                         stalled = true;
                     }
                 }
@@ -316,9 +315,10 @@ pub fn spawn(
                 // after takeover that is every member, later the synchronised.
                 // A departed member still in the set has every entry.
                 let waiting = st.members.iter().filter(|id| {
-                    !departed.contains(id)
-                        && (in_sync.contains(id)
-                            || (now < grace_until && !down_now.contains(id) && !behind.contains_key(id)))
+                    **id == m.id
+                        || !departed.contains(id)
+                            && (in_sync.contains(id)
+                                || (now < grace_until && !down_now.contains(id) && !behind.contains_key(id)))
                 });
                 let confirmed = waiting.map(matched_of).min().flatten();
                 // Back in only with everything confirmed so far (so joining
@@ -407,8 +407,10 @@ mod tests {
             (false, true),
             "down and out of the set: its return wakes the gate"
         );
-        // Node 3 said it is stopping, and lags: out of the set, no kick.
-        assert_eq!(of(&[3], &[1, 2], &[], &[3], false), (false, true));
+        // Node 3 said it is stopping, and lags: out of the set, but still
+        // up, so it may need a kick (it may be needed for a commit).
+        assert_eq!(of(&[3], &[1, 2], &[], &[3], false), (true, true));
+        assert_eq!(of(&[3], &[1, 2], &[3], &[3], false), (false, true));
     }
 
     #[test]
