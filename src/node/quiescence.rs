@@ -321,10 +321,10 @@ impl Node {
         let me = self.id();
         let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
         // A stopping node announces nothing new, but keeps its quiet groups
-        // quiet until each one moves, as waking them all
-        // at once (a node leading 6,700 of them) sent heartbeats from every
-        // one, which saturated every node, so that the moves ran out of
-        // time and what was left stood for election all at once.
+        // quiet until each one moves: waking them all at once (a node
+        // leading 6,700 of them) sent heartbeats from every one, which
+        // saturated every node, so that the moves ran out of time and what
+        // was left stood for election all at once.
         if leaving && m.state == ServerState::Leader && g.hush.is_quiet() {
             return;
         }
