@@ -248,16 +248,23 @@ pub fn spawn(
         // of the peers (a return, a stop that is over) may let it in, or
         // call for a kick.
         let mut on_peers = false;
+        // Copied only when it changed: a busy group's gate runs at every
+        // acknowledgement.
+        let mut news = peers.borrow_and_update().clone();
+        let mut news_came = false;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 r = metrics.changed() => if r.is_err() { return },
                 _ = reports.notified() => {}
                 _ = tick.tick(), if ticking => {}
-                r = peers.changed(), if on_peers => if r.is_err() { return },
+                // `changed` marks the news seen: copy it below.
+                r = peers.changed(), if on_peers => if r.is_err() { return } else { news_came = true },
             }
             let now = Instant::now();
-            let news = peers.borrow_and_update().clone();
+            if std::mem::take(&mut news_came) || peers.has_changed().unwrap_or(false) {
+                news = peers.borrow_and_update().clone();
+            }
             let (down_now, departed) = (&news.down, &news.departed);
             let m = metrics.borrow_and_update().clone();
             leading.store(m.state == ServerState::Leader && m.current_leader == Some(m.id), Ordering::Release);
