@@ -99,6 +99,54 @@ async fn a_group_moved_off_a_stopping_node_goes_quiet_before_that_node_is_gone()
     c.shutdown().await;
 }
 
+/// The node that moved its masterships away comes back. Its replicas hold
+/// every entry of the new masters' terms (they took the new master's first
+/// entry before the stop), so each knows its master from its saved vote and
+/// reports by itself: the group stays quiet and counts it synchronised
+/// again. At 10,000 queues waking every such group at the return (thousands
+/// at once, while the returning node was still starting them) stalled
+/// confirms on every node for 2-3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_moved_off_a_stopping_node_stays_quiet_as_that_node_returns() {
+    init_tracing();
+    let (mut c, master, _) = quiet_queue("q").await;
+    assert_eq!(c.node(master).move_masterships_away().await, 0, "a mastership did not move");
+    let successor = c.master_of("q").await;
+    let raft = c.node(successor).queue_raft("q").unwrap();
+    wait_until(Duration::from_secs(15), "the returning replica has the new master's entries", || {
+        let m = raft.metrics().borrow().clone();
+        m.replication.as_ref().and_then(|r| r.get(&master).cloned().flatten()).map(|l| l.index) == m.last_log_index
+    })
+    .await;
+    wait_until(Duration::from_secs(15), "the moved group goes quiet", || c.node(successor).is_quiet_here("q")).await;
+    c.node(master).shutdown().await;
+    c.crash(master).await;
+    let term = raft.metrics().borrow().current_term;
+    let woke = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = {
+        let (node, woke) = (c.node(successor).clone(), woke.clone());
+        tokio::spawn(async move {
+            loop {
+                if !node.is_quiet_here("q") {
+                    woke.store(true, std::sync::atomic::Ordering::Release);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    c.restart(master).await;
+    wait_until(Duration::from_secs(30), "the returned replica synchronised", || {
+        c.node(successor).queue_info("q").is_ok_and(|i| i.synchronised.contains(&master))
+    })
+    .await;
+    tokio::time::sleep(fast_timing(Duration::from_secs(60)).election_max * 3).await;
+    watch.abort();
+    assert!(!woke.load(std::sync::atomic::Ordering::Acquire), "the moved group woke at the node's return");
+    assert_eq!(raft.metrics().borrow().current_term, term, "an election was held");
+    assert_eq!(c.node(master).local_stored_count("q").unwrap(), 3);
+    c.shutdown().await;
+}
+
 /// A mirror is down while a message comes: the group goes quiet without
 /// it (heartbeats cannot reach it), and when it returns the master wakes
 /// the group, brings it every entry, counts it synchronised again, and goes

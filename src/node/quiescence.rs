@@ -31,6 +31,7 @@ use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::RpcResponse;
 use crate::metadata::MetaState;
+use crate::queue::confirm_gate;
 type Metrics = RaftMetrics<NodeId, openraft::BasicNode>;
 
 /// A master's term and last log index: the group is settled while they
@@ -242,8 +243,16 @@ impl Quiescence {
 /// majority of the voters. A member gone or stopping is not waited for:
 /// heartbeats cannot reach it, and when it returns the watch looks at the
 /// group again (a peer seen alive again, or a new life of it, changes the
-/// world) and wakes it if that member lacks anything or has not reported
-/// to this master.
+/// world) and wakes it if that member lacks any entry.
+///
+/// A member with every entry but not synchronised is not waited for
+/// either, unless it said it lacks bodies: having this master's last entry
+/// (always one of its term) it saved this master's vote, so it knows the
+/// master, also after a restart, and reports by itself, which lets the gate
+/// count it. Heartbeats would tell it nothing more. This is the node back
+/// from a stop, whose replicas reported to none of the masters that took
+/// over from it: waking each such group at its return (thousands at once)
+/// stalled every node's confirms.
 fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>) -> bool {
     let membership = m.membership_config.membership();
     let applied = m.last_applied.map(|l| l.index);
@@ -261,9 +270,12 @@ fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>) 
         .iter()
         .filter(|id| **id != me)
         .all(|id| replication.get(id).is_some_and(|matched| matched.map(|l| l.index) == m.last_log_index));
+    if !all_have {
+        return false;
+    }
+    let behind = confirm_gate::catching_up(&g.catching);
     let sync = g.sync.borrow();
-    all_have
-        && members.is_subset(&sync.synchronised)
+    members.iter().all(|id| sync.synchronised.contains(id) || (*id != me && !behind.contains_key(id)))
         && g.plan.borrow().is_none()
         && !g.changing.load(std::sync::atomic::Ordering::Acquire)
 }
