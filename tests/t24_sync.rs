@@ -373,3 +373,87 @@ async fn a_mirror_that_said_it_is_stopping_holds_up_no_confirm() {
     .await;
     c.shutdown().await;
 }
+
+/// A node back from a stop holds its replicas' reports until it has
+/// started every replica: a master that counted one synchronised would
+/// wait for its acknowledgements, slow while the node starts thousands of
+/// replicas (at 10,000 queues every busy queue's confirms stalled for about
+/// a second at each return of a rolling restart). Here the replica of `a`
+/// starts late, as one among thousands would: meanwhile the returned
+/// replica of `b` has every message and is not counted; afterwards both are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_returning_node_counts_as_synchronised_once_it_has_started_every_replica() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    for q in ["a", "b"] {
+        c.node(1).declare_queue(q, vec![1, 2, 3]).await.unwrap();
+        common::publish_retrying(c.node(1), q, b"before".to_vec()).await;
+    }
+    let masters = [c.master_of("a").await, c.master_of("b").await];
+    let back = (1..=3).find(|id| !masters.contains(id)).unwrap();
+    for q in ["a", "b"] {
+        wait_view(c.node(1), q, "every mirror synchronised", |i| i.synchronised.len() == 3).await;
+    }
+    assert_eq!(c.node(back).move_masterships_away().await, 0);
+    c.crash(back).await;
+    for q in ["a", "b"] {
+        common::publish_retrying(c.node(1), q, b"while away".to_vec()).await;
+        let info = view(c.node(1), q).await;
+        assert!(!info.synchronised.contains(&back), "a mirror lacking a confirmed message counted synchronised");
+    }
+    c.configs[(back - 1) as usize].start_held = Some(("a".into(), Duration::from_secs(4)));
+    c.restart(back).await;
+    wait_until(Duration::from_secs(4), "the returned replica of b has every message", || {
+        c.node(back).local_stored_count("b").is_ok_and(|n| n == 2)
+    })
+    .await;
+    let mut looked = 0;
+    loop {
+        let info = view(c.node(1), "b").await;
+        // Read after the view: `a` not started yet means the node had not
+        // started every replica when the view was taken.
+        if c.node(back).queue_raft("a").is_some() {
+            break;
+        }
+        assert!(!info.synchronised.contains(&back), "counted synchronised while still starting its replicas");
+        looked += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(looked > 10, "the held replica started too soon to tell anything ({looked} looks)");
+    for q in ["a", "b"] {
+        wait_view(c.node(1), q, "the returned mirror synchronised", |i| i.synchronised.contains(&back)).await;
+    }
+    c.shutdown().await;
+}
+
+/// A mastership moves off a stopping node, whose replica then returns
+/// while the new master's grace period (confirms wait for every member that
+/// answers, until they report) still runs. The returned replica is slow,
+/// as on a node starting thousands of them (here: its start held back), and
+/// a confirm must not wait for it: it was away during this leadership, and
+/// joins by its report. At 10,000 queues every busy queue that changed
+/// master at a stop stalled for about a second at that node's return.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_masters_grace_period_waits_for_no_member_back_from_a_stop() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    common::publish_retrying(c.node(1), "q", b"before".to_vec()).await;
+    let old = c.master_of("q").await;
+    wait_view(c.node(old), "q", "every mirror synchronised", |i| i.synchronised.len() == 3).await;
+    assert_eq!(c.node(old).move_masterships_away().await, 0, "the mastership did not move");
+    let new = c.master_of("q").await;
+    assert_ne!(new, old);
+    c.node(old).shutdown().await;
+    c.crash(old).await;
+    c.configs[(old - 1) as usize].start_held = Some(("q".into(), Duration::from_secs(8)));
+    c.restart(old).await;
+    wait_until(Duration::from_secs(10), "the new master sees the old one back", || c.node(new).sees_peer_up(old)).await;
+    assert!(c.node(old).queue_raft("q").is_none(), "the held replica started already");
+    let confirmed =
+        tokio::time::timeout(Duration::from_secs(3), c.node(new).publish("q", vec![msg("after the return")])).await;
+    assert!(matches!(confirmed, Ok(Ok(()))), "a confirm waited for the returned replica: {confirmed:?}");
+    assert!(c.node(old).queue_raft("q").is_none(), "the held replica started before the confirm");
+    wait_view(c.node(new), "q", "the returned mirror synchronised", |i| i.synchronised.contains(&old)).await;
+    c.shutdown().await;
+}

@@ -91,10 +91,11 @@ impl Node {
         let mut plan_rx = g.plan.clone();
         let mut run_rx = g.sync_run.subscribe();
         let mut metrics = g.raft.metrics();
+        let mut started = self.inner.replicas_started.subscribe();
         // The master this replica last reported to, and its term: a master
         // re-elected in a new term has forgotten the reports of the old one.
         let mut told: Option<(NodeId, u64)> = None;
-        let started = Instant::now();
+        let began = Instant::now();
         let mut last_log = Instant::now();
         let mut last_report: Option<Instant> = None;
         // The master's applied index after each read: applying that far
@@ -111,9 +112,11 @@ impl Node {
                     m.current_leader.filter(|l| *l != self.id()).map(|l| (l, m.current_term))
                 };
                 // A node that is stopping stays silent: a master that counted
-                // it as synchronised would wait for it after it is gone.
+                // it as synchronised would wait for it after it is gone. So
+                // does one still starting its replicas, until it is done.
                 let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
-                if master.is_some() && master != told && !leaving {
+                let ready = *started.borrow_and_update();
+                if master.is_some() && master != told && !leaving && ready {
                     match Box::pin(self.report(&g, None)).await {
                         Ok(_) => told = master,
                         Err(_) => {
@@ -125,6 +128,7 @@ impl Node {
                 tokio::select! {
                     r = plan_rx.changed() => if r.is_err() { return },
                     r = metrics.changed() => if r.is_err() { return },
+                    r = started.changed(), if !ready => if r.is_err() { return },
                 }
                 continue;
             };
@@ -136,7 +140,7 @@ impl Node {
                         self.inner.told.cleared(g.meta.group, "finish catch-up");
                         self.inner.told.cleared(g.meta.group, "store bodies");
                         tracing::info!(queue = %g.meta.name, messages = plan.msgs_done, bytes = plan.bytes_done,
-                            elapsed_ms = started.elapsed().as_millis() as u64, "mirror synchronised");
+                            elapsed_ms = began.elapsed().as_millis() as u64, "mirror synchronised");
                         let _ = g.sync_run.send(false);
                         continue;
                     }

@@ -192,6 +192,9 @@ impl Inner {
                 // Unless a later life of it was heard already (a late notice).
                 if self.quiescence.departed().contains(&from) {
                     self.peers.send_if_modified(|p| p.departed.insert(from));
+                    for g in self.groups.read().expect("poisoned").values() {
+                        g.catching.write().expect("poisoned").forget(from);
+                    }
                 }
                 tracing::info!(node = from, "peer is stopping: confirms no longer wait for it");
                 RpcResponse::Done

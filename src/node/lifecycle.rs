@@ -167,6 +167,8 @@ impl Node {
             removals: Default::default(),
             #[cfg(feature = "test-hooks")]
             watch_from: Instant::now() + cfg.watch_after,
+            #[cfg(feature = "test-hooks")]
+            start_held: cfg.start_held.clone(),
             group_started: tokio::sync::Notify::new(),
             hints: Mutex::new(HashMap::new()),
             clients: Arc::new(crate::clients::Clients::with_limit(cfg.max_connections)),
@@ -182,6 +184,7 @@ impl Node {
             dead: Mutex::default(),
             peers: confirm_gate::Peers::new(Default::default()),
             leaving: AtomicBool::new(false),
+            replicas_started: tokio::sync::watch::Sender::new(false),
             quiet: Mutex::default(),
             quiescence: super::quiescence::Quiescence::new(incarnation),
             closing: stop.child_token(),

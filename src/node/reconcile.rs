@@ -80,6 +80,9 @@ impl Node {
                 }
                 let failed = node.reconcile(&state, &touched, &mut sweep).await;
                 sweep.last = Some(state.clone());
+                if !sweep.more {
+                    node.inner.replicas_started.send_if_modified(|s| !std::mem::replace(s, true));
+                }
                 #[cfg(feature = "test-hooks")]
                 let watch_due = Instant::now() >= node.inner.watch_from;
                 #[cfg(not(feature = "test-hooks"))]
@@ -423,6 +426,10 @@ impl Node {
     }
 
     pub(super) async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
+        #[cfg(feature = "test-hooks")]
+        if let Some((_, hold)) = self.inner.start_held.as_ref().filter(|(name, _)| *name == q.name) {
+            tokio::time::sleep(*hold).await;
+        }
         let started = Instant::now();
         let db = &self.inner.db;
         let epoch = failover::load_epoch(db, q.group, self.id())?;

@@ -7,6 +7,7 @@ use mirrorq_storage::SmSpace;
 
 use super::{Node, QueueGroup};
 use crate::error::NodeError;
+use crate::ids::NodeId;
 use crate::message::Message;
 use crate::queue::{QueueCmd, QueueMachine};
 use crate::raft::types::{LogStore, Raft, Request};
@@ -51,6 +52,13 @@ impl Node {
         let successors = self.prepare_hand_over();
         self.announce_departure().await;
         self.move_masters_away(successors).await.len()
+    }
+
+    /// Whether this node's confirm gates take `peer` as up and not
+    /// stopping (their news of the peers).
+    pub fn sees_peer_up(&self, peer: NodeId) -> bool {
+        let news = self.inner.peers.borrow();
+        !news.down.contains(&peer) && !news.departed.contains(&peer)
     }
 
     /// Whether this node's replica of `queue` has its heartbeats off.

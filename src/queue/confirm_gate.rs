@@ -185,6 +185,14 @@ impl CatchUpBook {
         }
     }
 
+    /// `id` said it is stopping: forget its report (not what it said it
+    /// lacks), so that it counts as synchronised again only on a report
+    /// from its next life, which comes once that node has started every
+    /// replica. Its replicas report nothing more in this life.
+    pub fn forget(&mut self, id: NodeId) {
+        self.heard.remove(&id);
+    }
+
     fn heard_in(&self, term: u64, id: NodeId) -> bool {
         self.term == term && self.heard.contains(&id)
     }
@@ -243,6 +251,12 @@ pub fn spawn(
         // Log index a member must reach to (re)join, set at takeover.
         let mut floor: Option<u64> = None;
         let mut grace_until = Instant::now();
+        // Members down or stopping at some point of this leadership: the
+        // grace period no longer waits for them. One back from a restart
+        // acknowledges slowly while its node starts every replica (every
+        // busy queue that changed master at its stop stalled for about a
+        // second at its return), and joins by its report as any other.
+        let mut away: BTreeSet<NodeId> = BTreeSet::new();
         let mut reported: BTreeSet<NodeId> = BTreeSet::new();
         // A member out of the synchronised set, or down and lagging: news
         // of the peers (a return, a stop that is over) may let it in, or
@@ -283,6 +297,11 @@ pub fn spawn(
                     in_sync = BTreeSet::from([m.id]);
                     floor = m.last_log_index;
                     grace_until = now + timeout;
+                    away.clear();
+                }
+                if now < grace_until {
+                    let gone = news.down.iter().chain(&news.departed);
+                    away.extend(gone.filter(|id| st.members.contains(id)));
                 }
                 samples.record(now, m.last_log_index.unwrap_or(0), timeout);
                 let threshold = samples.threshold(now, timeout);
@@ -319,13 +338,14 @@ pub fn spawn(
                             && !(departed.contains(id) && matched_of(id) < last))
                 });
                 // What every replica waited on has: during the grace period
-                // after takeover that is every member, later the synchronised.
-                // A departed member still in the set has every entry.
+                // after takeover that is every member that has been up since,
+                // later the synchronised. A departed member still in the set
+                // has every entry.
                 let waiting = st.members.iter().filter(|id| {
                     **id == m.id
                         || !departed.contains(id)
                             && (in_sync.contains(id)
-                                || (now < grace_until && !down_now.contains(id) && !behind.contains_key(id)))
+                                || (now < grace_until && !away.contains(id) && !behind.contains_key(id)))
                 });
                 let confirmed = waiting.map(matched_of).min().flatten();
                 // Back in only with everything confirmed so far (so joining
