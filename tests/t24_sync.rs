@@ -395,31 +395,31 @@ async fn a_returning_node_counts_as_synchronised_once_it_has_started_every_repli
         wait_view(c.node(1), q, "every mirror synchronised", |i| i.synchronised.len() == 3).await;
     }
     assert_eq!(c.node(back).move_masterships_away().await, 0);
+    // Idle, it has every message, but counts no more once it said it stops.
+    for q in ["a", "b"] {
+        wait_view(c.node(1), q, "the stopping mirror out of the set", |i| !i.synchronised.contains(&back)).await;
+    }
     c.crash(back).await;
     for q in ["a", "b"] {
         common::publish_retrying(c.node(1), q, b"while away".to_vec()).await;
         let info = view(c.node(1), q).await;
         assert!(!info.synchronised.contains(&back), "a mirror lacking a confirmed message counted synchronised");
     }
-    c.configs[(back - 1) as usize].start_held = Some(("a".into(), Duration::from_secs(4)));
+    let release = Arc::new(tokio::sync::Notify::new());
+    c.configs[(back - 1) as usize].start_held = Some(("a".into(), release.clone()));
     c.restart(back).await;
-    wait_until(Duration::from_secs(4), "the returned replica of b has every message", || {
+    wait_until(Duration::from_secs(20), "the returned replica of b has every message", || {
         c.node(back).local_stored_count("b").is_ok_and(|n| n == 2)
     })
     .await;
-    let mut looked = 0;
-    loop {
+    // A second of looks: a report would have come within milliseconds.
+    for _ in 0..20 {
         let info = view(c.node(1), "b").await;
-        // Read after the view: `a` not started yet means the node had not
-        // started every replica when the view was taken.
-        if c.node(back).queue_raft("a").is_some() {
-            break;
-        }
         assert!(!info.synchronised.contains(&back), "counted synchronised while still starting its replicas");
-        looked += 1;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(looked > 10, "the held replica started too soon to tell anything ({looked} looks)");
+    assert!(c.node(back).queue_raft("a").is_none(), "the held replica started");
+    release.notify_one();
     for q in ["a", "b"] {
         wait_view(c.node(1), q, "the returned mirror synchronised", |i| i.synchronised.contains(&back)).await;
     }
@@ -446,7 +446,8 @@ async fn a_new_masters_grace_period_waits_for_no_member_back_from_a_stop() {
     assert_ne!(new, old);
     c.node(old).shutdown().await;
     c.crash(old).await;
-    c.configs[(old - 1) as usize].start_held = Some(("q".into(), Duration::from_secs(8)));
+    let release = Arc::new(tokio::sync::Notify::new());
+    c.configs[(old - 1) as usize].start_held = Some(("q".into(), release.clone()));
     c.restart(old).await;
     wait_until(Duration::from_secs(10), "the new master sees the old one back", || c.node(new).sees_peer_up(old)).await;
     assert!(c.node(old).queue_raft("q").is_none(), "the held replica started already");
@@ -454,6 +455,7 @@ async fn a_new_masters_grace_period_waits_for_no_member_back_from_a_stop() {
         tokio::time::timeout(Duration::from_secs(3), c.node(new).publish("q", vec![msg("after the return")])).await;
     assert!(matches!(confirmed, Ok(Ok(()))), "a confirm waited for the returned replica: {confirmed:?}");
     assert!(c.node(old).queue_raft("q").is_none(), "the held replica started before the confirm");
+    release.notify_one();
     wait_view(c.node(new), "q", "the returned mirror synchronised", |i| i.synchronised.contains(&old)).await;
     c.shutdown().await;
 }

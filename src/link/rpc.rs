@@ -130,10 +130,12 @@ pub enum RpcRequest {
     /// A replica catching up after a snapshot asks the master of `group`
     /// for message bodies in `ranges` (about `max_bytes` of them; none: a
     /// progress report only) and tells how far it is (`None`: it has every
-    /// body now). `totals`: also count the bytes still to fetch.
+    /// body now). `totals`: also count the bytes still to fetch. `life`:
+    /// the incarnation of the sender's node.
     Bodies {
         group: GroupId,
         from: NodeId,
+        life: u64,
         ranges: Vec<(u64, u64)>,
         max_bytes: u32,
         totals: bool,

@@ -268,7 +268,8 @@ impl Node {
         totals: bool,
         report: Option<SyncProgress>,
     ) -> Result<BodyChunk, NodeError> {
-        let req = RpcRequest::Bodies { group: g.meta.group, from: self.id(), ranges, max_bytes, totals, report };
+        let life = self.inner.quiescence.incarnation();
+        let req = RpcRequest::Bodies { group: g.meta.group, from: self.id(), life, ranges, max_bytes, totals, report };
         let master = g.raft.metrics().borrow().current_leader;
         let Some(master) = master.filter(|m| *m != self.id()) else {
             return Err(NodeError::NotLeader { leader: None });
@@ -313,7 +314,7 @@ impl Inner {
     pub(super) async fn serve_bodies(
         &self,
         group: GroupId,
-        from: NodeId,
+        (from, life): (NodeId, u64),
         ranges: Vec<(u64, u64)>,
         max_bytes: u32,
         totals: bool,
@@ -325,7 +326,7 @@ impl Inner {
             return Err(NodeError::NotLeader { leader: g.raft.metrics().borrow().current_leader });
         }
         let term = g.raft.metrics().borrow().current_term;
-        g.catching.write().expect("poisoned").record(term, from, report);
+        g.catching.write().expect("poisoned").record(term, from, life, report);
         if ranges.is_empty() {
             return Ok(BodyChunk { bodies: Vec::new(), next: None, applied: None, bytes_total: None });
         }

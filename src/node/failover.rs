@@ -342,6 +342,7 @@ impl Node {
         let news = crate::queue::confirm_gate::PeerNews {
             down: state.nodes.keys().copied().filter(|id| !set.contains(id)).collect(),
             departed: self.inner.quiescence.departed(),
+            gone: self.inner.dead.lock().expect("poisoned").keys().copied().collect(),
         };
         self.inner.peers.send_if_modified(|was| {
             *was != news && {

@@ -133,8 +133,8 @@ impl Inner {
                     _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),
                 }
             }
-            RpcRequest::Bodies { group, from, ranges, max_bytes, totals, report } => {
-                RpcResponse::Bodies(self.serve_bodies(group, from, ranges, max_bytes, totals, report).await)
+            RpcRequest::Bodies { group, from, life, ranges, max_bytes, totals, report } => {
+                RpcResponse::Bodies(self.serve_bodies(group, (from, life), ranges, max_bytes, totals, report).await)
             }
             RpcRequest::SyncControl { group, run } => {
                 self.sync_control(group, run);
@@ -193,7 +193,7 @@ impl Inner {
                 if self.quiescence.departed().contains(&from) {
                     self.peers.send_if_modified(|p| p.departed.insert(from));
                     for g in self.groups.read().expect("poisoned").values() {
-                        g.catching.write().expect("poisoned").forget(from);
+                        g.catching.write().expect("poisoned").forget(from, incarnation);
                     }
                 }
                 tracing::info!(node = from, "peer is stopping: confirms no longer wait for it");

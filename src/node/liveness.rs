@@ -90,7 +90,10 @@ impl Node {
         if self.inner.dead.lock().expect("poisoned").insert(id, Instant::now()).is_none() {
             tracing::info!(node = id, "peer's port refuses connections: its process is gone");
         }
-        self.inner.peers.send_if_modified(|p| p.down.insert(id));
+        self.inner.peers.send_if_modified(|p| {
+            let down = p.down.insert(id);
+            p.gone.insert(id) || down
+        });
         if let Some((_, reach)) = self.inner.reach.lock().expect("poisoned").as_mut() {
             reach.remove(&id);
         }

@@ -103,10 +103,10 @@ pub struct NodeConfig {
     /// node still starting thousands of replicas.
     #[cfg(feature = "test-hooks")]
     pub watch_after: Duration,
-    /// The replica of this queue starts this much later than the others,
-    /// as one among thousands on a node still starting them.
+    /// The replica of this queue starts only once the test notifies, as
+    /// one among thousands on a node still starting them.
     #[cfg(feature = "test-hooks")]
-    pub start_held: Option<(String, Duration)>,
+    pub start_held: Option<(String, Arc<tokio::sync::Notify>)>,
 }
 
 /// Time limits. Defaults suit a loaded 2-core machine running three nodes.
@@ -222,7 +222,7 @@ struct Inner {
     watch_from: Instant,
     /// See `NodeConfig::start_held`.
     #[cfg(feature = "test-hooks")]
-    start_held: Option<(String, Duration)>,
+    start_held: Option<(String, Arc<tokio::sync::Notify>)>,
     /// Replicas taken out of `groups` so far: the reconciler looks over
     /// every queue again after one went (it may have to start it again).
     removals: std::sync::atomic::AtomicU64,

@@ -52,6 +52,8 @@ pub(super) struct Sweep {
     /// Replicas are left to start and this round started some: the next
     /// round comes at once.
     more: bool,
+    /// This round looked at every queue (not a declare's or a delete's).
+    full: bool,
     /// The metadata the last round saw: where a queue deleted since still
     /// tells its group.
     last: Option<Arc<MetaState>>,
@@ -80,7 +82,8 @@ impl Node {
                 }
                 let failed = node.reconcile(&state, &touched, &mut sweep).await;
                 sweep.last = Some(state.clone());
-                if !sweep.more {
+                // A declare's round looks at its own queues only.
+                if sweep.full && !sweep.more {
                     node.inner.replicas_started.send_if_modified(|s| !std::mem::replace(s, true));
                 }
                 #[cfg(feature = "test-hooks")]
@@ -311,7 +314,7 @@ impl Node {
             }
         }
         // Replicas that cannot start wait for the next tick, not spin.
-        *sweep = Sweep { settled, removals, more: more && started_any, last: sweep.last.take() };
+        *sweep = Sweep { settled, removals, more: more && started_any, full: names.is_none(), last: sweep.last.take() };
         failed
     }
 
@@ -427,8 +430,8 @@ impl Node {
 
     pub(super) async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
         #[cfg(feature = "test-hooks")]
-        if let Some((_, hold)) = self.inner.start_held.as_ref().filter(|(name, _)| *name == q.name) {
-            tokio::time::sleep(*hold).await;
+        if let Some((_, release)) = self.inner.start_held.as_ref().filter(|(name, _)| *name == q.name) {
+            release.notified().await;
         }
         let started = Instant::now();
         let db = &self.inner.db;

@@ -131,15 +131,17 @@ impl Wakeups {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PeerNews {
     /// Not answering pings, or a master that announced its stop: not
-    /// waited for during a new term's grace period, and not watched for
-    /// progress (a gate whose only lagging member is down, and no longer
-    /// synchronised, sleeps until this changes).
+    /// watched for progress (a gate whose only lagging member is down, and
+    /// no longer synchronised, sleeps until this changes).
     pub down: BTreeSet<NodeId>,
-    /// Said they are stopping: confirms do not wait for them. Such a member
-    /// stays synchronised while it has every entry (an idle group need not
-    /// wake for it when it returns) and leaves the set at the first entry
-    /// it lacks, without the sync timeout.
+    /// Said they are stopping: confirms do not wait for them, and they are
+    /// out of the synchronised set (their reports forgotten) until a later
+    /// life of theirs reports.
     pub departed: BTreeSet<NodeId>,
+    /// Seen gone: their port refused a dial (the process ended), and they
+    /// have not answered since. Unlike a peer merely out of reach, such a
+    /// node comes back as a new process that reports by itself.
+    pub gone: BTreeSet<NodeId>,
 }
 
 pub type Peers = watch::Sender<PeerNews>;
@@ -155,9 +157,13 @@ pub type Peers = watch::Sender<PeerNews>;
 pub struct CatchUpBook {
     /// Members still fetching, their last report and when it came.
     behind: HashMap<NodeId, (SyncProgress, Instant)>,
-    /// Members heard from in `term`.
-    heard: BTreeSet<NodeId>,
+    /// Members heard from in `term`, and the life (node incarnation) each
+    /// last reported from.
+    heard: BTreeMap<NodeId, u64>,
     term: u64,
+    /// Members whose node said, in this life, that it is stopping: reports
+    /// from that life no longer count.
+    stopping: HashMap<NodeId, u64>,
     /// Wakes the confirm gate at each report: a report changes no Raft
     /// metric, and a gate with nothing to wait for does not tick.
     reported: Arc<Notify>,
@@ -166,14 +172,17 @@ pub struct CatchUpBook {
 pub type CatchingUp = Arc<RwLock<CatchUpBook>>;
 
 impl CatchUpBook {
-    /// A report from `from` to this node as master of `term` (`None`: it
-    /// has every body).
-    pub fn record(&mut self, term: u64, from: NodeId, report: Option<SyncProgress>) {
+    /// A report from `from`, in its node's life `life`, to this node as
+    /// master of `term` (`None`: it has every body).
+    pub fn record(&mut self, term: u64, from: NodeId, life: u64, report: Option<SyncProgress>) {
         if term != self.term {
             self.term = term;
             self.heard.clear();
         }
-        self.heard.insert(from);
+        // One sent before its node said it is stopping, and come after.
+        if self.stopping.get(&from) != Some(&life) {
+            self.heard.insert(from, life);
+        }
         self.reported.notify_one();
         match report {
             Some(p) => {
@@ -185,16 +194,24 @@ impl CatchUpBook {
         }
     }
 
-    /// `id` said it is stopping: forget its report (not what it said it
-    /// lacks), so that it counts as synchronised again only on a report
-    /// from its next life, which comes once that node has started every
-    /// replica. Its replicas report nothing more in this life.
-    pub fn forget(&mut self, id: NodeId) {
-        self.heard.remove(&id);
+    /// `id`'s node said, in its life `life`, that it is stopping: forget
+    /// what it reported (not what it said it lacks), which takes it out of
+    /// the synchronised set. It comes back on a report from a later life,
+    /// sent once that node has started every replica, so no confirm waits
+    /// on a node still starting thousands of them. (A later life already
+    /// heard is kept: the notice came late. A node back on an empty data
+    /// dir counts its lives from 1 again; its notice would have to come
+    /// after its next life reported to be taken for an older one.)
+    pub fn forget(&mut self, id: NodeId, life: u64) {
+        self.stopping.insert(id, life);
+        if self.heard.get(&id).is_some_and(|heard| *heard <= life) {
+            self.heard.remove(&id);
+            self.reported.notify_one();
+        }
     }
 
     fn heard_in(&self, term: u64, id: NodeId) -> bool {
-        self.term == term && self.heard.contains(&id)
+        self.term == term && self.heard.contains_key(&id)
     }
 
     /// Has `id` told this node, as master of `term`, that it has every body?
@@ -251,11 +268,12 @@ pub fn spawn(
         // Log index a member must reach to (re)join, set at takeover.
         let mut floor: Option<u64> = None;
         let mut grace_until = Instant::now();
-        // Members down or stopping at some point of this leadership: the
+        // Members gone or stopping at some point of this leadership: the
         // grace period no longer waits for them. One back from a restart
         // acknowledges slowly while its node starts every replica (every
         // busy queue that changed master at its stop stalled for about a
-        // second at its return), and joins by its report as any other.
+        // second at its return), and joins by its report as any other. A
+        // member merely out of reach (a missed ping) is still waited for.
         let mut away: BTreeSet<NodeId> = BTreeSet::new();
         let mut reported: BTreeSet<NodeId> = BTreeSet::new();
         // A member out of the synchronised set, or down and lagging: news
@@ -300,7 +318,7 @@ pub fn spawn(
                     away.clear();
                 }
                 if now < grace_until {
-                    let gone = news.down.iter().chain(&news.departed);
+                    let gone = news.gone.iter().chain(&news.departed);
                     away.extend(gone.filter(|id| st.members.contains(id)));
                 }
                 samples.record(now, m.last_log_index.unwrap_or(0), timeout);
@@ -330,17 +348,18 @@ pub fn spawn(
                 }
                 let matched_of = |id: &NodeId| repl.get(id).cloned().flatten().map(|l| l.index);
                 let behind = catching_up(&catching);
+                let book = catching.read().expect("poisoned");
                 in_sync.retain(|id| {
                     *id == m.id
                         || (st.members.contains(id)
+                            && book.heard_in(m.current_term, *id)
                             && !behind.contains_key(id)
                             && (threshold.is_none() || matched_of(id) >= threshold)
                             && !(departed.contains(id) && matched_of(id) < last))
                 });
                 // What every replica waited on has: during the grace period
                 // after takeover that is every member that has been up since,
-                // later the synchronised. A departed member still in the set
-                // has every entry.
+                // later the synchronised.
                 let waiting = st.members.iter().filter(|id| {
                     **id == m.id
                         || !departed.contains(id)
@@ -352,7 +371,7 @@ pub fn spawn(
                 // never lowers `confirmed`).
                 let entry_floor = floor.max(confirmed);
                 for id in &st.members {
-                    if catching.read().expect("poisoned").heard_in(m.current_term, *id)
+                    if book.heard_in(m.current_term, *id)
                         && !in_sync.contains(id)
                         && !behind.contains_key(id)
                         && !departed.contains(id)
@@ -361,6 +380,7 @@ pub fn spawn(
                         in_sync.insert(*id);
                     }
                 }
+                drop(book);
                 if in_sync != reported {
                     tracing::info!(group, term = m.current_term, synchronised = ?in_sync, was = ?reported, "synchronised replicas changed");
                     reported = in_sync.clone();
@@ -417,7 +437,7 @@ mod tests {
         let set = |ids: &[NodeId]| ids.iter().copied().collect::<BTreeSet<NodeId>>();
         let members = set(&[1, 2, 3]);
         let of = |lagging: &[NodeId], in_sync: &[NodeId], down: &[NodeId], departed: &[NodeId], busy: bool| {
-            let peers = PeerNews { down: set(down), departed: set(departed) };
+            let peers = PeerNews { down: set(down), departed: set(departed), ..PeerNews::default() };
             let w = Wakeups::of(lagging.iter(), &set(in_sync), &members, &peers, busy);
             (w.tick, w.on_peers)
         };
@@ -444,12 +464,30 @@ mod tests {
     fn a_member_behind_stays_behind_until_it_says_it_is_complete() {
         let book: CatchingUp = Arc::default();
         let progress = SyncProgress { msgs_done: 1, msgs_total: 9, bytes_done: 1, bytes_total: None, running: true };
-        book.write().unwrap().record(2, 5, Some(progress));
+        book.write().unwrap().record(2, 5, 1, Some(progress));
         // Silent for long after its last report: still behind.
         book.write().unwrap().behind.get_mut(&5).unwrap().1 = Instant::now() - Duration::from_secs(60);
         assert!(catching_up(&book).contains_key(&5));
-        book.write().unwrap().record(2, 5, None);
+        book.write().unwrap().record(2, 5, 1, None);
         assert!(catching_up(&book).is_empty());
+    }
+
+    /// A stopping node's reports no longer count, also one sent before the
+    /// notice and come after it; its next life's do, also when the notice
+    /// comes after them.
+    #[test]
+    fn a_stopping_members_report_counts_again_only_from_its_next_life() {
+        let mut book = CatchUpBook::default();
+        book.record(2, 5, 3, None);
+        assert!(book.heard_in(2, 5));
+        book.forget(5, 3);
+        assert!(!book.heard_in(2, 5), "a stopping member still counted");
+        book.record(2, 5, 3, None);
+        assert!(!book.heard_in(2, 5), "a late report from the stopping life counted");
+        book.record(2, 5, 4, None);
+        assert!(book.heard_in(2, 5), "the next life's report not counted");
+        book.forget(5, 3);
+        assert!(book.heard_in(2, 5), "a late notice forgot the next life's report");
     }
 
     #[test]
