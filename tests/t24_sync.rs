@@ -344,9 +344,9 @@ async fn moving_a_queue_keeps_the_old_replica_until_the_new_ones_have_every_body
 }
 
 /// A mirror's node says it is stopping, then stops: its master stops
-/// waiting for it at the first publish it lacks, where it held that
-/// confirm for the sync timeout (a busy queue stalled for seconds at each
-/// node of a rolling restart). Back, it is synchronised again.
+/// waiting for it at the notice, where it held the next confirm for the
+/// sync timeout (a busy queue stalled for seconds at each node of a
+/// rolling restart). Back, it is synchronised again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mirror_that_said_it_is_stopping_holds_up_no_confirm() {
     init_tracing();

@@ -10,7 +10,9 @@
 //! leader's last log index as it was `timeout` ago. A member that is down or
 //! stalled falls out after `timeout` (so confirms do not stall forever). It
 //! comes back in by itself once it has every entry confirmed without it, so a
-//! synchronised member always holds every confirmed message.
+//! synchronised member always holds every confirmed message. A member whose
+//! node said it is stopping falls out at once, and comes back only on a
+//! report from its node's next life ([`CatchUpBook::forget`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
