@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{fast_timing, init_tracing, msg, publish_retrying, wait_until, Cluster};
@@ -24,6 +26,22 @@ async fn quiet_queue_synced_within(name: &str, sync_timeout: Duration) -> (Clust
     wait_until(Duration::from_secs(15), "the idle group goes quiet", || c.node(master).is_quiet_here(name)).await;
     let mirrors: Vec<u64> = (1..=3).filter(|id| *id != master).collect();
     (c, master, mirrors)
+}
+
+/// Looks every 5 ms whether `node`'s replica of `queue` is awake; the flag
+/// says whether it ever was, until the task is aborted.
+fn watch_wakes(node: mirrorq::Node, queue: &'static str) -> (Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
+    let woke = Arc::new(AtomicBool::new(false));
+    let flag = woke.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            if !node.is_quiet_here(queue) {
+                flag.store(true, Ordering::Release);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    (woke, task)
 }
 
 /// Once settled, a mirror is sent nothing for the group, where a busy
@@ -79,23 +97,12 @@ async fn a_group_moved_off_a_stopping_node_goes_quiet_before_that_node_is_gone()
     let info = c.node(successor).queue_info("q").unwrap();
     assert!(!info.synchronised.contains(&master), "the stopping node counted as synchronised");
     // The stop goes on: the group stays quiet as that node goes.
-    let woke = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watch = {
-        let (node, woke) = (c.node(successor).clone(), woke.clone());
-        tokio::spawn(async move {
-            loop {
-                if !node.is_quiet_here("q") {
-                    woke.store(true, std::sync::atomic::Ordering::Release);
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        })
-    };
+    let (woke, watch) = watch_wakes(c.node(successor).clone(), "q");
     c.node(master).shutdown().await;
     c.crash(master).await;
     tokio::time::sleep(fast_timing(Duration::from_secs(60)).election_max * 3).await;
     watch.abort();
-    assert!(!woke.load(std::sync::atomic::Ordering::Acquire), "the moved group woke as the stopping node went");
+    assert!(!woke.load(Ordering::Acquire), "the moved group woke as the stopping node went");
     c.shutdown().await;
 }
 
@@ -122,18 +129,7 @@ async fn a_group_moved_off_a_stopping_node_stays_quiet_as_that_node_returns() {
     c.node(master).shutdown().await;
     c.crash(master).await;
     let term = raft.metrics().borrow().current_term;
-    let woke = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watch = {
-        let (node, woke) = (c.node(successor).clone(), woke.clone());
-        tokio::spawn(async move {
-            loop {
-                if !node.is_quiet_here("q") {
-                    woke.store(true, std::sync::atomic::Ordering::Release);
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        })
-    };
+    let (woke, watch) = watch_wakes(c.node(successor).clone(), "q");
     c.restart(master).await;
     wait_until(Duration::from_secs(30), "the returned replica synchronised", || {
         c.node(successor).queue_info("q").is_ok_and(|i| i.synchronised.contains(&master))
@@ -141,7 +137,7 @@ async fn a_group_moved_off_a_stopping_node_stays_quiet_as_that_node_returns() {
     .await;
     tokio::time::sleep(fast_timing(Duration::from_secs(60)).election_max * 3).await;
     watch.abort();
-    assert!(!woke.load(std::sync::atomic::Ordering::Acquire), "the moved group woke at the node's return");
+    assert!(!woke.load(Ordering::Acquire), "the moved group woke at the node's return");
     assert_eq!(raft.metrics().borrow().current_term, term, "an election was held");
     assert_eq!(c.node(master).local_stored_count("q").unwrap(), 3);
     c.shutdown().await;
