@@ -286,10 +286,11 @@ impl Node {
     /// they are stopping. A node merely out of reach still counts: cut off
     /// one way, it could still unseat a master whose heartbeats are off
     /// (and whose lease has lapsed) again and again.
+    /// Read from the peers' news the confirm gates judge by, which
+    /// `reachable` refreshes just before.
     pub(super) fn present(&self, state: &MetaState) -> BTreeSet<NodeId> {
-        let departed = self.inner.quiescence.departed();
-        let dead = self.inner.dead.lock().expect("poisoned");
-        state.nodes.keys().copied().filter(|id| !dead.contains_key(id) && !departed.contains(id)).collect()
+        let news = self.inner.peers.borrow();
+        state.nodes.keys().copied().filter(|id| !news.gone.contains(id) && !news.departed.contains(id)).collect()
     }
 
     /// As follower: whether a quiet master stands in for the group's
