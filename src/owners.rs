@@ -12,7 +12,9 @@
 //!
 //! Layout, high bits first: 16 bits of the node id, 16 bits of the node's
 //! incarnation (a counter bumped and synced at every start, so an owner of
-//! a previous life never matches a live one), 32 bits of a counter: every
+//! a previous life never matches a live one; a fresh data dir starts it
+//! from the clock, so a node back on an emptied dir matches its earlier
+//! lives only by chance, one in 65,536), 32 bits of a counter: every
 //! channel opened (and every API get) is an owner of its own, so a channel
 //! number reopened while its predecessor's release is still on its way
 //! does not have its new deliveries released with the old ones.

@@ -79,10 +79,9 @@ impl Node {
         }
 
         // A new life: owners of unacked messages made before are dead.
-        let incarnation = match db.get_node_value(INCARNATION_KEY)? {
-            Some(b) => u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8])).wrapping_add(1),
-            None => 1,
-        };
+        let stored = db.get_node_value(INCARNATION_KEY)?;
+        let stored = stored.map(|b| u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8])));
+        let incarnation = next_life(stored, unix_millis());
         db.put_node_value(INCARNATION_KEY, &incarnation.to_be_bytes())?;
 
         let listen_err = |source| ServerError::Listen { addr: cfg.raft_listen.clone(), source };
@@ -328,5 +327,36 @@ impl Node {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         });
+    }
+}
+
+/// This start's life (incarnation): one more than the last, and on a fresh
+/// data dir the clock's milliseconds rather than 1, so that a node back on
+/// an emptied dir is not taken for its first life (peers that heard that
+/// life say it is stopping would think so still, and ignore its replicas'
+/// reports; its consumers' owner ids would be that life's).
+fn next_life(stored: Option<u64>, now_ms: u64) -> u64 {
+    match stored {
+        Some(last) => last.wrapping_add(1),
+        None => now_ms.max(1),
+    }
+}
+
+fn unix_millis() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fresh_data_dir_starts_its_lives_from_the_clock_not_from_one() {
+        let first = next_life(None, 1_796_480_000_000);
+        assert_eq!(next_life(Some(first), 1_796_480_000_500), first + 1, "a restart is the next life");
+        // The dir emptied after a few lives and the node started again.
+        let again = next_life(None, 1_796_490_000_000);
+        assert!(again > first + 1, "a node back on an empty dir taken for an earlier life");
+        assert_eq!(next_life(None, 0), 1, "no clock: still a life");
     }
 }
