@@ -112,7 +112,7 @@ impl Quiescence {
 
     /// The peers that said they are stopping, unless this node has heard
     /// from another life of theirs since (a later one, or a first one on
-    /// an empty data dir, whose count starts again). A peer not heard
+    /// an empty data dir, which starts from the clock). A peer not heard
     /// from at all counts as in the life it said it in.
     pub(super) fn departed(&self) -> BTreeSet<NodeId> {
         let mut departing = self.departing.lock().expect("poisoned");

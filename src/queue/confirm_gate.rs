@@ -202,8 +202,7 @@ impl CatchUpBook {
     /// sent once that node has started every replica, so no confirm waits
     /// on a node still starting thousands of them. (A later life already
     /// heard is kept: the notice came late. A node back on an empty data
-    /// dir counts its lives from 1 again; its notice would have to come
-    /// after its next life reported to be taken for an older one.)
+    /// dir starts its lives from the clock, so they still come later.)
     pub fn forget(&mut self, id: NodeId, life: u64) {
         self.stopping.insert(id, life);
         if self.heard.get(&id).is_some_and(|heard| *heard <= life) {
