@@ -501,7 +501,14 @@ async fn prometheus_metrics() {
     assert_eq!(sample(&m, &format!("mirrorq_queue_synchronised_replicas{q}")), 3.0);
     assert_eq!(sample(&m, &format!("mirrorq_raft_leader_node{q}")), master as f64);
     for n in 1..=3 {
-        let m = scrape(&api, n).await;
+        // A mirror learns an entry is committed from the master's next
+        // append, which the slower of the two may not have had yet.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut m = scrape(&api, n).await;
+        while sample(&m, &format!("rabbitmq_raft_log_commit_index{q}")) < 4.0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            m = scrape(&api, n).await;
+        }
         assert!(sample(&m, &format!("rabbitmq_raft_term{q}")) >= 1.0, "node {n}");
         assert!(sample(&m, &format!("rabbitmq_raft_log_commit_index{q}")) >= 4.0, "node {n}: 3 publishes and a get");
         // Never re-formed: every replica is in the epoch the group was founded in.
