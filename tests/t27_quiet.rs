@@ -28,6 +28,16 @@ async fn quiet_queue_synced_within(name: &str, sync_timeout: Duration) -> (Clust
     (c, master, mirrors)
 }
 
+/// A quiet queue whose master's node began its stop and moved the
+/// mastership away; that node stays up. Returns it and the new master.
+async fn quiet_queue_moved_off_its_master(name: &str) -> (Cluster, u64, u64) {
+    let (c, master, _) = quiet_queue(name).await;
+    assert_eq!(c.node(master).move_masterships_away().await, 0, "a mastership did not move");
+    let successor = c.master_of(name).await;
+    assert_ne!(successor, master);
+    (c, master, successor)
+}
+
 /// Looks every 5 ms whether `node`'s replica of `queue` is awake; the flag
 /// says whether it ever was, until the task is aborted.
 fn watch_wakes(node: mirrorq::Node, queue: &'static str) -> (Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
@@ -89,10 +99,7 @@ async fn a_stopping_node_keeps_its_quiet_groups_quiet_until_it_moves_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_moved_off_a_stopping_node_goes_quiet_before_that_node_is_gone() {
     init_tracing();
-    let (mut c, master, _) = quiet_queue("q").await;
-    assert_eq!(c.node(master).move_masterships_away().await, 0, "a mastership did not move");
-    let successor = c.master_of("q").await;
-    assert_ne!(successor, master);
+    let (mut c, master, successor) = quiet_queue_moved_off_its_master("q").await;
     wait_until(Duration::from_secs(15), "the moved group goes quiet", || c.node(successor).is_quiet_here("q")).await;
     let info = c.node(successor).queue_info("q").unwrap();
     assert!(!info.synchronised.contains(&master), "the stopping node counted as synchronised");
@@ -116,9 +123,7 @@ async fn a_group_moved_off_a_stopping_node_goes_quiet_before_that_node_is_gone()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_moved_off_a_stopping_node_stays_quiet_as_that_node_returns() {
     init_tracing();
-    let (mut c, master, _) = quiet_queue("q").await;
-    assert_eq!(c.node(master).move_masterships_away().await, 0, "a mastership did not move");
-    let successor = c.master_of("q").await;
+    let (mut c, master, successor) = quiet_queue_moved_off_its_master("q").await;
     let raft = c.node(successor).queue_raft("q").unwrap();
     wait_until(Duration::from_secs(15), "the returning replica has the new master's entries", || {
         let m = raft.metrics().borrow().clone();
