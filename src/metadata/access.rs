@@ -198,7 +198,7 @@ impl Permission {
             return true;
         }
         let name = if name.is_empty() { "amq.default" } else { name };
-        regex::Regex::new(pattern).map(|r| r.is_match(name)).unwrap_or(false)
+        super::policy::pattern_matches(pattern, name)
     }
 }
 

@@ -2,7 +2,7 @@
 //! priority, definition) and the mirror placement they imply. Pure.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -234,15 +234,19 @@ pub fn validate(p: &Policy) -> Result<HaPolicy, String> {
     parse_definition(&p.definition)
 }
 
-/// Patterns seen, compiled once each (None: not a valid regex). Every
-/// failover and reconcile pass asks for every queue's policy: compiling the
-/// pattern each time was a fifth of an idle node's CPU with 600 queues.
+/// Patterns seen, compiled once each (None: not a valid regex), for
+/// policies and permissions. Every failover and reconcile pass asks for
+/// every queue's policy: compiling the pattern each time was a fifth of an
+/// idle node's CPU with 600 queues.
 /// Bounded (this and the parsed definitions): cleared when clients have
 /// sent this many distinct ones.
 const PATTERN_CACHE_MAX: usize = 4096;
 
-fn pattern_matches(pattern: &str, name: &str) -> bool {
-    static COMPILED: OnceLock<Mutex<HashMap<String, Option<regex::Regex>>>> = OnceLock::new();
+pub(super) fn pattern_matches(pattern: &str, name: &str) -> bool {
+    // Shared, not cloned: a cloned `Regex` gets a pool of its own, so each
+    // match built a fresh search cache, and the failure watch matches every
+    // settling group's queue at each round.
+    static COMPILED: OnceLock<Mutex<HashMap<String, Option<Arc<regex::Regex>>>>> = OnceLock::new();
     let regex = {
         let mut compiled = COMPILED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
         match compiled.get(pattern) {
@@ -251,7 +255,7 @@ fn pattern_matches(pattern: &str, name: &str) -> bool {
                 if compiled.len() >= PATTERN_CACHE_MAX {
                     compiled.clear();
                 }
-                let r = regex::Regex::new(pattern).ok();
+                let r = regex::Regex::new(pattern).ok().map(Arc::new);
                 compiled.insert(pattern.to_string(), r.clone());
                 r
             }
