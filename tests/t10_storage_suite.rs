@@ -32,10 +32,11 @@ fn openraft_storage_suite() -> Result<(), StorageError<NodeId>> {
     Ok(())
 }
 
-/// Founding a group writes its first entries and then a committed vote;
-/// it runs on a replica holding nothing, finishes one a crash interrupted
-/// after the entries (they are there, the vote is not), and leaves alone a
-/// replica that holds a vote or any other log.
+/// Founding a group writes its first entries and a committed vote; it runs
+/// on a replica holding nothing, finishes one a crash interrupted (the
+/// entries there and not the vote, or the vote and no entry), and leaves
+/// alone a replica that holds another vote, the vote with entries, or any
+/// other log.
 #[tokio::test]
 async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves_others_alone() {
     use openraft::storage::RaftLogStorage;
@@ -71,7 +72,33 @@ async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves
     assert!(interrupted.found(&vote, first()).await.unwrap());
     assert_eq!((interrupted.read_vote().await.unwrap(), ids(&interrupted)), (Some(vote), vec![0, 1]));
 
-    // A replica that ever voted is not founded.
+    // The vote made durable without the entries (one sync makes both, and
+    // a crash may leave either), uncommitted as a crash leaves this node's
+    // votes for itself: finished too.
+    let mut vote_only = LogStore::new(db.clone(), 5);
+    vote_only.save_vote(&Vote::new(1, 1)).await.unwrap();
+    assert!(vote_only.found(&vote, first()).await.unwrap());
+    assert_eq!((vote_only.read_vote().await.unwrap(), ids(&vote_only)), (Some(vote), vec![0, 1]));
+
+    // The founding vote with any entry is a founding that finished: its
+    // leader may have sent entries it lost since, so it is never founded
+    // again (it would lead at once and write other entries at their
+    // indexes).
+    let mut led = LogStore::new(db.clone(), 6);
+    led.save_vote(&Vote::new(1, 1)).await.unwrap();
+    db.wal()
+        .append(
+            6,
+            &first()
+                .iter()
+                .map(|e| (e.log_id.index, mirrorq_storage::keys::encode(e, "entry").unwrap()))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    assert!(!led.found(&vote, first()).await.unwrap());
+    assert_eq!(led.read_vote().await.unwrap(), Some(Vote::new(1, 1)));
+
+    // A replica that voted otherwise is not founded.
     let mut voted = LogStore::new(db.clone(), 3);
     voted.save_vote(&Vote::new(4, 2)).await.unwrap();
     assert!(!voted.found(&vote, first()).await.unwrap());

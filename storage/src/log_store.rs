@@ -265,30 +265,32 @@ where
     }
 
     /// Found a group without an election: write its `first` entries (the
-    /// membership at index 0, then whatever its leader starts with) and,
-    /// once they are durable, adopt `vote`. Only before the group's Raft
-    /// starts, and only on a replica that holds no vote and no purge point,
-    /// and either no entry or exactly `first` (a founding a crash
-    /// interrupted between the two writes, which this finishes). `false`
-    /// if the replica was neither. The order makes a crash in between leave
-    /// the entries without the vote, never a vote for a leader with no
-    /// membership to lead.
+    /// membership at index 0, then whatever its leader starts with) and
+    /// adopt `vote`, made durable together by one sync before the group's
+    /// Raft starts. Only on a replica that holds no purge point and either
+    /// nothing, or what a crash during that sync may have left of a
+    /// founding: exactly `first` without a vote, or `vote` (committed or,
+    /// as a crash leaves it, not) without any entry. Nothing was sent under
+    /// such a vote, since Raft starts only once the sync is done, so the
+    /// founding is finished. A vote with any entry is never taken up again:
+    /// a leader that lost an entry it had sent must not write another at
+    /// that index. `false` if the replica was none of these.
     pub async fn found(&mut self, vote: &Vote<C::NodeId>, first: Vec<C::Entry>) -> Result<bool, RaftStorageError<C>> {
-        if self.read_meta::<Vote<C::NodeId>>(META_VOTE)?.is_some()
-            || self.read_meta::<LogId<C::NodeId>>(META_PURGED)?.is_some()
-        {
+        if self.read_meta::<LogId<C::NodeId>>(META_PURGED)?.is_some() {
             return Ok(false);
         }
+        let voted = self.read_meta::<Vote<C::NodeId>>(META_VOTE)?;
         let want: Vec<LogId<C::NodeId>> = first.iter().map(|e| e.get_log_id().clone()).collect();
-        match self.wal().bounds(self.group) {
-            None => {
-                self.write_entries(first)?;
-                self.db.flusher().sync_log().await.map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Write, e))?;
-            }
-            Some((lo, hi)) if hi - lo + 1 == want.len() as u64 && self.log_ids()? == want => {}
-            Some(_) => return Ok(false),
+        match (voted, self.wal().bounds(self.group)) {
+            (Some(v), None) if v.leader_id() == vote.leader_id() => self.write_entries(first)?,
+            (Some(_), _) => return Ok(false),
+            (None, None) => self.write_entries(first)?,
+            (None, Some((lo, hi))) if hi - lo + 1 == want.len() as u64 && self.log_ids()? == want => {}
+            (None, Some(_)) => return Ok(false),
         }
         self.write_meta(META_VOTE, vote)?;
+        // One round makes both durable: founding with two syncs in a row
+        // (entries, then the vote) kept every declare waiting for both.
         self.db.flusher().sync().await.map_err(|e| io_err::<C>(ErrorSubject::Vote, ErrorVerb::Write, e))?;
         Ok(true)
     }
