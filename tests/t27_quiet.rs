@@ -72,6 +72,43 @@ async fn an_idle_group_sends_no_heartbeats_once_settled() {
     c.shutdown().await;
 }
 
+/// A master quiets its settled group at its own next failure-watch round,
+/// a heartbeat interval after the one that found it settled, with no round
+/// of its peers in between: that first round sent the group one heartbeat
+/// (carrying the last commit index) and announced it, and the next one's
+/// pings carried the announcement to the peers. Waiting three heartbeat
+/// intervals and then for each peer's own ping to fetch the list kept each
+/// new queue's group sending heartbeats for 1.5 s: most of what a declare
+/// cost in appends. Only the master's watch runs here, by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settled_group_goes_quiet_at_its_masters_next_round_with_its_commit_known() {
+    init_tracing();
+    let timing = fast_timing(Duration::from_secs(60));
+    let c = Cluster::start_configured(3, timing.clone(), |cfg| cfg.watch_after = Duration::from_secs(3600)).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    let master = c.master_of("q").await;
+    let raft = c.node(master).queue_raft("q").unwrap();
+    wait_until(Duration::from_secs(15), "every mirror holds the founding log", || {
+        let m = raft.metrics().borrow().clone();
+        let all = m.replication.as_ref().is_some_and(|r| r.values().all(|l| l.map(|l| l.index) == m.last_log_index));
+        all && m.last_applied.map(|l| l.index) == m.last_log_index
+    })
+    .await;
+    let round = || c.node(master).watch_failures_over(vec![c.node(master).replica_view("q").unwrap()]);
+    round().await;
+    assert!(!c.node(master).is_quiet_here("q"), "quiet at the round that found it settled");
+    // Past the heartbeat interval, and past the time the watch reuses its
+    // last pings.
+    tokio::time::sleep(timing.heartbeat.max(Duration::from_millis(450))).await;
+    round().await;
+    assert!(c.node(master).is_quiet_here("q"), "not quiet at the master's next round");
+    let last = raft.metrics().borrow().last_log_index;
+    for id in (1..=3).filter(|id| *id != master) {
+        assert_eq!(c.node(id).queue_info("q").unwrap().applied, last, "node {id} went quiet without the last commit");
+    }
+    c.shutdown().await;
+}
+
 /// A stopping node moves its masterships one group at a time; until a
 /// quiet group's turn comes, it stays quiet. Waking them all as the stop
 /// began (a node leading 6,700 quiet groups) sent heartbeats from every one
@@ -353,7 +390,11 @@ fn a_node_whose_runtime_is_blocked_still_answers_pings_until_the_failure_timeout
     let stop = CancellationToken::new();
     let transport = Transport::with_beacon(Arc::new(Beacon::start(stop.clone()).unwrap()));
     let ping = || {
-        pinger.block_on(transport.ping(&addr, RpcRequest::Liveness { from: 99, have: None }, Duration::from_secs(1)))
+        pinger.block_on(transport.ping(
+            &addr,
+            RpcRequest::Liveness { from: 99, have: None, mine: None },
+            Duration::from_secs(1),
+        ))
     };
     assert!(matches!(ping(), Ok(RpcResponse::Liveness { .. })), "a running node answers");
 

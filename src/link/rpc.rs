@@ -28,6 +28,15 @@ pub struct Envelope<T> {
     pub body: T,
 }
 
+/// A node's list of the groups it leads quietly, (group, term), at a
+/// generation of one life of the node.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct QuietList {
+    pub incarnation: u64,
+    pub gen: u64,
+    pub groups: Vec<(GroupId, u64)>,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 pub enum RpcRequest {
     Append {
@@ -68,10 +77,12 @@ pub enum RpcRequest {
     },
     /// A liveness ping from node `from`, which holds the receiver's list of
     /// quietly led groups at `have` (incarnation, generation): the answer
-    /// carries the list only if it changed since.
+    /// carries the list only if it changed since. `mine`: the sender's own
+    /// list, when the receiver has not yet said it holds its latest.
     Liveness {
         from: NodeId,
         have: Option<(u64, u64)>,
+        mine: Option<QuietList>,
     },
     /// This node's AMQP connections and consumers (for the API's listings).
     Clients,

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::auth::{self, AuthError, ClusterSecret};
 use super::beacon::{self, Beacon, Hello, Pulse};
-use super::rpc::{self, Envelope, RpcRequest, RpcResponse};
+use super::rpc::{self, Envelope, QuietList, RpcRequest, RpcResponse};
 use super::transport::{codec, write_frames};
 use crate::ids::NodeId;
 use crate::tls::{LinkIo, LinkTls};
@@ -32,7 +32,7 @@ pub trait RpcHandler: Send + Sync + 'static {
 
     /// Answer a liveness ping from `from` on the beacon's thread: at once,
     /// without waiting for anything.
-    fn ping(&self, from: NodeId, have: Option<(u64, u64)>) -> RpcResponse;
+    fn ping(&self, from: NodeId, have: Option<(u64, u64)>, mine: Option<QuietList>) -> RpcResponse;
 }
 
 /// Who may connect: with a cluster secret, only a peer that proves it
@@ -223,14 +223,14 @@ async fn answer_pings<H: RpcHandler>(stream: Box<dyn LinkIo>, handler: Arc<H>, p
             Ok(e) => e,
             Err(_) => return,
         };
-        let RpcRequest::Liveness { from, have } = env.body else {
+        let RpcRequest::Liveness { from, have, mine } = env.body else {
             tracing::warn!("a beacon connection carried something other than a ping; closing it");
             return;
         };
         if !pulse.alive() {
             continue;
         }
-        let body = handler.ping(from, have);
+        let body = handler.ping(from, have, mine);
         let Ok(reply) = rpc::encode(&Envelope::<RpcResponse> { id: env.id, body }) else { return };
         if framed.send(Bytes::from(reply)).await.is_err() {
             return;
@@ -309,7 +309,7 @@ mod tests {
             })
         }
 
-        fn ping(&self, _from: NodeId, _have: Option<(u64, u64)>) -> RpcResponse {
+        fn ping(&self, _from: NodeId, _have: Option<(u64, u64)>, _mine: Option<QuietList>) -> RpcResponse {
             RpcResponse::Done
         }
     }

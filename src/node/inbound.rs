@@ -10,7 +10,7 @@ use openraft::ServerState;
 use super::{Inner, Node};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
-use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+use crate::link::rpc::{ClientReply, ClientRequest, QuietList, RpcRequest, RpcResponse};
 use crate::link::server;
 use crate::link::server::RpcHandler;
 use crate::queue::epoch::Epoch;
@@ -42,7 +42,10 @@ impl RpcHandler for Inner {
         Box::pin(self.handle(req))
     }
 
-    fn ping(&self, from: NodeId, have: Option<(u64, u64)>) -> RpcResponse {
+    fn ping(&self, from: NodeId, have: Option<(u64, u64)>, mine: Option<QuietList>) -> RpcResponse {
+        if let Some(list) = mine {
+            self.quiescence.heard(from, list.incarnation, list.gen, Some(list.groups));
+        }
         self.quiescence.answer(from, have)
     }
 }
@@ -229,7 +232,7 @@ impl Inner {
             // not yet reached by the master) knows nothing: it must not look
             // like a group that excludes the asker, which would then drop
             // what may be the only complete copy of the queue.
-            RpcRequest::Liveness { from, have } => self.quiescence.answer(from, have),
+            RpcRequest::Liveness { from, have, mine } => RpcHandler::ping(&*self, from, have, mine),
             RpcRequest::Members { group, epoch } => {
                 let same_epoch = |e| self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.epoch == e);
                 let raft = match epoch {

@@ -2,12 +2,13 @@
 //!
 //! A master whose group has settled (every member has the whole log and it
 //! is all applied, every replica is synchronised, no membership change is
-//! under way, nothing was proposed for a few heartbeats) first announces
-//! the group as quietly led, with its term, in a list this node keeps. The
-//! other nodes fetch that list with their liveness pings, which they send
-//! anyway, and only when its generation changed: an idle cluster's pings
-//! stay small. Once every other voter's node has fetched it, the master
-//! turns the group's heartbeats off.
+//! under way) sends one heartbeat, which carries the last commit index to
+//! the followers, and announces the group as quietly led, with its term, in
+//! a list this node keeps. The other nodes fetch that list with their
+//! liveness pings, which they send anyway, and only when its generation
+//! changed: an idle cluster's pings stay small. Once nothing was proposed
+//! for a heartbeat interval and every other voter's node has fetched the
+//! list, the master turns the group's heartbeats off.
 //!
 //! A follower whose master's node answers pings and announces the group in
 //! the follower's term does not stand for election: the node's pings stand
@@ -29,7 +30,7 @@ use openraft::{RaftMetrics, ServerState};
 
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::RpcResponse;
+use crate::link::rpc::{QuietList, RpcResponse};
 use crate::metadata::MetaState;
 use crate::queue::confirm_gate;
 type Metrics = RaftMetrics<NodeId, openraft::BasicNode>;
@@ -37,11 +38,6 @@ type Metrics = RaftMetrics<NodeId, openraft::BasicNode>;
 /// A master's term and last log index: the group is settled while they
 /// hold still.
 pub(super) type Mark = (u64, Option<u64>);
-
-/// How many heartbeat intervals a group stays settled before its master
-/// announces it quiet: the heartbeats sent meanwhile carry the last commit
-/// index to the followers.
-const SETTLE_HEARTBEATS: u32 = 3;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Announcement {
@@ -159,9 +155,34 @@ impl Quiescence {
         self.heard.lock().expect("poisoned").get(&peer).map(|h| (h.incarnation, h.gen))
     }
 
-    /// `peer` answered a liveness ping.
+    /// Our list, for a ping to `peer` to carry, when `peer` has not said it
+    /// holds the latest: an announcement reaches the peers at this node's
+    /// next round, rather than at theirs, and is known to have.
+    pub(super) fn push_for(&self, peer: NodeId) -> Option<QuietList> {
+        let ours = self.ours.lock().expect("poisoned");
+        if self.fetched.lock().expect("poisoned").get(&peer) == Some(&ours.gen) {
+            return None;
+        }
+        Some(QuietList {
+            incarnation: self.incarnation,
+            gen: ours.gen,
+            groups: ours.groups.iter().map(|(g, a)| (*g, a.term)).collect(),
+        })
+    }
+
+    /// `peer` answered a ping that carried our list at `gen`: it holds it.
+    pub(super) fn pushed(&self, peer: NodeId, gen: u64) {
+        self.fetched.lock().expect("poisoned").insert(peer, gen);
+    }
+
+    /// `peer`'s list: from the answer to our ping, or carried by its own.
+    /// An older generation of the life we hold (a ping and an answer that
+    /// crossed) changes nothing.
     pub(super) fn heard(&self, peer: NodeId, incarnation: u64, gen: u64, groups: Option<Vec<(GroupId, u64)>>) {
         let mut heard = self.heard.lock().expect("poisoned");
+        if heard.get(&peer).is_some_and(|h| h.incarnation == incarnation && h.gen > gen) {
+            return;
+        }
         match groups {
             Some(groups) => {
                 let groups: HashMap<GroupId, u64> = groups.into_iter().collect();
@@ -355,15 +376,29 @@ impl Node {
             }
         };
         let Some(since) = since else {
-            // Settled anew, or not at all: heartbeats until it has been
-            // settled a while (the proposer woke it already if an entry
-            // came; a master deposed while quiet must have them on should
-            // it lead again).
+            // Heartbeats until it has been settled a while (the proposer
+            // woke it already if an entry came; a master deposed while
+            // quiet must have them on should it lead again).
             g.hush.wake();
-            q.withdraw(group);
+            if !now_settled {
+                q.withdraw(group);
+                return;
+            }
+            // Settled anew: a heartbeat now carries the last commit index
+            // to the mirrors (a commit rides on the next append), and the
+            // announcement goes out at once, for the peers' next pings to
+            // fetch while that heartbeat travels. Waiting three heartbeat
+            // intervals first, then a round for the fetch, kept each new
+            // queue's group sending heartbeats for 1.5 s: most of the
+            // appends a declare cost.
+            q.announce(group, m.current_term);
+            let raft = g.raft.clone();
+            tokio::spawn(async move {
+                let _ = raft.trigger().heartbeat().await;
+            });
             return;
         };
-        if since.elapsed() < self.inner.timing.heartbeat * SETTLE_HEARTBEATS {
+        if since.elapsed() < self.inner.timing.heartbeat {
             return;
         }
         let gen = q.announce(group, m.current_term);
@@ -405,6 +440,30 @@ mod tests {
         // A new life of the peer: every group is judged anew.
         q.heard(2, 8, 1, Some(vec![(10, 3)]));
         assert_ne!(key(10), now[0]);
+    }
+
+    /// Our list rides on our pings to a peer until it answers one that
+    /// carried its latest generation, and again once it changes; a list of
+    /// an older generation of the life we hold (a ping and an answer that
+    /// crossed) changes nothing.
+    #[test]
+    fn our_list_goes_with_our_pings_until_held_and_an_older_one_changes_nothing() {
+        let q = Quiescence::new(1);
+        assert!(q.push_for(2).is_some(), "a peer that never said what it holds");
+        let gen = q.announce(10, 3);
+        let list = q.push_for(2).unwrap();
+        assert_eq!((list.incarnation, list.gen, list.groups), (1, gen, vec![(10, 3)]));
+        q.pushed(2, gen);
+        assert!(q.push_for(2).is_none(), "the peer holds it");
+        assert!(q.withdraw(10));
+        assert!(q.push_for(2).is_some_and(|l| l.groups.is_empty()), "a changed list goes again");
+
+        let (voters, reach) = (BTreeSet::from([1, 3]), BTreeSet::from([3]));
+        q.heard(3, 7, 5, Some(vec![(11, 2)]));
+        q.heard(3, 7, 4, Some(vec![]));
+        assert_eq!(q.quiet_master(11, 2, 1, &voters, &reach), Some(3), "an older generation changed the list");
+        q.heard(3, 7, 6, Some(vec![]));
+        assert_eq!(q.quiet_master(11, 2, 1, &voters, &reach), None, "a newer one is taken");
     }
 
     /// A peer that said it is stopping counts as stopping until it is heard

@@ -173,12 +173,19 @@ impl Node {
 
     /// Does node `id` answer a liveness ping? Its answer brings its list of
     /// quietly led groups when that changed (`quiescence.rs`).
+    /// The ping also carries this node's own list when the peer has not
+    /// said it holds the latest (`Quiescence::push_for`).
     pub(super) async fn ping_liveness(&self, id: NodeId, limit: Duration) -> bool {
         let q = &self.inner.quiescence;
-        let ask = RpcRequest::Liveness { from: self.id(), have: q.have(id) };
+        let mine = q.push_for(id);
+        let pushed = mine.as_ref().map(|l| l.gen);
+        let ask = RpcRequest::Liveness { from: self.id(), have: q.have(id), mine };
         match self.inner.ping(id, ask, limit).await {
             Ok(RpcResponse::Liveness { incarnation, gen, groups }) => {
                 q.heard(id, incarnation, gen, groups);
+                if let Some(gen) = pushed {
+                    q.pushed(id, gen);
+                }
                 true
             }
             _ => false,
