@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{fast_timing, init_tracing, msg, publish_retrying, wait_until, Cluster};
+use mirrorq::Timing;
 
 async fn quiet_queue(name: &str) -> (Cluster, u64, Vec<u64>) {
     quiet_queue_synced_within(name, Duration::from_secs(60)).await
@@ -106,6 +107,43 @@ async fn a_settled_group_goes_quiet_at_its_masters_next_round_with_its_commit_kn
     for id in (1..=3).filter(|id| *id != master) {
         assert_eq!(c.node(id).queue_info("q").unwrap().applied, last, "node {id} went quiet without the last commit");
     }
+    c.shutdown().await;
+}
+
+/// A group in use is announced quiet, which stops its followers' timers,
+/// only once it has been still for three heartbeat intervals: a queue used
+/// every half second must not hold them all the time, or a master cut off
+/// from them is replaced an election timeout later than a busy one's. A
+/// queue just declared is announced at the first round that finds it
+/// settled. Only the master's watch runs here, by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_in_use_is_announced_quiet_only_once_still_for_a_while() {
+    init_tracing();
+    let timing = Timing { heartbeat: Duration::from_millis(300), ..fast_timing(Duration::from_secs(60)) };
+    let c = Cluster::start_configured(3, timing.clone(), |cfg| cfg.watch_after = Duration::from_secs(3600)).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    let master = c.master_of("q").await;
+    let raft = c.node(master).queue_raft("q").unwrap();
+    let settled = || {
+        let m = raft.metrics().borrow().clone();
+        let all = m.replication.as_ref().is_some_and(|r| r.values().all(|l| l.map(|l| l.index) == m.last_log_index));
+        all && m.last_applied.map(|l| l.index) == m.last_log_index
+    };
+    let round = || c.node(master).watch_failures_over(vec![c.node(master).replica_view("q").unwrap()]);
+    wait_until(Duration::from_secs(15), "the new group settles", settled).await;
+    round().await;
+    assert!(c.node(master).announces_quiet("q"), "a new group is announced at the round that finds it settled");
+
+    c.node(master).publish("q", vec![msg(b"m")]).await.unwrap();
+    wait_until(Duration::from_secs(15), "the group settles again", settled).await;
+    round().await;
+    assert!(!c.node(master).announces_quiet("q"), "a group in use announced as soon as it settled");
+    tokio::time::sleep(timing.heartbeat + Duration::from_millis(50)).await;
+    round().await;
+    assert!(!c.node(master).announces_quiet("q"), "a group in use announced after one heartbeat interval");
+    tokio::time::sleep(timing.heartbeat * 2 + Duration::from_millis(100)).await;
+    round().await;
+    assert!(c.node(master).announces_quiet("q"), "still for three heartbeat intervals, and not announced");
     c.shutdown().await;
 }
 

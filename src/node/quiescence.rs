@@ -3,12 +3,12 @@
 //! A master whose group has settled (every member has the whole log and it
 //! is all applied, every replica is synchronised, no membership change is
 //! under way) sends one heartbeat, which carries the last commit index to
-//! the followers, and announces the group as quietly led, with its term, in
-//! a list this node keeps. The other nodes fetch that list with their
-//! liveness pings, which they send anyway, and only when its generation
-//! changed: an idle cluster's pings stay small. Once nothing was proposed
-//! for a heartbeat interval and every other voter's node has fetched the
-//! list, the master turns the group's heartbeats off.
+//! the followers. Once nothing was proposed for a few heartbeat intervals
+//! (one, for a queue just declared), it announces the group as quietly led,
+//! with its term, in a list this node keeps. The nodes exchange these lists
+//! on the liveness pings they send anyway, and only when one changed: an
+//! idle cluster's pings stay small. Once every other voter's node holds the
+//! announcement, the master turns the group's heartbeats off.
 //!
 //! A follower whose master's node answers pings and announces the group in
 //! the follower's term does not stand for election: the node's pings stand
@@ -34,6 +34,10 @@ use crate::link::rpc::{QuietList, RpcResponse};
 use crate::metadata::MetaState;
 use crate::queue::confirm_gate;
 type Metrics = RaftMetrics<NodeId, openraft::BasicNode>;
+
+/// How many heartbeat intervals a group in use stays still before its
+/// master announces it quiet (a group never used: one).
+const SETTLE_HEARTBEATS: u32 = 3;
 
 /// A master's term and last log index: the group is settled while they
 /// hold still.
@@ -222,6 +226,12 @@ impl Quiescence {
         gen
     }
 
+    /// Whether this node announces `group` as quietly led.
+    #[cfg(feature = "test-hooks")]
+    pub(super) fn announces(&self, group: GroupId) -> bool {
+        self.ours.lock().expect("poisoned").groups.contains_key(&group)
+    }
+
     /// Withdraw `group`'s announcement; whether there was one.
     pub(super) fn withdraw(&self, group: GroupId) -> bool {
         let mut ours = self.ours.lock().expect("poisoned");
@@ -375,30 +385,41 @@ impl Node {
                 }
             }
         };
+        // A group that holds nothing but its founding (no entry was ever
+        // proposed) is a queue just declared, not one used now and then.
+        let unused = m.current_term == super::reconcile::FOUNDING_TERM && m.last_log_index == Some(1);
         let Some(since) = since else {
             // Heartbeats until it has been settled a while (the proposer
             // woke it already if an entry came; a master deposed while
             // quiet must have them on should it lead again).
             g.hush.wake();
-            if !now_settled {
-                q.withdraw(group);
-                return;
-            }
             // Settled anew: a heartbeat now carries the last commit index
-            // to the mirrors (a commit rides on the next append), and the
-            // announcement goes out at once, for the peers' next pings to
-            // fetch while that heartbeat travels. Waiting three heartbeat
-            // intervals first, then a round for the fetch, kept each new
-            // queue's group sending heartbeats for 1.5 s: most of the
-            // appends a declare cost.
-            q.announce(group, m.current_term);
-            let raft = g.raft.clone();
-            tokio::spawn(async move {
-                let _ = raft.trigger().heartbeat().await;
-            });
+            // to the mirrors (a commit rides on the next append).
+            if now_settled {
+                let raft = g.raft.clone();
+                tokio::spawn(async move {
+                    let _ = raft.trigger().heartbeat().await;
+                });
+            }
+            // An unused group is announced at once, for this node's next
+            // pings to carry while that heartbeat travels, and goes quiet
+            // at the next round: waiting three heartbeat intervals, then a
+            // round for the peers to fetch the list, kept each new queue's
+            // group sending heartbeats for 1.5 s, most of the appends a
+            // declare cost. A group in use is announced only once it has
+            // been still for those intervals, since its followers stop
+            // their timers while it is announced: a queue used every half
+            // second would hold them all the time, and a master cut off
+            // would be replaced an election timeout later.
+            if now_settled && unused {
+                q.announce(group, m.current_term);
+            } else {
+                q.withdraw(group);
+            }
             return;
         };
-        if since.elapsed() < self.inner.timing.heartbeat {
+        let still_for = if unused { 1 } else { SETTLE_HEARTBEATS };
+        if since.elapsed() < self.inner.timing.heartbeat * still_for {
             return;
         }
         let gen = q.announce(group, m.current_term);

@@ -27,7 +27,7 @@ use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft, TypeConfig};
 
 /// The term a new queue's group starts in, led by its designated master.
-const FOUNDING_TERM: u64 = 1;
+pub(super) const FOUNDING_TERM: u64 = 1;
 
 /// Replicas started at once by one round.
 const STARTS_AT_ONCE: usize = 16;

@@ -67,6 +67,12 @@ impl Node {
         self.inner.groups.read().expect("poisoned").get(&q.group).is_some_and(|g| g.hush.is_quiet())
     }
 
+    /// Whether this node announces the group of `queue` as quietly led.
+    pub fn announces_quiet(&self, queue: &str) -> bool {
+        let Some(q) = self.metadata().queues.get(queue).cloned() else { return false };
+        self.inner.quiescence.announces(q.group)
+    }
+
     /// The epoch this node's replica of `queue` is in, if it hosts one.
     pub fn replica_epoch(&self, queue: &str) -> Option<crate::queue::epoch::Epoch> {
         let q = self.metadata().queues.get(queue).cloned()?;
