@@ -1068,3 +1068,70 @@ async fn a_voter_wiped_and_started_blank_is_filled_by_its_master() {
     assert_eq!(got, sent, "every confirmed message is delivered");
     c.shutdown().await;
 }
+
+/// A founder whose replica is lost while it still leads its group's first
+/// term (its data dir emptied or replaced, the group declared before its
+/// life began) does not found the group again: it would lead term 1 once
+/// more holding nothing, and its followers, which hold the group's messages
+/// at the same indexes, would take it for the same master. It asks the
+/// other replicas, finds the group held there, and starts blank; another
+/// master is elected and fills it, and no confirmed message is lost. The
+/// hook stands for the life boundary: every queue counts as declared
+/// before this life.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_founder_that_lost_its_replica_does_not_found_its_group_again() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    for i in 0..3 {
+        publish_retrying(c.node(1), "q", format!("m{i}").into_bytes()).await;
+    }
+    let raft = c.node(1).queue_raft("q").unwrap();
+    assert_eq!(raft.metrics().borrow().current_term, 1, "the founder still leads its first term");
+    // Quiet: its followers hold their timers while node 1 announces it, as
+    // they would while a re-founded master led them.
+    wait_until(Duration::from_secs(15), "the group goes quiet", || c.node(1).is_quiet_here("q")).await;
+    wait_until(Duration::from_secs(10), "node 1 knows its life's first group", || c.node(1).founding_floor().is_some())
+        .await;
+    c.node(1).forget_founding_floor();
+    c.node(1).wipe_replica("q").await.unwrap();
+    wait_until(Duration::from_secs(30), "node 1's replica holds the three messages again", || {
+        c.node(1).local_stored_count("q").is_ok_and(|n| n == 3)
+    })
+    .await;
+    assert_ne!(c.master_of("q").await, 1, "the blank founder leads");
+    assert_eq!(c.node(2).status("q").await.unwrap().0, 3, "the queue lost messages");
+    c.shutdown().await;
+}
+
+/// A node's life knows which queues were declared before it began, also
+/// on an emptied data dir, where it learns them from the metadata leader
+/// after it started: every queue declared until then is at or below its
+/// floor, and one declared afterwards above it (founded without asking).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_back_on_an_empty_data_dir_counts_the_queues_declared_before_its_life() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(60))).await;
+    for i in 0..20 {
+        c.node(2).declare_queue(&format!("old{i}"), vec![2, 3]).await.unwrap();
+    }
+    let old = c.node(2).queue_info("old19").unwrap().group;
+    c.crash(1).await;
+    let dir = c.dirs[0].path().to_path_buf();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            std::fs::remove_dir_all(&path).unwrap();
+        } else {
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+    c.restart(1).await;
+    wait_until(Duration::from_secs(20), "node 1 knows its life's first group", || c.node(1).founding_floor().is_some())
+        .await;
+    let floor = c.node(1).founding_floor().unwrap();
+    assert!(old <= floor, "queue group {old} declared before the restart, above the floor {floor}");
+    c.node(2).declare_queue("new", vec![1, 2, 3]).await.unwrap();
+    assert!(c.node(1).queue_info("new").unwrap().group > floor);
+    c.shutdown().await;
+}

@@ -106,6 +106,12 @@ pub enum RpcRequest {
     /// The metadata leader's last applied index: a node that waits until it
     /// has applied as far reads its own writes made through other nodes.
     MetaIndex,
+    /// Whether the receiver's storage holds anything of `group` (a vote, a
+    /// log entry), started or not: a founder back on an empty data dir
+    /// asks before it founds a group again.
+    Holds {
+        group: GroupId,
+    },
     /// A metadata change for the metadata leader.
     Meta {
         cmd: MetaCmd,
@@ -215,6 +221,7 @@ pub enum RpcResponse {
         groups: Option<Vec<(GroupId, u64)>>,
     },
     MetaIndex(Option<u64>),
+    Holds(bool),
     Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),
     Readings(crate::alarms::Readings),
     /// The live subset of the owners asked about, and per live owner and

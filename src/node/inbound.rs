@@ -220,6 +220,9 @@ impl Inner {
             ),
             RpcRequest::Readings => RpcResponse::Readings(self.alarms.readings()),
             RpcRequest::Flows => RpcResponse::Flows(Node { inner: self }.own_flows()),
+            // Unknown (a storage error) counts as held: the asker must not
+            // found the group again on that answer.
+            RpcRequest::Holds { group } => RpcResponse::Holds(self.db.group_exists(group).unwrap_or(true)),
             RpcRequest::MetaIndex => {
                 let m = self.meta_raft.metrics().borrow().clone();
                 RpcResponse::MetaIndex(if m.current_leader == Some(self.id) {

@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{told, Inner, Node, NodeConfig, INCARNATION_KEY, NODE_ID_KEY};
+use super::{told, Inner, Node, NodeConfig, FOUNDING_FLOOR_KEY, INCARNATION_KEY, NODE_ID_KEY};
 use crate::alarms::Alarms;
 use crate::error::ServerError;
 use crate::ids::{NodeId, METADATA_GROUP};
@@ -81,6 +81,15 @@ impl Node {
         // A new life: owners of unacked messages made before are dead.
         let stored = db.get_node_value(INCARNATION_KEY)?;
         let stored = stored.map(|b| u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8])));
+        // An empty data dir: which queues were declared before it is not
+        // known until the metadata leader says (before the first life).
+        if stored.is_none() {
+            db.put_node_value(FOUNDING_FLOOR_KEY, &[])?;
+        }
+        let founding_floor = match db.get_node_value(FOUNDING_FLOOR_KEY)? {
+            None => 0,
+            Some(b) => b.as_slice().try_into().map_or(u64::MAX, u64::from_be_bytes),
+        };
         let incarnation = next_life(stored, unix_millis());
         db.put_node_value(INCARNATION_KEY, &incarnation.to_be_bytes())?;
 
@@ -184,6 +193,7 @@ impl Node {
             peers: confirm_gate::Peers::new(Default::default()),
             leaving: AtomicBool::new(false),
             replicas_started: tokio::sync::watch::Sender::new(false),
+            founding_floor: std::sync::atomic::AtomicU64::new(founding_floor),
             quiet: Mutex::default(),
             quiescence: super::quiescence::Quiescence::new(incarnation),
             closing: stop.child_token(),

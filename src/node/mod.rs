@@ -269,6 +269,12 @@ struct Inner {
     /// while this node starts thousands of replicas (at 10,000 queues every
     /// busy queue's confirms stalled for about a second at each return).
     replicas_started: watch::Sender<bool>,
+    /// On a data dir that started empty, the last queue group id declared
+    /// before it did: every group above it was declared since, so this
+    /// node cannot have founded it on an earlier dir. Known (below
+    /// `u64::MAX`) once its first life caught up with the metadata leader
+    /// (`Node::spawn_founding_floor`), and kept; 0 on any other dir.
+    founding_floor: std::sync::atomic::AtomicU64,
     /// Groups whose replica here must not stand for election until then
     /// (it just handed mastership over in a rebalance).
     quiet: Mutex<HashMap<GroupId, Instant>>,
@@ -294,6 +300,11 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 65_535;
 
 const NODE_ID_KEY: &str = "node_id";
 const INCARNATION_KEY: &str = "incarnation";
+/// `Inner::founding_floor` of a data dir that started empty: empty while
+/// not known yet, then the group id. Absent on a dir that never started
+/// empty here, which founds freely: its replicas' own storage says what
+/// it founded.
+const FOUNDING_FLOOR_KEY: &str = "founding-floor";
 
 /// A learner this close to the end of the master's log may become a voter.
 const CATCH_UP_SLACK: u64 = 64;
@@ -436,6 +447,10 @@ impl Inner {
             Some(current) if Arc::ptr_eq(current, g) => {
                 groups.remove(&g.meta.group);
                 self.removals.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                // Its followers must not stay held by a master no longer
+                // here: the watch that would withdraw it looks only at the
+                // hosted groups.
+                self.quiescence.withdraw(g.meta.group);
                 true
             }
             _ => false,

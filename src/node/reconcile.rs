@@ -62,6 +62,7 @@ pub(super) struct Sweep {
 impl Node {
     /// Keep the hosted groups equal to the metadata's wish.
     pub(super) fn spawn_reconciler(&self, mut feed: ChangeFeed) {
+        self.spawn_founding_floor();
         let node = self.clone();
         tokio::spawn(async move {
             // Also on a timer: a replica leaves only once the group's
@@ -428,6 +429,90 @@ impl Node {
         });
     }
 
+    /// On a data dir that started empty, learn the last queue group id
+    /// declared before it (`Inner::founding_floor`) as soon as a metadata
+    /// leader is known: queues declared between the start and then count
+    /// as older, which only makes their founder ask.
+    fn spawn_founding_floor(&self) {
+        if self.inner.founding_floor.load(Ordering::Acquire) != u64::MAX {
+            return;
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut m = node.inner.meta_raft.metrics();
+            loop {
+                let led = m.wait_for(|m| m.current_leader.is_some());
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    r = led => if r.is_err() { return },
+                }
+                if node.meta_caught_up().await {
+                    let floor = node.metadata().next_group;
+                    match node.inner.db.put_node_value(super::FOUNDING_FLOOR_KEY, &floor.to_be_bytes()) {
+                        Ok(()) => node.inner.founding_floor.store(floor, Ordering::Release),
+                        Err(e) => tracing::error!(error = %e, "cannot record which queues predate this data dir"),
+                    }
+                    return;
+                }
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+            }
+        });
+    }
+
+    /// Whether this node has applied everything the metadata leader had
+    /// applied when asked (false if there is no leader, or no answer).
+    async fn meta_caught_up(&self) -> bool {
+        let m = self.inner.meta_raft.metrics().borrow().clone();
+        let Some(leader) = m.current_leader else { return false };
+        let index = if leader == self.id() {
+            m.last_log_index
+        } else {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            match self.inner.call(leader, &RpcRequest::MetaIndex, deadline).await {
+                Ok(RpcResponse::MetaIndex(Some(index))) => Some(index),
+                _ => return false,
+            }
+        };
+        let wait = self.inner.meta_raft.wait(Some(Duration::from_secs(2)));
+        wait.applied_index_at_least(index, "caught up with the metadata leader").await.is_ok()
+    }
+
+    /// Whether the founder may found `group` on a blank replica without
+    /// asking: the queue was declared during this life, so this node saw
+    /// it new and founds it for the first time.
+    fn founds_freely(&self, group: GroupId) -> bool {
+        group > self.inner.founding_floor.load(Ordering::Acquire)
+    }
+
+    /// A blank replica of a queue declared before this life: its founder may
+    /// have founded it in an earlier life, on a data dir since emptied or
+    /// replaced, and led it since; founding it again would lead term 1 once
+    /// more and write other entries at indexes its replicas hold. So it
+    /// founds only if no other replica's storage holds anything of the
+    /// group, and otherwise starts blank, to be filled by the group's
+    /// master. An error while some replica cannot tell (it is retried).
+    async fn founded_before(&self, q: &QueueMeta) -> Result<bool, ServerError> {
+        let me = self.id();
+        let others: BTreeSet<NodeId> = q.replicas.iter().chain(&q.initial).copied().filter(|id| *id != me).collect();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        for peer in others {
+            match self.inner.call(peer, &RpcRequest::Holds { group: q.group }, deadline).await {
+                Ok(RpcResponse::Holds(false)) => {}
+                Ok(RpcResponse::Holds(true)) => return Ok(true),
+                _ => {
+                    return Err(ServerError::Raft(format!(
+                        "cannot tell whether queue '{}' ran before this node's data dir: node {peer} did not answer",
+                        q.name
+                    )))
+                }
+            }
+        }
+        Ok(false)
+    }
+
     pub(super) async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
         #[cfg(feature = "test-hooks")]
         if let Some((_, release)) = self.inner.start_held.as_ref().filter(|(name, _)| *name == q.name) {
@@ -452,7 +537,10 @@ impl Node {
         // replicas (which deletes its replica), so a master moved away and
         // back starts blank and is filled by the group's leader.
         let me = self.id();
-        let founding = epoch == Epoch::default() && q.initial.first() == Some(&me);
+        let mut founding = epoch == Epoch::default() && q.initial.first() == Some(&me);
+        if founding && !self.founds_freely(q.group) && log.is_blank().map_err(|e| ServerError::Raft(e.to_string()))? {
+            founding = !self.founded_before(&q).await?;
+        }
         let founded = founding
             && log
                 .found(&Vote::new_committed(FOUNDING_TERM, me), founding_log(&q, state, me))

@@ -67,6 +67,18 @@ impl Node {
         self.inner.groups.read().expect("poisoned").get(&q.group).is_some_and(|g| g.hush.is_quiet())
     }
 
+    /// The last queue group id declared before this node's life, once
+    /// known: this node saw every queue above it declared.
+    pub fn founding_floor(&self) -> Option<u64> {
+        Some(self.inner.founding_floor.load(std::sync::atomic::Ordering::Acquire)).filter(|f| *f != u64::MAX)
+    }
+
+    /// Take every queue for one declared before this life, as after a
+    /// restart on an emptied data dir.
+    pub fn forget_founding_floor(&self) {
+        self.inner.founding_floor.store(u64::MAX, std::sync::atomic::Ordering::Release);
+    }
+
     /// Whether this node announces the group of `queue` as quietly led.
     pub fn announces_quiet(&self, queue: &str) -> bool {
         let Some(q) = self.metadata().queues.get(queue).cloned() else { return false };

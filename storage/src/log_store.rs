@@ -264,6 +264,13 @@ where
         Ok(())
     }
 
+    /// Whether this replica holds nothing: no vote, no entry, no purge point.
+    pub fn is_blank(&self) -> Result<bool, RaftStorageError<C>> {
+        Ok(self.read_meta::<Vote<C::NodeId>>(META_VOTE)?.is_none()
+            && self.read_meta::<LogId<C::NodeId>>(META_PURGED)?.is_none()
+            && self.wal().bounds(self.group).is_none())
+    }
+
     /// Found a group without an election: write its `first` entries (the
     /// membership at index 0, then whatever its leader starts with) and
     /// adopt `vote`, made durable together by one sync before the group's
