@@ -51,6 +51,12 @@ async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves
     };
     let vote = Vote::new_committed(1, 1);
     let ids = |log: &LogStore| log.log_ids().unwrap().iter().map(|l| l.index).collect::<Vec<_>>();
+    // The founding entries in group `g`'s log, as a crash would leave them.
+    let write_first = |g| {
+        let entries: Vec<_> =
+            first().iter().map(|e| (e.log_id.index, mirrorq_storage::keys::encode(e, "entry").unwrap())).collect();
+        db.wal().append(g, &entries).unwrap();
+    };
 
     let mut blank = LogStore::new(db.clone(), 1);
     assert!(blank.found(&vote, first()).await.unwrap());
@@ -59,15 +65,7 @@ async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves
     // The entries made durable, then a crash before the vote: the same
     // entries and no vote, finished by founding again.
     let mut interrupted = LogStore::new(db.clone(), 2);
-    db.wal()
-        .append(
-            2,
-            &first()
-                .iter()
-                .map(|e| (e.log_id.index, mirrorq_storage::keys::encode(e, "entry").unwrap()))
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
+    write_first(2);
     assert_eq!(interrupted.read_vote().await.unwrap(), None);
     assert!(interrupted.found(&vote, first()).await.unwrap());
     assert_eq!((interrupted.read_vote().await.unwrap(), ids(&interrupted)), (Some(vote), vec![0, 1]));
@@ -86,15 +84,7 @@ async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves
     // indexes).
     let mut led = LogStore::new(db.clone(), 6);
     led.save_vote(&Vote::new(1, 1)).await.unwrap();
-    db.wal()
-        .append(
-            6,
-            &first()
-                .iter()
-                .map(|e| (e.log_id.index, mirrorq_storage::keys::encode(e, "entry").unwrap()))
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
+    write_first(6);
     assert!(!led.found(&vote, first()).await.unwrap());
     assert_eq!(led.read_vote().await.unwrap(), Some(Vote::new(1, 1)));
 

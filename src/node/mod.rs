@@ -299,6 +299,9 @@ pub struct Node {
 pub const DEFAULT_MAX_CONNECTIONS: usize = 65_535;
 
 const NODE_ID_KEY: &str = "node_id";
+/// The term a new queue's group starts in, led by its designated master
+/// (`reconcile.rs`, founding).
+const FOUNDING_TERM: u64 = 1;
 const INCARNATION_KEY: &str = "incarnation";
 /// `Inner::founding_floor` of a data dir that started empty: empty while
 /// not known yet, then the group id. Absent on a dir that never started

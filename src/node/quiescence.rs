@@ -387,7 +387,7 @@ impl Node {
         };
         // A group that holds nothing but its founding (no entry was ever
         // proposed) is a queue just declared, not one used now and then.
-        let unused = m.current_term == super::reconcile::FOUNDING_TERM && m.last_log_index == Some(1);
+        let unused = m.current_term == super::FOUNDING_TERM && m.last_log_index == Some(1);
         let Some(since) = since else {
             // Heartbeats until it has been settled a while (the proposer
             // woke it already if an entry came; a master deposed while

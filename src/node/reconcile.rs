@@ -13,7 +13,7 @@ use openraft::{BasicNode, ChangeMembers, CommittedLeaderId, Entry, EntryPayload,
 use tokio::sync::watch;
 
 use super::failover::Busy;
-use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK};
+use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK, FOUNDING_TERM};
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
@@ -25,9 +25,6 @@ use crate::queue::{confirm_gate, QueueMachine};
 use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft, TypeConfig};
-
-/// The term a new queue's group starts in, led by its designated master.
-pub(super) const FOUNDING_TERM: u64 = 1;
 
 /// Replicas started at once by one round.
 const STARTS_AT_ONCE: usize = 16;
