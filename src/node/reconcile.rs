@@ -445,7 +445,7 @@ impl Node {
                 }
                 if node.meta_caught_up().await {
                     let floor = node.metadata().next_group;
-                    match node.inner.db.put_node_value(super::FOUNDING_FLOOR_KEY, &floor.to_be_bytes()) {
+                    match node.inner.db.put_node_value_async(super::FOUNDING_FLOOR_KEY, &floor.to_be_bytes()).await {
                         Ok(()) => node.inner.founding_floor.store(floor, Ordering::Release),
                         Err(e) => tracing::error!(error = %e, "cannot record which queues predate this data dir"),
                     }

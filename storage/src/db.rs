@@ -295,6 +295,14 @@ impl NodeDb {
         self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)
     }
 
+    /// [`NodeDb::put_node_value`] for a task: it waits for the sync without
+    /// holding a runtime thread (a thread held so can starve the task that
+    /// the sync waits on, as a test that holds the syncs does).
+    pub async fn put_node_value_async(&self, key: &str, value: &[u8]) -> Result<(), StorageError> {
+        self.inner.node.insert(key, value)?;
+        self.inner.flusher.sync().await.map_err(|_| StorageError::SyncFailed)
+    }
+
     /// Remove a node-level value, durably.
     pub fn remove_node_value(&self, key: &str) -> Result<(), StorageError> {
         self.inner.node.remove(key)?;
