@@ -39,6 +39,14 @@ async fn quiet_queue_moved_off_its_master(name: &str) -> (Cluster, u64, u64) {
     (c, master, successor)
 }
 
+/// Whether every member of the master's group `raft` has its whole log,
+/// all of it applied at the master.
+fn holds_all_applied(raft: &mirrorq::raft::types::Raft) -> bool {
+    let m = raft.metrics().borrow().clone();
+    let all = m.replication.as_ref().is_some_and(|r| r.values().all(|l| l.map(|l| l.index) == m.last_log_index));
+    all && m.last_applied.map(|l| l.index) == m.last_log_index
+}
+
 /// Looks every 5 ms whether `node`'s replica of `queue` is awake; the flag
 /// says whether it ever was, until the task is aborted.
 fn watch_wakes(node: mirrorq::Node, queue: &'static str) -> (Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
@@ -89,12 +97,7 @@ async fn a_settled_group_goes_quiet_at_its_masters_next_round_with_its_commit_kn
     c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
     let master = c.master_of("q").await;
     let raft = c.node(master).queue_raft("q").unwrap();
-    wait_until(Duration::from_secs(15), "every mirror holds the founding log", || {
-        let m = raft.metrics().borrow().clone();
-        let all = m.replication.as_ref().is_some_and(|r| r.values().all(|l| l.map(|l| l.index) == m.last_log_index));
-        all && m.last_applied.map(|l| l.index) == m.last_log_index
-    })
-    .await;
+    wait_until(Duration::from_secs(15), "every mirror holds the founding log", || holds_all_applied(&raft)).await;
     let round = || c.node(master).watch_failures_over(vec![c.node(master).replica_view("q").unwrap()]);
     round().await;
     assert!(!c.node(master).is_quiet_here("q"), "quiet at the round that found it settled");
@@ -124,11 +127,7 @@ async fn a_group_in_use_is_announced_quiet_only_once_still_for_a_while() {
     c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
     let master = c.master_of("q").await;
     let raft = c.node(master).queue_raft("q").unwrap();
-    let settled = || {
-        let m = raft.metrics().borrow().clone();
-        let all = m.replication.as_ref().is_some_and(|r| r.values().all(|l| l.map(|l| l.index) == m.last_log_index));
-        all && m.last_applied.map(|l| l.index) == m.last_log_index
-    };
+    let settled = || holds_all_applied(&raft);
     let round = || c.node(master).watch_failures_over(vec![c.node(master).replica_view("q").unwrap()]);
     wait_until(Duration::from_secs(15), "the new group settles", settled).await;
     round().await;

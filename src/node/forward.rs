@@ -323,21 +323,27 @@ impl Node {
     /// made through another node is visible here. Without a reachable leader
     /// it returns at once and reads stay local (CONTRACT 5).
     pub async fn meta_barrier(&self) {
+        if self.inner.meta_raft.metrics().borrow().current_leader != Some(self.id()) {
+            let _ = self.meta_caught_up().await;
+        }
+    }
+
+    /// Whether this node has applied everything the metadata leader had
+    /// applied when asked (false if there is no leader, or no answer).
+    pub(super) async fn meta_caught_up(&self) -> bool {
         let m = self.inner.meta_raft.metrics().borrow().clone();
-        let Some(leader) = m.current_leader else { return };
-        if leader == self.id() {
-            return;
-        }
-        let deadline = Instant::now() + Duration::from_millis(1000);
-        if let Ok(RpcResponse::MetaIndex(Some(index))) = self.inner.call(leader, &RpcRequest::MetaIndex, deadline).await
-        {
-            let _ = self
-                .inner
-                .meta_raft
-                .wait(Some(Duration::from_secs(2)))
-                .applied_index_at_least(Some(index), "metadata barrier")
-                .await;
-        }
+        let Some(leader) = m.current_leader else { return false };
+        let index = if leader == self.id() {
+            m.last_log_index
+        } else {
+            let deadline = Instant::now() + Duration::from_millis(1000);
+            match self.inner.call(leader, &RpcRequest::MetaIndex, deadline).await {
+                Ok(RpcResponse::MetaIndex(Some(index))) => Some(index),
+                _ => return false,
+            }
+        };
+        let wait = self.inner.meta_raft.wait(Some(Duration::from_secs(2)));
+        wait.applied_index_at_least(index, "caught up with the metadata leader").await.is_ok()
     }
 
     /// Write to the metadata group through its leader, then wait until this

@@ -459,24 +459,6 @@ impl Node {
         });
     }
 
-    /// Whether this node has applied everything the metadata leader had
-    /// applied when asked (false if there is no leader, or no answer).
-    async fn meta_caught_up(&self) -> bool {
-        let m = self.inner.meta_raft.metrics().borrow().clone();
-        let Some(leader) = m.current_leader else { return false };
-        let index = if leader == self.id() {
-            m.last_log_index
-        } else {
-            let deadline = Instant::now() + Duration::from_secs(1);
-            match self.inner.call(leader, &RpcRequest::MetaIndex, deadline).await {
-                Ok(RpcResponse::MetaIndex(Some(index))) => Some(index),
-                _ => return false,
-            }
-        };
-        let wait = self.inner.meta_raft.wait(Some(Duration::from_secs(2)));
-        wait.applied_index_at_least(index, "caught up with the metadata leader").await.is_ok()
-    }
-
     /// Whether the founder may found `group` on a blank replica without
     /// asking: the queue was declared during this life, so this node saw
     /// it new and founds it for the first time.
