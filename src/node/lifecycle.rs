@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{told, Inner, Node, NodeConfig, FOUNDING_FLOOR_KEY, INCARNATION_KEY, NODE_ID_KEY};
+use super::{told, Inner, Node, NodeConfig, FOUNDING_FLOOR_KEY, INCARNATION_KEY, NODE_ID_KEY, REFILL_KEY};
 use crate::alarms::Alarms;
 use crate::error::ServerError;
 use crate::ids::{NodeId, METADATA_GROUP};
@@ -27,6 +27,31 @@ use crate::queue::epoch::Epoch;
 use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft};
+
+/// Open the data dir; one a power cut or a failing disk has damaged is set
+/// aside (kept whole) for an empty one, which the cluster refills like a new
+/// mirror's. A node with no peer to refill it refuses to start instead: it
+/// would otherwise go on as if it had never held anything.
+fn open_or_set_aside(cfg: &NodeConfig) -> Result<NodeDb, ServerError> {
+    let opts = DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes };
+    let err = match NodeDb::open(&cfg.data_dir, &opts) {
+        Ok(db) => return Ok(db),
+        Err(e) => e,
+    };
+    let has_peers = cfg.join.is_some() || cfg.cluster.keys().any(|id| *id != cfg.node_id);
+    if !err.is_damage() || !has_peers {
+        return Err(err.into());
+    }
+    let aside = mirrorq_storage::set_aside(&cfg.data_dir)?;
+    tracing::error!(
+        error = %err,
+        kept = %aside.display(),
+        "the data dir is damaged: set aside whole; this node starts empty and its peers refill it"
+    );
+    let db = NodeDb::open(&cfg.data_dir, &opts)?;
+    db.put_node_value(REFILL_KEY, &[])?;
+    Ok(db)
+}
 
 impl Node {
     /// Open the data dir, start every group it holds, listen on the node link
@@ -46,10 +71,8 @@ impl Node {
             return Err(ServerError::Config("--node-id must be >= 1".into()));
         }
         let started = Instant::now();
-        let db = NodeDb::open(
-            &cfg.data_dir,
-            &DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes },
-        )?;
+        let db = open_or_set_aside(&cfg)?;
+        let refill = db.get_node_value(REFILL_KEY)?.is_some();
         tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
         #[cfg(feature = "test-hooks")]
         if cfg.crash_image {
@@ -210,7 +233,9 @@ impl Node {
 
         let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
         let joining = pristine && cfg.join.is_some();
-        if pristine && !joining {
+        if pristine && refill {
+            tracing::warn!("this data dir replaced a damaged one: waiting for the cluster to refill it");
+        } else if pristine && !joining {
             let mut members: BTreeMap<NodeId, BasicNode> =
                 cfg.cluster.iter().map(|(id, a)| (*id, BasicNode { addr: a.clone() })).collect();
             if members.is_empty() {

@@ -308,6 +308,11 @@ const INCARNATION_KEY: &str = "incarnation";
 /// empty here, which founds freely: its replicas' own storage says what
 /// it founded.
 const FOUNDING_FLOOR_KEY: &str = "founding-floor";
+/// Present on a data dir that replaced a damaged one: the node waits to be
+/// refilled by the cluster it belonged to and never founds a new one, even
+/// when every member's dir was damaged at once (each would otherwise start
+/// a new, empty cluster and answer 404 for every queue).
+const REFILL_KEY: &str = "refill";
 
 /// A learner this close to the end of the master's log may become a voter.
 const CATCH_UP_SLACK: u64 = 64;

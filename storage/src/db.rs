@@ -432,6 +432,24 @@ impl Drop for Inner {
     }
 }
 
+/// Move a damaged data dir out of the way, keeping it whole for a person to
+/// look at: `DIR` becomes `DIR.damaged-<unix seconds>`, and the rename is
+/// made durable before anything starts again in `DIR`. Returns where it went.
+pub fn set_aside(dir: &Path) -> Result<PathBuf, StorageError> {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let mut name = dir.file_name().unwrap_or_default().to_owned();
+    name.push(format!(".damaged-{secs}"));
+    let aside = dir.with_file_name(name);
+    let err = |source| StorageError::SetAside { path: dir.to_owned(), source };
+    std::fs::rename(dir, &aside).map_err(err)?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    sync_dir(parent).map_err(err)?;
+    Ok(aside)
+}
+
 fn lock_dir(dir: &Path) -> Result<File, StorageError> {
     let path = dir.join("LOCK");
     let lock_err = |source| StorageError::Lock { path: path.clone(), source };

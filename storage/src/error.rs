@@ -51,4 +51,27 @@ pub enum StorageError {
     SyncFailed,
     #[error("the state machine was closed (its group stopped)")]
     Closed,
+    #[error("cannot set the damaged data dir {path} aside: {source}")]
+    SetAside {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl StorageError {
+    /// Whether opening failed because what is on the disk is damaged (as
+    /// a power cut or a failing disk leaves it), rather than because of how
+    /// the node was started (a lock held, a permission, a full disk).
+    pub fn is_damage(&self) -> bool {
+        matches!(
+            self,
+            StorageError::Corrupt {
+                source: sled::Error::Corruption { .. } | sled::Error::Unsupported(_) | sled::Error::ReportableBug(_),
+                ..
+            } | StorageError::Decode { .. }
+                | StorageError::Redo(_)
+                | StorageError::Wal(crate::wal::WalError::Corrupt { .. })
+        )
+    }
 }

@@ -41,7 +41,7 @@ pub mod space;
 pub mod wal;
 
 pub use batch::Batch;
-pub use db::{DbOptions, NodeDb};
+pub use db::{set_aside, DbOptions, NodeDb};
 pub use error::StorageError;
 pub use flusher::{Flusher, FlusherStats};
 pub use log_store::LogStore;

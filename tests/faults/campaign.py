@@ -50,7 +50,11 @@ UNACKED_BACK_SECS = 15  # the issue's 10 s for a lost consumer's unacked, plus a
 # After a heal the minority's fork still serves until it learns that it
 # yields; what it confirms or delivers meanwhile counts as "during" the split.
 HEAL_GRACE_SECS = 10
-FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "restart", "move", "classic", "pause-heal")
+FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "restart", "move", "classic", "pause-heal",
+               "powercut", "powercut-all", "corrupt", "fsync-eio", "slow-disk", "disk-full")
+# Faults of the disk itself: only with --faultfs, which puts every node's
+# data dir on a filesystem that forgets what was not synced.
+DISK_FAULTS = ("powercut", "powercut-all", "corrupt", "fsync-eio", "slow-disk", "disk-full")
 FAILURE_TIMEOUT_SECS = 5  # mirrorq's default, which the nodes run with
 THIS = os.path.abspath(__file__)
 TAG = f"mqf{os.getpid()}"
@@ -58,6 +62,7 @@ TAG = f"mqf{os.getpid()}"
 # Everything that must go on exit, however we exit.
 LIVE_PROCS = {}  # pid -> Popen (each the leader of its own process group)
 LIVE_NETNS = []
+LIVE_MOUNTS = []
 
 
 def sh(*cmd, check=True, timeout=20):
@@ -99,6 +104,9 @@ def cleanup_all():
         reap(p)
     while LIVE_NETNS:
         subprocess.run(["ip", "netns", "del", LIVE_NETNS.pop()], capture_output=True)
+    while LIVE_MOUNTS:
+        # Lazy: a daemon already gone leaves a mount no plain umount takes.
+        subprocess.run(["umount", "-l", LIVE_MOUNTS.pop()], capture_output=True)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
 
@@ -178,13 +186,66 @@ class Net:
         self.cuts.clear()
 
 
+# ---------------------------------------------------------------- disks
+
+
+class Disk:
+    """A node's disk: its data dir through faultfs, over a real directory.
+    What the node writes stays in faultfs's cache until the node fsyncs it
+    (and, strict, a new or renamed name until its directory is fsync'd), so
+    a power cut here loses exactly what a real one may."""
+
+    def __init__(self, i, args, root):
+        self.faultfs, self.strict = args.faultfs, args.strict_dirs
+        self.backing = os.path.join(root, f"node{i}.disk")
+        self.mnt = os.path.join(root, f"node{i}.mnt")
+        self.sock = os.path.join(root, f"node{i}.fs.sock")
+        self.log = os.path.join(root, f"node{i}.fs.log")
+        self.proc = None
+
+    def mount(self):
+        os.makedirs(self.backing, exist_ok=True)
+        os.makedirs(self.mnt, exist_ok=True)
+        cmd = [self.faultfs, "mount", "--backing", self.backing, "--mountpoint", self.mnt, "--control", self.sock]
+        if self.strict:
+            cmd.append("--strict")
+        with open(self.log, "ab") as log:
+            self.proc = spawn(cmd, stdout=log, stderr=log)
+        LIVE_MOUNTS.append(self.mnt)
+        end = time.time() + 20
+        while not (os.path.ismount(self.mnt) and os.path.exists(self.sock)):
+            if self.proc.poll() is not None or time.time() > end:
+                raise RuntimeError(f"faultfs did not mount {self.mnt}; see {self.log}")
+            time.sleep(0.05)
+
+    def ctl(self, *args):
+        r = subprocess.run([self.faultfs, "ctl", self.sock, *map(str, args)], capture_output=True, text=True,
+                           timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"faultfs ctl {' '.join(map(str, args))}: {r.stdout.strip()} {r.stderr.strip()}")
+        return r.stdout.strip()
+
+    def files(self, under):
+        """Regular files under `under` of the data dir, largest first."""
+        top = os.path.join(self.mnt, "data", under)
+        found = []
+        for d, _, names in os.walk(top):
+            for n in names:
+                p = os.path.join(d, n)
+                found.append((os.path.getsize(p), os.path.relpath(p, self.mnt)))
+        return [p for size, p in sorted(found, reverse=True) if size > 0]
+
+
 # ---------------------------------------------------------------- nodes
 
 
 class Node:
     def __init__(self, i, args, net, root, secret):
         self.i, self.args, self.net = i, args, net
-        self.data = os.path.join(root, f"node{i}")
+        self.disk = Disk(i, args, root) if args.faultfs else None
+        # On faultfs the data dir is made by the node inside the mount, so
+        # creating it has to be made durable by the node too.
+        self.data = os.path.join(self.disk.mnt, "data") if self.disk else os.path.join(root, f"node{i}")
         self.log = os.path.join(root, f"node{i}.log")
         self.secret = secret
         self.proc = None
@@ -303,6 +364,13 @@ class Cluster:
         self.expect_up.discard(i)
         self.nodes[i].kill9()
 
+    def power_cut(self, i, torn, seed):
+        """Node i's disk loses what was not synced (its process is dead)."""
+        d = self.nodes[i].disk
+        self.nodes[i].note(f"power cut ({'torn' if torn else 'cut'} {seed})")
+        out = d.ctl("torn" if torn else "cut", seed)
+        self.nodes[i].note(f"disk: {out}")
+
     def restart(self, i, down=0.0):
         self.expect_up.discard(i)
         if not self.nodes[i].term():
@@ -408,6 +476,9 @@ def plan(seed, args):
     if args.classic:
         kinds["classic"] = 1
         kinds["pause-heal"] = 1
+    if args.faultfs:
+        # A full disk is left to --faults until mirrorq serves one.
+        kinds.update({"powercut": 3, "powercut-all": 1, "corrupt": 1, "fsync-eio": 1, "slow-disk": 1})
     if args.faults:
         kinds = {k: w for k, w in kinds.items() if k in args.faults} or {k: 1 for k in args.faults}
     faults, t = [], rng.uniform(2, 5)
@@ -427,6 +498,28 @@ def plan(seed, args):
             f["nodes"] = [i for i in ids if i != keep]
             f["hold"] = max(f["hold"], 8.0)  # past the failure timeout, so the survivor re-forms
             kinds.pop("classic")  # once a run is "occasionally"
+        elif kind in ("powercut", "powercut-all"):
+            f["nodes"] = ids if kind == "powercut-all" else sorted(rng.sample(ids, rng.randint(1, minority)))
+            f["torn"] = rng.random() < 0.4  # else every unsynced write is simply gone
+            f["fsseed"] = rng.randrange(1 << 31)
+            if kind == "powercut-all":
+                f["hold"] = min(f["hold"], 8.0)
+                kinds.pop("powercut-all")
+        elif kind == "corrupt":
+            # One replica only: the promise holds while one synchronised
+            # replica's disk survives.
+            f["nodes"] = [rng.choice(ids)]
+            f["where"] = rng.choice(["wal", "sled"])
+            f["how"] = rng.choice(["flip", "zero", "truncate"])
+            f["fsseed"] = rng.randrange(1 << 31)
+        elif kind == "fsync-eio":
+            f["nodes"] = [rng.choice(ids)]
+            f["fsseed"] = rng.randrange(1 << 31)
+        elif kind == "slow-disk":
+            f["nodes"] = [rng.choice(ids)]
+            f["ms"] = rng.choice([10, 50, 200])
+        elif kind == "disk-full":
+            f["nodes"] = [rng.choice(ids)]
         elif kind == "pause-heal":
             # Who is isolated and who is paused depends on where fq1's
             # master is when it runs; this order picks them.
@@ -451,6 +544,12 @@ def plan(seed, args):
             f["shape"] = shape
         faults.append(f)
         t += f["hold"] + f["gap"]
+    # Half the runs with disk faults cut the power of the whole cluster
+    # once, whatever the draw gave.
+    if "powercut-all" in kinds and rng.random() < 0.5 and faults:
+        k = rng.randrange(len(faults))
+        faults[k] = dict(faults[k], kind="powercut-all", nodes=ids, torn=rng.random() < 0.4,
+                         fsseed=rng.randrange(1 << 31), hold=min(faults[k]["hold"], 8.0))
     return faults
 
 
@@ -461,6 +560,13 @@ def describe(f):
         return f"partition-{f['shape']}({who},{f['hold']:.0f}s)"
     if f["kind"] == "pause-heal":
         return f"pause-heal({f['hold']:.0f}s)"
+    if f["kind"] in ("powercut", "powercut-all"):
+        how = "torn" if f["torn"] else "cut"
+        return f"{f['kind']}-{how}({','.join(f'n{i}' for i in f['nodes'])},{f['hold']:.0f}s)"
+    if f["kind"] == "corrupt":
+        return f"corrupt-{f['where']}-{f['how']}(n{f['nodes'][0]},{f['hold']:.0f}s)"
+    if f["kind"] == "slow-disk":
+        return f"slow-disk(n{f['nodes'][0]},{f['ms']}ms,{f['hold']:.0f}s)"
     return f"{f['kind']}({','.join(f'n{i}' for i in f['nodes'])},{f['hold']:.0f}s)"
 
 
@@ -508,6 +614,68 @@ def run_fault(f, c, net, ctl):
         c.sleep(f["hold"])
         for i in paused:
             c.nodes[i].cont()
+    elif kind in ("powercut", "powercut-all"):
+        # Every process first, then every disk: one instant for all of them.
+        for i in nodes:
+            c.kill9(i)
+        for i in nodes:
+            c.power_cut(i, f["torn"], f["fsseed"] + i)
+        c.sleep(f["hold"])
+        for i in nodes:
+            c.start(i)
+    elif kind == "corrupt":
+        i = nodes[0]
+        d = c.nodes[i].disk
+        rng = random.Random(f["fsseed"])
+        c.kill9(i)
+        files = d.files(f["where"])
+        if files:
+            path = rng.choice(files[:4])
+            size = os.path.getsize(os.path.join(d.mnt, path))
+            off = rng.randrange(size)
+            if f["how"] == "flip":
+                d.ctl("flip", path, off, rng.randint(1, 8))
+            elif f["how"] == "zero":
+                d.ctl("zero", path, off, min(size - off, rng.choice([1, 512, 4096, 65536])))
+            else:
+                d.ctl("truncate", path, off)
+            c.nodes[i].note(f"disk: {f['how']} {path} at {off} of {size}")
+            say(f"  n{i}: {f['how']} {path} at {off} of {size}")
+        else:
+            say(f"  n{i}: no {f['where']} file to corrupt")
+        c.sleep(f["hold"])
+        c.start(i)
+    elif kind == "fsync-eio":
+        i = nodes[0]
+        d = c.nodes[i].disk
+        c.expect_up.discard(i)
+        d.ctl("fail-fsync", 1)
+        end = time.time() + 15
+        while c.nodes[i].up() and time.time() < end:
+            time.sleep(0.1)
+        if c.nodes[i].up():
+            c.anomalies.append(f"n{i} still running 15s after an fsync failed under it")
+            say(f"!! n{i} still running 15s after a failed fsync")
+            d.ctl("fail-fsync", 0)
+        else:
+            say(f"  n{i} stopped on the failed fsync (code {c.nodes[i].proc.returncode})")
+            LIVE_PROCS.pop(c.nodes[i].proc.pid, None)
+        c.kill9(i)
+        # What the failed sync was to make durable may never reach the disk.
+        c.power_cut(i, False, f["fsseed"])
+        c.sleep(f["hold"])
+        c.start(i)
+    elif kind == "slow-disk":
+        d = c.nodes[nodes[0]].disk
+        d.ctl("delay-fsync", f["ms"])
+        c.sleep(f["hold"])
+        d.ctl("delay-fsync", 0)
+    elif kind == "disk-full":
+        d = c.nodes[nodes[0]].disk
+        used = sum(os.path.getsize(os.path.join(dp, n)) for dp, _, ns in os.walk(d.backing) for n in ns)
+        d.ctl("enospc", used + (4 << 20))
+        c.sleep(f["hold"])
+        d.ctl("enospc", "off")
     elif kind == "sigstop":
         for i in nodes:
             c.nodes[i].stop()
@@ -742,6 +910,9 @@ def run_one(args, seed, root):
     run = f"s{seed}"
     try:
         net.setup()
+        for n in c.nodes.values():
+            if n.disk:
+                n.disk.mount()
         for i in c.nodes:
             c.start(i)
         setup_broker(c)
@@ -1024,7 +1195,7 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held, splits):
           f"attempted={len(attempted)} confirmed={len(confirmed)} delivered_unique={len(delivered)} "
           f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} "
           f"duplicate_bound={'-' if bound is None else bound} wedged={len(wedged)} "
-          f"undrained={sum(undrained.values())} held={sum(r + u for r, u in held.values())} client_errors={errors} stuck_publishes={stuck} "
+          f"undrained={sum(undrained.values())} held={sum((r or 0) + (u or 0) for r, u in (v or (0, 0) for v in held.values()))} client_errors={errors} stuck_publishes={stuck} "
           f"node_panics={len(panics)} log_storms={len(storms)} splits={len(splits)} result={'PASS' if ok else 'FAIL'}", flush=True)
     for a in c.anomalies + [f"n{i} log contains 'panicked'" for i in panics]:
         print(f"  anomaly: {a}")
@@ -1073,8 +1244,17 @@ def main():
                     help="never kill all nodes but one (the classic demo)")
     ap.add_argument("--faults", type=lambda s: s.split(","), default=None,
                     help=f"only these fault kinds, comma-separated, of {','.join(FAULT_KINDS)}")
+    ap.add_argument("--faultfs", help="the faultfs binary: every data dir on it, and disk faults in the schedule")
+    ap.add_argument("--faultfs-mode", choices=["strict", "ordered"], default="strict",
+                    help="strict: a new or renamed name is durable only once its directory is synced; "
+                         "ordered: any sync makes every name durable, as ext4's journal does")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
+    args.strict_dirs = args.faultfs_mode == "strict"
+    if args.faultfs:
+        args.faultfs = os.path.abspath(args.faultfs)
+    elif args.faults and set(args.faults) & set(DISK_FAULTS):
+        ap.error("--faults: disk faults need --faultfs")
     if args.faults and not set(args.faults) <= set(FAULT_KINDS):
         ap.error(f"--faults: unknown kind in {args.faults}; known: {','.join(FAULT_KINDS)}")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed if args.seed is not None else
