@@ -459,3 +459,82 @@ async fn a_new_masters_grace_period_waits_for_no_member_back_from_a_stop() {
     wait_view(c.node(new), "q", "the returned mirror synchronised", |i| i.synchronised.contains(&old)).await;
     c.shutdown().await;
 }
+
+/// A mirror back from a crash after its master purged the log it lacks is
+/// sent a snapshot, which names messages whose bodies it does not have.
+/// Its earlier life was heard synchronised in this term and its log is
+/// soon complete, but until it holds those bodies the master must not
+/// count it synchronised: confirms would count it as a copy it is not. Its
+/// fetch, and every report riding on it, is held here, so only the answer
+/// to the snapshot can tell the master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_sent_a_snapshot_is_not_synchronised_until_it_holds_the_bodies() {
+    mirror_sent_a_snapshot("snap-q", false).await;
+}
+
+/// The same for a mirror back on an emptied data dir: what its earlier
+/// life reported does not count for the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_back_on_an_emptied_data_dir_is_not_synchronised_until_it_holds_the_bodies() {
+    mirror_sent_a_snapshot("empty-q", true).await;
+}
+
+async fn mirror_sent_a_snapshot(queue: &str, emptied: bool) {
+    init_tracing();
+    let mut c = cluster(3, 8 * KIB).await;
+    c.node(1).declare_queue(queue, vec![1, 2, 3]).await.unwrap();
+    let master = c.master_of(queue).await;
+    let back = (1..=3).rev().find(|id| *id != master).unwrap();
+    publish_many(c.node(master), queue, "before", 100).await;
+    wait_view(c.node(master), queue, "every mirror synchronised", |i| i.synchronised.len() == 3).await;
+
+    tracing::info!("--- the mirror crashes; the master goes on and purges its log");
+    c.crash(back).await;
+    publish_many(c.node(master), queue, "away", 300).await;
+    let raft = c.node(master).queue_raft(queue).unwrap();
+    let applied = raft.metrics().borrow().last_applied.unwrap().index;
+    let limit = Some(Duration::from_secs(10));
+    raft.trigger().snapshot().await.unwrap();
+    raft.wait(limit).metrics(|m| m.snapshot.is_some_and(|s| s.index >= applied), "snapshot").await.unwrap();
+    raft.trigger().purge_log(applied).await.unwrap();
+    raft.wait(limit).metrics(|m| m.purged.is_some_and(|p| p.index >= applied), "log purged").await.unwrap();
+    let last = raft.metrics().borrow().last_log_index;
+    if emptied {
+        for entry in std::fs::read_dir(c.dirs[(back - 1) as usize].path()).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                std::fs::remove_dir_all(&path).unwrap();
+            } else {
+                std::fs::remove_file(&path).unwrap();
+            }
+        }
+    }
+
+    tracing::info!("--- back, it installs the snapshot while its fetch is held");
+    let released = tokio_util::sync::CancellationToken::new();
+    c.configs[(back - 1) as usize].bodies_held = Some(released.clone());
+    c.restart(back).await;
+    let matched = || {
+        let m = raft.metrics().borrow().clone();
+        m.replication.as_ref().and_then(|r| r.get(&back).cloned().flatten()).map(|l| l.index)
+    };
+    wait_until(Duration::from_secs(30), "the mirror has the master's log", || matched() >= last).await;
+    assert!(
+        c.node(back).local_stored_count(queue).unwrap() < 400,
+        "the mirror holds every body: it was not sent a snapshot"
+    );
+    // A second of looks: the master's gate acts on the mirror's progress
+    // within milliseconds.
+    for _ in 0..20 {
+        let info = view(c.node(master), queue).await;
+        assert!(!info.synchronised.contains(&back), "counted synchronised without the bodies: {info:?}");
+        assert!(info.catching_up.iter().any(|(id, _)| *id == back), "not known to be behind: {info:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    tracing::info!("--- its fetch goes ahead: synchronised once it holds every body");
+    released.cancel();
+    wait_view(c.node(master), queue, "the mirror synchronised", |i| i.synchronised.contains(&back)).await;
+    assert_eq!(c.node(back).local_stored_count(queue).unwrap(), 400, "synchronised without every body");
+    c.shutdown().await;
+}

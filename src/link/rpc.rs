@@ -13,7 +13,7 @@ use crate::ids::{GroupId, NodeId};
 
 use crate::error::NodeError;
 use crate::metadata::{MetaCmd, MetaReply};
-use crate::queue::catchup::SyncProgress;
+use crate::queue::confirm_gate::Standing;
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
@@ -146,17 +146,15 @@ pub enum RpcRequest {
     },
     /// A replica catching up after a snapshot asks the master of `group`
     /// for message bodies in `ranges` (about `max_bytes` of them; none: a
-    /// progress report only) and tells how far it is (`None`: it has every
-    /// body now). `totals`: also count the bytes still to fetch. `life`:
-    /// the incarnation of the sender's node.
+    /// report only) and tells how its bodies stand. `totals`: also count
+    /// the bytes still to fetch.
     Bodies {
         group: GroupId,
         from: NodeId,
-        life: u64,
+        standing: Standing,
         ranges: Vec<(u64, u64)>,
         max_bytes: u32,
         totals: bool,
-        report: Option<SyncProgress>,
     },
     /// Start (`run`) or stop fetching missing bodies: the `sync` and
     /// `cancel_sync` actions, sent to every replica of the queue.
@@ -206,7 +204,10 @@ pub enum RpcRequest {
 pub enum RpcResponse {
     Append(Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>),
     Vote(Result<VoteResponse<NodeId>, RaftError<NodeId>>),
-    Snapshot(Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>),
+    /// With a queue replica's standing once the last chunk is installed:
+    /// the master must know the replica lacks the bodies the snapshot
+    /// names before openraft counts the replica as matching it.
+    Snapshot(Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>, Option<Box<Standing>>),
     Queue(Result<Vec<QueueReply>, NodeError>),
     /// The reply and the log index of the change, so the caller can wait
     /// until it has applied it locally.

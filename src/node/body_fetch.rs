@@ -7,6 +7,7 @@
 //! without the state machine's lock and the replica stores each chunk
 //! between two applies, so publishing and consuming go on meanwhile.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,7 +17,8 @@ use super::{Inner, Node, QueueGroup};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{Body, BodyChunk, RpcRequest, RpcResponse};
-use crate::queue::catchup::{Plan, SyncProgress};
+use crate::queue::catchup::Plan;
+use crate::queue::confirm_gate::Standing;
 use crate::queue::QueueMachine;
 use crate::raft::state_machine::stored_applied;
 use crate::raft::types::Raft;
@@ -117,9 +119,11 @@ impl Node {
                 let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
                 let ready = *started.borrow_and_update();
                 if master.is_some() && master != told && !leaving && ready {
-                    match Box::pin(self.report(&g, None)).await {
-                        Ok(_) => told = master,
-                        Err(_) => {
+                    match Box::pin(self.report(&g, false)).await {
+                        Ok(standing) if standing.behind.is_none() => told = master,
+                        // A snapshot came since the plan was looked at:
+                        // told behind, it is fetched next.
+                        Ok(_) | Err(_) => {
                             tokio::time::sleep(Duration::from_millis(100)).await;
                             continue;
                         }
@@ -156,7 +160,7 @@ impl Node {
             let running = *run_rx.borrow_and_update() || !self.waits_for_sync(&g);
             if !running {
                 if last_report.is_none_or(|t| t.elapsed() >= REPORT_EVERY)
-                    && Box::pin(self.report(&g, Some(plan.progress(false)))).await.is_ok()
+                    && Box::pin(self.report(&g, false)).await.is_ok()
                 {
                     last_report = Some(Instant::now());
                 }
@@ -216,7 +220,7 @@ impl Node {
     }
 
     /// A new mirror of a `manual` queue waits for a `sync` action.
-    fn waits_for_sync(&self, g: &QueueGroup) -> bool {
+    pub(super) fn waits_for_sync(&self, g: &QueueGroup) -> bool {
         let new = matches!(self.inner.db.get_node_value(&new_mirror_key(g.meta.group)), Ok(Some(_)));
         new && !super::failover::ha_of(&self.metadata(), &g.meta).sync_automatic
     }
@@ -240,9 +244,11 @@ impl Node {
         Ok(())
     }
 
-    /// Tell the master how this replica stands, fetching nothing.
-    async fn report(&self, g: &QueueGroup, report: Option<SyncProgress>) -> Result<BodyChunk, NodeError> {
-        self.call_master(g, Vec::new(), 0, false, report).await
+    /// Tell the master how this replica stands (`running`: fetching),
+    /// fetching nothing; what was told.
+    async fn report(&self, g: &QueueGroup, running: bool) -> Result<Standing, NodeError> {
+        let standing = self.inner.standing(g, running).await;
+        self.call_master(g, standing, Vec::new(), 0, false).await.map(|_| standing)
     }
 
     /// Ask the master for the next chunk of `plan`'s bodies.
@@ -253,7 +259,8 @@ impl Node {
         max_bytes: u32,
         totals: bool,
     ) -> Result<BodyChunk, NodeError> {
-        self.call_master(g, head(plan).to_vec(), max_bytes, totals, Some(plan.progress(true))).await
+        let standing = self.inner.standing(g, true).await;
+        self.call_master(g, standing, head(plan).to_vec(), max_bytes, totals).await
     }
 
     /// Ask the master this replica's Raft follows, and no other: a
@@ -263,13 +270,16 @@ impl Node {
     async fn call_master(
         &self,
         g: &QueueGroup,
+        standing: Standing,
         ranges: Vec<(u64, u64)>,
         max_bytes: u32,
         totals: bool,
-        report: Option<SyncProgress>,
     ) -> Result<BodyChunk, NodeError> {
-        let life = self.inner.quiescence.incarnation();
-        let req = RpcRequest::Bodies { group: g.meta.group, from: self.id(), life, ranges, max_bytes, totals, report };
+        #[cfg(feature = "test-hooks")]
+        if let Some(released) = &self.inner.bodies_held {
+            released.cancelled().await;
+        }
+        let req = RpcRequest::Bodies { group: g.meta.group, from: self.id(), standing, ranges, max_bytes, totals };
         let master = g.raft.metrics().borrow().current_leader;
         let Some(master) = master.filter(|m| *m != self.id()) else {
             return Err(NodeError::NotLeader { leader: None });
@@ -304,6 +314,24 @@ impl Node {
 }
 
 impl Inner {
+    /// How `g`'s bodies stand now (`running`: fetching), for its master.
+    pub(super) async fn standing(&self, g: &QueueGroup, running: bool) -> Standing {
+        // Read before the look: a master of a later term than this never
+        // counts it (see `Standing::term`).
+        let term = g.raft.metrics().borrow().current_term;
+        let life = self.quiescence.incarnation();
+        // Under the state machine's lock, which every change of the plan
+        // (an install, a fetched chunk, the finish) holds: the plan, and
+        // the order of this look among those changes.
+        g.sm.with(|_| Standing {
+            term,
+            life,
+            seq: self.standings.fetch_add(1, Ordering::AcqRel),
+            behind: g.plan.borrow().as_ref().map(|plan| plan.progress(running)),
+        })
+        .await
+    }
+
     pub(super) fn sync_control(&self, group: GroupId, run: bool) {
         if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
             g.sync_run.send_replace(run);
@@ -314,11 +342,10 @@ impl Inner {
     pub(super) async fn serve_bodies(
         &self,
         group: GroupId,
-        (from, life): (NodeId, u64),
+        (from, standing): (NodeId, Standing),
         ranges: Vec<(u64, u64)>,
         max_bytes: u32,
         totals: bool,
-        report: Option<SyncProgress>,
     ) -> Result<BodyChunk, NodeError> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned();
         let Some(g) = g else { return Err(NodeError::NotLeader { leader: None }) };
@@ -326,7 +353,7 @@ impl Inner {
             return Err(NodeError::NotLeader { leader: g.raft.metrics().borrow().current_leader });
         }
         let term = g.raft.metrics().borrow().current_term;
-        g.catching.write().expect("poisoned").record(term, from, life, report);
+        g.catching.write().expect("poisoned").record(term, from, standing);
         if ranges.is_empty() {
             return Ok(BodyChunk { bodies: Vec::new(), next: None, applied: None, bytes_total: None });
         }

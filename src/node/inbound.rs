@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 
-use super::{Inner, Node};
+use super::{Inner, Node, QueueGroup};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::link::rpc::{ClientReply, ClientRequest, QuietList, RpcRequest, RpcResponse};
@@ -70,6 +70,11 @@ impl Inner {
         }
     }
 
+    /// The hosted replica of queue group `group` if it is in `epoch`.
+    fn group_in_epoch(&self, group: GroupId, epoch: Epoch) -> Option<Arc<QueueGroup>> {
+        self.groups.read().expect("poisoned").get(&group).filter(|g| g.epoch == epoch).cloned()
+    }
+
     /// A master's first messages to a replica of a queue declared a moment
     /// ago may come before this node has applied the declare and started
     /// the replica: wait for it briefly rather than answer that the group
@@ -113,7 +118,20 @@ impl Inner {
                 Err(refusal) => refusal,
             },
             RpcRequest::Snapshot { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
-                Ok(r) => RpcResponse::Snapshot(r.install_snapshot(req).await),
+                Ok(r) => {
+                    // The last chunk installs the snapshot: the answer then
+                    // says what the replica lacks (see `confirm_gate`).
+                    let g = if req.done { self.group_in_epoch(group, epoch) } else { None };
+                    let answer = r.install_snapshot(req).await;
+                    let standing = match (&answer, g) {
+                        (Ok(_), Some(g)) => {
+                            let running = *g.sync_run.borrow() || !Node { inner: self.clone() }.waits_for_sync(&g);
+                            Some(Box::new(self.standing(&g, running).await))
+                        }
+                        _ => None,
+                    };
+                    RpcResponse::Snapshot(answer, standing)
+                }
                 Err(refusal) => refusal,
             },
             RpcRequest::Fork { group } => RpcResponse::Fork(self.epoch_report(group)),
@@ -136,8 +154,8 @@ impl Inner {
                     _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),
                 }
             }
-            RpcRequest::Bodies { group, from, life, ranges, max_bytes, totals, report } => {
-                RpcResponse::Bodies(self.serve_bodies(group, (from, life), ranges, max_bytes, totals, report).await)
+            RpcRequest::Bodies { group, from, standing, ranges, max_bytes, totals } => {
+                RpcResponse::Bodies(self.serve_bodies(group, (from, standing), ranges, max_bytes, totals).await)
             }
             RpcRequest::SyncControl { group, run } => {
                 self.sync_control(group, run);

@@ -175,6 +175,7 @@ impl Node {
                 me: cfg.node_id,
                 news: news.clone(),
                 transport: transport.clone(),
+                catching: None,
             },
             LogStore::new(db.clone(), METADATA_GROUP),
             meta_sm.clone(),
@@ -200,6 +201,9 @@ impl Node {
             watch_from: Instant::now() + cfg.watch_after,
             #[cfg(feature = "test-hooks")]
             start_held: cfg.start_held.clone(),
+            #[cfg(feature = "test-hooks")]
+            bodies_held: cfg.bodies_held.clone(),
+            standings: Default::default(),
             group_started: tokio::sync::Notify::new(),
             hints: Mutex::new(HashMap::new()),
             clients: Arc::new(crate::clients::Clients::with_limit(cfg.max_connections)),

@@ -107,6 +107,11 @@ pub struct NodeConfig {
     /// one among thousands on a node still starting them.
     #[cfg(feature = "test-hooks")]
     pub start_held: Option<(String, Arc<tokio::sync::Notify>)>,
+    /// This node's replicas ask their masters for no body and send them no
+    /// report until the token is cancelled, as a replica whose fetch is
+    /// slow to get going after a snapshot.
+    #[cfg(feature = "test-hooks")]
+    pub bodies_held: Option<CancellationToken>,
 }
 
 /// Time limits. Defaults suit a loaded 2-core machine running three nodes.
@@ -163,6 +168,8 @@ impl NodeConfig {
             watch_after: Duration::ZERO,
             #[cfg(feature = "test-hooks")]
             start_held: None,
+            #[cfg(feature = "test-hooks")]
+            bodies_held: None,
         }
     }
 }
@@ -223,6 +230,11 @@ struct Inner {
     /// See `NodeConfig::start_held`.
     #[cfg(feature = "test-hooks")]
     start_held: Option<(String, Arc<tokio::sync::Notify>)>,
+    /// See `NodeConfig::bodies_held`.
+    #[cfg(feature = "test-hooks")]
+    bodies_held: Option<CancellationToken>,
+    /// Orders the standings this node's replicas give ([`confirm_gate::Standing::seq`]).
+    standings: std::sync::atomic::AtomicU64,
     /// Replicas taken out of `groups` so far: the reconciler looks over
     /// every queue again after one went (it may have to start it again).
     removals: std::sync::atomic::AtomicU64,

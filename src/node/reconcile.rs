@@ -525,6 +525,7 @@ impl Node {
                 .found(&Vote::new_committed(FOUNDING_TERM, me), founding_log(&q, state, me))
                 .await
                 .map_err(|e| ServerError::Raft(e.to_string()))?;
+        let catching = confirm_gate::CatchingUp::default();
         let raft = Raft::new(
             self.id(),
             self.inner.queue_raft_config.clone(),
@@ -534,6 +535,7 @@ impl Node {
                 me: self.id(),
                 news: self.inner.news.clone(),
                 transport: self.inner.transport.clone(),
+                catching: Some(catching.clone()),
             },
             log,
             sm.clone(),
@@ -542,7 +544,6 @@ impl Node {
         .map_err(|e| ServerError::Raft(e.to_string()))?;
         sm.enable_snapshot_transfer();
         let stop = self.inner.stop.child_token();
-        let catching = confirm_gate::CatchingUp::default();
         let leading = Arc::new(AtomicBool::new(false));
         let sync = confirm_gate::spawn(
             q.group,

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 use prometheus_client::metrics::counter::Counter;
+use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
@@ -148,6 +149,33 @@ pub struct PeerNews {
 
 pub type Peers = watch::Sender<PeerNews>;
 
+/// How a replica's message bodies stand, as it tells its master: with
+/// each request for bodies, in a report, and in its answer to a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Standing {
+    /// The replica's term when it looked: a master counts the replica as
+    /// heard only in that term, so a look taken before a snapshot from an
+    /// earlier leadership was installed never counts in a later one.
+    pub term: u64,
+    /// The life (node incarnation) of the replica's node.
+    pub life: u64,
+    /// Orders one life's standings: drawn from a node-wide counter while
+    /// the replica's state machine is locked, so it follows the order of
+    /// the installs and fetches that change the answer. A master keeps
+    /// only the newest, whatever order they arrive in: a look taken before
+    /// an install, sent on another path than its answer, cannot undo it.
+    pub seq: u64,
+    /// What it still lacks (`None`: it has every body its state refers
+    /// to, and its log holds the rest).
+    pub behind: Option<SyncProgress>,
+}
+
+impl Standing {
+    fn order(&self) -> (u64, u64) {
+        (self.life, self.seq)
+    }
+}
+
 /// What members told this node, as their master, about their message
 /// bodies. Every member reports to each new master (and every second while
 /// it is fetching): a master admits a member to the synchronised set only
@@ -155,6 +183,13 @@ pub type Peers = watch::Sender<PeerNews>;
 /// that still lacks bodies just because its log is complete. Confirms are
 /// not delayed by this: in the first `sync_timeout` of a term they wait for
 /// every member that answers anyway.
+///
+/// A snapshot moves a member's match past entries it never received: its
+/// answer is recorded here (by the master's network, `raft::network`)
+/// before openraft reads it, so a gate that sees the new match sees the
+/// member behind too. Within one leadership openraft advances a match past
+/// the leader's purged log only on a snapshot's answer, so no report can
+/// lose that race.
 #[derive(Debug, Default)]
 pub struct CatchUpBook {
     /// Members still fetching, their last report and when it came.
@@ -163,6 +198,8 @@ pub struct CatchUpBook {
     /// last reported from.
     heard: BTreeMap<NodeId, u64>,
     term: u64,
+    /// The newest standing taken per member ([`Standing::order`]).
+    newest: HashMap<NodeId, (u64, u64)>,
     /// Members whose node said, in this life, that it is stopping: reports
     /// from that life no longer count.
     stopping: HashMap<NodeId, u64>,
@@ -174,19 +211,25 @@ pub struct CatchUpBook {
 pub type CatchingUp = Arc<RwLock<CatchUpBook>>;
 
 impl CatchUpBook {
-    /// A report from `from`, in its node's life `life`, to this node as
-    /// master of `term` (`None`: it has every body).
-    pub fn record(&mut self, term: u64, from: NodeId, life: u64, report: Option<SyncProgress>) {
-        if term != self.term {
+    /// `from`'s standing, come to this node as master of `term` (a report)
+    /// or as the leader of `term` that sent it a snapshot (the answer).
+    /// One older than a standing already taken is dropped.
+    pub fn record(&mut self, term: u64, from: NodeId, standing: Standing) {
+        if self.newest.get(&from).is_some_and(|newest| *newest > standing.order()) {
+            return;
+        }
+        self.newest.insert(from, standing.order());
+        if term > self.term {
             self.term = term;
             self.heard.clear();
         }
         // One sent before its node said it is stopping, and come after.
-        if self.stopping.get(&from) != Some(&life) {
-            self.heard.insert(from, life);
+        let counts = standing.term == term && term == self.term;
+        if counts && self.stopping.get(&from) != Some(&standing.life) {
+            self.heard.insert(from, standing.life);
         }
         self.reported.notify_one();
-        match report {
+        match standing.behind {
             Some(p) => {
                 self.behind.insert(from, (p, Instant::now()));
             }
@@ -461,16 +504,55 @@ mod tests {
         assert_eq!(of(&[3], &[1, 2], &[3], &[3], false), (false, true));
     }
 
+    /// A standing of member `5` in term 2, life `life`, the `seq`th look.
+    fn standing(life: u64, seq: u64, behind: Option<SyncProgress>) -> Standing {
+        Standing { term: 2, life, seq, behind }
+    }
+
     #[test]
     fn a_member_behind_stays_behind_until_it_says_it_is_complete() {
         let book: CatchingUp = Arc::default();
         let progress = SyncProgress { msgs_done: 1, msgs_total: 9, bytes_done: 1, bytes_total: None, running: true };
-        book.write().unwrap().record(2, 5, 1, Some(progress));
+        book.write().unwrap().record(2, 5, standing(1, 1, Some(progress)));
         // Silent for long after its last report: still behind.
         book.write().unwrap().behind.get_mut(&5).unwrap().1 = Instant::now() - Duration::from_secs(60);
         assert!(catching_up(&book).contains_key(&5));
-        book.write().unwrap().record(2, 5, 1, None);
+        book.write().unwrap().record(2, 5, standing(1, 2, None));
         assert!(catching_up(&book).is_empty());
+    }
+
+    /// A replica's look taken before it installed a snapshot (complete)
+    /// and come after the snapshot's answer (behind) does not undo it,
+    /// nor does one from an earlier life; a later life's look counts.
+    #[test]
+    fn a_standing_older_than_one_taken_is_dropped() {
+        let mut book = CatchUpBook::default();
+        let progress = SyncProgress { msgs_done: 0, msgs_total: 9, bytes_done: 0, bytes_total: None, running: true };
+        book.record(2, 5, standing(3, 8, Some(progress)));
+        book.record(2, 5, standing(3, 7, None));
+        assert!(!book.complete_in(2, 5), "a look from before the install counted");
+        book.record(2, 5, standing(2, 50, None));
+        assert!(!book.complete_in(2, 5), "an earlier life's look counted");
+        book.record(2, 5, standing(3, 9, None));
+        assert!(book.complete_in(2, 5));
+        book.record(2, 5, standing(4, 1, Some(progress)));
+        assert!(!book.complete_in(2, 5), "a later life's look did not count");
+    }
+
+    /// A look taken in an earlier term (before a snapshot of that
+    /// leadership may have been installed) does not make a member heard in
+    /// this one; the leader of an earlier term recording a late answer
+    /// forgets nothing heard in this one.
+    #[test]
+    fn a_standing_counts_as_heard_only_in_the_term_it_was_taken_in() {
+        let mut book = CatchUpBook::default();
+        book.record(3, 5, Standing { term: 2, life: 1, seq: 1, behind: None });
+        assert!(!book.complete_in(3, 5), "a look from term 2 heard in term 3");
+        book.record(3, 5, Standing { term: 3, life: 1, seq: 2, behind: None });
+        assert!(book.complete_in(3, 5));
+        book.record(2, 6, Standing { term: 2, life: 1, seq: 1, behind: None });
+        assert!(book.complete_in(3, 5), "a late record of term 2 cleared term 3's");
+        assert!(!book.complete_in(2, 6) && !book.complete_in(3, 6));
     }
 
     /// A stopping node's reports no longer count, also one sent before the
@@ -479,13 +561,13 @@ mod tests {
     #[test]
     fn a_stopping_members_report_counts_again_only_from_its_next_life() {
         let mut book = CatchUpBook::default();
-        book.record(2, 5, 3, None);
+        book.record(2, 5, standing(3, 1, None));
         assert!(book.heard_in(2, 5));
         book.forget(5, 3);
         assert!(!book.heard_in(2, 5), "a stopping member still counted");
-        book.record(2, 5, 3, None);
+        book.record(2, 5, standing(3, 2, None));
         assert!(!book.heard_in(2, 5), "a late report from the stopping life counted");
-        book.record(2, 5, 4, None);
+        book.record(2, 5, standing(4, 1, None));
         assert!(book.heard_in(2, 5), "the next life's report not counted");
         book.forget(5, 3);
         assert!(book.heard_in(2, 5), "a late notice forgot the next life's report");

@@ -17,6 +17,7 @@ use super::types::TypeConfig;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::link::transport::{CallError, Transport};
+use crate::queue::confirm_gate::CatchingUp;
 use crate::queue::epoch::Epoch;
 
 /// A peer told us a group has moved on to a newer epoch than ours.
@@ -37,6 +38,9 @@ pub struct NetworkFactory {
     pub me: NodeId,
     pub news: mpsc::UnboundedSender<EpochNews>,
     pub transport: Arc<Transport>,
+    /// A queue group's reports of its members' bodies (`None`: the
+    /// metadata group), where the answers to its snapshots go.
+    pub catching: Option<CatchingUp>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
@@ -51,6 +55,7 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
             target,
             addr: node.addr.clone(),
             transport: self.transport.clone(),
+            catching: self.catching.clone(),
         }
     }
 }
@@ -64,6 +69,7 @@ pub struct GroupNetwork {
     target: NodeId,
     addr: String,
     transport: Arc<Transport>,
+    catching: Option<CatchingUp>,
 }
 
 type RpcErr<E = openraft::error::Infallible> = RPCError<NodeId, BasicNode, RaftError<NodeId, E>>;
@@ -116,11 +122,21 @@ impl RaftNetwork<TypeConfig> for GroupNetwork {
         req: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<InstallSnapshotResponse<NodeId>, RpcErr<InstallSnapshotError>> {
+        let term = req.vote.leader_id().term;
         match self
             .send(RpcRequest::Snapshot { group: self.group, epoch: self.epoch, from: self.me, req }, option.hard_ttl())
             .await?
         {
-            RpcResponse::Snapshot(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
+            RpcResponse::Snapshot(r, standing) => {
+                // Recorded before openraft reads the answer and moves the
+                // target's match up to the snapshot: the confirm gate reads
+                // the match first and this book after, so it never sees
+                // the match without the bodies the target lacks.
+                if let (Ok(_), Some(standing), Some(book)) = (&r, standing, &self.catching) {
+                    book.write().expect("poisoned").record(term, self.target, *standing);
+                }
+                r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+            }
             _ => Err(self.unexpected()),
         }
     }
