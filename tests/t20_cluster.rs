@@ -568,3 +568,79 @@ async fn after_a_power_cut_a_master_that_lost_an_entry_its_mirrors_hold_does_not
     assert!(m.current_term > term, "the outage's term was led again: {m:?}");
     c.shutdown().await;
 }
+
+/// A master applies an entry its mirrors committed only once its own log
+/// has it on disk. Applying a publish writes a reference into the entry
+/// (the body stays in the log), and any sled sync of the node (another
+/// group's vote, a snapshot) makes what was applied durable: it must not
+/// make durable a reference to an entry a power cut can still take from
+/// the master's log. Here a round of the master's flusher syncs the log,
+/// then waits before it syncs sled while an entry is written, committed by
+/// the mirrors and (without the wait) applied; the entry's own log sync is
+/// then held and the master's power cut. Back up, its replica holds every
+/// message, and the queue serves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_master_applies_an_entry_only_once_its_own_log_has_it_on_disk() {
+    init_tracing();
+    let (mut c, master, mirrors) = cluster_with_queue("qd").await;
+    let raft = c.node(master).queue_raft("qd").unwrap();
+    let last = raft.metrics().borrow().last_log_index;
+    let matched = |id: u64| {
+        let m = raft.metrics().borrow().clone();
+        m.replication.as_ref().and_then(|r| r.get(&id).cloned().flatten()).map(|l| l.index)
+    };
+    let db = c.node(master).db().clone();
+
+    tracing::info!(master, "--- a round of the master's flusher syncs its log and waits to sync sled");
+    let sled_held = db.flusher().hold_sled_syncs();
+    let round = {
+        let db = db.clone();
+        tokio::spawn(async move { db.flusher().sync().await })
+    };
+    wait_until(Duration::from_secs(10), "a round waits to sync sled", || sled_held.round_waiting()).await;
+
+    tracing::info!("--- an entry written after that log sync is committed by the mirrors");
+    let publisher = {
+        let node = c.node(master).clone();
+        tokio::spawn(async move { node.publish("qd", vec![msg("late")]).await })
+    };
+    wait_until(Duration::from_secs(10), "both mirrors have the entry on disk", || {
+        mirrors.iter().all(|id| matched(*id) > last)
+    })
+    .await;
+    // Time for a master that applies what is committed, durable here or
+    // not, to apply it.
+    let applied = || raft.metrics().borrow().last_applied.map(|l| l.index) > last;
+    let mut early = false;
+    for _ in 0..150 {
+        early = applied();
+        if early {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tracing::info!(early, "--- sled synced with the entry's own log sync held; power cut at the master");
+    let log_held = db.flusher().hold_syncs();
+    drop(sled_held);
+    round.await.unwrap().unwrap();
+    drop(raft);
+    c.crash(master).await;
+    drop(log_held);
+    publisher.abort();
+    c.restart(master).await;
+
+    tracing::info!("--- back up, the master's replica holds every message and the queue serves them");
+    let want: BTreeSet<Vec<u8>> = ["warm-up", "late"].iter().map(|b| b.as_bytes().to_vec()).collect();
+    let mut held = BTreeSet::new();
+    for _ in 0..500 {
+        held = bodies(&c.node(master).local_messages("qd").await.unwrap());
+        if held == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(held, want, "the restarted master's replica lost a committed message");
+    let got = c.node(master).get("qd", 9, 10, true).await.unwrap();
+    assert_eq!(delivered(&got), want);
+    c.shutdown().await;
+}

@@ -480,3 +480,41 @@ async fn a_waiting_single_active_consumer_writes_no_entries() {
     assert_eq!(got.len(), 3, "the active consumer is served");
     c.shutdown().await;
 }
+
+/// A quiet master whose Raft core quit (here on a storage error of its
+/// replica) holds its followers no longer: its node fails that replica
+/// alone (the node goes on, and so do its other replicas), withdraws the
+/// group's announcement, and starts the replica again as a follower; the
+/// followers elect a master, and the queue serves with every message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_master_whose_raft_core_quit_lets_its_followers_elect() {
+    init_tracing();
+    let (c, master, mirrors) = quiet_queue("q").await;
+    c.node(1).declare_queue("other", vec![1, 2, 3]).await.unwrap();
+    publish_retrying(c.node(1), "other", b"o".to_vec()).await;
+    let dead = c.node(master).queue_raft("q").unwrap();
+    tracing::info!("--- the master's replica meets a storage error");
+    c.node(master).fail_replica_storage("q").await.unwrap();
+    wait_until(Duration::from_secs(10), "the core quits", || dead.metrics().borrow().running_state.is_err()).await;
+    tracing::info!("--- a mirror is elected");
+    wait_until(Duration::from_secs(20), "a mirror masters the queue", || {
+        mirrors.iter().any(|id| c.node(*id).is_master("q"))
+    })
+    .await;
+    assert!(!c.node(master).announces_quiet("q"), "a replica whose core quit is still announced quiet");
+    tracing::info!("--- the failed replica runs again, as a follower");
+    wait_until(Duration::from_secs(20), "the replica runs again", || {
+        c.node(master).queue_raft("q").is_some_and(|r| {
+            let m = r.metrics().borrow().clone();
+            m.running_state.is_ok() && m.current_leader.is_some_and(|l| l != master)
+        })
+    })
+    .await;
+    publish_retrying(c.node(master), "q", b"m3".to_vec()).await;
+    let got = c.node(master).get("q", 7, 10, true).await.unwrap();
+    let bodies: Vec<Vec<u8>> = got.into_iter().map(|d| d.message.body).collect();
+    assert_eq!(bodies, ["m0", "m1", "m2", "m3"].map(|b| b.as_bytes().to_vec()));
+    let other = c.node(master).get("other", 7, 10, true).await.unwrap();
+    assert_eq!(other.len(), 1, "another queue of the node lost its message");
+    c.shutdown().await;
+}

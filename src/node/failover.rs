@@ -206,6 +206,36 @@ fn still_leads(leader: NodeId, me: NodeId, reach: &BTreeSet<NodeId>, voters: &BT
     (leader == me || (reach.contains(&leader) && heard)) && voters.contains(&leader)
 }
 
+/// Why a replica's Raft core no longer runs, if it does not: it quit on
+/// an error (its last metrics say which), or it is gone without a word
+/// (its metrics' sender dropped, as when its task panicked).
+fn core_quit(metrics: &tokio::sync::watch::Receiver<openraft::RaftMetrics<NodeId, BasicNode>>) -> Option<String> {
+    if let Err(fatal) = &metrics.borrow().running_state {
+        return Some(fatal.to_string());
+    }
+    metrics.has_changed().is_err().then(|| "the Raft core ended".to_string())
+}
+
+/// Make this node's committed vote for itself in `group`, if it holds one,
+/// uncommitted, so that the group's next Raft instance here starts as a
+/// follower rather than resuming a leadership (only while the group's Raft
+/// is stopped). Returns once the vote is durable.
+async fn step_down(db: NodeDb, group: GroupId, me: NodeId) -> Result<(), ServerError> {
+    let raft = |e: openraft::StorageError<NodeId>| ServerError::Raft(e.to_string());
+    let mut log = LogStore::new(db, group);
+    match log.read_vote().await.map_err(raft)? {
+        Some(v) if v.is_committed() && v.leader_id().voted_for() == Some(me) => {
+            let vote = Vote::new(v.leader_id().get_term(), me);
+            // Its sync blocks: not on a runtime thread.
+            tokio::task::spawn_blocking(move || log.restore_vote(&vote))
+                .await
+                .map_err(|e| ServerError::Raft(e.to_string()))?
+                .map_err(raft)
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Messages handed back together: those one old-epoch entry published.
 type Batch = (Option<Origin>, Vec<Message>);
 
@@ -401,6 +431,11 @@ impl Node {
                     continue;
                 }
             }
+            let quit = core_quit(&g.watch.metrics.lock().expect("poisoned"));
+            if let Some(why) = quit {
+                self.fail_replica(g, why, &reach).await;
+                continue;
+            }
             // By name: no table of every queue built at every round.
             let Some(q) = state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group) else { continue };
             let ha = ha_of(state, q);
@@ -568,6 +603,48 @@ impl Node {
                 present = self.present(state);
             }
         }
+    }
+
+    /// Fail this node's replica `g`, whose Raft core quit (`why`), and
+    /// not the node: its other replicas go on. A quit core answers nothing
+    /// and its metrics stand still, so a quiet master would go on
+    /// announcing the group and its followers would wait for it for good.
+    /// The replica is taken out, which withdraws that announcement; it is
+    /// shut down, and the reconciler starts it again from its disk. A
+    /// replica that led starts again as a follower (its vote for itself
+    /// no longer committed, as after a crash) that does not stand for a
+    /// while, and asks the most senior other voter in `reach` to stand
+    /// now: the others would wait for this senior one first, and a fault
+    /// that persists must not make it take the mastership back, only to
+    /// quit again.
+    async fn fail_replica(&self, g: Arc<QueueGroup>, why: String, reach: &BTreeSet<NodeId>) {
+        let (group, me) = (g.meta.group, self.id());
+        // A re-form or a heal holds it: it replaces the replica anyway.
+        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
+        if !self.inner.take_out(&g) {
+            return;
+        }
+        if self.inner.repeated(group, "core", &why) {
+            tracing::error!(queue = %g.meta.name, error = %why, "the queue replica's Raft core quit: the replica stops, starts again as a follower and stands for no election for a while (told once until it changes)");
+        }
+        self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
+        let m = g.watch.metrics.lock().expect("poisoned").borrow().clone();
+        g.stop.cancel();
+        g.shut_down().await;
+        if let Err(e) = step_down(self.inner.db.clone(), group, me).await {
+            tracing::error!(queue = %g.meta.name, error = %e, "cannot step the failed replica down; it may lead again when it starts");
+        }
+        if m.current_leader != Some(me) {
+            return;
+        }
+        let others: BTreeSet<NodeId> =
+            m.membership_config.membership().voter_ids().filter(|v| *v != me && reach.contains(v)).collect();
+        let Some(to) = by_seniority(&g.meta, &others).first().copied() else { return };
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(2);
+            let _ = inner.call(to, &RpcRequest::Elect { group, from: me, leaving: false }, deadline).await;
+        });
     }
 
     /// Stand for election at `at` (now if it has passed; an earlier `at`

@@ -164,7 +164,9 @@ impl Node {
         );
         let (news, news_rx) = mpsc::unbounded_channel();
 
-        let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?;
+        let meta_log = LogStore::new(db.clone(), METADATA_GROUP);
+        let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?
+            .applying_durable(meta_log.durability());
         let (meta, feed) = meta_sm.with(|m| (m.subscribe(), m.feed())).await;
         let meta_raft = Raft::new(
             cfg.node_id,
@@ -177,7 +179,7 @@ impl Node {
                 transport: transport.clone(),
                 catching: None,
             },
-            LogStore::new(db.clone(), METADATA_GROUP),
+            meta_log,
             meta_sm.clone(),
         )
         .await

@@ -500,9 +500,10 @@ impl Node {
         let started = Instant::now();
         let db = &self.inner.db;
         let epoch = failover::load_epoch(db, q.group, self.id())?;
-        let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?;
-        let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
         let mut log = LogStore::new(db.clone(), q.group);
+        let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?
+            .applying_durable(log.durability());
+        let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
         // A new queue's group is founded already led: its designated master
         // writes the membership and the blank entry of term 1, then a
         // committed vote for itself in term 1, which is what winning the

@@ -167,6 +167,21 @@ impl Node {
         self.inner.drop_replica(q.group).map_err(|e| NodeError::Unavailable(e.to_string()))
     }
 
+    /// Make this node's replica of `queue` meet a storage error, as a
+    /// missing message body would: its state machine refuses every write
+    /// from now on and a snapshot is asked for, on which openraft's core
+    /// quits (`Fatal`). Nothing else is told: the replica stays hosted, as
+    /// one whose core quit by itself.
+    pub async fn fail_replica_storage(&self, queue: &str) -> Result<(), NodeError> {
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let g = self.inner.groups.read().expect("poisoned").get(&q.group).cloned();
+        let g = g.ok_or_else(|| NodeError::Unavailable(format!("no replica of {queue} here")))?;
+        g.sm.close().await;
+        // The snapshot's own error is the core's to meet, not the caller's.
+        let _ = g.raft.trigger().snapshot().await;
+        Ok(())
+    }
+
     /// Stop abruptly, as a crash would: tasks end, connections drop, no
     /// final sync or handover happens, and storage loses everything not
     /// synced (the write-ahead log is cut back to its last sync, sled's

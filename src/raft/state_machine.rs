@@ -19,7 +19,7 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
-use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
+use mirrorq_storage::{keys, Batch, Durability, SmSpace, StorageError};
 
 use crate::ids::NodeId;
 
@@ -101,11 +101,14 @@ pub struct StateMachine<M> {
     transfer: Arc<AtomicBool>,
     /// This node: entries it proposed are the ones it answers.
     node: NodeId,
+    /// The group's local log: an entry is applied only once it is durable
+    /// there ([`StateMachine::applying_durable`]).
+    log: Option<Durability>,
 }
 
 impl<M> Clone for StateMachine<M> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone(), transfer: self.transfer.clone(), node: self.node }
+        Self { inner: self.inner.clone(), transfer: self.transfer.clone(), node: self.node, log: self.log.clone() }
     }
 }
 
@@ -143,7 +146,24 @@ impl<M: Machine> StateMachine<M> {
             inner: Arc::new(Mutex::new(Inner { space, machine, applied, redo_stored: true, closed: false })),
             transfer: Arc::new(AtomicBool::new(false)),
             node,
+            log: None,
         })
+    }
+
+    /// Apply an entry only once it is durable in the group's local log
+    /// (`log`: its `LogStore::durability`). A leader may be told an entry
+    /// is committed (its mirrors have it) before its own sync of it ends;
+    /// what applying writes may reach the disk with the next sled sync,
+    /// or by the kernel's own writeback, and a queue's state refers to its
+    /// log entries for their bodies. After a power cut the log could lack
+    /// an entry the state names: the state's applied id past the log's
+    /// end, openraft purges up to it, and the body is gone from this
+    /// replica. Waiting costs nothing while the leader's sync keeps up
+    /// with its mirrors'; a mirror's entries are synced before it hears
+    /// they are committed.
+    pub fn applying_durable(mut self, log: Durability) -> Self {
+        self.log = Some(log);
+        self
     }
 
     /// Refuse every later write (apply, snapshot, fetched bodies), once
@@ -251,6 +271,13 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
         I: IntoIterator<Item = openraft::Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        let entries: Vec<openraft::Entry<TypeConfig>> = entries.into_iter().collect();
+        if let (Some(log), Some(last)) = (&self.log, entries.last()) {
+            // Not under the lock: reads of the machine go on meanwhile.
+            log.wait(last.log_id.index)
+                .await
+                .map_err(|e| sto(ErrorSubject::Apply(last.log_id), ErrorVerb::Write, e))?;
+        }
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
         if inner.closed {

@@ -71,6 +71,9 @@ pub struct Flusher {
     failed: Arc<AtomicBool>,
     stats: Arc<FlusherStats>,
     held: Arc<Held>,
+    /// See [`Flusher::hold_sled_syncs`].
+    #[cfg(any(test, feature = "test-hooks"))]
+    sled_gate: Arc<SledGate>,
 }
 
 /// How many [`SyncsHeld`] guards are alive; the flusher thread waits for none
@@ -94,6 +97,51 @@ impl Held {
 
 /// Syncs are held back while this lives (see [`Flusher::hold_syncs`]).
 pub struct SyncsHeld(Arc<Held>);
+
+/// Where a round that syncs sled waits, after its log sync, while a
+/// [`SledSyncsHeld`] lives.
+#[cfg(any(test, feature = "test-hooks"))]
+#[derive(Default)]
+struct SledGate {
+    /// Guards alive, and whether a round waits at the gate.
+    state: Mutex<(usize, bool)>,
+    changed: Condvar,
+    /// A crash lets a waiting round go on, as a sync under way.
+    crashed: AtomicBool,
+}
+
+#[cfg(any(test, feature = "test-hooks"))]
+impl SledGate {
+    fn pass(&self) {
+        let mut state = self.state.lock().expect("poisoned");
+        while state.0 > 0 && !self.crashed.load(Ordering::Acquire) {
+            state.1 = true;
+            state = self.changed.wait(state).expect("poisoned");
+        }
+        state.1 = false;
+    }
+}
+
+/// Sled's part of a round is held back while this lives (see
+/// [`Flusher::hold_sled_syncs`]).
+#[cfg(any(test, feature = "test-hooks"))]
+pub struct SledSyncsHeld(Arc<SledGate>);
+
+#[cfg(any(test, feature = "test-hooks"))]
+impl SledSyncsHeld {
+    /// Whether a round has synced the log and waits to sync sled.
+    pub fn round_waiting(&self) -> bool {
+        self.0.state.lock().expect("poisoned").1
+    }
+}
+
+#[cfg(any(test, feature = "test-hooks"))]
+impl Drop for SledSyncsHeld {
+    fn drop(&mut self) {
+        self.0.state.lock().expect("poisoned").0 -= 1;
+        self.0.changed.notify_all();
+    }
+}
 
 impl Drop for SyncsHeld {
     fn drop(&mut self) {
@@ -120,7 +168,23 @@ impl Flusher {
         let remover_thread = std::thread::Builder::new()
             .name("mirrorq-wal-rm".into())
             .spawn(move || files.iter().for_each(|batch| log.retire(batch)))?;
-        Self::with_target(NodeTarget { wal, sled, remover, remover_thread: Some(remover_thread) }, on_fatal)
+        #[cfg(any(test, feature = "test-hooks"))]
+        let sled_gate = Arc::new(SledGate::default());
+        let target = NodeTarget {
+            wal,
+            sled,
+            remover,
+            remover_thread: Some(remover_thread),
+            #[cfg(any(test, feature = "test-hooks"))]
+            sled_gate: sled_gate.clone(),
+        };
+        #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_mut))]
+        let (mut flusher, thread) = Self::with_target(target, on_fatal)?;
+        #[cfg(any(test, feature = "test-hooks"))]
+        {
+            flusher.sled_gate = sled_gate;
+        }
+        Ok((flusher, thread))
     }
 
     /// Start a flusher over any [`SyncTarget`] (tests inject failing ones).
@@ -136,7 +200,17 @@ impl Flusher {
         let thread = std::thread::Builder::new()
             .name("mirrorq-flusher".into())
             .spawn(move || run(rx, &mut target, &f2, &s2, &h2, on_fatal))?;
-        Ok((Self { tx, failed, stats, held }, thread))
+        Ok((
+            Self {
+                tx,
+                failed,
+                stats,
+                held,
+                #[cfg(any(test, feature = "test-hooks"))]
+                sled_gate: Arc::default(),
+            },
+            thread,
+        ))
     }
 
     /// Queue a completion behind the writes already made (log and sled); it
@@ -208,6 +282,9 @@ impl Flusher {
         // miss the wake-up between its check and its wait.
         drop(self.held.count.lock().expect("poisoned"));
         self.held.released.notify_all();
+        self.sled_gate.crashed.store(true, Ordering::Release);
+        drop(self.sled_gate.state.lock().expect("poisoned"));
+        self.sled_gate.changed.notify_all();
         self.stop();
     }
 
@@ -226,6 +303,18 @@ impl Flusher {
     pub fn hold_syncs(&self) -> SyncsHeld {
         *self.held.count.lock().expect("poisoned") += 1;
         SyncsHeld(self.held.clone())
+    }
+
+    /// Until the guard drops, a round that syncs sled syncs the log and
+    /// then waits before it syncs sled; its waiters, and rounds after it,
+    /// wait with it. This is a sled sync slow next to the log's, for tests
+    /// of what may reach sled's disk before the log's: what is written to
+    /// sled meanwhile becomes durable with that round, what is appended to
+    /// the log meanwhile does not.
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub fn hold_sled_syncs(&self) -> SledSyncsHeld {
+        self.sled_gate.state.lock().expect("poisoned").0 += 1;
+        SledSyncsHeld(self.sled_gate.clone())
     }
 }
 
@@ -248,6 +337,8 @@ struct NodeTarget {
     /// files already sent).
     remover: mpsc::Sender<Vec<Retired>>,
     remover_thread: Option<std::thread::JoinHandle<()>>,
+    #[cfg(any(test, feature = "test-hooks"))]
+    sled_gate: Arc<SledGate>,
 }
 
 impl Drop for NodeTarget {
@@ -267,6 +358,8 @@ impl SyncTarget for NodeTarget {
     fn sync(&mut self, sled: bool) -> io::Result<()> {
         self.wal.sync().map_err(io::Error::other)?;
         if sled {
+            #[cfg(any(test, feature = "test-hooks"))]
+            self.sled_gate.pass();
             self.sled.sync()?;
         }
         self.reclaim()

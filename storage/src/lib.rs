@@ -44,7 +44,7 @@ pub use batch::Batch;
 pub use db::{set_aside, DbOptions, NodeDb};
 pub use error::StorageError;
 pub use flusher::{Flusher, FlusherStats};
-pub use log_store::LogStore;
+pub use log_store::{Durability, LogStore};
 pub use space::SmSpace;
 pub use wal::{Wal, WalError};
 

@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::keys::{self, meta_key, META_COMMITTED, META_PURGED, META_VOTE};
-use crate::{GroupId, NodeDb};
+use crate::{GroupId, NodeDb, StorageError};
 
 type RaftStorageError<C> = openraft::StorageError<<C as RaftTypeConfig>::NodeId>;
 
@@ -39,6 +39,113 @@ pub struct LogStore<C: RaftTypeConfig> {
     db: NodeDb,
     group: GroupId,
     recent: Arc<Mutex<Recent<C::Entry>>>,
+    /// Which of the entries appended through this store are durable.
+    durability: Durability,
+}
+
+/// Which of a group's log entries are on this node's disk, as its appends'
+/// syncs complete. A leader applies an entry its mirrors committed before
+/// its own sync of it (the leader's write runs in parallel with theirs),
+/// and applying a publish writes a reference into that entry: a state
+/// machine that waits here before it applies never makes durable a
+/// reference to an entry a power cut can take from the log.
+///
+/// Only appends made through [`LogStore::append`] are tracked; entries
+/// written otherwise (founding, re-founding) are synced before the group's
+/// Raft starts, and what the log held when it was opened counts as durable.
+/// Clones share the record.
+#[derive(Clone, Default)]
+pub struct Durability {
+    inner: Arc<DurabilityInner>,
+}
+
+#[derive(Default)]
+struct DurabilityInner {
+    unsynced: Mutex<Unsynced>,
+    /// Woken whenever appends become durable or a sync fails.
+    changed: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct Unsynced {
+    /// Appends written and not yet synced, in the order written: their
+    /// first and last index and their number. Indexes rise along it: only
+    /// a truncation writes below an earlier append, and it cuts every
+    /// append from its index on.
+    appends: VecDeque<(u64, u64, u64)>,
+    /// The number the next append gets.
+    next: u64,
+    /// A sync failed: nothing written since the last good one will ever
+    /// be durable in this process (fail-stop).
+    failed: bool,
+}
+
+impl Durability {
+    /// Whether every entry up to `index` that the log holds now is
+    /// durable; `Err` once a sync failed.
+    pub fn covers(&self, index: u64) -> Result<bool, StorageError> {
+        let unsynced = self.inner.unsynced.lock().expect("poisoned");
+        if unsynced.failed {
+            return Err(StorageError::SyncFailed);
+        }
+        Ok(unsynced.appends.front().is_none_or(|(first, _, _)| *first > index))
+    }
+
+    /// Wait until [`Durability::covers`] `index`. At once when the log's
+    /// syncs keep up; else until the append holding it (and every one
+    /// before) is synced.
+    pub async fn wait(&self, index: u64) -> Result<(), StorageError> {
+        loop {
+            let changed = self.inner.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.covers(index)? {
+                return Ok(());
+            }
+            changed.await;
+        }
+    }
+
+    /// Entries `first..=last` were written; their number, for
+    /// [`Durability::synced`].
+    fn written(&self, first: u64, last: u64) -> u64 {
+        let mut unsynced = self.inner.unsynced.lock().expect("poisoned");
+        let n = unsynced.next;
+        unsynced.next += 1;
+        unsynced.appends.push_back((first, last, n));
+        n
+    }
+
+    /// The sync covering append `n` completed (`ok`) or failed. The
+    /// flusher completes appends in the order they were written, and a
+    /// sync covers everything written before it began.
+    fn synced(&self, n: u64, ok: bool) {
+        {
+            let mut unsynced = self.inner.unsynced.lock().expect("poisoned");
+            if ok {
+                while unsynced.appends.front().is_some_and(|(_, _, m)| *m <= n) {
+                    unsynced.appends.pop_front();
+                }
+            } else {
+                unsynced.failed = true;
+            }
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    /// The log drops its entries from `index` on: appends of them are
+    /// nothing to wait for any more.
+    fn truncated(&self, index: u64) {
+        let mut unsynced = self.inner.unsynced.lock().expect("poisoned");
+        while unsynced.appends.back().is_some_and(|(first, _, _)| *first >= index) {
+            unsynced.appends.pop_back();
+        }
+        if let Some(back) = unsynced.appends.back_mut() {
+            back.1 = back.1.min(index.saturating_sub(1));
+        }
+        drop(unsynced);
+        self.inner.changed.notify_waiters();
+    }
 }
 
 /// The newest entries of the log, consecutive, ending at its last entry
@@ -116,13 +223,24 @@ impl<E: Clone> Recent<E> {
 
 impl<C: RaftTypeConfig> Clone for LogStore<C> {
     fn clone(&self) -> Self {
-        Self { db: self.db.clone(), group: self.group, recent: self.recent.clone() }
+        Self {
+            db: self.db.clone(),
+            group: self.group,
+            recent: self.recent.clone(),
+            durability: self.durability.clone(),
+        }
     }
 }
 
 impl<C: RaftTypeConfig> LogStore<C> {
     pub fn new(db: NodeDb, group: GroupId) -> Self {
-        Self { db, group, recent: Arc::new(Mutex::new(Recent::new())) }
+        Self { db, group, recent: Arc::new(Mutex::new(Recent::new())), durability: Durability::default() }
+    }
+
+    /// Which entries appended through this store (and its clones) are
+    /// durable.
+    pub fn durability(&self) -> Durability {
+        self.durability.clone()
     }
 
     fn wal(&self) -> &crate::Wal {
@@ -448,15 +566,25 @@ where
         I: IntoIterator<Item = C::Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        let entries: Vec<C::Entry> = entries.into_iter().collect();
+        let span = entries.first().zip(entries.last()).map(|(a, b)| (a.get_log_id().index, b.get_log_id().index));
         self.write_entries(entries)?;
+        let written = span.map(|(first, last)| self.durability.written(first, last));
+        let durability = self.durability.clone();
         // Readable now; durable (and acknowledged to openraft) after the next
         // group-commit sync of the log.
-        self.db.flusher().submit_log(Box::new(move |r: io::Result<()>| callback.log_io_completed(r)));
+        self.db.flusher().submit_log(Box::new(move |r: io::Result<()>| {
+            if let Some(n) = written {
+                durability.synced(n, r.is_ok());
+            }
+            callback.log_io_completed(r)
+        }));
         Ok(())
     }
 
     async fn truncate(&mut self, log_id: LogId<C::NodeId>) -> Result<(), RaftStorageError<C>> {
         self.recent().drop_from(log_id.index);
+        self.durability.truncated(log_id.index);
         self.wal().truncate(self.group, log_id.index).map_err(|e| self.write_failed(ErrorVerb::Delete, e))
     }
 
@@ -506,5 +634,50 @@ mod tests {
         assert_eq!((r.get(1, 4), r.get(2, 4)), (None, Some(vec![2, 3, 4])));
         r.push(5, RECENT_BYTES + 1, 5);
         assert_eq!((r.get(5, 5), r.entries.len(), r.bytes), (None, 0, 0));
+    }
+
+    /// An entry counts as durable once the sync of the append that wrote it,
+    /// and of every append before, completed; a truncation takes back what
+    /// it cut; a failed sync fails every question after it.
+    #[tokio::test]
+    async fn an_entry_is_durable_once_its_append_and_every_earlier_one_synced() {
+        let d = Durability::default();
+        assert!(d.covers(u64::MAX).unwrap(), "nothing written: all durable");
+        let a = d.written(1, 3);
+        let b = d.written(4, 4);
+        assert!(!d.covers(1).unwrap());
+        let waiter = {
+            let d = d.clone();
+            tokio::spawn(async move { d.wait(4).await })
+        };
+        d.synced(a, true);
+        assert!(d.covers(3).unwrap() && !d.covers(4).unwrap());
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "woken before its append synced");
+        d.synced(b, true);
+        waiter.await.unwrap().unwrap();
+        // A later sync covers what was written before it began.
+        let c = d.written(5, 5);
+        let e = d.written(6, 6);
+        d.synced(e, true);
+        assert!(d.covers(6).unwrap());
+        d.synced(c, true);
+        // Cut from 9: 7 and 8 still wait for their sync; a rewrite of 9 for its own.
+        let f = d.written(7, 10);
+        let g = d.written(11, 12);
+        d.truncated(9);
+        assert!(!d.covers(7).unwrap());
+        let h = d.written(9, 9);
+        d.synced(f, true);
+        assert!(d.covers(8).unwrap() && !d.covers(9).unwrap());
+        assert!(g < h, "numbers rise in the order written");
+        let waiter = {
+            let d = d.clone();
+            tokio::spawn(async move { d.wait(9).await })
+        };
+        tokio::task::yield_now().await;
+        d.synced(h, false);
+        assert!(matches!(waiter.await.unwrap(), Err(StorageError::SyncFailed)));
+        assert!(d.covers(0).is_err());
     }
 }
