@@ -59,7 +59,10 @@
 //! Each segment counts the live entries each group holds in it. The oldest segments go
 //! (oldest first, so a truncation or drop record never outlives what it
 //! removed) once they hold none, after sled is synced so that the purge
-//! points that killed those entries are durable. Going means being renamed
+//! points that killed those entries are durable, and once every record
+//! that killed one of their entries is durable too: those take effect in
+//! memory as they are written, and a segment freed by a record a power
+//! cut then loses would leave a hole in its group's log. Going means being renamed
 //! `<id>.spare` for a later segment to take (a recycled file), or, with
 //! enough spares, unlinked. A group that stopped writing would pin its old
 //! segment forever, so when more than `MAX_SEGMENTS` exist, the live
@@ -159,7 +162,20 @@ struct Segment {
     /// Bytes from its start known to be on disk: what a crash keeps
     /// ([`Wal::crash_for_tests`]).
     synced: u64,
+    /// The end of the latest record that killed an entry here (a
+    /// truncation, a drop, an entry written over or moved). Until that
+    /// record is durable the segment must stay, dead or not: a crash would
+    /// lose the record and bring its entries back, with this file gone.
+    killed_by: Pos,
 }
+
+/// A place in the log: a segment and an offset in it. Orders as the log
+/// was written.
+type Pos = (u64, u64);
+
+/// What a kill that no record of the log made (a purge, whose point lives
+/// in sled) waits for: nothing here.
+const NO_RECORD: Pos = (0, 0);
 
 struct Inner {
     segments: BTreeMap<u64, Segment>,
@@ -364,9 +380,11 @@ impl Inner {
             .collect()
     }
 
-    /// `n` live entries of `group` in segment `seg` fewer.
-    fn unlive(&mut self, group: GroupId, seg: u64, n: u32) {
+    /// `n` live entries of `group` in segment `seg` fewer, killed by the
+    /// record ending at `by`.
+    fn unlive(&mut self, group: GroupId, seg: u64, n: u32, by: Pos) {
         if let Some(s) = self.segments.get_mut(&seg) {
+            s.killed_by = s.killed_by.max(by);
             if let Entry::Occupied(mut e) = s.holders.entry(group) {
                 *e.get_mut() -= n;
                 if *e.get() == 0 {
@@ -378,20 +396,20 @@ impl Inner {
 
     /// The entries `locs` of `group` are gone: one count per run of one
     /// segment (a group's entries sit mostly in order of their segments).
-    fn unlive_all(&mut self, group: GroupId, locs: impl IntoIterator<Item = Loc>) {
+    fn unlive_all(&mut self, group: GroupId, locs: impl IntoIterator<Item = Loc>, by: Pos) {
         let mut run: Option<(u64, u32)> = None;
         for loc in locs {
             match &mut run {
                 Some((seg, n)) if *seg == loc.seg => *n += 1,
                 _ => {
                     if let Some((seg, n)) = run.replace((loc.seg, 1)) {
-                        self.unlive(group, seg, n);
+                        self.unlive(group, seg, n, by);
                     }
                 }
             }
         }
         if let Some((seg, n)) = run {
-            self.unlive(group, seg, n);
+            self.unlive(group, seg, n, by);
         }
     }
 
@@ -401,11 +419,11 @@ impl Inner {
     }
 
     /// Drop the group's entries from `index` on.
-    fn truncate(&mut self, group: GroupId, index: u64) {
+    fn truncate(&mut self, group: GroupId, index: u64, by: Pos) {
         let Some(g) = self.groups.get_mut(&group) else { return };
         let keep = index.saturating_sub(g.first).min(g.locs.len() as u64) as usize;
         let dropped: Vec<Loc> = g.locs.drain(keep..).collect();
-        self.unlive_all(group, dropped);
+        self.unlive_all(group, dropped, by);
     }
 
     /// Drop the group's entries up to `index`.
@@ -414,25 +432,25 @@ impl Inner {
         let n = (index.saturating_add(1)).saturating_sub(g.first).min(g.locs.len() as u64) as usize;
         let dropped: Vec<Loc> = g.locs.drain(..n).collect();
         g.first += n as u64;
-        self.unlive_all(group, dropped);
+        self.unlive_all(group, dropped, NO_RECORD);
     }
 
-    fn drop_group(&mut self, group: GroupId) {
+    fn drop_group(&mut self, group: GroupId, by: Pos) {
         if let Some(g) = self.groups.remove(&group) {
-            self.unlive_all(group, g.locs);
+            self.unlive_all(group, g.locs, by);
         }
     }
 
     /// Entry `index` of `group` is now at `loc`: it follows the last entry,
     /// or replaces it and everything after it; after a gap the log starts
     /// again at `index` (openraft purged what came before).
-    fn put(&mut self, group: GroupId, index: u64, loc: Loc) {
+    fn put(&mut self, group: GroupId, index: u64, loc: Loc, by: Pos) {
         let last = self.groups.get(&group).and_then(GroupLog::last);
         match last {
-            Some(last) if index <= last => self.truncate(group, index),
+            Some(last) if index <= last => self.truncate(group, index, by),
             Some(last) if index == last + 1 => {}
             _ => {
-                self.drop_group(group);
+                self.drop_group(group, by);
             }
         }
         let g = self.groups.entry(group).or_default();
@@ -444,7 +462,7 @@ impl Inner {
     }
 
     /// Entry `index` now at `loc` without touching the entries after it.
-    fn rewrite(&mut self, group: GroupId, index: u64, loc: Loc) {
+    fn rewrite(&mut self, group: GroupId, index: u64, loc: Loc, by: Pos) {
         let slot = self
             .groups
             .get(&group)
@@ -454,22 +472,36 @@ impl Inner {
             Some(i) => {
                 let g = self.groups.get_mut(&group).expect("checked");
                 let old = std::mem::replace(&mut g.locs[i], loc);
-                self.unlive(group, old.seg, 1);
+                self.unlive(group, old.seg, 1, by);
                 self.live(group, loc);
             }
-            None => self.put(group, index, loc),
+            None => self.put(group, index, loc, by),
         }
     }
 
     fn apply(&mut self, seg: u64, r: &Record) {
         let loc = Loc { seg, offset: r.offset, len: r.len };
+        let by = (seg, r.offset + u64::from(r.len));
         match r.kind {
-            KIND_ENTRY => self.put(r.group, r.index, loc),
-            KIND_REWRITE => self.rewrite(r.group, r.index, loc),
-            KIND_TRUNCATE => self.truncate(r.group, r.index),
-            KIND_DROP => self.drop_group(r.group),
+            KIND_ENTRY => self.put(r.group, r.index, loc, by),
+            KIND_REWRITE => self.rewrite(r.group, r.index, loc, by),
+            KIND_TRUNCATE => self.truncate(r.group, r.index, by),
+            KIND_DROP => self.drop_group(r.group, by),
             _ => {}
         }
+    }
+
+    /// Whether the record ending at `pos` is on disk: every segment but
+    /// the head was synced with its seal.
+    fn durable(&self, pos: Pos) -> bool {
+        pos.0 != self.active || self.segments.get(&pos.0).is_some_and(|s| pos.1 <= s.synced)
+    }
+
+    /// Whether segment `id` may go: no live entry, and every record that
+    /// killed one durable (the purge points that did are sled's, which the
+    /// caller syncs).
+    fn reclaimable(&self, id: u64) -> bool {
+        id != self.active && self.segments.get(&id).is_some_and(|s| s.holders.is_empty() && self.durable(s.killed_by))
     }
 }
 
@@ -531,9 +563,17 @@ impl Wal {
             }
             head_sealed = !salted || parsed.sealed;
             let synced = parsed.valid;
-            inner
-                .segments
-                .insert(id, Segment { file: Arc::new(file), path, holders: HashMap::new(), dirty: false, synced });
+            inner.segments.insert(
+                id,
+                Segment {
+                    file: Arc::new(file),
+                    path,
+                    holders: HashMap::new(),
+                    dirty: false,
+                    synced,
+                    killed_by: NO_RECORD,
+                },
+            );
             for r in &parsed.records {
                 inner.apply(id, r);
             }
@@ -606,7 +646,9 @@ impl Wal {
         };
         // The new name must survive a crash as much as what is written to it.
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| self.io_err(e))?;
-        inner.segments.insert(id, Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0 });
+        inner
+            .segments
+            .insert(id, Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0, killed_by: NO_RECORD });
         inner.active = id;
         inner.active_len = 0;
         Ok(())
@@ -681,12 +723,13 @@ impl Wal {
         }
         let mut inner = self.lock();
         let (seg, at) = self.write(&mut inner, &mut buf)?;
+        let by = (seg, at + buf.len() as u64);
         for ((index, bytes), off) in entries.iter().zip(offsets) {
             let loc = Loc { seg, offset: at + off, len: bytes.len() as u32 };
             if kind == KIND_REWRITE {
-                inner.rewrite(group, *index, loc);
+                inner.rewrite(group, *index, loc, by);
             } else {
-                inner.put(group, *index, loc);
+                inner.put(group, *index, loc, by);
             }
         }
         Ok(())
@@ -697,8 +740,8 @@ impl Wal {
         let mut buf = Vec::with_capacity(HEADER);
         encode_record(&mut buf, KIND_TRUNCATE, group, index, &[]);
         let mut inner = self.lock();
-        self.write(&mut inner, &mut buf)?;
-        inner.truncate(group, index);
+        let (seg, at) = self.write(&mut inner, &mut buf)?;
+        inner.truncate(group, index, (seg, at + buf.len() as u64));
         Ok(())
     }
 
@@ -716,8 +759,8 @@ impl Wal {
         if !inner.groups.contains_key(&group) {
             return Ok(());
         }
-        self.write(&mut inner, &mut buf)?;
-        inner.drop_group(group);
+        let (seg, at) = self.write(&mut inner, &mut buf)?;
+        inner.drop_group(group, (seg, at + buf.len() as u64));
         drop(inner);
         self.sync()
     }
@@ -820,16 +863,12 @@ impl Wal {
     }
 
     /// Segments that hold no live entry, oldest first, none of them the
-    /// head. Before removing them with [`Wal::remove`], the caller makes the
-    /// purge points durable that killed their entries.
+    /// head, and none whose entries a record not yet synced killed (see
+    /// `Segment::killed_by`). Before removing them with [`Wal::remove`],
+    /// the caller makes the purge points durable that killed their entries.
     pub fn reclaimable(&self) -> Vec<u64> {
         let inner = self.lock();
-        inner
-            .segments
-            .iter()
-            .take_while(|(id, s)| **id != inner.active && s.holders.is_empty())
-            .map(|(id, _)| *id)
-            .collect()
+        inner.segments.keys().take_while(|id| inner.reclaimable(**id)).copied().collect()
     }
 
     /// Remove segments [`Wal::reclaimable`] named (they stay dead: nothing
@@ -849,8 +888,7 @@ impl Wal {
         let mut inner = self.lock();
         let mut out = Vec::new();
         for id in ids {
-            let dead = inner.segments.get(id).is_some_and(|s| s.holders.is_empty()) && *id != inner.active;
-            if dead {
+            if inner.reclaimable(*id) {
                 if let Some(s) = inner.segments.remove(id) {
                     out.push(Retired { id: *id, path: s.path, file: s.file });
                 }
@@ -946,8 +984,9 @@ impl Wal {
             let offsets: Vec<u64> =
                 entries.iter().map(|(i, b)| encode_record(&mut buf, KIND_ENTRY, group, *i, b)).collect();
             let (seg, at) = self.write(&mut inner, &mut buf)?;
+            let by = (seg, at + buf.len() as u64);
             for ((index, bytes), off) in entries.iter().zip(offsets) {
-                inner.put(group, *index, Loc { seg, offset: at + off, len: bytes.len() as u32 });
+                inner.put(group, *index, Loc { seg, offset: at + off, len: bytes.len() as u32 }, by);
             }
             moved += buf.len() as u64;
         }
@@ -1221,6 +1260,39 @@ mod tests {
         assert_eq!(wal.bounds(1), Some((1, 10)));
         assert!(all(&wal, 1) == synced);
         assert!(!wal.has_group(2), "its drop synced itself");
+    }
+
+    /// A segment whose entries a truncation killed stays until that
+    /// truncation is synced: removed before, a power cut would lose the
+    /// truncation and keep the entries after the removed ones, a hole
+    /// between the group's purge point and its next entries.
+    #[test]
+    fn a_segment_killed_by_an_unsynced_record_is_not_reclaimed_before_it_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let es = entries(1, 1..=10, 500);
+        {
+            let wal = Wal::open(dir.path(), 4096).unwrap();
+            append_each(&wal, 1, &es);
+            wal.sync().unwrap();
+            assert!(wal.segment_count() > 1);
+            // As in a flusher round: the log synced, then a truncation comes
+            // in before the round asks what it may reclaim.
+            wal.truncate(1, 1).unwrap();
+            let dead = wal.reclaimable();
+            wal.remove(&dead).unwrap();
+            wal.crash_for_tests().unwrap();
+        }
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        let indexes: Vec<u64> = all(&wal, 1).into_iter().map(|(i, _)| i).collect();
+        assert_eq!(indexes, (1..=10).collect::<Vec<_>>(), "the truncation was lost, so every entry must be back");
+        assert_eq!(all(&wal, 1), es);
+        drop(wal);
+        // Once the truncation is durable the segments go.
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        wal.truncate(1, 1).unwrap();
+        assert!(wal.reclaimable().is_empty(), "not synced yet");
+        wal.sync().unwrap();
+        assert!(!wal.reclaimable().is_empty());
     }
 
     #[test]
