@@ -22,7 +22,9 @@
 //! from `index` on; an entry *rewritten* in place (re-founding a group keeps
 //! later entries); a truncation from `index`; the group dropped; the
 //! segment's *seal*, its last record, written and synced when the log moves
-//! on to the next segment. Purges are not records: the purge point lives in
+//! on to the next segment; *synced*, no payload, `index` the length of the
+//! head that a sync covered, opening the first write after each sync that
+//! covered more. Purges are not records: the purge point lives in
 //! sled's `raft_meta` and is applied when the log is read back.
 //!
 //! A new segment's blocks are reserved when it is created (`fallocate`,
@@ -53,6 +55,21 @@
 //! log moves on to a new segment, so no stale byte behind the seal (a torn
 //! write's later blocks may have reached the disk before its first) can
 //! ever come to read as a record.
+//!
+//! ## Damage or torn tail
+//!
+//! The head's first bad record is its end unless a synced record further
+//! on vouches for it: then it was acknowledged, and it is damage
+//! ([`WalError::Corrupt`], naming the group and index its header claims),
+//! not a tail to cut. The synced length lives in the log because the next
+//! write carries it for free: no fsync of its own, and no block rewritten
+//! in place for a torn write to lose, as a header block would be (a sled
+//! key would cost a sled sync per round). What that leaves out: the
+//! records of the last round before a stop or crash, until a later write
+//! vouches for them (once the next start has sealed the head, its seal
+//! vouches for all of them). The records between the bad one and the
+//! synced one may have lost their framing with it (a damaged length), so
+//! the synced record is looked for at every byte, by its fixed header.
 //!
 //! ## Reclaiming space
 //!
@@ -112,6 +129,9 @@ const KIND_REWRITE: u8 = 2;
 const KIND_TRUNCATE: u8 = 3;
 const KIND_DROP: u8 = 4;
 const KIND_SEAL: u8 = 5;
+/// The head segment's synced length when the write it opens began (see
+/// "Damage or torn tail" in the module docs).
+const KIND_SYNCED: u8 = 6;
 
 /// Errors of the write-ahead log.
 #[derive(Debug, thiserror::Error)]
@@ -122,10 +142,25 @@ pub enum WalError {
         #[source]
         source: io::Error,
     },
-    #[error("write-ahead log segment {path} is damaged at byte {offset} (not its tail; refusing to start)")]
-    Corrupt { path: PathBuf, offset: u64 },
+    /// A record the log knows was durable does not read back. `group` and
+    /// `index` are what the damaged record's own header says, if it looks
+    /// like one (unverified: the damage may be there too); that group's
+    /// entries from `index` on are the ones at stake, and every record
+    /// after `offset` in this segment is unread.
+    #[error(
+        "write-ahead log segment {path} is damaged at byte {offset}{} (acknowledged data, not a torn tail; refusing to start)",
+        describe_damaged(.group, .index)
+    )]
+    Corrupt { path: PathBuf, offset: u64, group: Option<GroupId>, index: Option<u64> },
     #[error("write-ahead log has failed earlier; the node is stopping")]
     Failed,
+}
+
+fn describe_damaged(group: &Option<GroupId>, index: &Option<u64>) -> String {
+    match (group, index) {
+        (Some(g), Some(i)) => format!(", in a record of group {g} at index {i} by its header"),
+        _ => String::new(),
+    }
 }
 
 /// Where an entry's bytes are.
@@ -162,6 +197,10 @@ struct Segment {
     /// Bytes from its start known to be on disk: what a crash keeps
     /// ([`Wal::crash_for_tests`]).
     synced: u64,
+    /// The synced length the last `KIND_SYNCED` record written here
+    /// carries: the next write carries a new one only once a sync has
+    /// covered more.
+    marked: u64,
     /// The end of the latest record that killed an entry here (a
     /// truncation, a drop, an entry written over or moved). Until that
     /// record is durable the segment must stay, dead or not: a crash would
@@ -349,13 +388,17 @@ fn parse(file: &File, salt: Option<u64>) -> io::Result<Parsed> {
         hasher.update(&h[4..]);
         hasher.update(&payload);
         // Zeros (crc 0 over kind 0) are never a record, whatever the salt.
-        if hasher.finalize() != crc || !(KIND_ENTRY..=KIND_SEAL).contains(&h[8]) {
+        if hasher.finalize() != crc || !(KIND_ENTRY..=KIND_SYNCED).contains(&h[8]) {
             break;
         }
         if h[8] == KIND_SEAL {
             sealed = true;
             at += HEADER as u64 + u64::from(len);
             break;
+        }
+        if h[8] == KIND_SYNCED {
+            at += HEADER as u64 + u64::from(len);
+            continue;
         }
         out.push(Record {
             kind: h[8],
@@ -367,6 +410,89 @@ fn parse(file: &File, salt: Option<u64>) -> io::Result<Parsed> {
         at += HEADER as u64 + u64::from(len);
     }
     Ok(Parsed { records: out, valid: at, sealed })
+}
+
+/// A `KIND_SYNCED` record for segment `id`: its first `synced` bytes are
+/// on disk.
+fn synced_record(id: u64, synced: u64) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(HEADER);
+    encode_record(&mut buf, KIND_SYNCED, 0, synced, &[]);
+    salt_records(&mut buf, id);
+    buf
+}
+
+/// Whether a valid `KIND_SYNCED` record of segment `id` somewhere after
+/// `bad` says the segment had been synced past `bad`: then the bad record
+/// at `bad` was acknowledged and has rotted since, rather than torn.
+///
+/// The records between may be unreadable too (a damaged length loses
+/// their framing), so this looks at every byte: such a record has no
+/// payload and a fixed header, a 13-byte pattern checked before its CRC,
+/// and blocks of zeros (a new segment's unwritten space) are skipped
+/// nearly whole. Only run on the head, and only when it ends before its
+/// file does.
+fn synced_past(file: &File, id: u64, bad: u64) -> io::Result<bool> {
+    const BLOCK: usize = 4096;
+    static ZEROS: [u8; BLOCK] = [0; BLOCK];
+    // len 0, kind, group 0: bytes 4..17 of the header.
+    let mut pattern = [0u8; 13];
+    pattern[4] = KIND_SYNCED;
+    let size = file.metadata()?.len();
+    let mut salt = crc32fast::Hasher::new();
+    salt.update(&id.to_le_bytes());
+    let mut buf = vec![0u8; 256 * BLOCK];
+    let mut at = bad + 1;
+    while at + HEADER as u64 <= size {
+        let n = ((size - at) as usize).min(buf.len());
+        file.read_exact_at(&mut buf[..n], at)?;
+        for (b, block) in buf[..n].chunks(BLOCK).enumerate() {
+            // A header's kind byte is its ninth: one starting in a zero
+            // block must start within its last 8 bytes.
+            let start = b * BLOCK;
+            let from = if block == &ZEROS[..block.len()] { start + block.len().saturating_sub(8) } else { start };
+            for i in from..start + block.len() {
+                if i + HEADER > n {
+                    break;
+                }
+                let h = &buf[i..i + HEADER];
+                if h[4..17] != pattern {
+                    continue;
+                }
+                let mut crc = salt.clone();
+                crc.update(&h[4..]);
+                if crc.finalize() != u32::from_le_bytes(h[0..4].try_into().expect("4 bytes")) {
+                    continue;
+                }
+                let synced = u64::from_le_bytes(h[17..25].try_into().expect("8 bytes"));
+                // A record can only vouch for bytes before itself.
+                if synced > bad && synced <= at + i as u64 {
+                    return Ok(true);
+                }
+            }
+        }
+        if n < buf.len() {
+            break;
+        }
+        // Overlap by a header, for one that straddles the two reads.
+        at += (n - HEADER + 1) as u64;
+    }
+    Ok(false)
+}
+
+/// The group and index the header at `at` claims, if it looks like a
+/// record header (kind known, length within the file).
+fn claimed_record(file: &File, at: u64) -> Option<(GroupId, u64)> {
+    let size = file.metadata().ok()?.len();
+    let mut h = [0u8; HEADER];
+    file.read_exact_at(&mut h, at).ok()?;
+    let len = u64::from(u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")));
+    let known = matches!(h[8], KIND_ENTRY | KIND_REWRITE | KIND_TRUNCATE | KIND_DROP);
+    (known && at + HEADER as u64 + len <= size).then(|| {
+        (
+            u64::from_le_bytes(h[9..17].try_into().expect("8 bytes")),
+            u64::from_le_bytes(h[17..25].try_into().expect("8 bytes")),
+        )
+    })
 }
 
 impl Inner {
@@ -548,8 +674,16 @@ impl Wal {
             let parsed = parse(&file, salted.then_some(id)).map_err(io_err(&path))?;
             let last = n + 1 == ids.len();
             let whole = if salted { parsed.sealed } else { parsed.valid == size };
-            if !whole && !last {
-                return Err(WalError::Corrupt { path, offset: parsed.valid });
+            // The head's first bad record is its torn tail, unless a later
+            // record says the head had been synced past it.
+            let rotted = !whole
+                && (!last
+                    || salted
+                        && parsed.valid + HEADER as u64 <= size
+                        && synced_past(&file, id, parsed.valid).map_err(io_err(&path))?);
+            if rotted {
+                let (group, index) = claimed_record(&file, parsed.valid).unzip();
+                return Err(WalError::Corrupt { path, offset: parsed.valid, group, index });
             }
             if !salted && !whole {
                 // The previous format's torn tail: cut it, as that format
@@ -571,6 +705,7 @@ impl Wal {
                     holders: HashMap::new(),
                     dirty: false,
                     synced,
+                    marked: 0,
                     killed_by: NO_RECORD,
                 },
             );
@@ -646,9 +781,10 @@ impl Wal {
         };
         // The new name must survive a crash as much as what is written to it.
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| self.io_err(e))?;
-        inner
-            .segments
-            .insert(id, Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0, killed_by: NO_RECORD });
+        inner.segments.insert(
+            id,
+            Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0, marked: 0, killed_by: NO_RECORD },
+        );
         inner.active = id;
         inner.active_len = 0;
         Ok(())
@@ -677,7 +813,12 @@ impl Wal {
         if inner.failed {
             return Err(WalError::Failed);
         }
-        if inner.active_len > 0 && inner.active_len + (buf.len() + HEADER) as u64 > self.segment_bytes {
+        let marks = |inner: &Inner| {
+            let s = &inner.segments[&inner.active];
+            (s.synced > s.marked).then_some(s.synced)
+        };
+        let mark_len = if marks(inner).is_some() { HEADER } else { 0 };
+        if inner.active_len > 0 && inner.active_len + (mark_len + buf.len() + HEADER) as u64 > self.segment_bytes {
             self.seal_active(inner)?;
             let next = inner.active + 1;
             if let Err(e) = self.new_segment(inner, next) {
@@ -691,15 +832,26 @@ impl Wal {
         }
         let seg = inner.active;
         salt_records(buf, seg);
-        let at = inner.active_len;
+        let mark = marks(inner);
+        let mut at = inner.active_len;
         let s = inner.segments.get_mut(&seg).expect("active segment");
+        if let Some(synced) = mark {
+            // A write of its own: copying `buf` (megabytes at times) in
+            // behind it would cost more than the syscall.
+            if let Err(e) = s.file.write_all_at(&synced_record(seg, synced), at) {
+                inner.failed = true;
+                return Err(self.io_err(e));
+            }
+            s.marked = synced;
+            at += HEADER as u64;
+        }
         if let Err(e) = s.file.write_all_at(buf, at) {
             // Part of it may be on disk: nothing may follow it.
             inner.failed = true;
             return Err(self.io_err(e));
         }
         s.dirty = true;
-        inner.active_len += buf.len() as u64;
+        inner.active_len = at + buf.len() as u64;
         Ok((seg, at))
     }
 
@@ -1431,6 +1583,69 @@ mod tests {
             Err(e) => panic!("wrong error: {e}"),
             Ok(_) => panic!("a damaged segment was accepted"),
         }
+    }
+
+    /// A record of the head segment that a sync covered and that no
+    /// longer reads back is damage, not a torn tail: the log refuses to
+    /// start, naming the record, rather than drop it and every record
+    /// after it.
+    #[test]
+    fn a_flipped_byte_in_a_synced_record_of_the_head_is_corruption_not_its_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = entries(1, 1..=5, 100);
+        {
+            let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+            wal.append(1, &a).unwrap();
+            wal.sync().unwrap();
+            // The next write says how far the head was synced.
+            wal.append(2, &entries(2, 1..=1, 10)).unwrap();
+            wal.sync().unwrap();
+        }
+        let seg = seg_path(dir.path(), 1);
+        let third = (2 * (HEADER + 100)) as u64;
+        let f = OpenOptions::new().read(true).write(true).open(&seg).unwrap();
+        let mut byte = [0u8];
+        f.read_exact_at(&mut byte, third + HEADER as u64 + 40).unwrap();
+        f.write_all_at(&[byte[0] ^ 0x10], third + HEADER as u64 + 40).unwrap();
+        drop(f);
+        match Wal::open(dir.path(), 1 << 20) {
+            Err(WalError::Corrupt { offset, group, index, .. }) => {
+                assert_eq!((offset, group, index), (third, Some(1), Some(3)))
+            }
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(wal) => panic!("damage read as the end of the log: group 1 holds {:?}", wal.bounds(1)),
+        }
+        // Also when the damaged length hides where the next records start.
+        let f = OpenOptions::new().write(true).open(&seg).unwrap();
+        f.write_all_at(&[0xff; 4], third + 4).unwrap();
+        drop(f);
+        assert!(matches!(Wal::open(dir.path(), 1 << 20), Err(WalError::Corrupt { offset, .. }) if offset == third));
+    }
+
+    /// What was written after the last sync and torn by the crash is still
+    /// the log's end, cut there, records of the same write behind it or not.
+    #[test]
+    fn a_torn_unsynced_tail_is_still_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = entries(1, 1..=3, 100);
+        let b = entries(1, 4..=7, 100);
+        {
+            let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+            wal.append(1, &a).unwrap();
+            wal.sync().unwrap();
+            // Never synced; opens with how far the head was synced.
+            wal.append(1, &b).unwrap();
+        }
+        // Entry 5's block never made it; 6 and 7 did.
+        let fifth = (3 * (HEADER + 100) + HEADER + HEADER + 100) as u64;
+        OpenOptions::new()
+            .write(true)
+            .open(seg_path(dir.path(), 1))
+            .unwrap()
+            .write_all_at(&[0; 30], fifth + 10)
+            .unwrap();
+        let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(all(&wal, 1), [&a[..], &b[..1]].concat());
     }
 
     /// A group that pinned the oldest segment while busy gets the whole
