@@ -638,7 +638,9 @@ impl Wal {
             let path = path.to_owned();
             move |source| WalError::Io { path, source }
         };
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        // Its name first: a segment synced in a dir whose own entry is not
+        // is lost all the same.
+        crate::fsync::create_dir_durably(dir).map_err(io_err(dir))?;
         // (id, salted: this format or the previous one)
         let mut ids = Vec::new();
         let mut spare_ids = Vec::new();
@@ -780,7 +782,9 @@ impl Wal {
             }
         };
         // The new name must survive a crash as much as what is written to it.
-        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| self.io_err(e))?;
+        crate::fsync::sync_dir(&self.dir).map_err(|e| self.io_err(e))?;
+        #[cfg(any(test, feature = "test-hooks"))]
+        crate::fsync::contents_kept_elsewhere(&file);
         inner.segments.insert(
             id,
             Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0, marked: 0, killed_by: NO_RECORD },
@@ -1056,27 +1060,41 @@ impl Wal {
     /// Either is a metadata change that costs the file system milliseconds
     /// for a full segment (unlinking one took 30-60 ms), so the node does
     /// this on a thread of its own.
+    ///
+    /// The directory is synced after each file: a later segment's removal
+    /// must not reach the disk before an earlier one's, whose entries the
+    /// later one's records may have killed. A failed sync fails the log
+    /// (every later write and sync), as a failed `fdatasync` does.
     pub fn retire(&self, files: Vec<Retired>) {
         for Retired { id, path, file } in files {
-            // Only the remover adds spares, so the count cannot grow between
-            // this check and the push.
-            if self.lock().spares.len() < MAX_SPARES {
-                let spare = spare_path(&self.dir, id);
-                match std::fs::rename(&path, &spare) {
-                    Ok(()) => {
-                        self.lock().spares.push(Spare { path: spare, file });
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, file = %path.display(), "could not keep a dead write-ahead log segment for reuse")
-                    }
+            self.retire_one(id, path, file);
+            if let Err(e) = crate::fsync::sync_dir(&self.dir) {
+                tracing::error!(error = %e, dir = %self.dir.display(), "write-ahead log directory sync failed");
+                self.lock().failed = true;
+                return;
+            }
+        }
+    }
+
+    fn retire_one(&self, id: u64, path: PathBuf, file: Arc<File>) {
+        // Only the remover adds spares, so the count cannot grow between
+        // this check and the push.
+        if self.lock().spares.len() < MAX_SPARES {
+            let spare = spare_path(&self.dir, id);
+            match std::fs::rename(&path, &spare) {
+                Ok(()) => {
+                    self.lock().spares.push(Spare { path: spare, file });
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, file = %path.display(), "could not keep a dead write-ahead log segment for reuse")
                 }
             }
-            drop(file);
-            if let Err(e) = unlink(&path) {
-                // Space not given back until the next start, nothing lost.
-                tracing::warn!(error = %e, file = %path.display(), "could not remove a write-ahead log segment");
-            }
+        }
+        drop(file);
+        if let Err(e) = unlink(&path) {
+            // Space not given back until the next start, nothing lost.
+            tracing::warn!(error = %e, file = %path.display(), "could not remove a write-ahead log segment");
         }
     }
 
