@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::StorageError;
 use crate::flusher::{CrashImage, Flusher};
+use crate::fsync::{create_dir_durably, sync_dir, sync_file};
 use crate::keys::{group_prefix, key_group, log_key_index, meta_key, META_REWRITE};
 use crate::wal::{RawEntry, Wal};
 use crate::GroupId;
@@ -73,16 +74,49 @@ struct Inner {
 /// Present in a data dir only between a clean stop and the next open.
 const CLEAN_STOP: &str = "CLEAN_STOP";
 
-/// Make `dir`'s entries (a file created or removed) durable.
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
+/// sled's dir while it is made (see `create_sled`).
+const SLED_NEW: &str = "sled.new";
+
+/// Make a new sled database at `sled_dir` whole or not at all. sled writes
+/// its `conf` in two `write`s and syncs neither it nor its directory: a
+/// power cut during a first open could leave a `conf` it cannot read, and
+/// the data dir could never open again. So it is made in a sibling,
+/// closed, synced file by file and directory by directory, and only then
+/// renamed into place.
+fn create_sled(sled_dir: &Path, config: impl Fn(&Path) -> sled::Config) -> Result<(), StorageError> {
+    let parent = sled_dir.parent().unwrap_or(Path::new("."));
+    let new = parent.join(SLED_NEW);
+    let io = |source| StorageError::CreateDir { path: new.clone(), source };
+    // Left by a first open that did not finish: nothing in it was ever used.
+    if new.exists() {
+        std::fs::remove_dir_all(&new).map_err(io)?;
+    }
+    let db = config(&new).open().map_err(|source| StorageError::Corrupt { path: new.clone(), source })?;
+    db.flush().map_err(|source| StorageError::Corrupt { path: new.clone(), source })?;
+    drop(db);
+    let mut dirs = vec![new.clone()];
+    while let Some(dir) = dirs.pop() {
+        for e in std::fs::read_dir(&dir).map_err(io)? {
+            let e = e.map_err(io)?;
+            if e.file_type().map_err(io)?.is_dir() {
+                dirs.push(e.path());
+            } else {
+                sync_file(&e.path()).map_err(io)?;
+            }
+        }
+        sync_dir(&dir).map_err(io)?;
+    }
+    std::fs::rename(&new, sled_dir).map_err(io)?;
+    sync_dir(parent).map_err(io)
 }
 
 impl NodeDb {
     /// Open (creating if missing) the data dir. Refuses a dir locked by another
     /// process and a database sled cannot read; never wipes anything.
     pub fn open(dir: &Path, opts: &DbOptions) -> Result<Self, StorageError> {
-        std::fs::create_dir_all(dir).map_err(|source| StorageError::CreateDir { path: dir.to_owned(), source })?;
+        create_dir_durably(dir).map_err(|source| StorageError::CreateDir { path: dir.to_owned(), source })?;
+        #[cfg(any(test, feature = "test-hooks"))]
+        crate::fsync::baseline(dir).map_err(|source| StorageError::CreateDir { path: dir.to_owned(), source })?;
         let lock = lock_dir(dir)?;
         // The mark goes before anything is written: a crash of this life
         // must never be taken for a clean stop by the next one.
@@ -93,15 +127,21 @@ impl NodeDb {
             gone.map_err(|source| StorageError::CleanMark { path: clean_mark.clone(), source })?;
         }
         let sled_dir = dir.join("sled");
-        let config = sled::Config::new()
-            .path(&sled_dir)
-            .cache_capacity(opts.cache_bytes)
-            // Our flusher syncs; sled's periodic background flush would only add fsyncs.
-            .flush_every_ms(None)
-            // Values over a quarter segment go to unsynced blob files; a larger
-            // segment keeps batched log entries inline in the synced log.
-            .segment_size(4 << 20)
-            .mode(sled::Mode::HighThroughput);
+        let config = |path: &Path| {
+            sled::Config::new()
+                .path(path)
+                .cache_capacity(opts.cache_bytes)
+                // Our flusher syncs; sled's periodic background flush would only add fsyncs.
+                .flush_every_ms(None)
+                // Values over a quarter segment go to unsynced blob files; a larger
+                // segment keeps batched log entries inline in the synced log.
+                .segment_size(4 << 20)
+                .mode(sled::Mode::HighThroughput)
+        };
+        if !sled_dir.exists() {
+            create_sled(&sled_dir, config)?;
+        }
+        let config = config(&sled_dir);
         // We hold LOCK, so no other process uses the dir; sled's own lock can
         // still be held for a moment by this process's previous instance while
         // sled's background threads let go of it (an in-process restart).
@@ -367,8 +407,12 @@ impl NodeDb {
     ///   memory is not given back.
     /// - The data dir's `LOCK` is released.
     ///
-    /// Whatever a sync covered survives. Not undone: file names (log
-    /// segments made or removed, spares, blobs) and blob files' contents.
+    /// - With [`NodeDb::keep_crash_image`], names too: every directory
+    ///   under the data dir is put back to its entries at its last sync,
+    ///   and files made since the open and never synced lose their bytes
+    ///   (see `fsync`). Removals are not undone.
+    ///
+    /// Whatever a sync covered survives. Not undone: blob files' contents.
     /// A sled sync that copies the image while sled writes may catch some
     /// of those writes, as a disk may keep some unsynced blocks. Every
     /// clone of this handle must be dropped afterwards, not used: its
@@ -388,6 +432,8 @@ impl NodeDb {
         detach(&sled_file)?;
         if let Some(image) = inner.crash_image.lock().expect("poisoned").take() {
             std::fs::write(&sled_file, image)?;
+            // A power cut, not a kill: the page cache holds names too.
+            crate::fsync::lose_unsynced(&inner.path)?;
         }
         // SAFETY: unlock of a descriptor `_lock` keeps open.
         unsafe { libc::flock(inner._lock.as_raw_fd(), libc::LOCK_UN) };
@@ -472,6 +518,9 @@ fn lock_dir(dir: &Path) -> Result<File, StorageError> {
     f.set_len(0).map_err(lock_err)?;
     f.rewind().map_err(lock_err)?;
     write!(f, "{}", std::process::id()).map_err(lock_err)?;
+    // Its name, once: everything made in the dir later syncs the dir again,
+    // but a dir holding only `LOCK` should not come back without it.
+    sync_dir(dir).map_err(lock_err)?;
     Ok(f)
 }
 
@@ -592,6 +641,49 @@ mod tests {
         let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
         assert_eq!(db.wal().bounds(1), Some((1, 2)));
         assert_eq!(db.get_node_value("k").unwrap().as_deref(), Some(&b"v"[..]));
+    }
+
+    /// A power cut right after the first open of a data dir, with an
+    /// acknowledged node value and log entry: both come back. Every entry
+    /// of every dir that was never synced is lost in the crash, so the data
+    /// dir must have been synced after `sled` and `wal` were made in it.
+    #[test]
+    fn a_power_cut_after_the_first_open_keeps_what_was_acknowledged() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let db = NodeDb::open(&data, &DbOptions::default()).unwrap();
+        db.keep_crash_image().unwrap();
+        db.put_node_value("k", b"v").unwrap();
+        db.wal().append(1, &[(1, b"acked".to_vec())]).unwrap();
+        db.flusher().sync_blocking().unwrap();
+        db.crash_for_tests().unwrap();
+        drop(db);
+        let db = NodeDb::open(&data, &DbOptions::default()).unwrap();
+        assert_eq!(db.get_node_value("k").unwrap().as_deref(), Some(&b"v"[..]), "an acknowledged value was lost");
+        assert_eq!(db.wal().bounds(1), Some((1, 1)), "an acknowledged log entry was lost");
+    }
+
+    /// sled's files are made whole before its dir gets its name: a power
+    /// cut after the first open (the dir's entry kept, what sled wrote in
+    /// it never synced) leaves a database that opens. A first open cut
+    /// short leaves `sled.new`, which the next open throws away.
+    #[test]
+    fn a_power_cut_after_the_first_open_leaves_a_sled_dir_that_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        db.keep_crash_image().unwrap();
+        db.wal().append(1, &[(1, b"acked".to_vec())]).unwrap();
+        db.flusher().sync_blocking().unwrap();
+        db.crash_for_tests().unwrap();
+        drop(db);
+        let conf = std::fs::metadata(dir.path().join("sled").join("conf")).map(|m| m.len());
+        assert!(conf.as_ref().is_ok_and(|len| *len > 0), "sled's conf lost its bytes: {conf:?}");
+        drop(NodeDb::open(dir.path(), &DbOptions::default()).unwrap());
+        std::fs::remove_dir_all(dir.path().join("sled")).unwrap();
+        std::fs::create_dir(dir.path().join(SLED_NEW)).unwrap();
+        std::fs::write(dir.path().join(SLED_NEW).join("conf"), b"torn").unwrap();
+        drop(NodeDb::open(dir.path(), &DbOptions::default()).unwrap());
+        assert!(!dir.path().join(SLED_NEW).exists());
     }
 
     /// A test may crash a node whose disk it holds back: the crash does

@@ -410,6 +410,11 @@ struct SledTarget {
     blobs: PathBuf,
     synced_blobs: HashSet<std::ffi::OsString>,
     data_path: PathBuf,
+    /// sled's own dir: it writes its snapshots there (`snap.<lsn>`, synced,
+    /// then renamed, old ones removed) and never syncs the dir. The names
+    /// seen at the last sync, to sync the dir when they change.
+    dir: PathBuf,
+    snapshots: HashSet<std::ffi::OsString>,
     crash_image: CrashImage,
     /// What each sync flushed and synced, in order, for tests of that order.
     #[cfg(test)]
@@ -428,9 +433,14 @@ enum Step {
 impl SledTarget {
     /// Over the sled database `db` living in `dir`.
     fn new(db: sled::Db, dir: &Path) -> io::Result<Self> {
+        let data_file = File::open(dir.join("db"))?;
+        #[cfg(any(test, feature = "test-hooks"))]
+        crate::fsync::contents_kept_elsewhere(&data_file);
         Ok(Self {
             db,
-            data_file: File::open(dir.join("db"))?,
+            data_file,
+            dir: dir.to_owned(),
+            snapshots: HashSet::new(),
             blobs: dir.join("blobs"),
             synced_blobs: HashSet::new(),
             data_path: dir.join("db"),
@@ -457,6 +467,7 @@ impl SledTarget {
         #[cfg(test)]
         self.trail.push(Step::Flush);
         self.sync_new_blobs()?;
+        self.sync_snapshot_names()?;
         self.data_file.sync_data()?;
         #[cfg(test)]
         self.trail.push(Step::Db);
@@ -468,6 +479,30 @@ impl SledTarget {
 }
 
 impl SledTarget {
+    /// sled may reuse the log space a snapshot covers once it is written:
+    /// the snapshot's name must be durable before sled's file is.
+    fn sync_snapshot_names(&mut self) -> io::Result<()> {
+        let mut now = HashSet::new();
+        for e in std::fs::read_dir(&self.dir)? {
+            let name = e?.file_name();
+            if name.to_string_lossy().starts_with("snap.") {
+                now.insert(name);
+            }
+        }
+        if now != self.snapshots {
+            #[cfg(any(test, feature = "test-hooks"))]
+            for name in now.difference(&self.snapshots) {
+                // sled synced its bytes; a name listed may be gone already.
+                if let Ok(f) = File::open(self.dir.join(name)) {
+                    crate::fsync::contents_kept_elsewhere(&f);
+                }
+            }
+            crate::fsync::sync_dir(&self.dir)?;
+            self.snapshots = now;
+        }
+        Ok(())
+    }
+
     fn sync_new_blobs(&mut self) -> io::Result<()> {
         let dir = match std::fs::read_dir(&self.blobs) {
             Ok(d) => d,
@@ -484,6 +519,8 @@ impl SledTarget {
                 match File::open(entry.path()) {
                     Ok(f) => {
                         f.sync_data()?;
+                        #[cfg(any(test, feature = "test-hooks"))]
+                        crate::fsync::contents_kept_elsewhere(&f);
                         #[cfg(test)]
                         self.trail.push(Step::Blob(name.clone()));
                     }
@@ -495,7 +532,7 @@ impl SledTarget {
             present.insert(name);
         }
         if new_any {
-            File::open(&self.blobs)?.sync_all()?;
+            crate::fsync::sync_dir(&self.blobs)?;
             #[cfg(test)]
             self.trail.push(Step::BlobsDir);
         }

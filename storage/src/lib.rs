@@ -19,6 +19,7 @@
 //! - [`batch`]: [`Batch`], a state-machine step's writes, made crash-atomic by
 //!   a redo record rather than a sled batch when small.
 //! - [`keys`]: the on-disk key encoding shared by all of the above.
+//! - `fsync`: directory syncs, and the test crash that loses what they did not cover.
 //!
 //! ## Why the sync is ours
 //!
@@ -35,6 +36,7 @@ pub mod batch;
 pub mod db;
 pub mod error;
 pub mod flusher;
+mod fsync;
 pub mod keys;
 pub mod log_store;
 pub mod space;

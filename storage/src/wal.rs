@@ -22,7 +22,9 @@
 //! from `index` on; an entry *rewritten* in place (re-founding a group keeps
 //! later entries); a truncation from `index`; the group dropped; the
 //! segment's *seal*, its last record, written and synced when the log moves
-//! on to the next segment. Purges are not records: the purge point lives in
+//! on to the next segment; *synced*, no payload, `index` the length of the
+//! head that a sync covered, opening the first write after each sync that
+//! covered more. Purges are not records: the purge point lives in
 //! sled's `raft_meta` and is applied when the log is read back.
 //!
 //! A new segment's blocks are reserved when it is created (`fallocate`,
@@ -54,12 +56,30 @@
 //! write's later blocks may have reached the disk before its first) can
 //! ever come to read as a record.
 //!
+//! ## Damage or torn tail
+//!
+//! The head's first bad record is its end unless a synced record further
+//! on vouches for it: then it was acknowledged, and it is damage
+//! ([`WalError::Corrupt`], naming the group and index its header claims),
+//! not a tail to cut. The synced length lives in the log because the next
+//! write carries it for free: no fsync of its own, and no block rewritten
+//! in place for a torn write to lose, as a header block would be (a sled
+//! key would cost a sled sync per round). What that leaves out: the
+//! records of the last round before a stop or crash, until a later write
+//! vouches for them (once the next start has sealed the head, its seal
+//! vouches for all of them). The records between the bad one and the
+//! synced one may have lost their framing with it (a damaged length), so
+//! the synced record is looked for at every byte, by its fixed header.
+//!
 //! ## Reclaiming space
 //!
 //! Each segment counts the live entries each group holds in it. The oldest segments go
 //! (oldest first, so a truncation or drop record never outlives what it
 //! removed) once they hold none, after sled is synced so that the purge
-//! points that killed those entries are durable. Going means being renamed
+//! points that killed those entries are durable, and once every record
+//! that killed one of their entries is durable too: those take effect in
+//! memory as they are written, and a segment freed by a record a power
+//! cut then loses would leave a hole in its group's log. Going means being renamed
 //! `<id>.spare` for a later segment to take (a recycled file), or, with
 //! enough spares, unlinked. A group that stopped writing would pin its old
 //! segment forever, so when more than `MAX_SEGMENTS` exist, the live
@@ -109,6 +129,9 @@ const KIND_REWRITE: u8 = 2;
 const KIND_TRUNCATE: u8 = 3;
 const KIND_DROP: u8 = 4;
 const KIND_SEAL: u8 = 5;
+/// The head segment's synced length when the write it opens began (see
+/// "Damage or torn tail" in the module docs).
+const KIND_SYNCED: u8 = 6;
 
 /// Errors of the write-ahead log.
 #[derive(Debug, thiserror::Error)]
@@ -119,10 +142,25 @@ pub enum WalError {
         #[source]
         source: io::Error,
     },
-    #[error("write-ahead log segment {path} is damaged at byte {offset} (not its tail; refusing to start)")]
-    Corrupt { path: PathBuf, offset: u64 },
+    /// A record the log knows was durable does not read back. `group` and
+    /// `index` are what the damaged record's own header says, if it looks
+    /// like one (unverified: the damage may be there too); that group's
+    /// entries from `index` on are the ones at stake, and every record
+    /// after `offset` in this segment is unread.
+    #[error(
+        "write-ahead log segment {path} is damaged at byte {offset}{} (acknowledged data, not a torn tail; refusing to start)",
+        describe_damaged(.group, .index)
+    )]
+    Corrupt { path: PathBuf, offset: u64, group: Option<GroupId>, index: Option<u64> },
     #[error("write-ahead log has failed earlier; the node is stopping")]
     Failed,
+}
+
+fn describe_damaged(group: &Option<GroupId>, index: &Option<u64>) -> String {
+    match (group, index) {
+        (Some(g), Some(i)) => format!(", in a record of group {g} at index {i} by its header"),
+        _ => String::new(),
+    }
 }
 
 /// Where an entry's bytes are.
@@ -159,7 +197,24 @@ struct Segment {
     /// Bytes from its start known to be on disk: what a crash keeps
     /// ([`Wal::crash_for_tests`]).
     synced: u64,
+    /// The synced length the last `KIND_SYNCED` record written here
+    /// carries: the next write carries a new one only once a sync has
+    /// covered more.
+    marked: u64,
+    /// The end of the latest record that killed an entry here (a
+    /// truncation, a drop, an entry written over or moved). Until that
+    /// record is durable the segment must stay, dead or not: a crash would
+    /// lose the record and bring its entries back, with this file gone.
+    killed_by: Pos,
 }
+
+/// A place in the log: a segment and an offset in it. Orders as the log
+/// was written.
+type Pos = (u64, u64);
+
+/// What a kill that no record of the log made (a purge, whose point lives
+/// in sled) waits for: nothing here.
+const NO_RECORD: Pos = (0, 0);
 
 struct Inner {
     segments: BTreeMap<u64, Segment>,
@@ -333,13 +388,17 @@ fn parse(file: &File, salt: Option<u64>) -> io::Result<Parsed> {
         hasher.update(&h[4..]);
         hasher.update(&payload);
         // Zeros (crc 0 over kind 0) are never a record, whatever the salt.
-        if hasher.finalize() != crc || !(KIND_ENTRY..=KIND_SEAL).contains(&h[8]) {
+        if hasher.finalize() != crc || !(KIND_ENTRY..=KIND_SYNCED).contains(&h[8]) {
             break;
         }
         if h[8] == KIND_SEAL {
             sealed = true;
             at += HEADER as u64 + u64::from(len);
             break;
+        }
+        if h[8] == KIND_SYNCED {
+            at += HEADER as u64 + u64::from(len);
+            continue;
         }
         out.push(Record {
             kind: h[8],
@@ -353,6 +412,89 @@ fn parse(file: &File, salt: Option<u64>) -> io::Result<Parsed> {
     Ok(Parsed { records: out, valid: at, sealed })
 }
 
+/// A `KIND_SYNCED` record for segment `id`: its first `synced` bytes are
+/// on disk.
+fn synced_record(id: u64, synced: u64) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(HEADER);
+    encode_record(&mut buf, KIND_SYNCED, 0, synced, &[]);
+    salt_records(&mut buf, id);
+    buf
+}
+
+/// Whether a valid `KIND_SYNCED` record of segment `id` somewhere after
+/// `bad` says the segment had been synced past `bad`: then the bad record
+/// at `bad` was acknowledged and has rotted since, rather than torn.
+///
+/// The records between may be unreadable too (a damaged length loses
+/// their framing), so this looks at every byte: such a record has no
+/// payload and a fixed header, a 13-byte pattern checked before its CRC,
+/// and blocks of zeros (a new segment's unwritten space) are skipped
+/// nearly whole. Only run on the head, and only when it ends before its
+/// file does.
+fn synced_past(file: &File, id: u64, bad: u64) -> io::Result<bool> {
+    const BLOCK: usize = 4096;
+    static ZEROS: [u8; BLOCK] = [0; BLOCK];
+    // len 0, kind, group 0: bytes 4..17 of the header.
+    let mut pattern = [0u8; 13];
+    pattern[4] = KIND_SYNCED;
+    let size = file.metadata()?.len();
+    let mut salt = crc32fast::Hasher::new();
+    salt.update(&id.to_le_bytes());
+    let mut buf = vec![0u8; 256 * BLOCK];
+    let mut at = bad + 1;
+    while at + HEADER as u64 <= size {
+        let n = ((size - at) as usize).min(buf.len());
+        file.read_exact_at(&mut buf[..n], at)?;
+        for (b, block) in buf[..n].chunks(BLOCK).enumerate() {
+            // A header's kind byte is its ninth: one starting in a zero
+            // block must start within its last 8 bytes.
+            let start = b * BLOCK;
+            let from = if block == &ZEROS[..block.len()] { start + block.len().saturating_sub(8) } else { start };
+            for i in from..start + block.len() {
+                if i + HEADER > n {
+                    break;
+                }
+                let h = &buf[i..i + HEADER];
+                if h[4..17] != pattern {
+                    continue;
+                }
+                let mut crc = salt.clone();
+                crc.update(&h[4..]);
+                if crc.finalize() != u32::from_le_bytes(h[0..4].try_into().expect("4 bytes")) {
+                    continue;
+                }
+                let synced = u64::from_le_bytes(h[17..25].try_into().expect("8 bytes"));
+                // A record can only vouch for bytes before itself.
+                if synced > bad && synced <= at + i as u64 {
+                    return Ok(true);
+                }
+            }
+        }
+        if n < buf.len() {
+            break;
+        }
+        // Overlap by a header, for one that straddles the two reads.
+        at += (n - HEADER + 1) as u64;
+    }
+    Ok(false)
+}
+
+/// The group and index the header at `at` claims, if it looks like a
+/// record header (kind known, length within the file).
+fn claimed_record(file: &File, at: u64) -> Option<(GroupId, u64)> {
+    let size = file.metadata().ok()?.len();
+    let mut h = [0u8; HEADER];
+    file.read_exact_at(&mut h, at).ok()?;
+    let len = u64::from(u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")));
+    let known = matches!(h[8], KIND_ENTRY | KIND_REWRITE | KIND_TRUNCATE | KIND_DROP);
+    (known && at + HEADER as u64 + len <= size).then(|| {
+        (
+            u64::from_le_bytes(h[9..17].try_into().expect("8 bytes")),
+            u64::from_le_bytes(h[17..25].try_into().expect("8 bytes")),
+        )
+    })
+}
+
 impl Inner {
     /// Groups with live entries in segment `seg` and none in the head.
     fn idle_in(&self, seg: u64) -> Vec<GroupId> {
@@ -364,9 +506,11 @@ impl Inner {
             .collect()
     }
 
-    /// `n` live entries of `group` in segment `seg` fewer.
-    fn unlive(&mut self, group: GroupId, seg: u64, n: u32) {
+    /// `n` live entries of `group` in segment `seg` fewer, killed by the
+    /// record ending at `by`.
+    fn unlive(&mut self, group: GroupId, seg: u64, n: u32, by: Pos) {
         if let Some(s) = self.segments.get_mut(&seg) {
+            s.killed_by = s.killed_by.max(by);
             if let Entry::Occupied(mut e) = s.holders.entry(group) {
                 *e.get_mut() -= n;
                 if *e.get() == 0 {
@@ -378,20 +522,20 @@ impl Inner {
 
     /// The entries `locs` of `group` are gone: one count per run of one
     /// segment (a group's entries sit mostly in order of their segments).
-    fn unlive_all(&mut self, group: GroupId, locs: impl IntoIterator<Item = Loc>) {
+    fn unlive_all(&mut self, group: GroupId, locs: impl IntoIterator<Item = Loc>, by: Pos) {
         let mut run: Option<(u64, u32)> = None;
         for loc in locs {
             match &mut run {
                 Some((seg, n)) if *seg == loc.seg => *n += 1,
                 _ => {
                     if let Some((seg, n)) = run.replace((loc.seg, 1)) {
-                        self.unlive(group, seg, n);
+                        self.unlive(group, seg, n, by);
                     }
                 }
             }
         }
         if let Some((seg, n)) = run {
-            self.unlive(group, seg, n);
+            self.unlive(group, seg, n, by);
         }
     }
 
@@ -401,11 +545,11 @@ impl Inner {
     }
 
     /// Drop the group's entries from `index` on.
-    fn truncate(&mut self, group: GroupId, index: u64) {
+    fn truncate(&mut self, group: GroupId, index: u64, by: Pos) {
         let Some(g) = self.groups.get_mut(&group) else { return };
         let keep = index.saturating_sub(g.first).min(g.locs.len() as u64) as usize;
         let dropped: Vec<Loc> = g.locs.drain(keep..).collect();
-        self.unlive_all(group, dropped);
+        self.unlive_all(group, dropped, by);
     }
 
     /// Drop the group's entries up to `index`.
@@ -414,25 +558,25 @@ impl Inner {
         let n = (index.saturating_add(1)).saturating_sub(g.first).min(g.locs.len() as u64) as usize;
         let dropped: Vec<Loc> = g.locs.drain(..n).collect();
         g.first += n as u64;
-        self.unlive_all(group, dropped);
+        self.unlive_all(group, dropped, NO_RECORD);
     }
 
-    fn drop_group(&mut self, group: GroupId) {
+    fn drop_group(&mut self, group: GroupId, by: Pos) {
         if let Some(g) = self.groups.remove(&group) {
-            self.unlive_all(group, g.locs);
+            self.unlive_all(group, g.locs, by);
         }
     }
 
     /// Entry `index` of `group` is now at `loc`: it follows the last entry,
     /// or replaces it and everything after it; after a gap the log starts
     /// again at `index` (openraft purged what came before).
-    fn put(&mut self, group: GroupId, index: u64, loc: Loc) {
+    fn put(&mut self, group: GroupId, index: u64, loc: Loc, by: Pos) {
         let last = self.groups.get(&group).and_then(GroupLog::last);
         match last {
-            Some(last) if index <= last => self.truncate(group, index),
+            Some(last) if index <= last => self.truncate(group, index, by),
             Some(last) if index == last + 1 => {}
             _ => {
-                self.drop_group(group);
+                self.drop_group(group, by);
             }
         }
         let g = self.groups.entry(group).or_default();
@@ -444,7 +588,7 @@ impl Inner {
     }
 
     /// Entry `index` now at `loc` without touching the entries after it.
-    fn rewrite(&mut self, group: GroupId, index: u64, loc: Loc) {
+    fn rewrite(&mut self, group: GroupId, index: u64, loc: Loc, by: Pos) {
         let slot = self
             .groups
             .get(&group)
@@ -454,22 +598,36 @@ impl Inner {
             Some(i) => {
                 let g = self.groups.get_mut(&group).expect("checked");
                 let old = std::mem::replace(&mut g.locs[i], loc);
-                self.unlive(group, old.seg, 1);
+                self.unlive(group, old.seg, 1, by);
                 self.live(group, loc);
             }
-            None => self.put(group, index, loc),
+            None => self.put(group, index, loc, by),
         }
     }
 
     fn apply(&mut self, seg: u64, r: &Record) {
         let loc = Loc { seg, offset: r.offset, len: r.len };
+        let by = (seg, r.offset + u64::from(r.len));
         match r.kind {
-            KIND_ENTRY => self.put(r.group, r.index, loc),
-            KIND_REWRITE => self.rewrite(r.group, r.index, loc),
-            KIND_TRUNCATE => self.truncate(r.group, r.index),
-            KIND_DROP => self.drop_group(r.group),
+            KIND_ENTRY => self.put(r.group, r.index, loc, by),
+            KIND_REWRITE => self.rewrite(r.group, r.index, loc, by),
+            KIND_TRUNCATE => self.truncate(r.group, r.index, by),
+            KIND_DROP => self.drop_group(r.group, by),
             _ => {}
         }
+    }
+
+    /// Whether the record ending at `pos` is on disk: every segment but
+    /// the head was synced with its seal.
+    fn durable(&self, pos: Pos) -> bool {
+        pos.0 != self.active || self.segments.get(&pos.0).is_some_and(|s| pos.1 <= s.synced)
+    }
+
+    /// Whether segment `id` may go: no live entry, and every record that
+    /// killed one durable (the purge points that did are sled's, which the
+    /// caller syncs).
+    fn reclaimable(&self, id: u64) -> bool {
+        id != self.active && self.segments.get(&id).is_some_and(|s| s.holders.is_empty() && self.durable(s.killed_by))
     }
 }
 
@@ -480,7 +638,9 @@ impl Wal {
             let path = path.to_owned();
             move |source| WalError::Io { path, source }
         };
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        // Its name first: a segment synced in a dir whose own entry is not
+        // is lost all the same.
+        crate::fsync::create_dir_durably(dir).map_err(io_err(dir))?;
         // (id, salted: this format or the previous one)
         let mut ids = Vec::new();
         let mut spare_ids = Vec::new();
@@ -516,8 +676,16 @@ impl Wal {
             let parsed = parse(&file, salted.then_some(id)).map_err(io_err(&path))?;
             let last = n + 1 == ids.len();
             let whole = if salted { parsed.sealed } else { parsed.valid == size };
-            if !whole && !last {
-                return Err(WalError::Corrupt { path, offset: parsed.valid });
+            // The head's first bad record is its torn tail, unless a later
+            // record says the head had been synced past it.
+            let rotted = !whole
+                && (!last
+                    || salted
+                        && parsed.valid + HEADER as u64 <= size
+                        && synced_past(&file, id, parsed.valid).map_err(io_err(&path))?);
+            if rotted {
+                let (group, index) = claimed_record(&file, parsed.valid).unzip();
+                return Err(WalError::Corrupt { path, offset: parsed.valid, group, index });
             }
             if !salted && !whole {
                 // The previous format's torn tail: cut it, as that format
@@ -531,9 +699,18 @@ impl Wal {
             }
             head_sealed = !salted || parsed.sealed;
             let synced = parsed.valid;
-            inner
-                .segments
-                .insert(id, Segment { file: Arc::new(file), path, holders: HashMap::new(), dirty: false, synced });
+            inner.segments.insert(
+                id,
+                Segment {
+                    file: Arc::new(file),
+                    path,
+                    holders: HashMap::new(),
+                    dirty: false,
+                    synced,
+                    marked: 0,
+                    killed_by: NO_RECORD,
+                },
+            );
             for r in &parsed.records {
                 inner.apply(id, r);
             }
@@ -605,8 +782,13 @@ impl Wal {
             }
         };
         // The new name must survive a crash as much as what is written to it.
-        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| self.io_err(e))?;
-        inner.segments.insert(id, Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0 });
+        crate::fsync::sync_dir(&self.dir).map_err(|e| self.io_err(e))?;
+        #[cfg(any(test, feature = "test-hooks"))]
+        crate::fsync::contents_kept_elsewhere(&file);
+        inner.segments.insert(
+            id,
+            Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0, marked: 0, killed_by: NO_RECORD },
+        );
         inner.active = id;
         inner.active_len = 0;
         Ok(())
@@ -635,7 +817,12 @@ impl Wal {
         if inner.failed {
             return Err(WalError::Failed);
         }
-        if inner.active_len > 0 && inner.active_len + (buf.len() + HEADER) as u64 > self.segment_bytes {
+        let marks = |inner: &Inner| {
+            let s = &inner.segments[&inner.active];
+            (s.synced > s.marked).then_some(s.synced)
+        };
+        let mark_len = if marks(inner).is_some() { HEADER } else { 0 };
+        if inner.active_len > 0 && inner.active_len + (mark_len + buf.len() + HEADER) as u64 > self.segment_bytes {
             self.seal_active(inner)?;
             let next = inner.active + 1;
             if let Err(e) = self.new_segment(inner, next) {
@@ -649,15 +836,26 @@ impl Wal {
         }
         let seg = inner.active;
         salt_records(buf, seg);
-        let at = inner.active_len;
+        let mark = marks(inner);
+        let mut at = inner.active_len;
         let s = inner.segments.get_mut(&seg).expect("active segment");
+        if let Some(synced) = mark {
+            // A write of its own: copying `buf` (megabytes at times) in
+            // behind it would cost more than the syscall.
+            if let Err(e) = s.file.write_all_at(&synced_record(seg, synced), at) {
+                inner.failed = true;
+                return Err(self.io_err(e));
+            }
+            s.marked = synced;
+            at += HEADER as u64;
+        }
         if let Err(e) = s.file.write_all_at(buf, at) {
             // Part of it may be on disk: nothing may follow it.
             inner.failed = true;
             return Err(self.io_err(e));
         }
         s.dirty = true;
-        inner.active_len += buf.len() as u64;
+        inner.active_len = at + buf.len() as u64;
         Ok((seg, at))
     }
 
@@ -681,12 +879,13 @@ impl Wal {
         }
         let mut inner = self.lock();
         let (seg, at) = self.write(&mut inner, &mut buf)?;
+        let by = (seg, at + buf.len() as u64);
         for ((index, bytes), off) in entries.iter().zip(offsets) {
             let loc = Loc { seg, offset: at + off, len: bytes.len() as u32 };
             if kind == KIND_REWRITE {
-                inner.rewrite(group, *index, loc);
+                inner.rewrite(group, *index, loc, by);
             } else {
-                inner.put(group, *index, loc);
+                inner.put(group, *index, loc, by);
             }
         }
         Ok(())
@@ -697,8 +896,8 @@ impl Wal {
         let mut buf = Vec::with_capacity(HEADER);
         encode_record(&mut buf, KIND_TRUNCATE, group, index, &[]);
         let mut inner = self.lock();
-        self.write(&mut inner, &mut buf)?;
-        inner.truncate(group, index);
+        let (seg, at) = self.write(&mut inner, &mut buf)?;
+        inner.truncate(group, index, (seg, at + buf.len() as u64));
         Ok(())
     }
 
@@ -716,8 +915,8 @@ impl Wal {
         if !inner.groups.contains_key(&group) {
             return Ok(());
         }
-        self.write(&mut inner, &mut buf)?;
-        inner.drop_group(group);
+        let (seg, at) = self.write(&mut inner, &mut buf)?;
+        inner.drop_group(group, (seg, at + buf.len() as u64));
         drop(inner);
         self.sync()
     }
@@ -820,16 +1019,12 @@ impl Wal {
     }
 
     /// Segments that hold no live entry, oldest first, none of them the
-    /// head. Before removing them with [`Wal::remove`], the caller makes the
-    /// purge points durable that killed their entries.
+    /// head, and none whose entries a record not yet synced killed (see
+    /// `Segment::killed_by`). Before removing them with [`Wal::remove`],
+    /// the caller makes the purge points durable that killed their entries.
     pub fn reclaimable(&self) -> Vec<u64> {
         let inner = self.lock();
-        inner
-            .segments
-            .iter()
-            .take_while(|(id, s)| **id != inner.active && s.holders.is_empty())
-            .map(|(id, _)| *id)
-            .collect()
+        inner.segments.keys().take_while(|id| inner.reclaimable(**id)).copied().collect()
     }
 
     /// Remove segments [`Wal::reclaimable`] named (they stay dead: nothing
@@ -849,8 +1044,7 @@ impl Wal {
         let mut inner = self.lock();
         let mut out = Vec::new();
         for id in ids {
-            let dead = inner.segments.get(id).is_some_and(|s| s.holders.is_empty()) && *id != inner.active;
-            if dead {
+            if inner.reclaimable(*id) {
                 if let Some(s) = inner.segments.remove(id) {
                     out.push(Retired { id: *id, path: s.path, file: s.file });
                 }
@@ -866,27 +1060,41 @@ impl Wal {
     /// Either is a metadata change that costs the file system milliseconds
     /// for a full segment (unlinking one took 30-60 ms), so the node does
     /// this on a thread of its own.
+    ///
+    /// The directory is synced after each file: a later segment's removal
+    /// must not reach the disk before an earlier one's, whose entries the
+    /// later one's records may have killed. A failed sync fails the log
+    /// (every later write and sync), as a failed `fdatasync` does.
     pub fn retire(&self, files: Vec<Retired>) {
         for Retired { id, path, file } in files {
-            // Only the remover adds spares, so the count cannot grow between
-            // this check and the push.
-            if self.lock().spares.len() < MAX_SPARES {
-                let spare = spare_path(&self.dir, id);
-                match std::fs::rename(&path, &spare) {
-                    Ok(()) => {
-                        self.lock().spares.push(Spare { path: spare, file });
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, file = %path.display(), "could not keep a dead write-ahead log segment for reuse")
-                    }
+            self.retire_one(id, path, file);
+            if let Err(e) = crate::fsync::sync_dir(&self.dir) {
+                tracing::error!(error = %e, dir = %self.dir.display(), "write-ahead log directory sync failed");
+                self.lock().failed = true;
+                return;
+            }
+        }
+    }
+
+    fn retire_one(&self, id: u64, path: PathBuf, file: Arc<File>) {
+        // Only the remover adds spares, so the count cannot grow between
+        // this check and the push.
+        if self.lock().spares.len() < MAX_SPARES {
+            let spare = spare_path(&self.dir, id);
+            match std::fs::rename(&path, &spare) {
+                Ok(()) => {
+                    self.lock().spares.push(Spare { path: spare, file });
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, file = %path.display(), "could not keep a dead write-ahead log segment for reuse")
                 }
             }
-            drop(file);
-            if let Err(e) = unlink(&path) {
-                // Space not given back until the next start, nothing lost.
-                tracing::warn!(error = %e, file = %path.display(), "could not remove a write-ahead log segment");
-            }
+        }
+        drop(file);
+        if let Err(e) = unlink(&path) {
+            // Space not given back until the next start, nothing lost.
+            tracing::warn!(error = %e, file = %path.display(), "could not remove a write-ahead log segment");
         }
     }
 
@@ -946,8 +1154,9 @@ impl Wal {
             let offsets: Vec<u64> =
                 entries.iter().map(|(i, b)| encode_record(&mut buf, KIND_ENTRY, group, *i, b)).collect();
             let (seg, at) = self.write(&mut inner, &mut buf)?;
+            let by = (seg, at + buf.len() as u64);
             for ((index, bytes), off) in entries.iter().zip(offsets) {
-                inner.put(group, *index, Loc { seg, offset: at + off, len: bytes.len() as u32 });
+                inner.put(group, *index, Loc { seg, offset: at + off, len: bytes.len() as u32 }, by);
             }
             moved += buf.len() as u64;
         }
@@ -1223,6 +1432,39 @@ mod tests {
         assert!(!wal.has_group(2), "its drop synced itself");
     }
 
+    /// A segment whose entries a truncation killed stays until that
+    /// truncation is synced: removed before, a power cut would lose the
+    /// truncation and keep the entries after the removed ones, a hole
+    /// between the group's purge point and its next entries.
+    #[test]
+    fn a_segment_killed_by_an_unsynced_record_is_not_reclaimed_before_it_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let es = entries(1, 1..=10, 500);
+        {
+            let wal = Wal::open(dir.path(), 4096).unwrap();
+            append_each(&wal, 1, &es);
+            wal.sync().unwrap();
+            assert!(wal.segment_count() > 1);
+            // As in a flusher round: the log synced, then a truncation comes
+            // in before the round asks what it may reclaim.
+            wal.truncate(1, 1).unwrap();
+            let dead = wal.reclaimable();
+            wal.remove(&dead).unwrap();
+            wal.crash_for_tests().unwrap();
+        }
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        let indexes: Vec<u64> = all(&wal, 1).into_iter().map(|(i, _)| i).collect();
+        assert_eq!(indexes, (1..=10).collect::<Vec<_>>(), "the truncation was lost, so every entry must be back");
+        assert_eq!(all(&wal, 1), es);
+        drop(wal);
+        // Once the truncation is durable the segments go.
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        wal.truncate(1, 1).unwrap();
+        assert!(wal.reclaimable().is_empty(), "not synced yet");
+        wal.sync().unwrap();
+        assert!(!wal.reclaimable().is_empty());
+    }
+
     #[test]
     fn a_dead_segment_still_being_read_is_not_reused() {
         let dir = tempfile::tempdir().unwrap();
@@ -1359,6 +1601,69 @@ mod tests {
             Err(e) => panic!("wrong error: {e}"),
             Ok(_) => panic!("a damaged segment was accepted"),
         }
+    }
+
+    /// A record of the head segment that a sync covered and that no
+    /// longer reads back is damage, not a torn tail: the log refuses to
+    /// start, naming the record, rather than drop it and every record
+    /// after it.
+    #[test]
+    fn a_flipped_byte_in_a_synced_record_of_the_head_is_corruption_not_its_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = entries(1, 1..=5, 100);
+        {
+            let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+            wal.append(1, &a).unwrap();
+            wal.sync().unwrap();
+            // The next write says how far the head was synced.
+            wal.append(2, &entries(2, 1..=1, 10)).unwrap();
+            wal.sync().unwrap();
+        }
+        let seg = seg_path(dir.path(), 1);
+        let third = (2 * (HEADER + 100)) as u64;
+        let f = OpenOptions::new().read(true).write(true).open(&seg).unwrap();
+        let mut byte = [0u8];
+        f.read_exact_at(&mut byte, third + HEADER as u64 + 40).unwrap();
+        f.write_all_at(&[byte[0] ^ 0x10], third + HEADER as u64 + 40).unwrap();
+        drop(f);
+        match Wal::open(dir.path(), 1 << 20) {
+            Err(WalError::Corrupt { offset, group, index, .. }) => {
+                assert_eq!((offset, group, index), (third, Some(1), Some(3)))
+            }
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(wal) => panic!("damage read as the end of the log: group 1 holds {:?}", wal.bounds(1)),
+        }
+        // Also when the damaged length hides where the next records start.
+        let f = OpenOptions::new().write(true).open(&seg).unwrap();
+        f.write_all_at(&[0xff; 4], third + 4).unwrap();
+        drop(f);
+        assert!(matches!(Wal::open(dir.path(), 1 << 20), Err(WalError::Corrupt { offset, .. }) if offset == third));
+    }
+
+    /// What was written after the last sync and torn by the crash is still
+    /// the log's end, cut there, records of the same write behind it or not.
+    #[test]
+    fn a_torn_unsynced_tail_is_still_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = entries(1, 1..=3, 100);
+        let b = entries(1, 4..=7, 100);
+        {
+            let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+            wal.append(1, &a).unwrap();
+            wal.sync().unwrap();
+            // Never synced; opens with how far the head was synced.
+            wal.append(1, &b).unwrap();
+        }
+        // Entry 5's block never made it; 6 and 7 did.
+        let fifth = (3 * (HEADER + 100) + HEADER + HEADER + 100) as u64;
+        OpenOptions::new()
+            .write(true)
+            .open(seg_path(dir.path(), 1))
+            .unwrap()
+            .write_all_at(&[0; 30], fifth + 10)
+            .unwrap();
+        let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(all(&wal, 1), [&a[..], &b[..1]].concat());
     }
 
     /// A group that pinned the oldest segment while busy gets the whole
