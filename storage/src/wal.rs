@@ -187,6 +187,8 @@ impl GroupLog {
 struct Segment {
     file: Arc<File>,
     path: PathBuf,
+    /// Its records' CRCs cover its id (all but the previous format's).
+    salted: bool,
     /// Live entries in this segment by group (none: the segment is dead):
     /// which groups pin it, found without going over every group's entries
     /// (ten thousand idle groups beside busy ones whose logs hold a
@@ -410,6 +412,23 @@ fn parse(file: &File, salt: Option<u64>) -> io::Result<Parsed> {
         at += HEADER as u64 + u64::from(len);
     }
     Ok(Parsed { records: out, valid: at, sealed })
+}
+
+/// Whether `bytes`, one whole record read back, is the entry `index` of
+/// `group` as it was written: its CRC (salted with the segment's id where
+/// the format has one) and its header's claims.
+fn record_intact(bytes: &[u8], salt: Option<u64>, group: GroupId, index: u64) -> bool {
+    let mut hasher = crc32fast::Hasher::new();
+    if let Some(id) = salt {
+        hasher.update(&id.to_le_bytes());
+    }
+    hasher.update(&bytes[4..]);
+    let crc = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes"));
+    let len = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
+    hasher.finalize() == crc
+        && len == bytes.len() - HEADER
+        && u64::from_le_bytes(bytes[9..17].try_into().expect("8 bytes")) == group
+        && u64::from_le_bytes(bytes[17..25].try_into().expect("8 bytes")) == index
 }
 
 /// A `KIND_SYNCED` record for segment `id`: its first `synced` bytes are
@@ -704,6 +723,7 @@ impl Wal {
                 Segment {
                     file: Arc::new(file),
                     path,
+                    salted,
                     holders: HashMap::new(),
                     dirty: false,
                     synced,
@@ -787,7 +807,16 @@ impl Wal {
         crate::fsync::contents_kept_elsewhere(&file);
         inner.segments.insert(
             id,
-            Segment { file, path, holders: HashMap::new(), dirty: false, synced: 0, marked: 0, killed_by: NO_RECORD },
+            Segment {
+                file,
+                path,
+                salted: true,
+                holders: HashMap::new(),
+                dirty: false,
+                synced: 0,
+                marked: 0,
+                killed_by: NO_RECORD,
+            },
         );
         inner.active = id;
         inner.active_len = 0;
@@ -941,7 +970,7 @@ impl Wal {
 
     /// The bytes of `group`'s entries `start..=end` that exist, in order.
     pub fn read(&self, group: GroupId, start: u64, end: u64) -> Result<Vec<RawEntry>, WalError> {
-        let wanted: Vec<(u64, Loc, Arc<File>)> = {
+        let wanted: Vec<(u64, Loc, Arc<File>, Option<u64>)> = {
             let inner = self.lock();
             let Some(g) = inner.groups.get(&group) else { return Ok(Vec::new()) };
             let Some(last) = g.last() else { return Ok(Vec::new()) };
@@ -952,16 +981,27 @@ impl Wal {
             (from..=to)
                 .map(|i| {
                     let loc = g.locs[(i - g.first) as usize];
-                    (i, loc, inner.segments[&loc.seg].file.clone())
+                    let seg = &inner.segments[&loc.seg];
+                    (i, loc, seg.file.clone(), seg.salted.then_some(loc.seg))
                 })
                 .collect()
         };
         // Read outside the lock: a segment reclaimed meanwhile stays readable
         // through its open handle.
         let mut out = Vec::with_capacity(wanted.len());
-        for (index, loc, file) in wanted {
-            let mut bytes = vec![0; loc.len as usize];
-            file.read_exact_at(&mut bytes, loc.offset).map_err(|e| self.io_err(e))?;
+        for (index, loc, file, salt) in wanted {
+            // The record's header too: its CRC is checked on every read, so
+            // bits that rotted since the log was opened are never served,
+            // replicated or applied as if they were the entry.
+            let at = loc.offset - HEADER as u64;
+            let mut bytes = vec![0; HEADER + loc.len as usize];
+            file.read_exact_at(&mut bytes, at).map_err(|e| self.io_err(e))?;
+            if !record_intact(&bytes, salt, group, index) {
+                let path =
+                    self.lock().segments.get(&loc.seg).map_or_else(|| seg_path(&self.dir, loc.seg), |s| s.path.clone());
+                return Err(WalError::Corrupt { path, offset: at, group: Some(group), index: Some(index) });
+            }
+            bytes.drain(..HEADER);
             out.push((index, bytes));
         }
         Ok(out)
@@ -1638,6 +1678,29 @@ mod tests {
         f.write_all_at(&[0xff; 4], third + 4).unwrap();
         drop(f);
         assert!(matches!(Wal::open(dir.path(), 1 << 20), Err(WalError::Corrupt { offset, .. }) if offset == third));
+    }
+
+    /// Bits that rot under a running log are found when the entry is read
+    /// (served, replicated or applied), never handed on as the entry.
+    #[test]
+    fn an_entry_that_rotted_after_the_open_is_refused_when_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+        wal.append(1, &entries(1, 1..=3, 100)).unwrap();
+        wal.sync().unwrap();
+        assert_eq!(wal.read(1, 1, 3).unwrap().len(), 3);
+        let second = (HEADER + 100) as u64;
+        let f = OpenOptions::new().read(true).write(true).open(seg_path(dir.path(), 1)).unwrap();
+        let mut byte = [0u8];
+        f.read_exact_at(&mut byte, second + HEADER as u64 + 7).unwrap();
+        f.write_all_at(&[byte[0] ^ 0x01], second + HEADER as u64 + 7).unwrap();
+        match wal.read(1, 1, 3) {
+            Err(WalError::Corrupt { offset, group, index, .. }) => {
+                assert_eq!((offset, group, index), (second, Some(1), Some(2)))
+            }
+            other => panic!("a rotted entry was read as written: {other:?}"),
+        }
+        assert_eq!(wal.read(1, 1, 1).unwrap(), entries(1, 1..=1, 100), "the entry before it is whole");
     }
 
     /// What was written after the last sync and torn by the crash is still
