@@ -1179,6 +1179,9 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held, splits):
     dups = sum(n - 1 for n in delivered.values())
     stuck = sum(1 for l in read_lines(os.path.join(out, "watchdog.log")) if l and l[0] == "W")
     panics = [i for i, n in c.nodes.items() if "panicked" in open(n.log, errors="replace").read()]
+    # Data dirs a node found damaged at its start and set aside to be
+    # refilled by its peers: not a failure, but worth seeing.
+    set_aside = sum(open(n.log, errors="replace").read().count("the data dir is damaged") for n in c.nodes.values())
     storms = {i: log_storms(n.log) for i, n in c.nodes.items()}
     storms = {i: st for i, st in storms.items() if st}
     for i, st in storms.items():
@@ -1199,7 +1202,7 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held, splits):
           f"lost={len(lost)} unexpected={len(unexpected)} duplicates={dups} "
           f"duplicate_bound={'-' if bound is None else bound} wedged={len(wedged)} "
           f"undrained={sum(undrained.values())} held={sum((r or 0) + (u or 0) for r, u in (v or (0, 0) for v in held.values()))} client_errors={errors} stuck_publishes={stuck} "
-          f"node_panics={len(panics)} log_storms={len(storms)} splits={len(splits)} result={'PASS' if ok else 'FAIL'}", flush=True)
+          f"node_panics={len(panics)} log_storms={len(storms)} splits={len(splits)} set_aside={set_aside} result={'PASS' if ok else 'FAIL'}", flush=True)
     for a in c.anomalies + [f"n{i} log contains 'panicked'" for i in panics]:
         print(f"  anomaly: {a}")
     if wedged:
