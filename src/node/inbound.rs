@@ -104,6 +104,7 @@ impl Inner {
                         g.watch.appends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                     self.metrics.appends_received.inc();
+                    self.refill_heard(group, req.leader_commit.map(|l| l.index));
                     RpcResponse::Append(r.append_entries(req).await)
                 }
                 Err(refusal) => refusal,
@@ -112,6 +113,9 @@ impl Inner {
                 Ok(r) => {
                     if group != METADATA_GROUP {
                         self.metrics.queue_vote_requests.inc();
+                    }
+                    if let Some(refusal) = self.refill_refusal(group, &r, &req) {
+                        return RpcResponse::Vote(Ok(refusal));
                     }
                     RpcResponse::Vote(r.vote(req).await)
                 }

@@ -35,7 +35,14 @@ use crate::raft::types::{LogStore, Raft};
 fn open_or_set_aside(cfg: &NodeConfig) -> Result<NodeDb, ServerError> {
     let opts = DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes };
     let err = match NodeDb::open(&cfg.data_dir, &opts) {
-        Ok(db) => return Ok(db),
+        Ok(db) => {
+            // New beside a dir set aside: the power went between the two
+            // (or the mark's write failed), and this is the refill's dir.
+            if db.get_node_value(NODE_ID_KEY)?.is_none() && mirrorq_storage::was_set_aside(&cfg.data_dir) {
+                db.put_node_value(REFILL_KEY, &[])?;
+            }
+            return Ok(db);
+        }
         Err(e) => e,
     };
     let has_peers = cfg.join.is_some() || cfg.cluster.keys().any(|id| *id != cfg.node_id);
@@ -222,6 +229,7 @@ impl Node {
             peers: confirm_gate::Peers::new(Default::default()),
             leaving: AtomicBool::new(false),
             replicas_started: tokio::sync::watch::Sender::new(false),
+            refill: Mutex::new(refill.then(HashMap::new)),
             founding_floor: std::sync::atomic::AtomicU64::new(founding_floor),
             quiet: Mutex::default(),
             quiescence: super::quiescence::Quiescence::new(incarnation),
@@ -261,6 +269,7 @@ impl Node {
         if let (true, Some(via)) = (joining, cfg.join.clone()) {
             node.spawn_join(via);
         }
+        node.spawn_refill_watch();
         node.spawn_reconciler(feed);
         node.spawn_epoch_watch(news_rx);
         node.spawn_registration();

@@ -54,6 +54,7 @@ mod quiescence;
 mod reaper;
 mod rebalance;
 mod reconcile;
+mod refill;
 mod split;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
@@ -281,6 +282,10 @@ struct Inner {
     /// while this node starts thousands of replicas (at 10,000 queues every
     /// busy queue's confirms stalled for about a second at each return).
     replicas_started: watch::Sender<bool>,
+    /// On a data dir that replaced a damaged one, until every replica here
+    /// is filled: what each group's leader had committed when it was first
+    /// heard (`refill.rs`). `None` on any other dir, and once filled.
+    refill: Mutex<Option<refill::Targets>>,
     /// On a data dir that started empty, the last queue group id declared
     /// before it did: every group above it was declared since, so this
     /// node cannot have founded it on an earlier dir. Known (below

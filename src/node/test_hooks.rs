@@ -100,6 +100,12 @@ impl Node {
             .map_err(|e| NodeError::Unavailable(e.to_string()))
     }
 
+    /// Whether this node is still being refilled after its data dir was
+    /// set aside (its replicas grant no vote yet).
+    pub fn is_refilling(&self) -> bool {
+        self.inner.refill.lock().expect("poisoned").is_some()
+    }
+
     /// The metadata group's Raft handle.
     pub fn metadata_raft(&self) -> &Raft {
         &self.inner.meta_raft

@@ -343,6 +343,12 @@ impl NodeDb {
         self.inner.flusher.sync().await.map_err(|_| StorageError::SyncFailed)
     }
 
+    /// [`NodeDb::remove_node_value`] for a task (see `put_node_value_async`).
+    pub async fn remove_node_value_async(&self, key: &str) -> Result<(), StorageError> {
+        self.inner.node.remove(key)?;
+        self.inner.flusher.sync().await.map_err(|_| StorageError::SyncFailed)
+    }
+
     /// Remove a node-level value, durably.
     pub fn remove_node_value(&self, key: &str) -> Result<(), StorageError> {
         self.inner.node.remove(key)?;
@@ -478,13 +484,27 @@ impl Drop for Inner {
     }
 }
 
+const SET_ASIDE: &str = ".damaged-";
+
+/// Whether a data dir was ever set aside in place of `dir`: a dir found
+/// new beside one was made for a refill, even if the power went before the
+/// refill was marked in it.
+pub fn was_set_aside(dir: &Path) -> bool {
+    let (Some(name), Some(parent)) = (dir.file_name(), dir.parent()) else { return false };
+    let prefix = format!("{}{SET_ASIDE}", name.to_string_lossy());
+    let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+    std::fs::read_dir(parent)
+        .map(|entries| entries.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix)))
+        .unwrap_or(false)
+}
+
 /// Move a damaged data dir out of the way, keeping it whole for a person to
 /// look at: `DIR` becomes `DIR.damaged-<unix seconds>`, and the rename is
 /// made durable before anything starts again in `DIR`. Returns where it went.
 pub fn set_aside(dir: &Path) -> Result<PathBuf, StorageError> {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let mut name = dir.file_name().unwrap_or_default().to_owned();
-    name.push(format!(".damaged-{secs}"));
+    name.push(format!("{SET_ASIDE}{secs}"));
     let aside = dir.with_file_name(name);
     let err = |source| StorageError::SetAside { path: dir.to_owned(), source };
     std::fs::rename(dir, &aside).map_err(err)?;

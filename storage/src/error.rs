@@ -61,15 +61,14 @@ pub enum StorageError {
 
 impl StorageError {
     /// Whether opening failed because what is on the disk is damaged (as
-    /// a power cut or a failing disk leaves it), rather than because of how
-    /// the node was started (a lock held, a permission, a full disk).
+    /// a power cut or a failing disk leaves it: a checksum that does not
+    /// match), rather than because of how the node was started (a lock
+    /// held, a permission, a full disk) or a format this build does not
+    /// read (an upgrade or downgrade, which must never set a dir aside).
     pub fn is_damage(&self) -> bool {
         matches!(
             self,
-            StorageError::Corrupt {
-                source: sled::Error::Corruption { .. } | sled::Error::Unsupported(_) | sled::Error::ReportableBug(_),
-                ..
-            } | StorageError::Decode { .. }
+            StorageError::Corrupt { source: sled::Error::Corruption { .. }, .. }
                 | StorageError::Redo(_)
                 | StorageError::Wal(crate::wal::WalError::Corrupt { .. })
         )

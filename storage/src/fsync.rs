@@ -39,7 +39,8 @@ pub(crate) fn create_dir_durably(dir: &Path) -> io::Result<bool> {
     if dir.is_dir() {
         return Ok(false);
     }
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+    // A relative one-level path's parent is the working directory.
+    if let Some(parent) = dir.parent().map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p }) {
         create_dir_durably(parent)?;
         match std::fs::create_dir(dir) {
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(false),

@@ -43,7 +43,7 @@ pub mod space;
 pub mod wal;
 
 pub use batch::Batch;
-pub use db::{set_aside, DbOptions, NodeDb};
+pub use db::{set_aside, was_set_aside, DbOptions, NodeDb};
 pub use error::StorageError;
 pub use flusher::{Flusher, FlusherStats};
 pub use log_store::{Durability, LogStore};

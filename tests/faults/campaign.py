@@ -1182,6 +1182,11 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held, splits):
     # Data dirs a node found damaged at its start and set aside to be
     # refilled by its peers: not a failure, but worth seeing.
     set_aside = sum(open(n.log, errors="replace").read().count("the data dir is damaged") for n in c.nodes.values())
+    if set_aside and not any(f["kind"] == "corrupt" for f in faults):
+        # Only a corrupted disk may be found damaged: after a mere power
+        # cut, a torn tail taken for damage would send every node waiting
+        # for a refill once the whole cluster's power went.
+        c.anomalies.append(f"{set_aside} data dir(s) set aside as damaged in a run that corrupted none")
     storms = {i: log_storms(n.log) for i, n in c.nodes.items()}
     storms = {i: st for i, st in storms.items() if st}
     for i, st in storms.items():
