@@ -17,6 +17,16 @@ has its own loopback, so no clash) and every HTTP call runs there, as guest,
 via `ip netns exec`; that also keeps management calls out of the partitions.
 AMQP and the node link listen on 10.213.k.i; the AMQP clients, in their own
 namespace, log in as a user this script creates over HTTP at setup.
+
+`--broker rabbitmq` runs the same schedules against RabbitMQ 3.10 (Debian's
+rabbitmq-server, installed if missing) with quorum queues: node i is
+rabbit@10.213.k.i with an epmd of its own in its namespace, management on
+that namespace's loopback as above, its data dir (RABBITMQ_MNESIA_BASE) on
+faultfs with --faultfs. What is mirrorq's alone (the ha-mode `move`, the
+epoch check, the log-storm limit, stopping on a failed fsync) is skipped
+or noted, and the output says so.
+
+    python3 tests/faults/campaign.py --broker rabbitmq --faultfs /path/to/faultfs --seeds 106
 """
 
 import argparse
