@@ -139,6 +139,14 @@ impl NodeDb {
                 .mode(sled::Mode::HighThroughput)
         };
         if !sled_dir.exists() {
+            // Votes, purge points and state machines gone while the log
+            // they go with is there: starting a fresh sled would forget
+            // votes given. Damage, like a checksum that does not match.
+            let wal_dir = dir.join("wal");
+            let logged = std::fs::read_dir(&wal_dir).map(|mut d| d.next().is_some()).unwrap_or(false);
+            if logged {
+                return Err(StorageError::Missing { path: sled_dir, beside: wal_dir });
+            }
             create_sled(&sled_dir, config)?;
         }
         let config = config(&sled_dir);
@@ -699,11 +707,29 @@ mod tests {
         let conf = std::fs::metadata(dir.path().join("sled").join("conf")).map(|m| m.len());
         assert!(conf.as_ref().is_ok_and(|len| *len > 0), "sled's conf lost its bytes: {conf:?}");
         drop(NodeDb::open(dir.path(), &DbOptions::default()).unwrap());
+        // As a first open cut short leaves it: no log yet, a torn sled.new.
         std::fs::remove_dir_all(dir.path().join("sled")).unwrap();
+        std::fs::remove_dir_all(dir.path().join("wal")).unwrap();
         std::fs::create_dir(dir.path().join(SLED_NEW)).unwrap();
         std::fs::write(dir.path().join(SLED_NEW).join("conf"), b"torn").unwrap();
         drop(NodeDb::open(dir.path(), &DbOptions::default()).unwrap());
         assert!(!dir.path().join(SLED_NEW).exists());
+    }
+
+    /// sled's dir gone from beside a log (a name lost, or removed by hand)
+    /// is damage: a fresh sled would forget the votes given.
+    #[test]
+    fn a_log_without_its_sled_dir_is_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        db.wal().append(1, &[(1, b"acked".to_vec())]).unwrap();
+        db.flusher().sync_blocking().unwrap();
+        drop(db);
+        std::fs::remove_dir_all(dir.path().join("sled")).unwrap();
+        match NodeDb::open(dir.path(), &DbOptions::default()) {
+            Err(e) => assert!(e.is_damage(), "not taken for damage: {e}"),
+            Ok(_) => panic!("a log without its sled dir opened with a fresh sled"),
+        }
     }
 
     /// A test may crash a node whose disk it holds back: the crash does

@@ -51,6 +51,8 @@ pub enum StorageError {
     SyncFailed,
     #[error("the state machine was closed (its group stopped)")]
     Closed,
+    #[error("{path} is missing, while {beside} holds a log: the votes and state that go with it are gone")]
+    Missing { path: PathBuf, beside: PathBuf },
     #[error("cannot set the damaged data dir {path} aside: {source}")]
     SetAside {
         path: PathBuf,
@@ -70,6 +72,7 @@ impl StorageError {
             self,
             StorageError::Corrupt { source: sled::Error::Corruption { .. }, .. }
                 | StorageError::Redo(_)
+                | StorageError::Missing { .. }
                 | StorageError::Wal(crate::wal::WalError::Corrupt { .. })
         )
     }
