@@ -688,6 +688,12 @@ def plan(seed, args):
         k = rng.randrange(len(faults))
         faults[k] = dict(faults[k], kind="powercut-all", nodes=ids, torn=rng.random() < 0.4,
                          fsseed=rng.randrange(1 << 31), hold=min(faults[k]["hold"], 8.0))
+    # Every run with disk faults cuts some power at least once.
+    if args.faultfs and faults and not any(f["kind"].startswith("powercut") for f in faults) \
+            and (not args.faults or "powercut" in args.faults):
+        k = rng.randrange(len(faults))
+        faults[k] = dict(faults[k], kind="powercut", nodes=sorted(rng.sample(ids, rng.randint(1, minority))),
+                         torn=rng.random() < 0.4, fsseed=rng.randrange(1 << 31))
     return faults
 
 
