@@ -288,6 +288,16 @@ impl Flusher {
         self.stop();
     }
 
+    /// Fail every waiter, present or later, without a sync: the node is
+    /// stopping for a storage failure the flusher did not see (a sled
+    /// write that failed). A round under way may never end (sled 0.34's
+    /// flush can wait for good after a failed write); no one waits for it.
+    pub(crate) fn fail(&self) {
+        self.failed.store(true, Ordering::Release);
+        drop(self.held.count.lock().expect("poisoned"));
+        self.held.released.notify_all();
+    }
+
     pub fn has_failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
     }
