@@ -1227,7 +1227,17 @@ impl Wal {
             let mut buf = Vec::new();
             let offsets: Vec<u64> =
                 entries.iter().map(|(i, b)| encode_record(&mut buf, KIND_ENTRY, group, *i, b)).collect();
-            let (seg, at) = self.write(&mut inner, &mut buf)?;
+            let (seg, at) = match self.write(&mut inner, &mut buf) {
+                Ok(w) => w,
+                // A full disk refused the write and left the log as it
+                // was: the rest wait for a later round (the node's disk
+                // alarm is on meanwhile).
+                Err(e) if e.is_no_space() => {
+                    tracing::warn!(error = %e, "idle groups' log entries not moved for now");
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
             let by = (seg, at + buf.len() as u64);
             for ((index, bytes), off) in entries.iter().zip(offsets) {
                 inner.put(group, *index, Loc { seg, offset: at + off, len: bytes.len() as u32 }, by);
@@ -1513,6 +1523,37 @@ mod tests {
         drop(wal);
         let wal = Wal::open(dir.path(), 4096).unwrap();
         assert_eq!(all(&wal, 1), [first, small, big].concat());
+    }
+
+    /// Moving an idle group's entries to the head when the head's next
+    /// segment meets a full disk is put off, not an error (which would
+    /// stop the node as a failed sync does); it is done once there is room.
+    #[test]
+    fn moving_idle_groups_waits_out_a_full_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), 1024).unwrap().with_relocate_after(Duration::ZERO);
+        let idle = entries(9, 1..=1, 300);
+        wal.append(9, &idle).unwrap();
+        for i in 1..=16u64 {
+            wal.append(1, &[(i, vec![1; 300])]).unwrap();
+            wal.purge(1, i.saturating_sub(1));
+        }
+        wal.sync().unwrap();
+        assert!(wal.segment_count() > MAX_SEGMENTS);
+        assert_eq!(wal.pinning_oldest(), vec![9]);
+        assert_eq!(wal.relocate_idle().unwrap(), 0, "the wait starts");
+        // Fill the head so that the move needs a new segment.
+        let mut i = 17;
+        while wal.lock().active_len < 1024 - 200 {
+            wal.append(1, &[(i, vec![1; 50])]).unwrap();
+            i += 1;
+        }
+        NO_SPACE_FOR.with(|n| n.set(1));
+        assert_eq!(wal.relocate_idle().unwrap(), 0, "nothing moved on a full disk");
+        assert_eq!(wal.pinning_oldest(), vec![9]);
+        assert!(wal.relocate_idle().unwrap() > 0, "moved once there is room");
+        wal.sync().unwrap();
+        assert_eq!(all(&wal, 9), idle);
     }
 
     /// A test's crash keeps what each sync covered, across segments (a
