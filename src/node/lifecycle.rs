@@ -337,20 +337,15 @@ impl Node {
                 Some(format!("the metadata group's Raft core quit: {why}"))
             };
             let why = tokio::select! {
+                // A stop under way (a shutdown, a test's crash) first: what
+                // fails after it is not news.
+                biased;
                 _ = node.inner.stop.cancelled() => None,
                 w = storage => w,
                 w = metadata => w,
             };
             let Some(why) = why else { return };
             tracing::error!(reason = %why, "stopping the node after a storage failure");
-            // Fail-stop must stop: a storage thread stuck in a write or
-            // flush that never returns (sled 0.34 after a failed write)
-            // must not keep the process up.
-            std::thread::spawn(|| {
-                std::thread::sleep(FAIL_STOP_GRACE);
-                eprintln!("mirrorq: the node did not stop within {FAIL_STOP_GRACE:?} of a storage failure; exiting");
-                std::process::exit(1);
-            });
             node.shutdown().await;
         });
     }
@@ -403,10 +398,6 @@ impl Node {
 /// an emptied dir is not taken for its first life (peers that heard that
 /// life say it is stopping would think so still, and ignore its replicas'
 /// reports; its consumers' owner ids would be that life's).
-/// How long a node stopping for a storage failure has to stop before the
-/// process exits anyway.
-const FAIL_STOP_GRACE: Duration = Duration::from_secs(10);
-
 /// Raise the disk alarm as soon as the write-ahead log meets a full disk,
 /// until a segment's worth is free beyond the limit.
 fn spawn_disk_full_alarm(inner: &Arc<Inner>, segment_bytes: u64) {
