@@ -170,7 +170,14 @@ impl NodeDb {
         let crash_image = CrashImage::default();
         let (flusher, flusher_thread) =
             Flusher::start(db.clone(), &sled_dir, wal.clone(), crash_image.clone(), move |e| {
-                let _ = tx.send(Some(format!("disk sync failed: {e}")));
+                let why = if crate::flusher::is_disk_full(e) {
+                    format!(
+                        "disk full: a write failed ({e}); free space on the data dir's disk and start the node again"
+                    )
+                } else {
+                    format!("disk sync failed: {e}")
+                };
+                let _ = tx.send(Some(why));
             })
             .map_err(|source| StorageError::Lock { path: sled_dir.clone(), source })?;
         let node_db = Self {
@@ -335,8 +342,7 @@ impl NodeDb {
     /// step half written cannot be trusted: a restart, once space is freed,
     /// redoes it from the log.
     pub fn write_failed(&self, e: sled::Error) -> StorageError {
-        let full =
-            matches!(&e, sled::Error::Io(io) if matches!(io.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)));
+        let full = matches!(&e, sled::Error::Io(io) if crate::flusher::is_disk_full(io));
         let why = if full {
             format!(
                 "disk full: a write to sled failed ({e}); free space on the data dir's disk and start the node again"

@@ -328,6 +328,11 @@ impl Flusher {
     }
 }
 
+/// Whether `e` says the disk (or the user's quota) is full.
+pub(crate) fn is_disk_full(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+}
+
 fn sync_failed() -> io::Error {
     io::Error::other("an earlier disk sync failed; node is stopping")
 }
@@ -473,7 +478,12 @@ impl SledTarget {
     /// the kernel's own writeback); no waiter of this round depends on it,
     /// and the next round syncs its blob.
     fn sync(&mut self) -> io::Result<()> {
-        self.db.flush().map_err(io::Error::other)?;
+        // sled writes what it buffered here: its I/O error as it is, so
+        // that a full disk reads as one.
+        self.db.flush().map_err(|e| match e {
+            sled::Error::Io(io) => io,
+            e => io::Error::other(e),
+        })?;
         #[cfg(test)]
         self.trail.push(Step::Flush);
         self.sync_new_blobs()?;
@@ -606,7 +616,11 @@ fn run(
                 // Fail-stop: after a failed fsync the kernel may have dropped the
                 // dirty pages, so a retry could "succeed" without the data. Never
                 // report anything durable again in this process.
-                tracing::error!(error = %e, "disk sync failed; stopping the node");
+                if is_disk_full(&e) {
+                    tracing::error!(error = %e, "disk full: a write of this sync failed; stopping the node (fail-stop)");
+                } else {
+                    tracing::error!(error = %e, "disk sync failed; stopping the node");
+                }
                 failed.store(true, Ordering::Release);
                 on_fatal(&e);
                 for done in batch.drain(..) {

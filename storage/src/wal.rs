@@ -97,6 +97,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::flusher::is_disk_full;
 use crate::GroupId;
 
 /// An entry as the log keeps it: its index and its encoded bytes.
@@ -173,11 +174,6 @@ impl WalError {
     pub fn is_no_space(&self) -> bool {
         matches!(self, WalError::NoSpace { .. })
     }
-}
-
-/// Whether `e` says the disk (or the user's quota) is full.
-fn is_disk_full(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
 }
 
 #[cfg(test)]

@@ -478,10 +478,15 @@ def plan(seed, args):
         kinds["classic"] = 1
         kinds["pause-heal"] = 1
     if args.faultfs:
-        # A full disk is left to --faults until mirrorq serves one.
+        # A full disk only with --faults: in the default mix it would
+        # change every seed's schedule (t61 runs chosen seeds).
         kinds.update({"powercut": 3, "powercut-all": 1, "corrupt": 1, "fsync-eio": 1, "slow-disk": 1})
     if args.faults:
-        kinds = {k: w for k, w in kinds.items() if k in args.faults} or {k: 1 for k in args.faults}
+        # Kinds asked for that the mix leaves out (disk-full) weigh 1; the
+        # others keep their weights and order, so seeds keep their schedules.
+        kinds = {k: w for k, w in kinds.items() if k in args.faults}
+        for k in args.faults:
+            kinds.setdefault(k, 1)
     faults, t = [], rng.uniform(2, 5)
     while t < args.duration and kinds:
         kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
