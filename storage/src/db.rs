@@ -648,7 +648,9 @@ mod tests {
             std::thread::spawn(move || db.flusher().sync_blocking())
         };
         std::thread::sleep(std::time::Duration::from_millis(50));
-        let e = db.write_failed(sled::Error::Io(std::io::Error::from_raw_os_error(libc::ENOSPC)));
+        // As sled hands its error back: a copy, the kind kept, the OS code not.
+        let enospc = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let e = db.write_failed(sled::Error::Io(std::io::Error::new(enospc.kind(), format!("{enospc:?}"))));
         assert!(matches!(e, StorageError::Sled(_)), "{e:?}");
         let why = db.fatal().borrow().clone().expect("the node is told to stop");
         assert!(why.starts_with("disk full"), "{why}");

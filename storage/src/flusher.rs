@@ -328,9 +328,11 @@ impl Flusher {
     }
 }
 
-/// Whether `e` says the disk (or the user's quota) is full.
+/// Whether `e` says the disk (or the user's quota) is full. By its kind
+/// too: sled hands back a copy of its I/O error without the OS code.
 pub(crate) fn is_disk_full(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+        || matches!(e.kind(), io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded)
 }
 
 fn sync_failed() -> io::Error {
