@@ -81,6 +81,9 @@ impl Readings {
 pub struct Alarms {
     data_dir: PathBuf,
     limits: Mutex<(Watermark, u64)>,
+    /// Set when a write met a full disk ([`Alarms::disk_full`]): the free
+    /// space beyond the limit the disk alarm then waits for.
+    disk_full: Mutex<Option<u64>>,
     readings: watch::Sender<Readings>,
 }
 
@@ -89,6 +92,7 @@ impl Alarms {
         let a = Self {
             data_dir: data_dir.into(),
             limits: Mutex::new((memory, disk_free_limit)),
+            disk_full: Mutex::new(None),
             readings: watch::channel(Readings::default()).0,
         };
         a.check();
@@ -111,12 +115,37 @@ impl Alarms {
         self.check();
     }
 
+    /// A write met a full disk (`ENOSPC`) although the last reading was
+    /// above the limit (a new write-ahead log segment reserves 64 MiB at
+    /// once; a quota the file system's free space does not show): raise
+    /// the disk alarm now, and keep it until `need` bytes are free beyond
+    /// the limit, so that publishers do not come back only to meet the
+    /// same full disk.
+    pub fn disk_full(&self, need: u64) {
+        *self.disk_full.lock().expect("poisoned") = Some(need);
+        tracing::warn!(
+            need,
+            "a write met a full disk: disk alarm raised until the free space is above the limit by this much"
+        );
+        self.check();
+    }
+
     /// Take the readings now; raise or clear alarms.
     pub fn check(&self) -> Readings {
         let (memory, disk_limit) = *self.limits.lock().expect("poisoned");
         let mem_used = resident_bytes().unwrap_or(0);
         let mem_limit = memory.bytes();
         let disk_free = free_bytes(&self.data_dir).unwrap_or(u64::MAX);
+        let disk_free_alarm = {
+            let mut full = self.disk_full.lock().expect("poisoned");
+            match *full {
+                Some(need) if disk_free < disk_limit.saturating_add(need) => true,
+                _ => {
+                    *full = None;
+                    disk_free < disk_limit
+                }
+            }
+        };
         let r = Readings {
             mem_used,
             mem_limit: mem_limit.unwrap_or(u64::MAX),
@@ -124,7 +153,7 @@ impl Alarms {
             mem_alarm: mem_limit.is_some_and(|l| mem_used > l || l == 0),
             disk_free,
             disk_free_limit: disk_limit,
-            disk_free_alarm: disk_free < disk_limit,
+            disk_free_alarm,
         };
         let before = self.readings();
         if r.mem_alarm != before.mem_alarm || r.disk_free_alarm != before.disk_free_alarm {
@@ -222,5 +251,25 @@ mod tests {
         assert_eq!(a.readings().reason().as_deref(), Some("low on disk"));
         a.set_limits(Watermark::default(), DEFAULT_DISK_FREE_LIMIT);
         assert_eq!(a.readings().reason(), None);
+    }
+
+    /// A write that met a full disk raises the disk alarm at once, however
+    /// much the file system says is free, and it stays until that much is
+    /// free beyond the limit.
+    #[test]
+    fn a_full_disk_met_by_a_write_raises_the_disk_alarm_until_there_is_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Alarms::new(dir.path(), Watermark::default(), 0);
+        let free = a.readings().disk_free;
+        let mut rx = a.subscribe();
+        a.disk_full(u64::MAX / 2);
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(rx.borrow_and_update().reason().as_deref(), Some("low on disk"));
+        assert!(a.check().disk_free_alarm, "cleared while still short of room");
+        assert_eq!(a.readings().disk_free_limit, 0, "the limit shown is the configured one");
+        // Room enough (the free space now, less a margin for other writers).
+        a.disk_full(free / 2);
+        assert!(!a.check().disk_free_alarm);
+        assert!(!a.check().disk_free_alarm, "held after it cleared");
     }
 }

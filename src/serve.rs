@@ -16,6 +16,10 @@ pub enum Exit {
     Failed,
 }
 
+/// How long a node stopping by itself (a storage failure) has to finish
+/// before the process exits anyway.
+const FAIL_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Start a node and run it until `shutdown` resolves or the node stops.
 pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<Exit, ServerError> {
     let node = Node::start(cfg.node.clone()).await?;
@@ -61,6 +65,16 @@ pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result
         _ = shutdown => Exit::Requested,
         _ = stopped.cancelled() => Exit::Failed,
     };
+    if exit == Exit::Failed {
+        // Fail-stop must stop: a storage thread stuck in a write or flush
+        // that never returns (sled 0.34 after a failed write) must not keep
+        // the process up, nor the tasks waiting on it.
+        std::thread::spawn(|| {
+            std::thread::sleep(FAIL_STOP_GRACE);
+            eprintln!("mirrorq: the node did not stop within {FAIL_STOP_GRACE:?} of a storage failure; exiting");
+            std::process::exit(1);
+        });
+    }
     // As RabbitMQ does: clients are told to leave (320) before masterships
     // move, and the listener closes, so none is served by a node on its way out.
     node.close_clients();

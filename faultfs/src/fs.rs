@@ -600,16 +600,19 @@ impl Filesystem for FaultFs {
             Ok(s)
         });
         match r {
-            Ok(s) => reply.statfs(
-                s.f_blocks,
-                s.f_bfree,
-                s.f_bavail,
-                s.f_files,
-                s.f_ffree,
-                s.f_bsize as u32,
-                s.f_namemax as u32,
-                s.f_frsize as u32,
-            ),
+            Ok(s) => {
+                let (blocks, bfree, bavail) = inner.space_limited(s.f_blocks, s.f_bfree, s.f_bavail, s.f_frsize);
+                reply.statfs(
+                    blocks,
+                    bfree,
+                    bavail,
+                    s.f_files,
+                    s.f_ffree,
+                    s.f_bsize as u32,
+                    s.f_namemax as u32,
+                    s.f_frsize as u32,
+                )
+            }
             Err(e) => reply.error(e),
         }
     }

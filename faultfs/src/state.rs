@@ -465,6 +465,18 @@ impl Inner {
         }
     }
 
+    /// What `statfs` reports, in blocks of `frsize`: the backing file
+    /// system's `(blocks, bfree, bavail)`, or while an `enospc` limit is set
+    /// a disk of the limit's size with the files' total in use (free never
+    /// more than the backing disk's), so a program watching its free space
+    /// sees the disk fill as its writes would.
+    pub fn space_limited(&self, blocks: u64, bfree: u64, bavail: u64, frsize: u64) -> (u64, u64, u64) {
+        let Some(limit) = self.faults.enospc else { return (blocks, bfree, bavail) };
+        let frsize = frsize.max(1);
+        let left = limit.saturating_sub(self.total_bytes) / frsize;
+        (blocks.min(limit.div_ceil(frsize)), bfree.min(left), bavail.min(left))
+    }
+
     pub fn grew(&mut self, old: u64, new: u64) {
         self.total_bytes = (self.total_bytes + new).saturating_sub(old);
     }

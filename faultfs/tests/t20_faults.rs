@@ -136,3 +136,42 @@ fn t25_delay_fsync_slows_only_syncs() {
     assert!(start.elapsed() >= Duration::from_millis(1500), "sync was not delayed");
     m.ctl("delay-fsync 0");
 }
+
+/// Free space in bytes for unprivileged writers, as `df` and a disk alarm read it.
+fn avail(path: &std::path::Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: c is a valid path; st a writable statvfs.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0, "{}", std::io::Error::last_os_error());
+    st.f_bavail as u64 * st.f_frsize as u64
+}
+
+/// While `enospc BYTES` is set, statvfs of the mount shows a disk of that
+/// size filling with the files (what a program's disk alarm reads), and
+/// the backing disk's free space again after `enospc off`.
+#[test]
+fn t27_statfs_follows_the_enospc_limit() {
+    let Some(m) = Mount::start(false) else { return };
+    write_synced(&m.p("f"), &[1u8; 100_000]);
+    let real = avail(&m.backing);
+    assert!(avail(&m.mnt).abs_diff(real) < 64 << 20, "unlimited: mount {} backing {real}", avail(&m.mnt));
+    m.ctl("enospc 10000000");
+    let free = avail(&m.mnt);
+    // 10 MB less the 100 kB in use, rounded down to a block.
+    assert!(free <= 9_900_000 && free > 9_900_000 - 65_536, "{free}");
+    let mut f = OpenOptions::new().append(true).open(m.p("f")).unwrap();
+    f.write_all(&[2u8; 1_000_000]).unwrap();
+    let after = avail(&m.mnt);
+    assert!(after <= 8_900_000 && after > 8_900_000 - 65_536, "{after}");
+    // A limit above the backing disk's free space shows the real free space.
+    m.ctl(&format!("enospc {}", u64::MAX / 2));
+    assert!(avail(&m.mnt) <= avail(&m.backing) + (64 << 20));
+    // Everything in use: nothing free.
+    m.ctl("enospc 1000");
+    assert_eq!(avail(&m.mnt), 0);
+    m.ctl("enospc off");
+    let back = avail(&m.mnt);
+    assert!(back.abs_diff(avail(&m.backing)) < 64 << 20, "after enospc off: {back}");
+    assert!(back > 10_000_000);
+}

@@ -936,6 +936,15 @@ async fn publish(
 ) -> Result<Json<Value>, ApiError> {
     let exchange = if exchange == "amq.default" { String::new() } else { exchange };
     caller.may(&node.metadata(), &vhost, Access::Write, "exchange", &exchange)?;
+    // What AMQP publishers are held back for (connection.blocked), an HTTP
+    // publish is refused for, with the reason, rather than held.
+    if let Some(why) = node.alarms().readings().reason() {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            format!("resource alarm in effect on {}: {why}; publishing is blocked", node.name()),
+        ));
+    }
     let b = parse_body(&body)?;
     let routing_key = match b.get("routing_key") {
         Some(Value::String(s)) => s.clone(),

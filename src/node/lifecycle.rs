@@ -244,6 +244,7 @@ impl Node {
         ));
         server::serve(listener, inner.clone(), &beacon, gate, inner.stop.clone());
         inner.alarms.clone().spawn(inner.stop.clone());
+        spawn_disk_full_alarm(&inner, cfg.wal_segment_bytes);
 
         let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
         let joining = pristine && cfg.join.is_some();
@@ -323,17 +324,38 @@ impl Node {
         }
     }
 
+    /// Stop the node (fail-stop) when its storage fails, or when the
+    /// metadata group's Raft core quits (a storage error in it: a queue's
+    /// replica restarts on its own, a node without its metadata cannot).
     pub(super) fn spawn_fatal_watch(&self) {
         let node = self.clone();
         let mut fatal = self.inner.db.fatal();
+        let mut meta = self.inner.meta_raft.metrics();
         tokio::spawn(async move {
-            tokio::select! {
-                _ = node.inner.stop.cancelled() => {}
-                r = async { fatal.wait_for(|f| f.is_some()).await.map(|_| ()) } => if r.is_ok() {
-                    tracing::error!("stopping the node after a storage failure");
-                    node.shutdown().await;
-                }
-            }
+            let storage = async {
+                fatal.wait_for(|f| f.is_some()).await.ok()?;
+                let why = fatal.borrow().clone().unwrap_or_default();
+                Some(why)
+            };
+            let metadata = async {
+                // Not a shutdown's `Stopped`: only a core that quit on its own.
+                meta.wait_for(|m| matches!(&m.running_state, Err(f) if !matches!(f, openraft::error::Fatal::Stopped)))
+                    .await
+                    .ok()?;
+                let why = meta.borrow().running_state.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+                Some(format!("the metadata group's Raft core quit: {why}"))
+            };
+            let why = tokio::select! {
+                // A stop under way (a shutdown, a test's crash) first: what
+                // fails after it is not news.
+                biased;
+                _ = node.inner.stop.cancelled() => None,
+                w = storage => w,
+                w = metadata => w,
+            };
+            let Some(why) = why else { return };
+            tracing::error!(reason = %why, "stopping the node after a storage failure");
+            node.shutdown().await;
         });
     }
 
@@ -385,6 +407,22 @@ impl Node {
 /// an emptied dir is not taken for its first life (peers that heard that
 /// life say it is stopping would think so still, and ignore its replicas'
 /// reports; its consumers' owner ids would be that life's).
+/// Raise the disk alarm as soon as the write-ahead log meets a full disk,
+/// until a segment's worth is free beyond the limit.
+fn spawn_disk_full_alarm(inner: &Arc<Inner>, segment_bytes: u64) {
+    let mut full = inner.db.wal().no_space();
+    let (alarms, stop) = (inner.alarms.clone(), inner.stop.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                r = full.changed() => if r.is_err() { return },
+            }
+            alarms.disk_full(segment_bytes);
+        }
+    });
+}
+
 fn next_life(stored: Option<u64>, now_ms: u64) -> u64 {
     match stored {
         Some(last) => last.wrapping_add(1),

@@ -59,6 +59,7 @@ struct Inner {
     /// Taken by whoever stops the flusher first: the last drop or a crash.
     flusher_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     fatal: tokio::sync::watch::Receiver<Option<String>>,
+    fatal_tx: Arc<tokio::sync::watch::Sender<Option<String>>>,
     /// Set by [`NodeDb::crash_for_tests`].
     crashed: AtomicBool,
     /// See `NodeDb::keep_crash_image`.
@@ -172,10 +173,19 @@ impl NodeDb {
         let node = open_tree("node")?;
         let wal = Arc::new(Wal::open(&dir.join("wal"), opts.wal_segment_bytes)?);
         let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
+        let fatal_tx = Arc::new(fatal_tx);
+        let tx = fatal_tx.clone();
         let crash_image = CrashImage::default();
         let (flusher, flusher_thread) =
             Flusher::start(db.clone(), &sled_dir, wal.clone(), crash_image.clone(), move |e| {
-                let _ = fatal_tx.send(Some(format!("disk sync failed: {e}")));
+                let why = if crate::flusher::is_disk_full(e) {
+                    format!(
+                        "disk full: a write failed ({e}); free space on the data dir's disk and start the node again"
+                    )
+                } else {
+                    format!("disk sync failed: {e}")
+                };
+                let _ = tx.send(Some(why));
             })
             .map_err(|source| StorageError::Lock { path: sled_dir.clone(), source })?;
         let node_db = Self {
@@ -190,6 +200,7 @@ impl NodeDb {
                 flusher,
                 flusher_thread: Mutex::new(Some(flusher_thread)),
                 fatal,
+                fatal_tx,
                 crashed: AtomicBool::new(false),
                 #[cfg(any(test, feature = "test-hooks"))]
                 crash_image,
@@ -332,6 +343,35 @@ impl NodeDb {
         self.inner.fatal.clone()
     }
 
+    /// A write to sled failed (a full disk, as a rule): stop the node
+    /// (fail-stop), with one log line saying why, and return the error for
+    /// the caller. sled 0.34 keeps a failed write's error for every later
+    /// operation and its next flush may never return, and a state-machine
+    /// step half written cannot be trusted: a restart, once space is freed,
+    /// redoes it from the log.
+    pub fn write_failed(&self, e: sled::Error) -> StorageError {
+        let full = matches!(&e, sled::Error::Io(io) if crate::flusher::is_disk_full(io));
+        let why = if full {
+            format!(
+                "disk full: a write to sled failed ({e}); free space on the data dir's disk and start the node again"
+            )
+        } else {
+            format!("a write to sled failed ({e})")
+        };
+        let first = self.inner.fatal_tx.send_if_modified(|f| {
+            if f.is_some() {
+                return false;
+            }
+            *f = Some(why.clone());
+            true
+        });
+        if first {
+            tracing::error!(data_dir = %self.inner.path.display(), "{why}; stopping the node (fail-stop)");
+            self.inner.flusher.fail();
+        }
+        StorageError::Sled(e)
+    }
+
     /// Read a node-level value.
     pub fn get_node_value(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
         Ok(self.inner.node.get(key)?.map(|v| v.to_vec()))
@@ -339,7 +379,7 @@ impl NodeDb {
 
     /// Write a node-level value and wait until it is durable.
     pub fn put_node_value(&self, key: &str, value: &[u8]) -> Result<(), StorageError> {
-        self.inner.node.insert(key, value)?;
+        self.inner.node.insert(key, value).map_err(|e| self.write_failed(e))?;
         self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)
     }
 
@@ -347,7 +387,7 @@ impl NodeDb {
     /// holding a runtime thread (a thread held so can starve the task that
     /// the sync waits on, as a test that holds the syncs does).
     pub async fn put_node_value_async(&self, key: &str, value: &[u8]) -> Result<(), StorageError> {
-        self.inner.node.insert(key, value)?;
+        self.inner.node.insert(key, value).map_err(|e| self.write_failed(e))?;
         self.inner.flusher.sync().await.map_err(|_| StorageError::SyncFailed)
     }
 
@@ -359,7 +399,7 @@ impl NodeDb {
 
     /// Remove a node-level value, durably.
     pub fn remove_node_value(&self, key: &str) -> Result<(), StorageError> {
-        self.inner.node.remove(key)?;
+        self.inner.node.remove(key).map_err(|e| self.write_failed(e))?;
         self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)
     }
 
@@ -623,6 +663,33 @@ mod tests {
 
     /// A log that failed part way through moving to a new segment stops
     /// the node at its next sync, as a failed fsync does.
+    /// A sled write that met a full disk stops the node: the reason says
+    /// so, and every sync, waiting or later, fails at once rather than
+    /// waiting on a sled flush that may never return.
+    #[test]
+    fn a_failed_sled_write_stops_the_node_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let held = db.flusher().hold_syncs();
+        let waiter = {
+            let db = db.clone();
+            std::thread::spawn(move || db.flusher().sync_blocking())
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        // As sled hands its error back: a copy, the kind kept, the OS code not.
+        let enospc = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let e = db.write_failed(sled::Error::Io(std::io::Error::new(enospc.kind(), format!("{enospc:?}"))));
+        assert!(matches!(e, StorageError::Sled(_)), "{e:?}");
+        let why = db.fatal().borrow().clone().expect("the node is told to stop");
+        assert!(why.starts_with("disk full"), "{why}");
+        assert!(waiter.join().unwrap().is_err(), "a waiting sync succeeded");
+        assert!(db.flusher().sync_blocking().is_err(), "a later sync succeeded");
+        // Told once: a second failure keeps the first reason.
+        db.write_failed(sled::Error::Unsupported("x".into()));
+        assert_eq!(db.fatal().borrow().as_deref(), Some(why.as_str()));
+        drop(held);
+    }
+
     #[test]
     fn a_failed_log_roll_over_stops_the_node() {
         let dir = tempfile::tempdir().unwrap();

@@ -288,6 +288,16 @@ impl Flusher {
         self.stop();
     }
 
+    /// Fail every waiter, present or later, without a sync: the node is
+    /// stopping for a storage failure the flusher did not see (a sled
+    /// write that failed). A round under way may never end (sled 0.34's
+    /// flush can wait for good after a failed write); no one waits for it.
+    pub(crate) fn fail(&self) {
+        self.failed.store(true, Ordering::Release);
+        drop(self.held.count.lock().expect("poisoned"));
+        self.held.released.notify_all();
+    }
+
     pub fn has_failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
     }
@@ -316,6 +326,13 @@ impl Flusher {
         self.sled_gate.state.lock().expect("poisoned").0 += 1;
         SledSyncsHeld(self.sled_gate.clone())
     }
+}
+
+/// Whether `e` says the disk (or the user's quota) is full. By its kind
+/// too: sled hands back a copy of its I/O error without the OS code.
+pub(crate) fn is_disk_full(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+        || matches!(e.kind(), io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded)
 }
 
 fn sync_failed() -> io::Error {
@@ -463,7 +480,12 @@ impl SledTarget {
     /// the kernel's own writeback); no waiter of this round depends on it,
     /// and the next round syncs its blob.
     fn sync(&mut self) -> io::Result<()> {
-        self.db.flush().map_err(io::Error::other)?;
+        // sled writes what it buffered here: its I/O error as it is, so
+        // that a full disk reads as one.
+        self.db.flush().map_err(|e| match e {
+            sled::Error::Io(io) => io,
+            e => io::Error::other(e),
+        })?;
         #[cfg(test)]
         self.trail.push(Step::Flush);
         self.sync_new_blobs()?;
@@ -596,7 +618,11 @@ fn run(
                 // Fail-stop: after a failed fsync the kernel may have dropped the
                 // dirty pages, so a retry could "succeed" without the data. Never
                 // report anything durable again in this process.
-                tracing::error!(error = %e, "disk sync failed; stopping the node");
+                if is_disk_full(&e) {
+                    tracing::error!(error = %e, "disk full: a write of this sync failed; stopping the node (fail-stop)");
+                } else {
+                    tracing::error!(error = %e, "disk sync failed; stopping the node");
+                }
                 failed.store(true, Ordering::Release);
                 on_fatal(&e);
                 for done in batch.drain(..) {

@@ -296,7 +296,7 @@ where
         self.db
             .raft_meta_tree()
             .insert(meta_key(self.group, tag), b)
-            .map_err(|e| io_err::<C>(ErrorSubject::Store, ErrorVerb::Write, e))?;
+            .map_err(|e| io_err::<C>(ErrorSubject::Store, ErrorVerb::Write, self.db.write_failed(e)))?;
         Ok(())
     }
 

@@ -45,7 +45,7 @@ impl SmSpace {
 
     /// Apply a batch whose keys were built with [`SmSpace::key`], atomically.
     pub fn apply(&self, batch: Batch) -> Result<(), StorageError> {
-        Ok(self.db.sm_tree().apply_batch(batch.into_sled())?)
+        self.db.sm_tree().apply_batch(batch.into_sled()).map_err(|e| self.db.write_failed(e))
     }
 
     /// Apply one step's writes and its commit record `record` under `rel`,
@@ -58,11 +58,14 @@ impl SmSpace {
         let tree = self.db.sm_tree();
         if writes.bytes() <= REDO_MAX_BYTES {
             writes.encode_redo(&mut record);
-            tree.insert(self.key(rel), record)?;
-            batch::apply_each(tree, &writes)
+            tree.insert(self.key(rel), record).map_err(|e| self.db.write_failed(e))?;
+            batch::apply_each(tree, &writes).map_err(|e| match e {
+                StorageError::Sled(e) => self.db.write_failed(e),
+                e => e,
+            })
         } else {
             writes.insert(self.key(rel), record);
-            Ok(tree.apply_batch(writes.into_sled())?)
+            tree.apply_batch(writes.into_sled()).map_err(|e| self.db.write_failed(e))
         }
     }
 
@@ -75,7 +78,7 @@ impl SmSpace {
 
     /// Set one key (group-relative) by itself.
     pub fn put(&self, rel: &[u8], value: Vec<u8>) -> Result<(), StorageError> {
-        self.db.sm_tree().insert(self.key(rel), value)?;
+        self.db.sm_tree().insert(self.key(rel), value).map_err(|e| self.db.write_failed(e))?;
         Ok(())
     }
 
@@ -130,7 +133,7 @@ impl SmSpace {
                 batch.remove(k);
             }
         }
-        Ok(tree.apply_batch(batch)?)
+        tree.apply_batch(batch).map_err(|e| self.db.write_failed(e))
     }
 
     /// Wait until every write so far is durable.

@@ -97,6 +97,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::flusher::is_disk_full;
 use crate::GroupId;
 
 /// An entry as the log keeps it: its index and its encoded bytes.
@@ -154,6 +155,32 @@ pub enum WalError {
     Corrupt { path: PathBuf, offset: u64, group: Option<GroupId>, index: Option<u64> },
     #[error("write-ahead log has failed earlier; the node is stopping")]
     Failed,
+    /// The disk has no room for the log's next segment (`ENOSPC` or
+    /// `EDQUOT` creating or reserving it). Nothing was written: the head
+    /// stays open, the log stays usable, and the same write may be tried
+    /// again once space is freed.
+    #[error("no space left on the disk for a new write-ahead log segment {path} ({bytes} bytes): {source}; the write is refused until space is freed")]
+    NoSpace {
+        path: PathBuf,
+        bytes: u64,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl WalError {
+    /// Whether this is [`WalError::NoSpace`]: the disk is full and the log
+    /// is intact.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, WalError::NoSpace { .. })
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: the next this many segment files made on this thread fail
+    /// their reservation with ENOSPC.
+    static NO_SPACE_FOR: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
 fn describe_damaged(group: &Option<GroupId>, index: &Option<u64>) -> String {
@@ -260,6 +287,8 @@ pub struct Wal {
     /// One [`Wal::sync`] at a time: a caller that finds nothing dirty must
     /// not return while another's `fdatasync` of what it found is under way.
     sync_lock: Mutex<()>,
+    /// How many times a new segment met a full disk.
+    no_space: tokio::sync::watch::Sender<u64>,
 }
 
 /// A record read back while recovering.
@@ -272,15 +301,25 @@ struct Record {
 }
 
 /// Reserve `len` bytes of blocks for `file` and make that its size, so that
-/// writes within it change no metadata. Best effort: on a file system
-/// without `fallocate` (or out of space, which the writes will then meet),
-/// the file grows as it is written, as it would without this.
-fn preallocate(file: &File, len: u64) {
+/// writes within it change no metadata and cannot meet a full disk. On a
+/// file system without `fallocate` the file grows as it is written, as it
+/// would without this; a full disk is an error (the segment is not made:
+/// a write into it would fail half-way, and the log with it).
+fn preallocate(file: &File, len: u64) -> io::Result<()> {
+    #[cfg(test)]
+    if NO_SPACE_FOR.with(|n| n.replace(n.get().saturating_sub(1))) > 0 {
+        return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+    }
     // SAFETY: plain syscall on a descriptor `file` keeps open.
     let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
     if rc != 0 {
-        tracing::debug!(error = %io::Error::last_os_error(), "write-ahead log segment not preallocated");
+        let e = io::Error::last_os_error();
+        if is_disk_full(&e) {
+            return Err(e);
+        }
+        tracing::debug!(error = %e, "write-ahead log segment not preallocated");
     }
+    Ok(())
 }
 
 /// Remove a segment's file; one already gone is fine.
@@ -754,6 +793,7 @@ impl Wal {
             relocated: AtomicU64::new(0),
             inner: Mutex::new(inner),
             sync_lock: Mutex::new(()),
+            no_space: tokio::sync::watch::channel(0).0,
         };
         {
             let mut inner = wal.lock();
@@ -780,27 +820,47 @@ impl Wal {
         WalError::Io { path: self.dir.clone(), source }
     }
 
+    /// Make sure a free spare file is there for segment `id` to take: if
+    /// none is, make `<id>.spare` with its blocks reserved. On a full disk
+    /// nothing is left behind and [`WalError::NoSpace`] is returned (and
+    /// announced to [`Wal::no_space`]); the log is unchanged.
+    fn reserve(&self, inner: &mut Inner, id: u64) -> Result<(), WalError> {
+        if inner.spares.iter().any(|s| Arc::strong_count(&s.file) == 1) {
+            return Ok(());
+        }
+        let path = spare_path(&self.dir, id);
+        let made = OpenOptions::new().read(true).write(true).create_new(true).open(&path);
+        let reserved = made.and_then(|file| match preallocate(&file, self.segment_bytes) {
+            Ok(()) => Ok(file),
+            Err(e) => {
+                // Its name may be gone or not after a crash: either way a
+                // spare that is too short only grows as it is written.
+                let _ = unlink(&path);
+                Err(e)
+            }
+        });
+        match reserved {
+            Ok(file) => {
+                inner.spares.push(Spare { path, file: Arc::new(file) });
+                Ok(())
+            }
+            Err(source) if is_disk_full(&source) => {
+                self.no_space.send_modify(|n| *n += 1);
+                Err(WalError::NoSpace { path: seg_path(&self.dir, id), bytes: self.segment_bytes, source })
+            }
+            Err(e) => Err(WalError::Io { path, source: e }),
+        }
+    }
+
     /// Make segment `id` the head: a spare file if one is free, else a new
-    /// file with its blocks reserved.
+    /// file with its blocks reserved (as a spare first).
     fn new_segment(&self, inner: &mut Inner, id: u64) -> Result<(), WalError> {
         let path = seg_path(&self.dir, id);
-        let free = inner.spares.iter().position(|s| Arc::strong_count(&s.file) == 1);
-        let file = match free.map(|i| inner.spares.remove(i)) {
-            Some(spare) => {
-                std::fs::rename(&spare.path, &path).map_err(|e| self.io_err(e))?;
-                spare.file
-            }
-            None => {
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .open(&path)
-                    .map_err(|e| self.io_err(e))?;
-                preallocate(&file, self.segment_bytes);
-                Arc::new(file)
-            }
-        };
+        self.reserve(inner, id)?;
+        let free = inner.spares.iter().position(|s| Arc::strong_count(&s.file) == 1).expect("a free spare reserved");
+        let spare = inner.spares.remove(free);
+        std::fs::rename(&spare.path, &path).map_err(|e| self.io_err(e))?;
+        let file = spare.file;
         // The new name must survive a crash as much as what is written to it.
         crate::fsync::sync_dir(&self.dir).map_err(|e| self.io_err(e))?;
         #[cfg(any(test, feature = "test-hooks"))]
@@ -852,6 +912,10 @@ impl Wal {
         };
         let mark_len = if marks(inner).is_some() { HEADER } else { 0 };
         if inner.active_len > 0 && inner.active_len + (mark_len + buf.len() + HEADER) as u64 > self.segment_bytes {
+            // The next segment's space first: on a full disk the write is
+            // refused before the head is sealed, and the log goes on as if
+            // it had never been tried.
+            self.reserve(inner, inner.active + 1)?;
             self.seal_active(inner)?;
             let next = inner.active + 1;
             if let Err(e) = self.new_segment(inner, next) {
@@ -892,6 +956,12 @@ impl Wal {
     /// at once, durable after the next [`Wal::sync`].
     pub fn append(&self, group: GroupId, entries: &[RawEntry]) -> Result<(), WalError> {
         self.write_entries(group, entries, KIND_ENTRY)
+    }
+
+    /// Counts the times a new segment met a full disk ([`WalError::NoSpace`]):
+    /// the node raises its disk alarm at once rather than at its next check.
+    pub fn no_space(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.no_space.subscribe()
     }
 
     /// Replace entries in place, keeping the ones after them; an index right
@@ -1193,7 +1263,17 @@ impl Wal {
             let mut buf = Vec::new();
             let offsets: Vec<u64> =
                 entries.iter().map(|(i, b)| encode_record(&mut buf, KIND_ENTRY, group, *i, b)).collect();
-            let (seg, at) = self.write(&mut inner, &mut buf)?;
+            let (seg, at) = match self.write(&mut inner, &mut buf) {
+                Ok(w) => w,
+                // A full disk refused the write and left the log as it
+                // was: the rest wait for a later round (the node's disk
+                // alarm is on meanwhile).
+                Err(e) if e.is_no_space() => {
+                    tracing::warn!(error = %e, "idle groups' log entries not moved for now");
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
             let by = (seg, at + buf.len() as u64);
             for ((index, bytes), off) in entries.iter().zip(offsets) {
                 inner.put(group, *index, Loc { seg, offset: at + off, len: bytes.len() as u32 }, by);
@@ -1446,6 +1526,70 @@ mod tests {
         assert!(!acked, "an append after the failed roll-over was acknowledged");
         assert!(matches!(other_write, Err(WalError::Failed)), "{other_write:?}");
         assert_eq!(all(&wal, 1), early);
+    }
+
+    /// A new segment that meets a full disk refuses the write with
+    /// `NoSpace` before the head is sealed: no file is left behind, the
+    /// alarm hears of it, and the log goes on (a smaller write into the
+    /// head, the refused one once there is space), all of it read back
+    /// after a reopen.
+    #[test]
+    fn a_full_disk_refuses_the_roll_over_and_the_log_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = entries(1, 1..=1, 3000);
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        let mut alarm = wal.no_space();
+        wal.append(1, &first).unwrap();
+        wal.sync().unwrap();
+        NO_SPACE_FOR.with(|n| n.set(1));
+        let err = wal.append(1, &entries(1, 2..=2, 3000)).unwrap_err();
+        assert!(err.is_no_space(), "{err:?}");
+        assert!(err.to_string().contains("no space left"), "{err}");
+        assert!(alarm.has_changed().unwrap(), "the full disk was not announced");
+        assert_eq!(*alarm.borrow_and_update(), 1);
+        assert_eq!(wal.segment_count(), 1);
+        assert!(files_with(dir.path(), "spare").is_empty(), "a half-made segment was left");
+        let small = entries(1, 2..=2, 100);
+        wal.append(1, &small).unwrap();
+        wal.sync().unwrap();
+        let big = entries(1, 3..=3, 3000);
+        wal.append(1, &big).unwrap();
+        wal.sync().unwrap();
+        assert_eq!(wal.segment_count(), 2);
+        drop(wal);
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        assert_eq!(all(&wal, 1), [first, small, big].concat());
+    }
+
+    /// Moving an idle group's entries to the head when the head's next
+    /// segment meets a full disk is put off, not an error (which would
+    /// stop the node as a failed sync does); it is done once there is room.
+    #[test]
+    fn moving_idle_groups_waits_out_a_full_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), 1024).unwrap().with_relocate_after(Duration::ZERO);
+        let idle = entries(9, 1..=1, 300);
+        wal.append(9, &idle).unwrap();
+        for i in 1..=16u64 {
+            wal.append(1, &[(i, vec![1; 300])]).unwrap();
+            wal.purge(1, i.saturating_sub(1));
+        }
+        wal.sync().unwrap();
+        assert!(wal.segment_count() > MAX_SEGMENTS);
+        assert_eq!(wal.pinning_oldest(), vec![9]);
+        assert_eq!(wal.relocate_idle().unwrap(), 0, "the wait starts");
+        // Fill the head so that the move needs a new segment.
+        let mut i = 17;
+        while wal.lock().active_len < 1024 - 200 {
+            wal.append(1, &[(i, vec![1; 50])]).unwrap();
+            i += 1;
+        }
+        NO_SPACE_FOR.with(|n| n.set(1));
+        assert_eq!(wal.relocate_idle().unwrap(), 0, "nothing moved on a full disk");
+        assert_eq!(wal.pinning_oldest(), vec![9]);
+        assert!(wal.relocate_idle().unwrap() > 0, "moved once there is room");
+        wal.sync().unwrap();
+        assert_eq!(all(&wal, 9), idle);
     }
 
     /// A test's crash keeps what each sync covered, across segments (a

@@ -127,6 +127,14 @@ impl ProcNode {
         child.wait().unwrap();
     }
 
+    /// The exit code if the process has ended (it is then no longer
+    /// running; `start` may start it again).
+    pub fn try_exit(&mut self) -> Option<Option<i32>> {
+        let status = self.child.as_mut().expect("node running").try_wait().unwrap()?;
+        self.child = None;
+        Some(status.code())
+    }
+
     /// SIGTERM and wait; the exit code.
     pub fn terminate(&mut self) -> Option<i32> {
         let mut child = self.child.take().expect("node running");
