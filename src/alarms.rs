@@ -117,16 +117,18 @@ impl Alarms {
 
     /// A write met a full disk (`ENOSPC`) although the last reading was
     /// above the limit (a new write-ahead log segment reserves 64 MiB at
-    /// once; a quota the file system's free space does not show): raise
-    /// the disk alarm now, and keep it until `need` bytes are free beyond
-    /// the limit, so that publishers do not come back only to meet the
-    /// same full disk.
+    /// once): raise the disk alarm now, and keep it until `need` bytes are
+    /// free beyond the limit, so that publishers do not come back only to
+    /// meet the same full disk. A quota that the file system's free space
+    /// does not show is not seen this way: the next reading clears it.
     pub fn disk_full(&self, need: u64) {
-        *self.disk_full.lock().expect("poisoned") = Some(need);
-        tracing::warn!(
-            need,
-            "a write met a full disk: disk alarm raised until the free space is above the limit by this much"
-        );
+        // Said when it starts, not at every write it refuses.
+        if self.disk_full.lock().expect("poisoned").replace(need).is_none() {
+            tracing::warn!(
+                need,
+                "a write met a full disk: disk alarm raised until the free space is above the limit by this much"
+            );
+        }
         self.check();
     }
 

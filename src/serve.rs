@@ -60,9 +60,13 @@ pub async fn run(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result
         https = cfg.https_listen.as_deref().unwrap_or("off"),
         "mirrorq node serving"
     );
-    let stopped = node.stopped();
+    let (stopped, failed) = (node.stopped(), node.failed());
     let exit = tokio::select! {
         _ = shutdown => Exit::Requested,
+        // From the moment the node knows it must stop, not when its stop
+        // gets as far as `stopped` (after moving masterships, which a
+        // stuck storage thread can hold up).
+        _ = failed.cancelled() => Exit::Failed,
         _ = stopped.cancelled() => Exit::Failed,
     };
     if exit == Exit::Failed {

@@ -16,7 +16,7 @@ cleanup() {
   kill $(jobs -p) 2>/dev/null || true
   pkill -f "serve --node-id .* --data-dir $DIR" 2>/dev/null || true
   sleep 0.5
-  for m in "$DIR"/*/n*.mnt; do [ -d "$m" ] && umount -l "$m" 2>/dev/null; done
+  for m in "$DIR"/*/n*.mnt; do [ -d "$m" ] && { umount -l "$m" 2>/dev/null || true; }; done
   pkill -f "faultfs mount --backing $DIR" 2>/dev/null || true
   wait 2>/dev/null || true
   rm -rf "$DIR"

@@ -234,6 +234,8 @@ impl Node {
             quiet: Mutex::default(),
             quiescence: super::quiescence::Quiescence::new(incarnation),
             closing: stop.child_token(),
+            failed: CancellationToken::new(),
+            stopped_once: tokio::sync::OnceCell::new(),
             stop,
         });
 
@@ -294,6 +296,10 @@ impl Node {
     /// Stop the node: masterships handed over (`ha-promote-on-shutdown`), no
     /// new work, every group shut down, storage synced.
     pub async fn shutdown(&self) {
+        self.inner.stopped_once.get_or_init(|| self.stop_once()).await;
+    }
+
+    async fn stop_once(&self) {
         self.inner.closing.cancel();
         let successors = self.prepare_hand_over();
         self.announce_departure().await;
@@ -332,29 +338,35 @@ impl Node {
         let mut fatal = self.inner.db.fatal();
         let mut meta = self.inner.meta_raft.metrics();
         tokio::spawn(async move {
+            // The storage layer said why when it raised the flag.
             let storage = async {
-                fatal.wait_for(|f| f.is_some()).await.ok()?;
-                let why = fatal.borrow().clone().unwrap_or_default();
-                Some(why)
+                if fatal.wait_for(|f| f.is_some()).await.is_err() {
+                    // The storage is gone: a stop is under way.
+                    std::future::pending::<()>().await;
+                }
             };
             let metadata = async {
-                // Not a shutdown's `Stopped`: only a core that quit on its own.
-                meta.wait_for(|m| matches!(&m.running_state, Err(f) if !matches!(f, openraft::error::Fatal::Stopped)))
+                // Not a shutdown's `Stopped`: only a core that quit on its
+                // own, or whose metrics ended without a word (its task
+                // panicked).
+                let why = match meta
+                    .wait_for(|m| matches!(&m.running_state, Err(f) if !matches!(f, openraft::error::Fatal::Stopped)))
                     .await
-                    .ok()?;
-                let why = meta.borrow().running_state.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
-                Some(format!("the metadata group's Raft core quit: {why}"))
+                {
+                    Ok(m) => m.running_state.as_ref().err().map(|e| e.to_string()).unwrap_or_default(),
+                    Err(_) => "its task ended".to_string(),
+                };
+                tracing::error!(reason = %why, "the metadata group's Raft core quit: stopping the node (fail-stop)");
             };
-            let why = tokio::select! {
+            tokio::select! {
                 // A stop under way (a shutdown, a test's crash) first: what
                 // fails after it is not news.
                 biased;
-                _ = node.inner.stop.cancelled() => None,
-                w = storage => w,
-                w = metadata => w,
-            };
-            let Some(why) = why else { return };
-            tracing::error!(reason = %why, "stopping the node after a storage failure");
+                _ = node.inner.stop.cancelled() => return,
+                () = storage => {}
+                () = metadata => {}
+            }
+            node.inner.failed.cancel();
             node.shutdown().await;
         });
     }
@@ -402,11 +414,6 @@ impl Node {
     }
 }
 
-/// This start's life (incarnation): one more than the last, and on a fresh
-/// data dir the clock's milliseconds rather than 1, so that a node back on
-/// an emptied dir is not taken for its first life (peers that heard that
-/// life say it is stopping would think so still, and ignore its replicas'
-/// reports; its consumers' owner ids would be that life's).
 /// Raise the disk alarm as soon as the write-ahead log meets a full disk,
 /// until a segment's worth is free beyond the limit.
 fn spawn_disk_full_alarm(inner: &Arc<Inner>, segment_bytes: u64) {
@@ -423,6 +430,11 @@ fn spawn_disk_full_alarm(inner: &Arc<Inner>, segment_bytes: u64) {
     });
 }
 
+/// This start's life (incarnation): one more than the last, and on a fresh
+/// data dir the clock's milliseconds rather than 1, so that a node back on
+/// an emptied dir is not taken for its first life (peers that heard that
+/// life say it is stopping would think so still, and ignore its replicas'
+/// reports; its consumers' owner ids would be that life's).
 fn next_life(stored: Option<u64>, now_ms: u64) -> u64 {
     match stored {
         Some(last) => last.wrapping_add(1),

@@ -302,6 +302,12 @@ struct Inner {
     /// Cancelled first thing in a graceful stop (and with `stop`): clients
     /// are told to leave before masterships move.
     closing: CancellationToken,
+    /// Cancelled when the node must stop on its own (fail-stop: its storage
+    /// failed, or its metadata group's Raft core quit), before it stops.
+    failed: CancellationToken,
+    /// Set once the stop has run: a second caller (the fail-stop watch and
+    /// `mirrorq serve` both stop a failed node) waits for the first.
+    stopped_once: tokio::sync::OnceCell<()>,
 }
 
 /// Handle to a running node. Clones share it.
@@ -370,6 +376,12 @@ impl Node {
     /// served by a node on its way out.
     pub fn closing(&self) -> CancellationToken {
         self.inner.closing.clone()
+    }
+
+    /// Cancelled when the node begins to stop on its own (fail-stop), before
+    /// the stop: the process must then exit even if the stop never ends.
+    pub fn failed(&self) -> CancellationToken {
+        self.inner.failed.clone()
     }
 
     /// Begin closing: cancel [`Node::closing`] ([`Node::shutdown`] does it too).

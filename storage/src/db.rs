@@ -291,11 +291,19 @@ impl NodeDb {
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
             .map_err(|e| match e {
-                sled::transaction::TransactionError::Storage(e) => StorageError::Sled(e),
+                sled::transaction::TransactionError::Storage(e) => self.write_failed(e),
                 sled::transaction::TransactionError::Abort(()) => StorageError::Redo("log rewrite aborted"),
             })?;
         self.inner.flusher.sync_blocking().map_err(|_| StorageError::SyncFailed)?;
-        self.finish_rewrite(group, &key, &entries)
+        // The vote is durable now: the log must follow, or the group would
+        // run on a vote given with a tail it does not hold. Only the next
+        // open finishes a rewrite, so any failure here (a full disk, which
+        // the log itself survives) stops the node.
+        self.finish_rewrite(group, &key, &entries).inspect_err(|e| {
+            self.stop_for(format!(
+                "a log rewrite failed after its vote was made durable ({e}); the next start finishes it"
+            ))
+        })
     }
 
     /// Whether the process before this one stopped cleanly: everything it
@@ -358,6 +366,13 @@ impl NodeDb {
         } else {
             format!("a write to sled failed ({e})")
         };
+        self.stop_for(why);
+        StorageError::Sled(e)
+    }
+
+    /// Tell the node to stop (fail-stop) for `why`, logged once: the
+    /// first reason wins, later ones are not news.
+    fn stop_for(&self, why: String) {
         let first = self.inner.fatal_tx.send_if_modified(|f| {
             if f.is_some() {
                 return false;
@@ -369,7 +384,6 @@ impl NodeDb {
             tracing::error!(data_dir = %self.inner.path.display(), "{why}; stopping the node (fail-stop)");
             self.inner.flusher.fail();
         }
-        StorageError::Sled(e)
     }
 
     /// Read a node-level value.
@@ -393,7 +407,7 @@ impl NodeDb {
 
     /// [`NodeDb::remove_node_value`] for a task (see `put_node_value_async`).
     pub async fn remove_node_value_async(&self, key: &str) -> Result<(), StorageError> {
-        self.inner.node.remove(key)?;
+        self.inner.node.remove(key).map_err(|e| self.write_failed(e))?;
         self.inner.flusher.sync().await.map_err(|_| StorageError::SyncFailed)
     }
 
@@ -420,7 +434,7 @@ impl NodeDb {
             for kv in tree.scan_prefix(p) {
                 batch.remove(kv?.0);
             }
-            tree.apply_batch(batch)?;
+            tree.apply_batch(batch).map_err(|e| self.write_failed(e))?;
         }
         Ok(())
     }
@@ -661,8 +675,6 @@ mod tests {
         assert_eq!(live, vec![36, 37, 38, 39, 40]);
     }
 
-    /// A log that failed part way through moving to a new segment stops
-    /// the node at its next sync, as a failed fsync does.
     /// A sled write that met a full disk stops the node: the reason says
     /// so, and every sync, waiting or later, fails at once rather than
     /// waiting on a sled flush that may never return.
@@ -690,6 +702,8 @@ mod tests {
         drop(held);
     }
 
+    /// A log that failed part way through moving to a new segment stops
+    /// the node at its next sync, as a failed fsync does.
     #[test]
     fn a_failed_log_roll_over_stops_the_node() {
         let dir = tempfile::tempdir().unwrap();
@@ -701,6 +715,31 @@ mod tests {
         assert!(db.wal().append(1, &[(2, vec![2; 3000])]).is_err(), "segment 2 cannot be made");
         assert!(db.flusher().sync_blocking().is_err(), "nothing is durable any more");
         assert!(db.fatal().borrow().is_some(), "the node is told to stop");
+    }
+
+    /// A re-form's log rewrite that meets a full disk after its vote was
+    /// made durable stops the node, although the log itself goes on after
+    /// a full disk: only the next open finishes the rewrite, which it does.
+    #[test]
+    fn a_rewrite_that_meets_a_full_disk_after_its_vote_stops_the_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = DbOptions { wal_segment_bytes: 4096, ..DbOptions::default() };
+        let rewritten = (2, vec![2; 3000]);
+        {
+            let db = NodeDb::open(dir.path(), &opts).unwrap();
+            db.wal().append(1, &[(1, vec![1; 3000])]).unwrap();
+            db.flusher().sync_blocking().unwrap();
+            // The rewrite needs a new segment, whose space cannot be had.
+            crate::wal::NO_SPACE_FOR.with(|n| n.set(1));
+            let r = db.rewrite_log(1, vec![rewritten.clone()], b"vote", b"v".to_vec(), ("k", b"x".to_vec()));
+            assert!(r.is_err(), "the rewrite met a full disk");
+            let why = db.fatal().borrow().clone().expect("the node is told to stop");
+            assert!(why.contains("log rewrite failed"), "{why}");
+            assert!(db.flusher().sync_blocking().is_err(), "a later sync succeeded");
+        }
+        let db = NodeDb::open(dir.path(), &opts).unwrap();
+        assert_eq!(db.wal().read(1, 0, u64::MAX).unwrap(), vec![(1, vec![1; 3000]), rewritten]);
+        assert_eq!(db.get_node_value("k").unwrap().as_deref(), Some(&b"x"[..]));
     }
 
     /// What a sync covered survives [`NodeDb::crash_for_tests`]; log bytes

@@ -291,7 +291,8 @@ impl Flusher {
     /// Fail every waiter, present or later, without a sync: the node is
     /// stopping for a storage failure the flusher did not see (a sled
     /// write that failed). A round under way may never end (sled 0.34's
-    /// flush can wait for good after a failed write); no one waits for it.
+    /// flush can wait for good after a failed write): the waiters it took
+    /// wait with it, and `mirrorq serve` exits without them.
     pub(crate) fn fail(&self) {
         self.failed.store(true, Ordering::Release);
         drop(self.held.count.lock().expect("poisoned"));

@@ -255,8 +255,9 @@ impl<C: RaftTypeConfig> LogStore<C> {
         self.group
     }
 
-    /// Every write the log refuses leaves it failed for good (fail-stop);
-    /// a flusher round meets that and stops the node now, not at whatever
+    /// A write the log refuses leaves it failed for good (fail-stop), but
+    /// for a full disk (`NoSpace`), which leaves it as it was: a flusher
+    /// round meets a failed log and stops the node now, not at whatever
     /// sync comes next (an idle node may not sync for a long time).
     fn write_failed(&self, verb: ErrorVerb, e: crate::WalError) -> RaftStorageError<C> {
         self.db.flusher().submit_log(Box::new(|_| {}));

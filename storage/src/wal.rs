@@ -180,7 +180,7 @@ impl WalError {
 thread_local! {
     /// Tests: the next this many segment files made on this thread fail
     /// their reservation with ENOSPC.
-    static NO_SPACE_FOR: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    pub(crate) static NO_SPACE_FOR: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
 fn describe_damaged(group: &Option<GroupId>, index: &Option<u64>) -> String {
@@ -256,6 +256,9 @@ struct Inner {
     /// are moved only after
     /// [`RELOCATE_AFTER`], the owner's compaction having had its chance.
     crowded: Option<(u64, Instant)>,
+    /// A move of idle groups' entries met a full disk and has not
+    /// succeeded since: said once, not at every try.
+    relocate_refused: bool,
     /// Dead segments' files, ready to become new segments.
     spares: Vec<Spare>,
 }
@@ -722,6 +725,7 @@ impl Wal {
             groups: HashMap::new(),
             failed: false,
             crowded: None,
+            relocate_refused: false,
             spares: Vec::new(),
         };
         // Whether the last segment may take more records: never one of the
@@ -798,7 +802,7 @@ impl Wal {
         {
             let mut inner = wal.lock();
             if inner.segments.is_empty() {
-                wal.new_segment(&mut inner, 1)?;
+                wal.new_segment(&mut inner, 1, None)?;
             } else {
                 if !head_sealed {
                     // Whatever follows the last good record was never
@@ -806,7 +810,7 @@ impl Wal {
                     wal.seal_active(&mut inner)?;
                 }
                 let next = inner.active + 1;
-                wal.new_segment(&mut inner, next)?;
+                wal.new_segment(&mut inner, next, None)?;
             }
         }
         Ok(wal)
@@ -820,13 +824,14 @@ impl Wal {
         WalError::Io { path: self.dir.clone(), source }
     }
 
-    /// Make sure a free spare file is there for segment `id` to take: if
-    /// none is, make `<id>.spare` with its blocks reserved. On a full disk
-    /// nothing is left behind and [`WalError::NoSpace`] is returned (and
-    /// announced to [`Wal::no_space`]); the log is unchanged.
-    fn reserve(&self, inner: &mut Inner, id: u64) -> Result<(), WalError> {
-        if inner.spares.iter().any(|s| Arc::strong_count(&s.file) == 1) {
-            return Ok(());
+    /// A free spare file for segment `id` to take, by its place in
+    /// `inner.spares`: if none is free, `<id>.spare` made with its blocks
+    /// reserved. On a full disk nothing is left behind and
+    /// [`WalError::NoSpace`] is returned (and announced to
+    /// [`Wal::no_space`]); the log is unchanged.
+    fn reserve(&self, inner: &mut Inner, id: u64) -> Result<usize, WalError> {
+        if let Some(free) = inner.spares.iter().position(|s| Arc::strong_count(&s.file) == 1) {
+            return Ok(free);
         }
         let path = spare_path(&self.dir, id);
         let made = OpenOptions::new().read(true).write(true).create_new(true).open(&path);
@@ -842,7 +847,7 @@ impl Wal {
         match reserved {
             Ok(file) => {
                 inner.spares.push(Spare { path, file: Arc::new(file) });
-                Ok(())
+                Ok(inner.spares.len() - 1)
             }
             Err(source) if is_disk_full(&source) => {
                 self.no_space.send_modify(|n| *n += 1);
@@ -852,12 +857,18 @@ impl Wal {
         }
     }
 
-    /// Make segment `id` the head: a spare file if one is free, else a new
-    /// file with its blocks reserved (as a spare first).
-    fn new_segment(&self, inner: &mut Inner, id: u64) -> Result<(), WalError> {
+    /// Make segment `id` the head: the spare `reserved` for it, else a
+    /// free spare file, else a new file with its blocks reserved (as a
+    /// spare first).
+    fn new_segment(&self, inner: &mut Inner, id: u64, reserved: Option<usize>) -> Result<(), WalError> {
         let path = seg_path(&self.dir, id);
-        self.reserve(inner, id)?;
-        let free = inner.spares.iter().position(|s| Arc::strong_count(&s.file) == 1).expect("a free spare reserved");
+        // The one reserved, not whichever is free by now: a reader may have
+        // let go of an older spare meanwhile, and a reserved spare left in
+        // the list would carry a live segment's future spare name.
+        let free = match reserved {
+            Some(i) => i,
+            None => self.reserve(inner, id)?,
+        };
         let spare = inner.spares.remove(free);
         std::fs::rename(&spare.path, &path).map_err(|e| self.io_err(e))?;
         let file = spare.file;
@@ -915,10 +926,10 @@ impl Wal {
             // The next segment's space first: on a full disk the write is
             // refused before the head is sealed, and the log goes on as if
             // it had never been tried.
-            self.reserve(inner, inner.active + 1)?;
+            let spare = self.reserve(inner, inner.active + 1)?;
             self.seal_active(inner)?;
             let next = inner.active + 1;
-            if let Err(e) = self.new_segment(inner, next) {
+            if let Err(e) = self.new_segment(inner, next, Some(spare)) {
                 // The head is sealed: a record written behind its seal would
                 // be acknowledged and then lost, since recovery stops at the
                 // seal. And a retry cannot be trusted after a half-done
@@ -1187,10 +1198,18 @@ impl Wal {
     }
 
     fn retire_one(&self, id: u64, path: PathBuf, file: Arc<File>) {
-        // Only the remover adds spares, so the count cannot grow between
-        // this check and the push.
-        if self.lock().spares.len() < MAX_SPARES {
-            let spare = spare_path(&self.dir, id);
+        let spare = spare_path(&self.dir, id);
+        // A spare of that name may be listed already (one a crash left
+        // beside the log, loaded at open): renaming onto it would replace
+        // its file under its open handle, and the segment that took it
+        // would write to a deleted file. New spares are made only under
+        // the lock and taken at once, so the list cannot grow by more than
+        // this push between the check and it.
+        let room = {
+            let inner = self.lock();
+            inner.spares.len() < MAX_SPARES && !inner.spares.iter().any(|s| s.path == spare)
+        };
+        if room {
             match std::fs::rename(&path, &spare) {
                 Ok(()) => {
                     self.lock().spares.push(Spare { path: spare, file });
@@ -1216,7 +1235,7 @@ impl Wal {
     /// [`RELOCATE_AFTER`] first. Returns the bytes moved (the caller syncs
     /// before reclaiming if any).
     pub fn relocate_idle(&self) -> Result<u64, WalError> {
-        let moves: Vec<GroupId> = {
+        let (oldest, moves): (u64, Vec<GroupId>) = {
             let mut inner = self.lock();
             if inner.segments.len() <= MAX_SEGMENTS {
                 return Ok(0);
@@ -1249,7 +1268,7 @@ impl Wal {
                     return Ok(0);
                 }
             }
-            idle
+            (oldest, idle)
         };
         let mut moved = 0u64;
         for group in moves {
@@ -1269,11 +1288,17 @@ impl Wal {
                 // was: the rest wait for a later round (the node's disk
                 // alarm is on meanwhile).
                 Err(e) if e.is_no_space() => {
-                    tracing::warn!(error = %e, "idle groups' log entries not moved for now");
+                    // Tried again after the same wait as a first try, not
+                    // at every sync (each try reserves a segment's blocks).
+                    inner.crowded = Some((oldest, Instant::now()));
+                    if !std::mem::replace(&mut inner.relocate_refused, true) {
+                        tracing::warn!(error = %e, "idle groups' log entries not moved for now");
+                    }
                     break;
                 }
                 Err(e) => return Err(e),
             };
+            inner.relocate_refused = false;
             let by = (seg, at + buf.len() as u64);
             for ((index, bytes), off) in entries.iter().zip(offsets) {
                 inner.put(group, *index, Loc { seg, offset: at + off, len: bytes.len() as u32 }, by);
@@ -1496,6 +1521,68 @@ mod tests {
         let wal = Wal::open(dir.path(), 4096).unwrap();
         assert_eq!(all(&wal, 1), one[35..].to_vec());
         assert_eq!(all(&wal, 2), two);
+    }
+
+    /// A spare a crash left beside the log under a later segment's name
+    /// (made for a roll-over the crash cut short) is loaded with the others
+    /// and outlives that segment's start. When that segment dies, its file
+    /// must not be renamed onto the listed spare's name: the spare's open
+    /// handle would then be a deleted file, and a later segment written
+    /// through it would be gone at the next open.
+    #[test]
+    fn a_dead_segment_is_never_renamed_onto_a_listed_spares_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = entries(1, 1..=40, 500);
+        let next = {
+            let wal = Wal::open(dir.path(), 4096).unwrap();
+            append_each(&wal, 1, &one);
+            wal.sync().unwrap();
+            wal.purge(1, 35);
+            wal.sync().unwrap();
+            let dead = wal.reclaimable();
+            assert!(dead.len() >= 2, "{} dead segments", dead.len());
+            // Two spares, from the oldest dead segments.
+            wal.remove(&dead[..2]).unwrap();
+            let active = wal.lock().active;
+            active + 1
+        };
+        // The next start's first segment will be `next`.
+        let leftover = spare_path(dir.path(), next);
+        let f = File::create(&leftover).unwrap();
+        f.set_len(4096).unwrap();
+        drop(f);
+        // Enough to move past segment `next` (seven to a segment), not to
+        // use the leftover spare.
+        let two = entries(2, 1..=10, 500);
+        let three = entries(2, 11..=40, 500);
+        {
+            let wal = Wal::open(dir.path(), 4096).unwrap();
+            assert_eq!(wal.lock().active, next);
+            assert!(leftover.exists(), "an older spare became segment {next}");
+            append_each(&wal, 2, &two);
+            assert!(leftover.exists(), "the leftover spare is still unused");
+            wal.sync().unwrap();
+            // Segment `next` dies, and those before it (segments are
+            // reclaimed oldest first).
+            wal.purge(1, 40);
+            wal.purge(2, 8);
+            wal.sync().unwrap();
+            let dead = wal.reclaimable();
+            assert!(dead.contains(&next), "segment {next} is dead: {dead:?}");
+            // Segment `next`'s file alone is retired, so that the spares
+            // have room for it (the older ones' files are left).
+            wal.remove(&[next]).unwrap();
+            // The next segments are made of the spares, the leftover one
+            // among them.
+            append_each(&wal, 2, &three);
+            wal.sync().unwrap();
+            assert!(!leftover.exists(), "every spare was used");
+            assert!(all(&wal, 2) == [&two[8..], &three[..]].concat());
+        }
+        // (A purge is replayed as far as its segment reached: the first
+        // entries kept may start earlier than asked.)
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        assert!(wal.read(2, 9, 40).unwrap() == [&two[8..], &three[..]].concat(), "entries lost at the reopen");
     }
 
     /// A roll-over that fails after the seal (the next segment's name is

@@ -867,6 +867,10 @@ def run_fault(f, c, net, ctl):
             say(f"  n{i} stopped on the full disk, code {stopped[1]}: {why[0][:300] if why else 'no reason logged'}")
             if not why:
                 c.anomalies.append(f"n{i} stopped on a full disk without saying why")
+            if stopped[1] != 1:
+                # Fail-stop exits 1; anything else (a panic's 101, a signal)
+                # is not the rule.
+                c.anomalies.append(f"n{i} stopped on a full disk with exit code {stopped[1]}, not 1")
             c.start(i)
             if not c.wait_http(i):
                 c.anomalies.append(f"n{i} did not serve after a restart on its freed disk")
@@ -1546,6 +1550,12 @@ def main():
                     help="strict: a new or renamed name is durable only once its directory is synced; "
                          "ordered: any sync makes every name durable, as ext4's journal does")
     args = ap.parse_args()
+    # The clients run in a child; without pika they would die in their
+    # threads and the run would check nothing.
+    import importlib.util
+    if importlib.util.find_spec("pika") is None:
+        ap.error("this python has no pika: run with target/test-venv/bin/python3 (./test.sh makes it) "
+                 "or pip install pika")
     if args.broker == "mirrorq" and not args.bin:
         ap.error("--bin is required for mirrorq")
     if args.broker == "mirrorq":
