@@ -12,7 +12,7 @@ use crate::error::StorageError;
 use crate::flusher::{CrashImage, Flusher};
 use crate::fsync::{create_dir_durably, sync_dir, sync_file};
 use crate::keys::{group_prefix, key_group, log_key_index, meta_key, META_REWRITE};
-use crate::wal::{RawEntry, Wal};
+use crate::wal::{RawEntry, Wal, WalError};
 use crate::GroupId;
 
 /// Tuning for the sled database.
@@ -368,6 +368,21 @@ impl NodeDb {
         };
         self.stop_for(why);
         StorageError::Sled(e)
+    }
+
+    /// A read of the log failed. A record that rotted on the disk
+    /// ([`WalError::Corrupt`]) stops the node: its replica's core would
+    /// meet it again at every restart from this disk, and only the next
+    /// start can repair it (it finds the damage, sets the data dir aside
+    /// and is refilled by its peers). Returns the error for the caller.
+    pub fn read_failed(&self, e: WalError) -> WalError {
+        if matches!(e, WalError::Corrupt { .. }) {
+            self.stop_for(format!(
+                "{e}: a record of the log changed on the disk after it was written; the next start sets this data \
+                 dir aside and is refilled by its peers"
+            ));
+        }
+        e
     }
 
     /// Tell the node to stop (fail-stop) for `why`, logged once: the
@@ -740,6 +755,45 @@ mod tests {
         let db = NodeDb::open(dir.path(), &opts).unwrap();
         assert_eq!(db.wal().read(1, 0, u64::MAX).unwrap(), vec![(1, vec![1; 3000]), rewritten]);
         assert_eq!(db.get_node_value("k").unwrap().as_deref(), Some(&b"x"[..]));
+    }
+
+    /// A log entry that rotted under a running node stops the node when
+    /// it is read (its replica would meet it at every restart), and the
+    /// next open finds the damage, so that the dir is set aside and
+    /// refilled; a read of a whole entry stops nothing.
+    #[test]
+    fn a_rotted_entry_read_at_runtime_stops_the_node_and_the_next_open_finds_it() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        db.wal().append(1, &[(1, vec![1; 100]), (2, vec![2; 100])]).unwrap();
+        db.flusher().sync_blocking().unwrap();
+        // A later append records how far the log was synced, so that the
+        // open can tell rot below that point from a torn tail.
+        db.wal().append(1, &[(3, vec![3; 100])]).unwrap();
+        db.flusher().sync_blocking().unwrap();
+        let space = crate::space::SmSpace::new(db.clone(), 1);
+        assert_eq!(space.log_entry(1).unwrap(), Some(vec![1; 100]));
+        assert!(db.fatal().borrow().is_none(), "a whole entry stops nothing");
+        // The second entry's payload, one bit flipped in place.
+        let seg = std::fs::read_dir(dir.path().join("wal"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|x| x == "wal"))
+            .unwrap();
+        let f = OpenOptions::new().read(true).write(true).open(&seg).unwrap();
+        let mut bytes = vec![0u8; 4096];
+        let n = f.read_at(&mut bytes, 0).unwrap();
+        let at = bytes[..n].windows(100).rposition(|w| w.iter().all(|b| *b == 2)).expect("the entry's payload");
+        f.write_all_at(&[2 ^ 0x10], (at + 50) as u64).unwrap();
+        drop(f);
+        assert!(space.log_entry(2).is_err(), "a rotted entry was read as written");
+        let why = db.fatal().borrow().clone().expect("the node is told to stop");
+        assert!(why.contains("changed on the disk"), "{why}");
+        drop(space);
+        drop(db);
+        let reopened = NodeDb::open(dir.path(), &DbOptions::default());
+        assert!(matches!(&reopened, Err(e) if e.is_damage()), "the next open did not find the damage");
     }
 
     /// What a sync covered survives [`NodeDb::crash_for_tests`]; log bytes

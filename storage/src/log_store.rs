@@ -433,8 +433,10 @@ where
     }
 
     fn read_entries(&self, start: u64, end: u64) -> Result<Vec<C::Entry>, RaftStorageError<C>> {
-        let read =
-            self.wal().read(self.group, start, end).map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+        let read = self
+            .wal()
+            .read(self.group, start, end)
+            .map_err(|e| io_err::<C>(ErrorSubject::Logs, ErrorVerb::Read, self.db.read_failed(e)))?;
         read.iter().map(|(_, b)| Self::decode_entry(b)).collect()
     }
 }

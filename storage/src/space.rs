@@ -28,7 +28,8 @@ impl SmSpace {
     /// the log rather than copy it (message bodies), as long as it copies
     /// it before a snapshot lets the log go.
     pub fn log_entry(&self, index: u64) -> Result<Option<Vec<u8>>, StorageError> {
-        Ok(self.db.wal().read(self.group, index, index)?.pop().map(|(_, bytes)| bytes))
+        let mut read = self.db.wal().read(self.group, index, index).map_err(|e| self.db.read_failed(e))?;
+        Ok(read.pop().map(|(_, bytes)| bytes))
     }
 
     /// Full key for a group-relative key.
