@@ -156,7 +156,19 @@ impl NodeDb {
         // sled's background threads let go of it (an in-process restart).
         let mut attempts = 0;
         let db = loop {
-            match config.open() {
+            // sled 0.34 panics on some damage it meets while recovering (a
+            // zeroed segment header: "tried to serialize Uninitialized"):
+            // that is a damaged dir, to be set aside and refilled, not a
+            // node that can never start.
+            let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| config.open())).map_err(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".to_string());
+                StorageError::SledPanicked { path: sled_dir.clone(), what }
+            })?;
+            match opened {
                 Ok(db) => break db,
                 Err(sled::Error::Io(e)) if e.to_string().contains("could not acquire lock") && attempts < 250 => {
                     attempts += 1;
@@ -730,6 +742,35 @@ mod tests {
         assert!(db.wal().append(1, &[(2, vec![2; 3000])]).is_err(), "segment 2 cannot be made");
         assert!(db.flusher().sync_blocking().is_err(), "nothing is durable any more");
         assert!(db.fatal().borrow().is_some(), "the node is told to stop");
+    }
+
+    /// sled panics on some damage it meets at open (a zeroed segment
+    /// header): that is damage, so that the dir is set aside and refilled,
+    /// not a node that dies at every start.
+    #[test]
+    fn a_sled_that_panics_on_its_damaged_file_is_damage() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+            // Past two of sled's 4 MiB segments.
+            for i in 0..20_000u32 {
+                db.sm_tree().insert(i.to_be_bytes(), vec![7u8; 200]).unwrap();
+                if i % 1000 == 999 {
+                    db.flusher().sync_blocking().unwrap();
+                }
+            }
+            db.flusher().sync_blocking().unwrap();
+        }
+        let file = dir.path().join("sled").join("db");
+        assert!(std::fs::metadata(&file).unwrap().len() > 9 << 20);
+        let f = OpenOptions::new().write(true).open(&file).unwrap();
+        f.write_all_at(&[0u8; 4096], 8 << 20).unwrap();
+        drop(f);
+        match NodeDb::open(dir.path(), &DbOptions::default()) {
+            Err(e) => assert!(matches!(e, StorageError::SledPanicked { .. }) && e.is_damage(), "not damage: {e}"),
+            Ok(_) => panic!("a sled with a zeroed segment header opened"),
+        }
     }
 
     /// A re-form's log rewrite that meets a full disk after its vote was

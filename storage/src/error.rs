@@ -29,6 +29,8 @@ pub enum StorageError {
         #[source]
         source: sled::Error,
     },
+    #[error("data dir {path} is damaged: sled stopped reading it ({what})")]
+    SledPanicked { path: PathBuf, what: String },
     #[error("sled: {0}")]
     Sled(#[from] sled::Error),
     #[error("decode {what}: {source}")]
@@ -73,6 +75,7 @@ impl StorageError {
             StorageError::Corrupt { source: sled::Error::Corruption { .. }, .. }
                 | StorageError::Redo(_)
                 | StorageError::Missing { .. }
+                | StorageError::SledPanicked { .. }
                 | StorageError::Wal(crate::wal::WalError::Corrupt { .. })
         )
     }
