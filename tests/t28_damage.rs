@@ -23,6 +23,16 @@ fn rot_the_log(dir: &Path) {
     std::fs::write(&seg, bytes).unwrap();
 }
 
+/// What sled 0.34 can do with a damaged file: open it as empty, without
+/// an error (seen with 4 KiB zeroed in its `db` file).
+fn empty_the_sled(dir: &Path) {
+    let db = mirrorq_storage::NodeDb::open(dir, &mirrorq_storage::DbOptions::default()).unwrap();
+    for tree in [db.node_tree(), db.raft_meta_tree(), db.sm_tree()] {
+        tree.clear().unwrap();
+    }
+    db.flusher().sync_blocking().unwrap();
+}
+
 fn set_aside_dirs(dir: &Path) -> Vec<PathBuf> {
     let name = dir.file_name().unwrap().to_string_lossy().into_owned();
     std::fs::read_dir(dir.parent().unwrap())
@@ -69,6 +79,29 @@ async fn a_node_whose_data_dir_is_damaged_is_refilled_by_its_peers() {
     publish_retrying(c.node(1), "q", b"after".to_vec()).await;
     wait_until(Duration::from_secs(10), "every replica holds the new message", || {
         (1..=3).all(|id| c.node(id).queue_info("q").is_ok_and(|i| i.ready == 6))
+    })
+    .await;
+    c.shutdown().await;
+    for a in aside {
+        std::fs::remove_dir_all(a).unwrap();
+    }
+}
+
+/// A sled that comes back empty beside a log that holds groups has lost
+/// the votes and state that go with the log: the dir is damaged, set aside
+/// and refilled, never taken for a new node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_sled_came_back_empty_beside_its_log_is_refilled() {
+    init_tracing();
+    let mut c = cluster_with_a_queue().await;
+    c.crash(1).await;
+    let dir = c.dirs[0].path().to_path_buf();
+    empty_the_sled(&dir);
+    c.restart(1).await;
+    let aside = set_aside_dirs(&dir);
+    assert_eq!(aside.len(), 1, "the dir with the emptied sled is set aside: {aside:?}");
+    wait_until(Duration::from_secs(30), "node 1 refilled: the cluster's metadata and the queue", || {
+        c.node(1).metadata().nodes.len() == 3 && c.node(1).queue_info("q").is_ok_and(|i| i.ready == 5)
     })
     .await;
     c.shutdown().await;

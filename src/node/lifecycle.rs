@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
+use mirrorq_storage::{DbOptions, NodeDb, SmSpace, StorageError};
 use openraft::BasicNode;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -35,13 +35,26 @@ use crate::raft::types::{LogStore, Raft};
 fn open_or_set_aside(cfg: &NodeConfig) -> Result<NodeDb, ServerError> {
     let opts = DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes };
     let err = match NodeDb::open(&cfg.data_dir, &opts) {
-        Ok(db) => {
-            // New beside a dir set aside: the power went between the two
-            // (or the mark's write failed), and this is the refill's dir.
-            if db.get_node_value(NODE_ID_KEY)?.is_none() && mirrorq_storage::was_set_aside(&cfg.data_dir) {
-                db.put_node_value(REFILL_KEY, &[])?;
-            }
+        Ok(db) if db.get_node_value(NODE_ID_KEY)?.is_some() || db.get_node_value(REFILL_KEY)?.is_some() => {
             return Ok(db);
+        }
+        Ok(db) => {
+            // Every start writes the node's id to sled, durably, before any
+            // group writes to the log: a log beside a sled without it is a
+            // sled that lost what it held (sled 0.34 can open a damaged
+            // file as empty, without an error), votes given included.
+            let groups = db.wal().groups();
+            if groups.is_empty() {
+                // New beside a dir set aside: the power went between the
+                // two (or the mark's write failed), and this is the
+                // refill's dir.
+                if mirrorq_storage::was_set_aside(&cfg.data_dir) {
+                    db.put_node_value(REFILL_KEY, &[])?;
+                }
+                return Ok(db);
+            }
+            drop(db);
+            StorageError::SledEmptied { path: cfg.data_dir.join("sled"), groups }
         }
         Err(e) => e,
     };

@@ -29,6 +29,8 @@ pub enum StorageError {
         #[source]
         source: sled::Error,
     },
+    #[error("data dir {path} is damaged: its sled holds nothing while its log holds groups {groups:?}")]
+    SledEmptied { path: PathBuf, groups: Vec<u64> },
     #[error("data dir {path} is damaged: sled stopped reading it ({what})")]
     SledPanicked { path: PathBuf, what: String },
     #[error("sled: {0}")]
@@ -76,6 +78,7 @@ impl StorageError {
                 | StorageError::Redo(_)
                 | StorageError::Missing { .. }
                 | StorageError::SledPanicked { .. }
+                | StorageError::SledEmptied { .. }
                 | StorageError::Wal(crate::wal::WalError::Corrupt { .. })
         )
     }

@@ -1037,7 +1037,6 @@ impl Wal {
     }
 
     /// Groups that have entries.
-    #[cfg(test)]
     pub fn groups(&self) -> Vec<GroupId> {
         self.lock().groups.iter().filter(|(_, g)| !g.locs.is_empty()).map(|(k, _)| *k).collect()
     }
