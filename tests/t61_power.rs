@@ -8,26 +8,12 @@
 //! /dev/fuse (CI has all three); elsewhere it says why and passes without
 //! running.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::Command;
 
-/// faultfs is another package of the workspace: its binary sits beside
-/// ours when the workspace was built, else it is built here.
-fn faultfs() -> PathBuf {
-    let ours = Path::new(env!("CARGO_BIN_EXE_mirrorq"));
-    let path = ours.with_file_name("faultfs");
-    if !path.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = Command::new(cargo);
-        build.args(["build", "-p", "faultfs", "--bin", "faultfs"]).current_dir(env!("CARGO_MANIFEST_DIR"));
-        if ours.parent().and_then(Path::file_name).is_some_and(|p| p == "release") {
-            build.arg("--release");
-        }
-        let status = build.status().expect("run cargo build -p faultfs");
-        assert!(status.success(), "cargo build -p faultfs failed");
-    }
-    path
-}
+use common::process::faultfs;
 
 #[test]
 fn power_cut_campaign_loses_no_confirmed_message() {

@@ -14,24 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::process::{self, ProcNode};
-
-/// faultfs is another package of the workspace: its binary sits beside
-/// ours when the workspace was built, else it is built here.
-fn faultfs() -> PathBuf {
-    let ours = Path::new(env!("CARGO_BIN_EXE_mirrorq"));
-    let path = ours.with_file_name("faultfs");
-    if !path.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = Command::new(cargo);
-        build.args(["build", "-p", "faultfs", "--bin", "faultfs"]).current_dir(env!("CARGO_MANIFEST_DIR"));
-        if ours.parent().and_then(Path::file_name).is_some_and(|p| p == "release") {
-            build.arg("--release");
-        }
-        assert!(build.status().expect("run cargo build -p faultfs").success(), "cargo build -p faultfs failed");
-    }
-    path
-}
+use common::process::{self, faultfs, ProcNode};
 
 fn mounted(mnt: &Path) -> bool {
     let m = mnt.to_string_lossy().into_owned();
