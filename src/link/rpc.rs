@@ -35,6 +35,9 @@ pub struct QuietList {
     pub incarnation: u64,
     pub gen: u64,
     pub groups: Vec<(GroupId, u64)>,
+    /// The node is refilling a data dir set aside as damaged: its replicas
+    /// hold less than their masters counted them to, and wait for appends.
+    pub refilling: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -220,6 +223,8 @@ pub enum RpcResponse {
         incarnation: u64,
         gen: u64,
         groups: Option<Vec<(GroupId, u64)>>,
+        /// As in [`QuietList`].
+        refilling: bool,
     },
     MetaIndex(Option<u64>),
     Holds(bool),

@@ -404,6 +404,7 @@ impl Node {
         }
         let mut reach = self.reachable(state).await;
         let mut present = self.present(state);
+        let refilling = self.inner.quiescence.refilling_peers();
         let timing = &self.inner.timing;
         for g in groups {
             if self.inner.stop.is_cancelled() {
@@ -464,7 +465,7 @@ impl Node {
             };
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
             let senior_voter = by_seniority(q, &alive_voter_set).first().copied();
-            self.steer_quiet(&g, &m, &present);
+            self.steer_quiet(&g, &m, &present, &refilling);
             let hold = if m.state != ServerState::Leader {
                 self.held_by_quiet_master(&g, &m, &voters, &reach, now)
             } else {

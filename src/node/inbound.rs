@@ -44,7 +44,7 @@ impl RpcHandler for Inner {
 
     fn ping(&self, from: NodeId, have: Option<(u64, u64)>, mine: Option<QuietList>) -> RpcResponse {
         if let Some(list) = mine {
-            self.quiescence.heard(from, list.incarnation, list.gen, Some(list.groups));
+            self.quiescence.heard(from, list.incarnation, list.gen, Some(list.groups), list.refilling);
         }
         self.quiescence.answer(from, have)
     }

@@ -54,12 +54,15 @@ struct Announcement {
 struct Ours {
     gen: u64,
     groups: HashMap<GroupId, Announcement>,
+    /// See [`Quiescence::set_refilling`].
+    refilling: bool,
 }
 
 struct Heard {
     incarnation: u64,
     gen: u64,
     groups: HashMap<GroupId, u64>,
+    refilling: bool,
 }
 
 /// This node's announcements and what it heard of its peers'.
@@ -151,6 +154,7 @@ impl Quiescence {
             incarnation: self.incarnation,
             gen: ours.gen,
             groups: (!current).then(|| ours.groups.iter().map(|(g, a)| (*g, a.term)).collect()),
+            refilling: ours.refilling,
         }
     }
 
@@ -171,7 +175,26 @@ impl Quiescence {
             incarnation: self.incarnation,
             gen: ours.gen,
             groups: ours.groups.iter().map(|(g, a)| (*g, a.term)).collect(),
+            refilling: ours.refilling,
         })
+    }
+
+    /// Whether this node is refilling a data dir set aside as damaged: its
+    /// masters' counts of what its replicas hold are from the lost dir, so
+    /// a quiet master would never send them anything. Said with the list
+    /// (a change is a new generation), and masters keep every group with a
+    /// refilling member awake until it says it is done.
+    pub(super) fn set_refilling(&self, on: bool) {
+        let mut ours = self.ours.lock().expect("poisoned");
+        if ours.refilling != on {
+            ours.refilling = on;
+            ours.gen += 1;
+        }
+    }
+
+    /// The peers that said they are refilling, in the life heard last.
+    pub(super) fn refilling_peers(&self) -> BTreeSet<NodeId> {
+        self.heard.lock().expect("poisoned").iter().filter(|(_, h)| h.refilling).map(|(p, _)| *p).collect()
     }
 
     /// `peer` answered a ping that carried our list at `gen`: it holds it.
@@ -182,7 +205,14 @@ impl Quiescence {
     /// `peer`'s list: from the answer to our ping, or carried by its own.
     /// An older generation of the life we hold (a ping and an answer that
     /// crossed) changes nothing.
-    pub(super) fn heard(&self, peer: NodeId, incarnation: u64, gen: u64, groups: Option<Vec<(GroupId, u64)>>) {
+    pub(super) fn heard(
+        &self,
+        peer: NodeId,
+        incarnation: u64,
+        gen: u64,
+        groups: Option<Vec<(GroupId, u64)>>,
+        refilling: bool,
+    ) {
         let mut heard = self.heard.lock().expect("poisoned");
         if heard.get(&peer).is_some_and(|h| h.incarnation == incarnation && h.gen > gen) {
             return;
@@ -190,9 +220,10 @@ impl Quiescence {
         match groups {
             Some(groups) => {
                 let groups: HashMap<GroupId, u64> = groups.into_iter().collect();
-                let was = heard.insert(peer, Heard { incarnation, gen, groups });
+                let was = heard.insert(peer, Heard { incarnation, gen, groups, refilling });
                 let now = &heard[&peer].groups;
-                if let Some(was) = was.filter(|w| w.incarnation == incarnation) {
+                // Every group the peer is a member of is judged anew.
+                if let Some(was) = was.filter(|w| w.incarnation == incarnation && w.refilling == refilling) {
                     // The same life of the peer: only the groups whose entry
                     // changed are judged anew.
                     let mut news = self.news.lock().expect("poisoned");
@@ -284,7 +315,10 @@ impl Quiescence {
 /// from a stop, whose replicas reported to none of the masters that took
 /// over from it: waking each such group at its return (thousands at once)
 /// stalled every node's confirms.
-fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>) -> bool {
+///
+/// A member on a refilling node has not settled whatever its counts say:
+/// they are from the dir it lost.
+fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>, refilling: &BTreeSet<NodeId>) -> bool {
     let membership = m.membership_config.membership();
     let applied = m.last_applied.map(|l| l.index);
     if applied != m.last_log_index || membership.get_joint_config().len() != 1 {
@@ -297,6 +331,9 @@ fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>) 
         return false;
     }
     let members: BTreeSet<NodeId> = membership.nodes().map(|(id, _)| *id).filter(here).collect();
+    if members.iter().any(|id| *id != me && refilling.contains(id)) {
+        return false;
+    }
     let all_have = members
         .iter()
         .filter(|id| **id != me)
@@ -359,7 +396,13 @@ impl Node {
     /// At every failure-watch round, per hosted group: as master, announce
     /// a settled group and then quiet it; wake it and withdraw the
     /// announcement when it is no longer settled or no longer ours.
-    pub(super) fn steer_quiet(&self, g: &QueueGroup, m: &Metrics, present: &BTreeSet<NodeId>) {
+    pub(super) fn steer_quiet(
+        &self,
+        g: &QueueGroup,
+        m: &Metrics,
+        present: &BTreeSet<NodeId>,
+        refilling: &BTreeSet<NodeId>,
+    ) {
         let group = g.meta.group;
         let q = &self.inner.quiescence;
         let me = self.id();
@@ -373,7 +416,7 @@ impl Node {
             return;
         }
         let leading = m.state == ServerState::Leader && !leaving;
-        let now_settled = leading && settled(g, m, me, present);
+        let now_settled = leading && settled(g, m, me, present, refilling);
         let mark = (m.current_term, m.last_log_index);
         let since = {
             let mut s = g.watch.settled.lock().expect("poisoned");
@@ -445,21 +488,21 @@ mod tests {
     #[test]
     fn a_peers_new_list_changes_the_watch_key_of_the_groups_it_changed_only() {
         let q = Quiescence::new(1);
-        q.heard(2, 7, 1, Some(vec![(10, 3), (11, 3), (12, 3)]));
+        q.heard(2, 7, 1, Some(vec![(10, 3), (11, 3), (12, 3)]), false);
         let key = |g| q.world_of(g);
         let before = [key(10), key(11), key(12), key(13)];
         // 11 withdrawn, 12 in another term, 13 announced; 10 as it was.
-        q.heard(2, 7, 2, Some(vec![(10, 3), (12, 4), (13, 4)]));
+        q.heard(2, 7, 2, Some(vec![(10, 3), (12, 4), (13, 4)]), false);
         assert_eq!(key(10), before[0], "an unchanged group keeps its key");
         for (i, g) in [(1, 11), (2, 12), (3, 13)] {
             assert_ne!(key(g), before[i], "group {g} changed in the list");
         }
         // The list as it was, answered without the groups: nothing moves.
         let now = [key(10), key(11)];
-        q.heard(2, 7, 2, None);
+        q.heard(2, 7, 2, None, false);
         assert_eq!([key(10), key(11)], now);
         // A new life of the peer: every group is judged anew.
-        q.heard(2, 8, 1, Some(vec![(10, 3)]));
+        q.heard(2, 8, 1, Some(vec![(10, 3)]), false);
         assert_ne!(key(10), now[0]);
     }
 
@@ -480,10 +523,10 @@ mod tests {
         assert!(q.push_for(2).is_some_and(|l| l.groups.is_empty()), "a changed list goes again");
 
         let (voters, reach) = (BTreeSet::from([1, 3]), BTreeSet::from([3]));
-        q.heard(3, 7, 5, Some(vec![(11, 2)]));
-        q.heard(3, 7, 4, Some(vec![]));
+        q.heard(3, 7, 5, Some(vec![(11, 2)]), false);
+        q.heard(3, 7, 4, Some(vec![]), false);
         assert_eq!(q.quiet_master(11, 2, 1, &voters, &reach), Some(3), "an older generation changed the list");
-        q.heard(3, 7, 6, Some(vec![]));
+        q.heard(3, 7, 6, Some(vec![]), false);
         assert_eq!(q.quiet_master(11, 2, 1, &voters, &reach), None, "a newer one is taken");
     }
 
@@ -496,11 +539,11 @@ mod tests {
         let q = Quiescence::new(1);
         q.departs(2, 7);
         assert!(q.departed().contains(&2), "not heard from at all: in the life it said");
-        q.heard(2, 7, 1, Some(vec![]));
+        q.heard(2, 7, 1, Some(vec![]), false);
         assert!(q.departed().contains(&2));
-        q.heard(2, 1, 1, Some(vec![]));
+        q.heard(2, 1, 1, Some(vec![]), false);
         assert!(q.departed().is_empty(), "back on an empty data dir, its life counts from 1 again");
-        q.heard(3, 9, 1, Some(vec![]));
+        q.heard(3, 9, 1, Some(vec![]), false);
         q.departs(3, 8);
         assert!(q.departed().is_empty(), "a late notice from an earlier life");
     }

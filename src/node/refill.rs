@@ -66,6 +66,7 @@ impl Node {
         if self.inner.refill.lock().expect("poisoned").is_none() {
             return;
         }
+        self.inner.quiescence.set_refilling(true);
         let node = self.clone();
         tokio::spawn(async move {
             tracing::warn!("refilling: this node's replicas grant no vote until their leaders have filled them");
@@ -84,6 +85,7 @@ impl Node {
                     return;
                 }
                 *node.inner.refill.lock().expect("poisoned") = None;
+                node.inner.quiescence.set_refilling(false);
                 tracing::info!("refilled: every replica here holds what its leader had committed; voting again");
                 return;
             }

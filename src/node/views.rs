@@ -181,8 +181,8 @@ impl Node {
         let pushed = mine.as_ref().map(|l| l.gen);
         let ask = RpcRequest::Liveness { from: self.id(), have: q.have(id), mine };
         match self.inner.ping(id, ask, limit).await {
-            Ok(RpcResponse::Liveness { incarnation, gen, groups }) => {
-                q.heard(id, incarnation, gen, groups);
+            Ok(RpcResponse::Liveness { incarnation, gen, groups, refilling }) => {
+                q.heard(id, incarnation, gen, groups, refilling);
                 if let Some(gen) = pushed {
                     q.pushed(id, gen);
                 }

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::StorageError;
 use crate::flusher::{CrashImage, Flusher};
 use crate::fsync::{create_dir_durably, sync_dir, sync_file};
-use crate::keys::{group_prefix, key_group, log_key_index, meta_key, META_REWRITE};
+use crate::keys::{decode_sled_mark, group_prefix, key_group, log_key_index, meta_key, META_REWRITE, SLED_MARK_KEY};
 use crate::wal::{RawEntry, Wal, WalError};
 use crate::GroupId;
 
@@ -184,12 +184,22 @@ impl NodeDb {
         let sm = open_tree("sm")?;
         let node = open_tree("node")?;
         let wal = Arc::new(Wal::open(&dir.join("wal"), opts.wal_segment_bytes)?);
+        let in_sled = node.get(SLED_MARK_KEY)?.and_then(|v| decode_sled_mark(&v)).unwrap_or(0);
+        let in_log = wal.sled_mark();
+        if in_sled < in_log {
+            return Err(StorageError::SledBehind { path: sled_dir, sled: in_sled, log: in_log });
+        }
         let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
         let fatal_tx = Arc::new(fatal_tx);
         let tx = fatal_tx.clone();
         let crash_image = CrashImage::default();
-        let (flusher, flusher_thread) =
-            Flusher::start(db.clone(), &sled_dir, wal.clone(), crash_image.clone(), move |e| {
+        let (flusher, flusher_thread) = Flusher::start(
+            db.clone(),
+            &sled_dir,
+            wal.clone(),
+            (node.clone(), in_sled),
+            crash_image.clone(),
+            move |e| {
                 let why = if crate::flusher::is_disk_full(e) {
                     format!(
                         "disk full: a write failed ({e}); free space on the data dir's disk and start the node again"
@@ -198,8 +208,9 @@ impl NodeDb {
                     format!("disk sync failed: {e}")
                 };
                 let _ = tx.send(Some(why));
-            })
-            .map_err(|source| StorageError::Lock { path: sled_dir.clone(), source })?;
+            },
+        )
+        .map_err(|source| StorageError::Lock { path: sled_dir.clone(), source })?;
         let node_db = Self {
             inner: Arc::new(Inner {
                 path: dir.to_owned(),
@@ -931,6 +942,81 @@ mod tests {
             Err(e) => assert!(e.is_damage(), "not taken for damage: {e}"),
             Ok(_) => panic!("a log without its sled dir opened with a fresh sled"),
         }
+    }
+
+    fn copy_dir(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                copy_dir(&e.path(), &to.join(e.file_name()));
+            } else {
+                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+            }
+        }
+    }
+
+    /// sled that comes back with less than it had synced (here: its whole
+    /// dir as an earlier sync left it, which is what its recovery makes of
+    /// a file truncated or zeroed past that point) is damage, though sled
+    /// opens it without an error and it still holds the node's values.
+    #[test]
+    fn a_sled_that_lost_writes_it_had_synced_is_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = tempfile::tempdir().unwrap();
+        {
+            let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+            db.put_node_value("node_id", b"1").unwrap();
+            db.wal().append(1, &[(1, b"a".to_vec())]).unwrap();
+            db.flusher().sync_blocking().unwrap();
+        }
+        copy_dir(&dir.path().join("sled"), old.path());
+        {
+            let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+            db.raft_meta_tree().insert(b"vote", b"given later".to_vec()).unwrap();
+            db.flusher().sync_blocking().unwrap();
+            // The log's note of that sync becomes durable with this one.
+            db.wal().append(1, &[(2, b"b".to_vec())]).unwrap();
+            db.flusher().sync_blocking().unwrap();
+        }
+        std::fs::remove_dir_all(dir.path().join("sled")).unwrap();
+        copy_dir(old.path(), &dir.path().join("sled"));
+        match NodeDb::open(dir.path(), &DbOptions::default()) {
+            Err(e @ StorageError::SledBehind { .. }) => assert!(e.is_damage(), "not taken for damage: {e}"),
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("a sled that lost a synced vote opened"),
+        }
+    }
+
+    /// The mark never accuses a sled that kept what it synced: crashes at
+    /// any point between a sled sync and the log's note of it, and after
+    /// the note is durable, each reopen without a word.
+    #[test]
+    fn crashes_around_sled_syncs_are_never_taken_for_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        for round in 0..12u64 {
+            let db = NodeDb::open(dir.path(), &DbOptions::default())
+                .unwrap_or_else(|e| panic!("round {round}: a sound dir refused: {e}"));
+            db.keep_crash_image().unwrap();
+            for i in 0..=round % 4 {
+                db.sm_tree().insert(format!("{round}-{i}").as_bytes(), b"v".to_vec()).unwrap();
+                db.wal().append(1, &[(round * 10 + i + 1, b"e".to_vec())]).unwrap();
+                if (round + i) % 3 == 0 {
+                    db.flusher().sync_blocking().unwrap();
+                } else {
+                    block_on(db.flusher().sync_log()).unwrap();
+                }
+            }
+            if round % 2 == 0 {
+                db.crash_for_tests().unwrap();
+            }
+        }
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        assert!(db.wal().sled_mark() > 0, "no sled sync left its mark in the log");
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
     }
 
     /// A test may crash a node whose disk it holds back: the crash does

@@ -31,6 +31,10 @@ pub enum StorageError {
     },
     #[error("data dir {path} is damaged: its sled holds nothing while its log holds groups {groups:?}")]
     SledEmptied { path: PathBuf, groups: Vec<u64> },
+    #[error(
+        "data dir {path} is damaged: sled came back without writes it had synced (its mark {sled}, the log's {log})"
+    )]
+    SledBehind { path: PathBuf, sled: u64, log: u64 },
     #[error("data dir {path} is damaged: sled stopped reading it ({what})")]
     SledPanicked { path: PathBuf, what: String },
     #[error("sled: {0}")]
@@ -79,6 +83,7 @@ impl StorageError {
                 | StorageError::Missing { .. }
                 | StorageError::SledPanicked { .. }
                 | StorageError::SledEmptied { .. }
+                | StorageError::SledBehind { .. }
                 | StorageError::Wal(crate::wal::WalError::Corrupt { .. })
         )
     }

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use crate::keys::SLED_MARK_KEY;
 use crate::wal::{Retired, Wal};
 
 /// Called once with the outcome of the sync that covered the waiter's writes.
@@ -154,15 +155,20 @@ impl Flusher {
     /// Start the flusher for a sled database living in `dir`.
     ///
     /// `on_fatal` runs once, on the flusher thread, if a sync ever fails.
+    ///
+    /// `marks` is where sled keeps its mark (see [`Wal::note_sled_mark`]),
+    /// and `mark` the highest mark written so far, in sled or in the log.
     pub fn start(
         db: sled::Db,
         dir: &Path,
         wal: Arc<Wal>,
+        marks: (sled::Tree, u64),
         crash_image: CrashImage,
         on_fatal: impl Fn(&io::Error) + Send + 'static,
     ) -> io::Result<(Self, std::thread::JoinHandle<()>)> {
         let mut sled = SledTarget::new(db, dir)?;
         sled.crash_image = crash_image;
+        sled.marks = Some(marks);
         let (remover, files) = mpsc::channel::<Vec<Retired>>();
         let log = wal.clone();
         let remover_thread = std::thread::Builder::new()
@@ -378,13 +384,30 @@ impl SyncTarget for NodeTarget {
         if sled {
             #[cfg(any(test, feature = "test-hooks"))]
             self.sled_gate.pass();
-            self.sled.sync()?;
+            self.sync_sled()?;
         }
         self.reclaim()
     }
 }
 
 impl NodeTarget {
+    /// Sync sled, then leave the mark it now holds in the log.
+    fn sync_sled(&mut self) -> io::Result<()> {
+        self.sled.sync()?;
+        if let Some((_, mark)) = &self.sled.marks {
+            // A mark the log lacks only weakens the check at the next open.
+            // A full disk refuses only a new segment and leaves the log
+            // going; any other failure fails the log, and the next sync
+            // stops the node.
+            if let Err(e) = self.wal.note_sled_mark(*mark) {
+                if !e.is_no_space() {
+                    return Err(io::Error::other(e));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Remove log segments no live entry needs, after moving idle groups'
     /// entries out of the oldest. Once per segment's worth of writes, so
     /// the extra syncs cost nothing measurable.
@@ -406,7 +429,7 @@ impl NodeTarget {
         }
         // The purge points that killed these entries are sled writes: they
         // must be durable before the entries are gone.
-        self.sled.sync()?;
+        self.sync_sled()?;
         let files = self.wal.forget(&dead);
         // Unlinking a full segment costs the file system 30-60 ms (its
         // extents, its cached pages), and every append on the node waits
@@ -434,6 +457,9 @@ struct SledTarget {
     dir: PathBuf,
     snapshots: HashSet<std::ffi::OsString>,
     crash_image: CrashImage,
+    /// Where sled keeps its mark, and the last mark written: each sync
+    /// writes the next one first, so a sync that returns has it on disk.
+    marks: Option<(sled::Tree, u64)>,
     /// What each sync flushed and synced, in order, for tests of that order.
     #[cfg(test)]
     trail: Vec<Step>,
@@ -463,6 +489,7 @@ impl SledTarget {
             synced_blobs: HashSet::new(),
             data_path: dir.join("db"),
             crash_image: CrashImage::default(),
+            marks: None,
             #[cfg(test)]
             trail: Vec::new(),
         })
@@ -481,6 +508,13 @@ impl SledTarget {
     /// the kernel's own writeback); no waiter of this round depends on it,
     /// and the next round syncs its blob.
     fn sync(&mut self) -> io::Result<()> {
+        if let Some((tree, mark)) = &mut self.marks {
+            *mark += 1;
+            tree.insert(SLED_MARK_KEY, &mark.to_be_bytes()[..]).map_err(|e| match e {
+                sled::Error::Io(io) => io,
+                e => io::Error::other(e),
+            })?;
+        }
         // sled writes what it buffered here: its I/O error as it is, so
         // that a full disk reads as one.
         self.db.flush().map_err(|e| match e {

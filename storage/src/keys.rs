@@ -41,6 +41,15 @@ pub const META_PURGED: u8 = b'p';
 /// (see `NodeDb::rewrite_log`).
 pub const META_REWRITE: u8 = b'r';
 
+/// Node tree key of sled's mark (see `Wal::note_sled_mark`). Node values
+/// of the broker are plain words; this cannot be one.
+pub const SLED_MARK_KEY: &[u8] = b"\0storage.sled_mark";
+
+/// Decode sled's mark as [`SLED_MARK_KEY`] holds it.
+pub fn decode_sled_mark(v: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(v.try_into().ok()?))
+}
+
 /// Prefix of everything a group owns in a tree.
 pub fn group_prefix(group: GroupId) -> [u8; 8] {
     group.to_be_bytes()

@@ -24,7 +24,9 @@
 //! segment's *seal*, its last record, written and synced when the log moves
 //! on to the next segment; *synced*, no payload, `index` the length of the
 //! head that a sync covered, opening the first write after each sync that
-//! covered more. Purges are not records: the purge point lives in
+//! covered more; *sled's mark*, no payload, `index` a mark that sled's
+//! file held when a sync of it returned (see [`Wal::note_sled_mark`]).
+//! Purges are not records: the purge point lives in
 //! sled's `raft_meta` and is applied when the log is read back.
 //!
 //! A new segment's blocks are reserved when it is created (`fallocate`,
@@ -133,6 +135,9 @@ const KIND_SEAL: u8 = 5;
 /// The head segment's synced length when the write it opens began (see
 /// "Damage or torn tail" in the module docs).
 const KIND_SYNCED: u8 = 6;
+/// A mark sled had on disk (no payload, `index` the mark): see
+/// [`Wal::note_sled_mark`].
+const KIND_SLED_MARK: u8 = 7;
 
 /// Errors of the write-ahead log.
 #[derive(Debug, thiserror::Error)]
@@ -261,6 +266,8 @@ struct Inner {
     relocate_refused: bool,
     /// Dead segments' files, ready to become new segments.
     spares: Vec<Spare>,
+    /// The highest sled mark read back at open (see [`Wal::sled_mark`]).
+    sled_mark: u64,
 }
 
 /// A dead segment's file, renamed `<old id>.spare`.
@@ -432,7 +439,7 @@ fn parse(file: &File, salt: Option<u64>) -> io::Result<Parsed> {
         hasher.update(&h[4..]);
         hasher.update(&payload);
         // Zeros (crc 0 over kind 0) are never a record, whatever the salt.
-        if hasher.finalize() != crc || !(KIND_ENTRY..=KIND_SYNCED).contains(&h[8]) {
+        if hasher.finalize() != crc || !(KIND_ENTRY..=KIND_SLED_MARK).contains(&h[8]) {
             break;
         }
         if h[8] == KIND_SEAL {
@@ -674,6 +681,7 @@ impl Inner {
             KIND_REWRITE => self.rewrite(r.group, r.index, loc, by),
             KIND_TRUNCATE => self.truncate(r.group, r.index, by),
             KIND_DROP => self.drop_group(r.group, by),
+            KIND_SLED_MARK => self.sled_mark = self.sled_mark.max(r.index),
             _ => {}
         }
     }
@@ -727,6 +735,7 @@ impl Wal {
             crowded: None,
             relocate_refused: false,
             spares: Vec::new(),
+            sled_mark: 0,
         };
         // Whether the last segment may take more records: never one of the
         // previous format, nor one a crash may have left stale bytes in.
@@ -1029,6 +1038,27 @@ impl Wal {
         inner.drop_group(group, (seg, at + buf.len() as u64));
         drop(inner);
         self.sync()
+    }
+
+    /// Record that sled's file held `mark` when a sync of it returned;
+    /// durable with the next [`Wal::sync`]. sled's recovery yields a prefix
+    /// of its writes, so a sled that comes back with a lower mark than the
+    /// log's lost writes it had synced: damage that sled's own checks let
+    /// through (a truncated or zeroed file can open without an error).
+    /// The log is the witness because its records are checksummed and the
+    /// next write carries this one for free, as with `KIND_SYNCED`.
+    pub fn note_sled_mark(&self, mark: u64) -> Result<(), WalError> {
+        let mut buf = Vec::with_capacity(HEADER);
+        encode_record(&mut buf, KIND_SLED_MARK, 0, mark, &[]);
+        let mut inner = self.lock();
+        self.write(&mut inner, &mut buf)?;
+        Ok(())
+    }
+
+    /// The highest mark [`Wal::note_sled_mark`] left in the log as it was
+    /// opened (0 if none).
+    pub fn sled_mark(&self) -> u64 {
+        self.lock().sled_mark
     }
 
     /// Whether `group` has any entry.
@@ -1357,6 +1387,27 @@ mod tests {
 
     fn all(wal: &Wal, group: GroupId) -> Vec<(u64, Vec<u8>)> {
         wal.read(group, 0, u64::MAX).unwrap()
+    }
+
+    /// The highest sled mark the log holds comes back at open, across
+    /// segments; one not yet synced is lost with a crash.
+    #[test]
+    fn sled_marks_come_back_at_open_once_synced() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        assert_eq!(wal.sled_mark(), 0);
+        for mark in 1..=5 {
+            wal.note_sled_mark(mark).unwrap();
+            append_each(&wal, 1, &entries(1, mark * 10..=mark * 10 + 9, 300));
+        }
+        wal.sync().unwrap();
+        assert!(wal.segment_count() > 1, "the marks should span segments");
+        wal.note_sled_mark(6).unwrap();
+        wal.crash_for_tests().unwrap();
+        drop(wal);
+        let wal = Wal::open(dir.path(), 4096).unwrap();
+        assert_eq!(wal.sled_mark(), 5);
+        assert_eq!(all(&wal, 1).len(), 50, "marks are no entries");
     }
 
     #[test]
