@@ -1,5 +1,5 @@
-//! Command-line structure (clap only; merging with the config file is in
-//! [`crate::config`]).
+//! Command-line structure (clap only; merging with the config file is the
+//! `config` module's).
 
 use std::path::PathBuf;
 

@@ -91,20 +91,6 @@ pub fn without_expiration(props: AMQPProperties) -> (AMQPProperties, Option<Stri
 }
 
 /// AMQP table -> the values routing compares.
-/// Arguments as a JSON object, as RabbitMQ's API shows them.
-pub fn args_json(args: &Args) -> serde_json::Value {
-    let m = args.iter().map(|(k, v)| {
-        let v = match v {
-            ArgValue::Str(s) => serde_json::Value::from(s.clone()),
-            ArgValue::Int(n) => serde_json::Value::from(*n),
-            ArgValue::Bool(b) => serde_json::Value::from(*b),
-            ArgValue::Other(o) => serde_json::from_str(o).unwrap_or_else(|_| serde_json::Value::from(o.clone())),
-        };
-        (k.clone(), v)
-    });
-    serde_json::Value::Object(m.collect())
-}
-
 pub fn to_args(t: &FieldTable) -> Args {
     t.inner()
         .iter()

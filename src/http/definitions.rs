@@ -48,7 +48,7 @@ pub async fn export(State(node): State<Node>, Extension(caller): Extension<Calle
             "source": names::name_of(&b.exchange), "vhost": vhost(&b.exchange),
             "destination": names::name_of(&b.destination),
             "destination_type": if b.to_exchange { "exchange" } else { "queue" },
-            "routing_key": b.routing_key, "arguments": crate::message::args_json(&b.args),
+            "routing_key": b.routing_key, "arguments": crate::metadata::routing::args_json(&b.args),
         })).collect::<Vec<_>>(),
     })))
 }

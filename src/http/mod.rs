@@ -455,7 +455,7 @@ async fn put_queue(
 
 /// An exchange's `arguments`, as declared.
 pub(crate) fn exchange_args_json(e: &ExchangeMeta) -> Value {
-    crate::message::args_json(&e.args)
+    crate::metadata::routing::args_json(&e.args)
 }
 
 /// An `arguments` object of the API (queues, bindings) as AMQP arguments.
@@ -723,7 +723,7 @@ fn properties_key(b: &Binding) -> String {
     let mut key: String = form_urlencoded::byte_serialize(b.routing_key.as_bytes()).collect();
     if !b.args.is_empty() {
         use sha2::Digest;
-        let digest = sha2::Sha256::digest(crate::message::args_json(&b.args).to_string().as_bytes());
+        let digest = sha2::Sha256::digest(crate::metadata::routing::args_json(&b.args).to_string().as_bytes());
         key.push('~');
         key.extend(digest[..6].iter().map(|byte| format!("{byte:02x}")));
     }
@@ -739,7 +739,7 @@ fn binding_json(b: &Binding) -> Value {
     let (vhost, source) = names::split(&b.exchange);
     let kind = if b.to_exchange { "exchange" } else { "queue" };
     json!({"source": source, "vhost": vhost, "destination": names::name_of(&b.destination), "destination_type": kind,
-           "routing_key": b.routing_key, "arguments": crate::message::args_json(&b.args), "properties_key": properties_key(b)})
+           "routing_key": b.routing_key, "arguments": crate::metadata::routing::args_json(&b.args), "properties_key": properties_key(b)})
 }
 
 /// A binding's place in the API's paths: its source, and its destination

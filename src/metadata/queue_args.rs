@@ -137,7 +137,7 @@ impl QueueArgs {
         if let Some(v) = self.queue_version {
             m.insert("x-queue-version".into(), v.into());
         }
-        if let serde_json::Value::Object(others) = crate::message::args_json(&self.others) {
+        if let serde_json::Value::Object(others) = super::routing::args_json(&self.others) {
             m.extend(others);
         }
         serde_json::Value::Object(m)

@@ -61,6 +61,20 @@ pub enum ArgValue {
 
 pub type Args = BTreeMap<String, ArgValue>;
 
+/// Arguments as a JSON object, as RabbitMQ's API shows them.
+pub fn args_json(args: &Args) -> serde_json::Value {
+    let m = args.iter().map(|(k, v)| {
+        let v = match v {
+            ArgValue::Str(s) => serde_json::Value::from(s.clone()),
+            ArgValue::Int(n) => serde_json::Value::from(*n),
+            ArgValue::Bool(b) => serde_json::Value::from(*b),
+            ArgValue::Other(o) => serde_json::from_str(o).unwrap_or_else(|_| serde_json::Value::from(o.clone())),
+        };
+        (k.clone(), v)
+    });
+    serde_json::Value::Object(m.collect())
+}
+
 /// A binding from the exchange `exchange` (the source) to a queue or,
 /// with `to_exchange`, to another exchange. Sorted by source first, so an
 /// exchange's bindings are one range.
