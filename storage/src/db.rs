@@ -183,8 +183,9 @@ impl NodeDb {
         let raft_meta = open_tree("raft_meta")?;
         let sm = open_tree("sm")?;
         let node = open_tree("node")?;
-        let wal = Arc::new(Wal::open(&dir.join("wal"), opts.wal_segment_bytes)?);
-        let in_sled = node.get(SLED_MARK_KEY)?.and_then(|v| decode_sled_mark(&v)).unwrap_or(0);
+        let (in_sled, log_point) = node.get(SLED_MARK_KEY)?.and_then(|v| decode_sled_mark(&v)).unzip();
+        let in_sled = in_sled.unwrap_or(0);
+        let wal = Arc::new(Wal::open_expecting(&dir.join("wal"), opts.wal_segment_bytes, log_point)?);
         let in_log = wal.sled_mark();
         if in_sled < in_log {
             return Err(StorageError::SledBehind { path: sled_dir, sled: in_sled, log: in_log });
@@ -985,6 +986,32 @@ mod tests {
             Err(e @ StorageError::SledBehind { .. }) => assert!(e.is_damage(), "not taken for damage: {e}"),
             Err(e) => panic!("wrong error: {e}"),
             Ok(_) => panic!("a sled that lost a synced vote opened"),
+        }
+    }
+
+    /// A log segment cut short below the point the last sled sync recorded
+    /// is damage, though what is left of it ends like a torn tail.
+    #[test]
+    fn a_log_cut_short_of_what_sled_saw_synced_is_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let head = {
+            let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+            for i in 1..=50u64 {
+                db.wal().append(1, &[(i, vec![7; 200])]).unwrap();
+            }
+            db.flusher().sync_blocking().unwrap();
+            let point = db.wal().synced_point();
+            db.crash_for_tests().unwrap();
+            point
+        };
+        let seg = dir.path().join("wal").join(format!("{:016x}.wal", head.0));
+        let f = OpenOptions::new().write(true).open(&seg).unwrap();
+        f.set_len(head.1 / 3).unwrap();
+        drop(f);
+        match NodeDb::open(dir.path(), &DbOptions::default()) {
+            Err(e @ StorageError::Wal(WalError::Shorter { .. })) => assert!(e.is_damage(), "not damage: {e}"),
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("a log cut short of an acknowledged point opened"),
         }
     }
 

@@ -85,6 +85,7 @@ impl StorageError {
                 | StorageError::SledEmptied { .. }
                 | StorageError::SledBehind { .. }
                 | StorageError::Wal(crate::wal::WalError::Corrupt { .. })
+                | StorageError::Wal(crate::wal::WalError::Shorter { .. })
         )
     }
 }

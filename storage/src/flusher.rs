@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use crate::keys::SLED_MARK_KEY;
+use crate::keys::{encode_sled_mark, SLED_MARK_KEY};
 use crate::wal::{Retired, Wal};
 
 /// Called once with the outcome of the sync that covered the waiter's writes.
@@ -391,8 +391,10 @@ impl SyncTarget for NodeTarget {
 }
 
 impl NodeTarget {
-    /// Sync sled, then leave the mark it now holds in the log.
+    /// Sync sled, with how far the log is synced, then leave the mark
+    /// sled now holds in the log: each witnesses the other at the next open.
     fn sync_sled(&mut self) -> io::Result<()> {
+        self.sled.log_point = self.wal.synced_point();
         self.sled.sync()?;
         if let Some((_, mark)) = &self.sled.marks {
             // A mark the log lacks only weakens the check at the next open.
@@ -460,6 +462,8 @@ struct SledTarget {
     /// Where sled keeps its mark, and the last mark written: each sync
     /// writes the next one first, so a sync that returns has it on disk.
     marks: Option<(sled::Tree, u64)>,
+    /// The log's [`Wal::synced_point`] to record with the next mark.
+    log_point: (u64, u64),
     /// What each sync flushed and synced, in order, for tests of that order.
     #[cfg(test)]
     trail: Vec<Step>,
@@ -490,6 +494,7 @@ impl SledTarget {
             data_path: dir.join("db"),
             crash_image: CrashImage::default(),
             marks: None,
+            log_point: (0, 0),
             #[cfg(test)]
             trail: Vec::new(),
         })
@@ -510,7 +515,8 @@ impl SledTarget {
     fn sync(&mut self) -> io::Result<()> {
         if let Some((tree, mark)) = &mut self.marks {
             *mark += 1;
-            tree.insert(SLED_MARK_KEY, &mark.to_be_bytes()[..]).map_err(|e| match e {
+            let value = encode_sled_mark(*mark, self.log_point);
+            tree.insert(SLED_MARK_KEY, &value[..]).map_err(|e| match e {
                 sled::Error::Io(io) => io,
                 e => io::Error::other(e),
             })?;

@@ -45,9 +45,21 @@ pub const META_REWRITE: u8 = b'r';
 /// of the broker are plain words; this cannot be one.
 pub const SLED_MARK_KEY: &[u8] = b"\0storage.sled_mark";
 
-/// Decode sled's mark as [`SLED_MARK_KEY`] holds it.
-pub fn decode_sled_mark(v: &[u8]) -> Option<u64> {
-    Some(u64::from_be_bytes(v.try_into().ok()?))
+/// What [`SLED_MARK_KEY`] holds: the mark, and the log's synced point
+/// (segment, bytes) when sled was synced with it.
+pub fn encode_sled_mark(mark: u64, (segment, bytes): (u64, u64)) -> [u8; 24] {
+    let mut v = [0u8; 24];
+    v[..8].copy_from_slice(&mark.to_be_bytes());
+    v[8..16].copy_from_slice(&segment.to_be_bytes());
+    v[16..].copy_from_slice(&bytes.to_be_bytes());
+    v
+}
+
+/// The mark and the log's synced point, as [`encode_sled_mark`] made them.
+pub fn decode_sled_mark(v: &[u8]) -> Option<(u64, (u64, u64))> {
+    let v: &[u8; 24] = v.try_into().ok()?;
+    let at = |i: usize| u64::from_be_bytes(v[i..i + 8].try_into().expect("8 bytes"));
+    Some((at(0), (at(8), at(16))))
 }
 
 /// Prefix of everything a group owns in a tree.

@@ -158,6 +158,14 @@ pub enum WalError {
         describe_damaged(.group, .index)
     )]
     Corrupt { path: PathBuf, offset: u64, group: Option<GroupId>, index: Option<u64> },
+    /// The log ends before a point sled recorded as synced (see
+    /// [`Wal::open_expecting`]): acknowledged records are gone, as a
+    /// truncated or zeroed segment leaves it, though what is left reads
+    /// as a clean end.
+    #[error(
+        "write-ahead log {path} is damaged: it reads to byte {found} of segment {found_segment}, but byte {synced} of segment {segment} had been synced (refusing to start)"
+    )]
+    Shorter { path: PathBuf, segment: u64, synced: u64, found_segment: u64, found: u64 },
     #[error("write-ahead log has failed earlier; the node is stopping")]
     Failed,
     /// The disk has no room for the log's next segment (`ENOSPC` or
@@ -703,6 +711,15 @@ impl Inner {
 impl Wal {
     /// Open (creating if missing) the log in `dir` and replay it.
     pub fn open(dir: &Path, segment_bytes: u64) -> Result<Self, WalError> {
+        Self::open_expecting(dir, segment_bytes, None)
+    }
+
+    /// [`Wal::open`], refusing a log that ends before `synced`, a
+    /// [`Wal::synced_point`] recorded elsewhere (sled's): a torn tail is
+    /// cut where it begins, but bytes a sync covered were acknowledged, so
+    /// a log that no longer reaches them is damaged. Checked before the
+    /// log writes anything, so the damaged dir is kept as it was found.
+    pub fn open_expecting(dir: &Path, segment_bytes: u64, synced: Option<(u64, u64)>) -> Result<Self, WalError> {
         let io_err = |path: &Path| {
             let path = path.to_owned();
             move |source| WalError::Io { path, source }
@@ -788,6 +805,21 @@ impl Wal {
             }
             inner.active = id;
             inner.active_len = parsed.valid;
+        }
+        if let Some((segment, synced)) = synced.filter(|(_, len)| *len > 0) {
+            // Segments go oldest first and never the head: a later one
+            // stands for this one once it is gone.
+            let last = inner.segments.keys().next_back().copied();
+            let found = if last == Some(segment) { inner.active_len } else { 0 };
+            if last.is_none_or(|last| last < segment) || (last == Some(segment) && found < synced) {
+                return Err(WalError::Shorter {
+                    path: dir.to_owned(),
+                    segment,
+                    synced,
+                    found_segment: last.unwrap_or(0),
+                    found,
+                });
+            }
         }
         spare_ids.sort_unstable();
         for id in spare_ids {
@@ -1059,6 +1091,13 @@ impl Wal {
     /// opened (0 if none).
     pub fn sled_mark(&self) -> u64 {
         self.lock().sled_mark
+    }
+
+    /// The head segment and how many of its bytes are on disk: what a
+    /// later [`Wal::open_expecting`] may demand.
+    pub fn synced_point(&self) -> (u64, u64) {
+        let inner = self.lock();
+        (inner.active, inner.segments.get(&inner.active).map_or(0, |s| s.synced))
     }
 
     /// Whether `group` has any entry.
@@ -1387,6 +1426,44 @@ mod tests {
 
     fn all(wal: &Wal, group: GroupId) -> Vec<(u64, Vec<u8>)> {
         wal.read(group, 0, u64::MAX).unwrap()
+    }
+
+    /// A log that no longer reaches a point a sync covered is damaged, even
+    /// where what is left ends cleanly; one that reaches it, or whose
+    /// segment went with a later one standing, is not.
+    #[test]
+    fn a_log_cut_short_of_a_synced_point_is_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+        append_each(&wal, 1, &entries(1, 1..=20, 300));
+        wal.sync().unwrap();
+        let point = wal.synced_point();
+        assert!(point.1 > 0);
+        drop(wal);
+        let head = seg_path(dir.path(), point.0);
+        let len = std::fs::metadata(&head).unwrap().len();
+        // Reaching it exactly is whole (the open writes nothing here).
+        let copy = tempfile::tempdir().unwrap();
+        std::fs::copy(&head, copy.path().join(head.file_name().unwrap())).unwrap();
+        drop(Wal::open_expecting(copy.path(), 1 << 20, Some(point)).unwrap());
+        // A record boundary well inside, as a truncation there leaves it.
+        let f = OpenOptions::new().write(true).open(&head).unwrap();
+        f.set_len(point.1 / 2).unwrap();
+        drop(f);
+        assert!(len >= point.1);
+        match Wal::open_expecting(dir.path(), 1 << 20, Some(point)) {
+            Err(WalError::Shorter { synced, .. }) => assert_eq!(synced, point.1),
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("a log cut short of its synced point opened"),
+        }
+        let wal = Wal::open(dir.path(), 1 << 20).unwrap();
+        assert!(all(&wal, 1).len() < 20, "the cut took entries");
+        drop(wal);
+        // Opened once, the head moved on: the old point is behind it.
+        drop(Wal::open_expecting(dir.path(), 1 << 20, Some(point)).unwrap());
+        // No segment at or after the point: the log lost its newest files.
+        let empty = tempfile::tempdir().unwrap();
+        assert!(matches!(Wal::open_expecting(empty.path(), 1 << 20, Some(point)), Err(WalError::Shorter { .. })));
     }
 
     /// The highest sled mark the log holds comes back at open, across
