@@ -7,25 +7,43 @@
 //!
 //! ## Layout
 //!
-//! - [`node`]: a running node, its groups, and the library API
-//!   (declare, publish, get, ack, nack, purge, delete, shutdown).
+//! Leaves, imported by everything above them:
+//! - [`ids`]: node and group identities; [`message`]: a message as stored,
+//!   and its AMQP properties; [`api`]: value types of the library API that
+//!   also travel between nodes; [`error`]: the API's errors.
+//!
+//! The data and control planes:
+//! - [`link`]: the node link (one multiplexed TCP connection per peer, its
+//!   wire format, the server that answers it, liveness pings on their own
+//!   beacon, and a client for tools and tests).
+//! - [`raft`]: what every group shares: the type config, the state-machine
+//!   adapter, and each group's openraft network over the link.
 //! - [`queue`]: the queue state machine (pure [`queue::state`], on disk
 //!   [`queue::sm`]), batching into entries ([`queue::proposer`]) and the
 //!   synchronised-replica tracking behind confirms ([`queue::confirm_gate`]).
-//! - [`metadata`]: the cluster metadata state machine.
-//! - [`raft`]: type config, state-machine adapter, node-to-node wire format,
-//!   outbound network and inbound server shared by all groups.
+//! - [`metadata`]: the cluster metadata state machine (exchanges, queues,
+//!   bindings, policies, users) and its routing.
+//! - [`owners`]: who holds a queue's unacknowledged messages.
+//! - [`node`]: a running node, its groups and the library API (declare,
+//!   publish, get, ack, nack, purge, delete, shutdown); liveness, failover,
+//!   quiet groups, catch-up and the background sweeps.
+//!
+//! Front ends and the command line:
 //! - [`amqp`]: the AMQP 0-9-1 front end (amq-protocol frames) over the node API.
-//! - [`http`]: the management HTTP API (axum), RabbitMQ's field names.
-//! - [`metrics`]: Prometheus metrics for `GET /metrics`.
-//! - [`rates`]: message rates over a sample window (the API's `message_stats`).
-//! - [`alarms`]: memory and disk alarms that block publishers.
-//! - [`client`]: a client of the node link, for tools and tests.
-//! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command.
-//! - [`perf`]: `mirrorq perf`, an AMQP load generator (lapin).
-//! - [`ctl`]: `mirrorq ctl`, the HTTP API from the command line.
-//! - `mirrorq-storage` (the `storage/` crate): sled, group commit, openraft's
-//!   log storage.
+//! - [`http`]: the management HTTP API (axum), RabbitMQ's field names, and
+//!   the web UI; [`clients`]: the connections, channels and consumers it lists.
+//! - [`metrics`]: Prometheus metrics for `GET /metrics`; [`rates`]: message
+//!   rates over a sample window (the API's `message_stats`); [`alarms`]:
+//!   memory and disk alarms that block publishers; [`log_throttle`]: a
+//!   failure that repeats is logged once and counted.
+//! - [`tls`]: AMQPS and HTTPS with rustls.
+//! - [`config`], [`cli`], [`serve`]: the `mirrorq serve` command;
+//!   [`perf`]: `mirrorq perf`, an AMQP load generator (lapin); [`ctl`]:
+//!   `mirrorq ctl`, the HTTP API from the command line.
+//! - `mirrorq-storage` (the `storage/` crate): the node's write-ahead log of
+//!   every group's entries, sled for votes, purge points and state, group
+//!   commit (one fdatasync for every waiter) and openraft's log storage;
+//!   it knows nothing of AMQP or queues.
 //!
 //! How a publish flows is written up in `docs/architecture.md`.
 
