@@ -1015,6 +1015,31 @@ mod tests {
         }
     }
 
+    /// A log written without a waiter that needs sled still has sled
+    /// synced once a [`crate::flusher::WITNESS_EVERY`], so the point sled
+    /// holds the log to follows it.
+    #[test]
+    fn sled_follows_a_busy_log_within_the_witness_interval() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
+        let point = || {
+            let v = db.node_tree().get(SLED_MARK_KEY).unwrap().unwrap();
+            decode_sled_mark(&v).unwrap().1
+        };
+        db.flusher().sync_blocking().unwrap();
+        let before = point();
+        let started = std::time::Instant::now();
+        let mut i = 0;
+        while started.elapsed() < crate::flusher::WITNESS_EVERY + std::time::Duration::from_millis(300) {
+            i += 1;
+            db.wal().append(1, &[(i, vec![1; 100])]).unwrap();
+            block_on(db.flusher().sync_log()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let after = point();
+        assert!(after.1 > before.1, "sled never synced under log-only rounds: {before:?} -> {after:?}");
+    }
+
     /// The mark never accuses a sled that kept what it synced: crashes at
     /// any point between a sled sync and the log's note of it, and after
     /// the note is durable, each reopen without a word.

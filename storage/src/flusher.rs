@@ -181,6 +181,7 @@ impl Flusher {
             sled,
             remover,
             remover_thread: Some(remover_thread),
+            sled_synced: Instant::now(),
             #[cfg(any(test, feature = "test-hooks"))]
             sled_gate: sled_gate.clone(),
         };
@@ -361,9 +362,18 @@ struct NodeTarget {
     /// files already sent).
     remover: mpsc::Sender<Vec<Retired>>,
     remover_thread: Option<std::thread::JoinHandle<()>>,
+    /// When sled was last synced (see [`WITNESS_EVERY`]).
+    sled_synced: Instant,
     #[cfg(any(test, feature = "test-hooks"))]
     sled_gate: Arc<SledGate>,
 }
+
+/// Longest a busy log goes without a sled sync: each records how far the
+/// log is synced, which the next open holds the log to (a log cut short of
+/// it is damage, not a torn tail), so this bounds how much of the log's
+/// end damage could pass as a tail. A sled sync is a flush and one
+/// fdatasync of a file that changes little while only the log is written.
+pub const WITNESS_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Drop for NodeTarget {
     /// Waits for the files already sent: once the flusher has exited, no
@@ -385,17 +395,30 @@ impl SyncTarget for NodeTarget {
             #[cfg(any(test, feature = "test-hooks"))]
             self.sled_gate.pass();
             self.sync_sled()?;
+        } else if self.sled_synced.elapsed() >= WITNESS_EVERY && self.witness_allowed() {
+            self.sync_sled()?;
         }
         self.reclaim()
     }
 }
 
 impl NodeTarget {
+    /// Whether a sled sync no waiter asked for may run: not while a test
+    /// holds sled's syncs back, since what it holds must stay unsynced.
+    fn witness_allowed(&self) -> bool {
+        #[cfg(any(test, feature = "test-hooks"))]
+        if self.sled_gate.state.lock().expect("poisoned").0 > 0 {
+            return false;
+        }
+        true
+    }
+
     /// Sync sled, with how far the log is synced, then leave the mark
     /// sled now holds in the log: each witnesses the other at the next open.
     fn sync_sled(&mut self) -> io::Result<()> {
         self.sled.log_point = self.wal.synced_point();
         self.sled.sync()?;
+        self.sled_synced = Instant::now();
         if let Some((_, mark)) = &self.sled.marks {
             // A mark the log lacks only weakens the check at the next open.
             // A full disk refuses only a new segment and leaves the log
