@@ -425,6 +425,35 @@ async fn a_re_formed_replica_restarts_as_master_of_its_epoch() {
     c.shutdown().await;
 }
 
+/// Every node stops at once (a whole-cluster power cut) and node 3 comes
+/// back first: its peers' ports refuse, but it never heard from them in
+/// this life, so they may only not be up yet. It waits the failure
+/// timeout instead of re-forming alone at once, and when the others come
+/// back within it the queue goes on in the epoch it had, with no fork.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_node_back_after_a_whole_cluster_stop_does_not_fork_the_queue() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    publish_retrying(c.node(1), "q", b"before".to_vec()).await;
+    wait_until(Duration::from_secs(10), "node 3 applied it", || c.node(3).queue_info("q").unwrap().ready == 1).await;
+    let epoch = c.node(3).replica_epoch("q");
+    c.crash(1).await;
+    c.crash(2).await;
+    c.crash(3).await;
+    c.restart(3).await;
+    // Well inside the failure timeout (3 s): the dials to 1 and 2 are refused.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(c.node(3).replica_epoch("q"), epoch, "node 3 re-formed the queue alone before hearing from anyone");
+    c.restart(1).await;
+    c.restart(2).await;
+    let got = c.node(3).get("q", 1, 10, true).await.expect("served once the others are back");
+    assert_eq!(got.len(), 1);
+    assert_eq!(c.node(3).replica_epoch("q"), epoch, "the queue forked");
+    assert_eq!(c.node(3).metrics().queue_reforms.get(), 0);
+    c.shutdown().await;
+}
+
 /// The master is lost before its most senior mirror ever received the
 /// queue's log (that mirror was down when the queue was declared and came
 /// back after the master died). Knowing no members of the group, it cannot
