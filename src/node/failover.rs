@@ -573,14 +573,19 @@ impl Node {
             // Every voter out of reach seen dead (its port refuses a dial)
             // is no partition that may heal into a second master: no need
             // to wait (the classic demo serves at once).
-            // Dead means gone after answering in this life: a peer not
-            // heard from since this node started may just not be up yet
-            // (every node back from a whole-cluster power cut), and
+            // Dead means gone after being up in this node's life: a peer
+            // not heard from since this node started may just not be up
+            // yet (every node back from a whole-cluster power cut), and
             // re-forming alone then forks the queue on whichever node
-            // came up first, which a damaged dir set aside can strand.
+            // came up first, which a damaged dir set aside can strand. It
+            // was up if it answered a ping or a link to it broke; after a
+            // failure timeout here, a refusing port is a death either way.
             let all_dead = {
                 let heard = self.inner.seen.lock().expect("poisoned");
-                voters.iter().filter(|v| !reach.contains(v)).all(|v| self.is_dead(*v) && heard.contains_key(v))
+                let settled_in = self.inner.born.elapsed() >= timing.failure_timeout;
+                voters.iter().filter(|v| !reach.contains(v)).all(|v| {
+                    self.is_dead(*v) && (settled_in || heard.contains_key(v) || self.inner.link_lost_at(*v).is_some())
+                })
             };
             let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
             if now.duration_since(seen) >= wait

@@ -238,6 +238,7 @@ impl Node {
             busy: Mutex::default(),
             reach: Mutex::default(),
             seen: Mutex::default(),
+            born: Instant::now(),
             dead: Mutex::default(),
             peers: confirm_gate::Peers::new(Default::default()),
             leaving: AtomicBool::new(false),

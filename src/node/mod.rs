@@ -266,6 +266,8 @@ struct Inner {
     reach: Mutex<Option<(Instant, BTreeSet<NodeId>)>>,
     /// When each peer last answered a ping (the start of that round).
     seen: Mutex<HashMap<NodeId, Instant>>,
+    /// When this node started.
+    born: Instant,
     /// Peers whose process is gone: their link broke and a fresh dial was
     /// refused (nothing listens on their port), and when that was seen.
     /// Cleared when they answer a ping.
