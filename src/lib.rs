@@ -23,6 +23,8 @@
 //!   synchronised-replica tracking behind confirms ([`queue::confirm_gate`]).
 //! - [`metadata`]: the cluster metadata state machine (exchanges, queues,
 //!   bindings, policies, users) and its routing.
+//! - [`peers`]: whether each peer is alive (pings, refused dials, notices
+//!   of departure), decided in one place and published as one view.
 //! - [`owners`]: who holds a queue's unacknowledged messages.
 //! - [`node`]: a running node, its groups and the library API (declare,
 //!   publish, get, ack, nack, purge, delete, shutdown); liveness, failover,
@@ -64,6 +66,7 @@ pub mod metadata;
 pub mod metrics;
 pub mod node;
 pub mod owners;
+pub mod peers;
 pub mod perf;
 pub mod queue;
 pub mod raft;

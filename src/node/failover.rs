@@ -33,7 +33,6 @@ use crate::raft::types::{LogStore, Request, TypeConfig};
 use mirrorq_storage::{NodeDb, SmSpace, StorageError};
 
 /// How long a ping may take before the peer counts as unreachable.
-const PING_LIMIT: Duration = Duration::from_millis(800);
 /// Stand this long after the lost master's lease has run out on the other
 /// voters: a vote asked for inside the lease is refused, and the refused
 /// candidate would wait a whole election timeout before asking again.
@@ -334,53 +333,21 @@ impl Node {
         });
     }
 
-    /// Peers answering pings, refreshed at most every 400 ms.
+    /// Peers answering pings, by a round at most a few hundred
+    /// milliseconds old (`peers`).
     async fn reachable(&self, state: &MetaState) -> BTreeSet<NodeId> {
-        if let Some((at, set)) = self.inner.reach.lock().expect("poisoned").as_ref() {
-            if at.elapsed() < Duration::from_millis(400) {
-                return set.clone();
-            }
+        if let Some(reach) = self.inner.peers.fresh_reach() {
+            return reach;
         }
         let peers: Vec<NodeId> = state.nodes.keys().copied().filter(|id| *id != self.id()).collect();
-        let round = Instant::now();
-        let pings = peers.iter().map(|id| self.ping_liveness(*id, PING_LIMIT));
-        let answers = futures::future::join_all(pings).await;
-        let mut set: BTreeSet<NodeId> =
-            peers.iter().copied().zip(answers).filter(|(_, ok)| *ok).map(|(id, _)| id).collect();
-        set.insert(self.id());
-        let was = self.inner.reach.lock().expect("poisoned").as_ref().map(|(_, s)| s.clone());
-        let revived = {
-            let mut dead = self.inner.dead.lock().expect("poisoned");
-            let before = dead.len();
-            dead.retain(|id, _| !set.contains(id));
-            dead.len() != before
-        };
-        if revived || was.as_ref() != Some(&set) {
+        let round = self.inner.peers.round(self, &peers).await;
+        for id in &round.dead {
+            self.after_death(*id).await;
+        }
+        if round.changed {
             self.inner.quiescence.world_changed();
         }
-        // A silent peer whose port refuses a dial is gone: the same proof
-        // as on a broken link, for a peer this node had no link to.
-        let silent = peers.iter().filter(|id| !set.contains(id) && !self.is_dead(**id));
-        futures::future::join_all(silent.map(|id| self.probe_dead(*id))).await;
-        {
-            let mut seen = self.inner.seen.lock().expect("poisoned");
-            for id in &set {
-                seen.insert(*id, round);
-            }
-        }
-        *self.inner.reach.lock().expect("poisoned") = Some((Instant::now(), set.clone()));
-        let news = crate::queue::confirm_gate::PeerNews {
-            down: state.nodes.keys().copied().filter(|id| !set.contains(id)).collect(),
-            departed: self.inner.quiescence.departed(),
-            gone: self.inner.dead.lock().expect("poisoned").keys().copied().collect(),
-        };
-        self.inner.peers.send_if_modified(|was| {
-            *was != news && {
-                *was = news;
-                true
-            }
-        });
-        set
+        round.reach
     }
 
     /// Called on every reconcile: decide, per hosted group, who may stand
@@ -536,7 +503,7 @@ impl Node {
                     let mut l = g.watch.master_lost_since.lock().expect("poisoned");
                     match m.current_leader.filter(|leader| !reach.contains(leader)) {
                         Some(leader) => Some(*l.get_or_insert_with(|| {
-                            let seen = self.inner.seen.lock().expect("poisoned").get(&leader).copied();
+                            let seen = self.inner.peers.last_seen(leader);
                             match (self.inner.link_lost_at(leader), seen) {
                                 (Some(lost), Some(seen)) if lost > seen => lost.min(now),
                                 _ => now,
@@ -580,13 +547,10 @@ impl Node {
             // came up first, which a damaged dir set aside can strand. It
             // was up if it answered a ping or a link to it broke; after a
             // failure timeout here, a refusing port is a death either way.
-            let all_dead = {
-                let heard = self.inner.seen.lock().expect("poisoned");
-                let settled_in = self.inner.born.elapsed() >= timing.failure_timeout;
-                voters.iter().filter(|v| !reach.contains(v)).all(|v| {
-                    self.is_dead(*v) && (settled_in || heard.contains_key(v) || self.inner.link_lost_at(*v).is_some())
-                })
-            };
+            let all_dead = voters.iter().filter(|v| !reach.contains(v)).all(|v| {
+                let link_broke = self.inner.link_lost_at(*v).is_some();
+                self.inner.peers.gone_for_sure(*v, link_broke, timing.failure_timeout)
+            });
             let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
             if now.duration_since(seen) >= wait
                 && !majority
@@ -1203,7 +1167,7 @@ impl Node {
         let state = self.metadata();
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
         let by_group: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
-        let departed = self.inner.quiescence.departed();
+        let departed = self.inner.peers.departed();
         let mut out = Vec::new();
         let mut stranded = Vec::new();
         for g in groups {

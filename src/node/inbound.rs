@@ -44,6 +44,7 @@ impl RpcHandler for Inner {
 
     fn ping(&self, from: NodeId, have: Option<(u64, u64)>, mine: Option<QuietList>) -> RpcResponse {
         if let Some(list) = mine {
+            self.peers.heard_life(from, list.incarnation);
             self.quiescence.heard(from, list.incarnation, list.gen, Some(list.groups), list.refilling);
         }
         self.quiescence.answer(from, have)
@@ -179,7 +180,7 @@ impl Inner {
             }
             RpcRequest::Elect { group, from, leaving } => {
                 if leaving {
-                    self.peers.send_if_modified(|p| p.down.insert(from));
+                    self.peers.stepping_down(from);
                 }
                 let g = self.groups.read().expect("poisoned").get(&group).cloned();
                 // A replica still fetching bodies never stands, asked or not:
@@ -213,10 +214,8 @@ impl Inner {
                 RpcResponse::Done
             }
             RpcRequest::Departing { from, incarnation } => {
-                self.quiescence.departs(from, incarnation);
                 // Unless a later life of it was heard already (a late notice).
-                if self.quiescence.departed().contains(&from) {
-                    self.peers.send_if_modified(|p| p.departed.insert(from));
+                if self.peers.departs(from, incarnation) {
                     for g in self.groups.read().expect("poisoned").values() {
                         g.catching.write().expect("poisoned").forget(from, incarnation);
                     }

@@ -22,7 +22,6 @@ use crate::link::transport::Transport;
 use crate::metadata::{MetaCmd, MetaMachine, NodeInfo};
 use crate::metrics::Metrics;
 use crate::owners::Owners;
-use crate::queue::confirm_gate;
 use crate::queue::epoch::Epoch;
 use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
@@ -236,11 +235,7 @@ impl Node {
             rates: Default::default(),
             news,
             busy: Mutex::default(),
-            reach: Mutex::default(),
-            seen: Mutex::default(),
-            born: Instant::now(),
-            dead: Mutex::default(),
-            peers: confirm_gate::Peers::new(Default::default()),
+            peers: crate::peers::Peers::new(cfg.node_id),
             leaving: AtomicBool::new(false),
             replicas_started: tokio::sync::watch::Sender::new(false),
             refill: Mutex::new(refill.then(HashMap::new)),

@@ -1,51 +1,42 @@
 //! Node-level failure detection, shared by every group: a peer whose link
-//! breaks by itself is dialled again at once, and if its port refuses the
-//! dial its process is gone (`kill -9`, a crash, a stop). Every group it led
-//! here is then failed over at once instead of after Raft's timers: the
-//! followers forget its leader lease (they would refuse votes until it ran
-//! out, an election timeout after its last heartbeat), confirms stop waiting
-//! for it, and the most senior replica still standing asks for votes.
+//! breaks by itself is dialled again at once (`peers::Peers::probe`), and if
+//! its port refuses the dial its process is gone (`kill -9`, a crash, a
+//! stop). Every group it led here is then failed over at once instead of
+//! after Raft's timers: the followers forget its leader lease (they would
+//! refuse votes until it ran out, an election timeout after its last
+//! heartbeat), confirms stop waiting for it, and the most senior replica
+//! still standing asks for votes.
 //!
-//! A refused dial is proof, a silent one is not: a peer behind a partition
-//! or paused (SIGSTOP) does not refuse, and is judged by the pings and
-//! Raft's timers as before, so a partition cannot unseat a master faster
-//! than it did.
+//! Whether a peer is alive is decided in `peers`; this is how the node
+//! feeds it (link losses, pings through [`Prober`]) and acts on a death.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use openraft::ServerState;
 use tokio::sync::broadcast::error::RecvError;
 
 use super::Node;
 use crate::ids::NodeId;
+use crate::peers::Prober;
 
-/// How long a dial to a peer whose link just broke may take: on loopback
-/// and a LAN a refusal comes back in well under a millisecond.
-const PROBE_LIMIT: Duration = Duration::from_millis(300);
+/// How long a liveness ping may take before its peer counts as out of reach.
+pub(super) const PING_LIMIT: Duration = Duration::from_millis(800);
 /// How often the replica that stands asks for votes again while no master
 /// is known: a voter that has not yet seen the death refuses the first ask.
 pub(super) const ELECT_RETRY: Duration = Duration::from_millis(100);
 
-/// Dials of a probe, and the pause between them: a dying process's sockets
-/// close one by one, so its links may break while its listening socket
-/// still takes a dial; a dial a moment later is refused.
-const PROBE_DIALS: u32 = 3;
-const PROBE_PAUSE: Duration = Duration::from_millis(20);
-
-/// Whether a fresh dial to `addr` is refused: nothing listens there.
-async fn refused(addr: &str) -> bool {
-    for dial in 0..PROBE_DIALS {
-        if dial > 0 {
-            tokio::time::sleep(PROBE_PAUSE).await;
-        }
-        match tokio::time::timeout(PROBE_LIMIT, tokio::net::TcpStream::connect(addr)).await {
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => return true,
-            Ok(Ok(_)) => continue,
-            // Silent (a partition, a paused host) or another failure: no proof.
-            _ => return false,
-        }
+impl Prober for Node {
+    async fn ping(&self, id: NodeId) -> bool {
+        self.ping_liveness(id, PING_LIMIT).await
     }
-    false
+
+    fn probe_addr(&self, id: NodeId) -> Option<String> {
+        // A link a test cut stands for a partition, where dials go unanswered.
+        if self.inner.transport.control.is_blocked(id) {
+            return None;
+        }
+        self.inner.addr_of(id)
+    }
 }
 
 impl Node {
@@ -78,27 +69,21 @@ impl Node {
         }
     }
 
-    /// Dial `id`; if the dial is refused, record it dead, count it down for
-    /// confirms and forget its leases. Whether it is dead.
+    /// Dial `id`; if the dial is refused, it is dead (`peers`): the failure
+    /// watch's verdicts are stale and its leases are forgotten here.
+    /// Whether it is dead.
     pub(super) async fn probe_dead(&self, id: NodeId) -> bool {
-        let Some(addr) = self.inner.addr_of(id) else { return false };
-        // A link a test cut stands for a partition, where dials go unanswered.
-        if self.inner.transport.control.is_blocked(id) || !refused(&addr).await {
+        if !self.inner.peers.probe(self, id).await {
             return false;
         }
-        self.inner.quiescence.world_changed();
-        if self.inner.dead.lock().expect("poisoned").insert(id, Instant::now()).is_none() {
-            tracing::info!(node = id, "peer's port refuses connections: its process is gone");
-        }
-        self.inner.peers.send_if_modified(|p| {
-            let down = p.down.insert(id);
-            p.gone.insert(id) || down
-        });
-        if let Some((_, reach)) = self.inner.reach.lock().expect("poisoned").as_mut() {
-            reach.remove(&id);
-        }
-        self.forget_leases_of(id).await;
+        self.after_death(id).await;
         true
+    }
+
+    /// What follows a peer's death, however it was seen.
+    pub(super) async fn after_death(&self, id: NodeId) {
+        self.inner.quiescence.world_changed();
+        self.forget_leases_of(id).await;
     }
 
     /// Followers here of `id`'s leaderships forget its lease, so they grant
@@ -115,6 +100,6 @@ impl Node {
 
     /// Whether `id`'s process was seen gone (and has not answered since).
     pub(super) fn is_dead(&self, id: NodeId) -> bool {
-        self.inner.dead.lock().expect("poisoned").contains_key(&id)
+        self.inner.peers.is_dead(id)
     }
 }

@@ -6,7 +6,7 @@
 //! elsewhere is forwarded over the node link to the master, which answers
 //! after the confirm.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
@@ -262,19 +262,8 @@ struct Inner {
     news: mpsc::UnboundedSender<EpochNews>,
     /// Groups being re-formed or healed: not (re)started meanwhile.
     busy: Mutex<HashSet<GroupId>>,
-    /// Peers that answered the last round of pings, and when it ran.
-    reach: Mutex<Option<(Instant, BTreeSet<NodeId>)>>,
-    /// When each peer last answered a ping (the start of that round).
-    seen: Mutex<HashMap<NodeId, Instant>>,
-    /// When this node started.
-    born: Instant,
-    /// Peers whose process is gone: their link broke and a fresh dial was
-    /// refused (nothing listens on their port), and when that was seen.
-    /// Cleared when they answer a ping.
-    dead: Mutex<HashMap<NodeId, Instant>>,
-    /// Peers known down (the complement of `reach`, plus masters that
-    /// announced their stop): confirms do not wait for them at a new term.
-    peers: confirm_gate::Peers,
+    /// Whether each peer is alive: the one owner of that fact.
+    peers: crate::peers::Peers,
     /// Set once a graceful stop starts handing masterships over: no replica
     /// here stands for election any more.
     leaving: AtomicBool,

@@ -84,10 +84,6 @@ pub(super) struct Quiescence {
     /// for each such change made the watch look at every hosted group in
     /// full twice a second, ten thousand of them.
     news: Mutex<HashMap<GroupId, u64>>,
-    /// Peers that said they are stopping (a master handing its groups
-    /// over), with the life they said it in: a group need not wait for
-    /// them to settle. A new life of the peer is present again.
-    departing: Mutex<HashMap<NodeId, u64>>,
 }
 
 impl Quiescence {
@@ -99,32 +95,12 @@ impl Quiescence {
             fetched: Mutex::default(),
             world: std::sync::atomic::AtomicU64::new(0),
             news: Mutex::default(),
-            departing: Mutex::default(),
         }
     }
 
     /// This node's life, as its peers tell it apart from the next.
     pub(super) fn incarnation(&self) -> u64 {
         self.incarnation
-    }
-
-    /// `peer` said, in its life `incarnation`, that it is stopping.
-    pub(super) fn departs(&self, peer: NodeId, incarnation: u64) {
-        self.departing.lock().expect("poisoned").insert(peer, incarnation);
-    }
-
-    /// The peers that said they are stopping, unless this node has heard
-    /// from another life of theirs since (a later one, or a first one on
-    /// an empty data dir, which starts from the clock). A peer not heard
-    /// from at all counts as in the life it said it in.
-    pub(super) fn departed(&self) -> BTreeSet<NodeId> {
-        let mut departing = self.departing.lock().expect("poisoned");
-        if departing.is_empty() {
-            return BTreeSet::new();
-        }
-        let heard = self.heard.lock().expect("poisoned");
-        departing.retain(|p, said| heard.get(p).is_none_or(|h| h.incarnation == *said));
-        departing.keys().copied().collect()
     }
 
     /// What the failure watch's verdict on `group` depends on beyond its
@@ -357,7 +333,7 @@ impl Node {
     /// Read from the peers' news the confirm gates judge by, which
     /// `reachable` refreshes just before.
     pub(super) fn present(&self, state: &MetaState) -> BTreeSet<NodeId> {
-        let news = self.inner.peers.borrow();
+        let news = self.inner.peers.news();
         state.nodes.keys().copied().filter(|id| !news.gone.contains(id) && !news.departed.contains(id)).collect()
     }
 
@@ -528,23 +504,5 @@ mod tests {
         assert_eq!(q.quiet_master(11, 2, 1, &voters, &reach), Some(3), "an older generation changed the list");
         q.heard(3, 7, 6, Some(vec![]), false);
         assert_eq!(q.quiet_master(11, 2, 1, &voters, &reach), None, "a newer one is taken");
-    }
-
-    /// A peer that said it is stopping counts as stopping until it is heard
-    /// in any other life: a later one, or one that starts counting again on
-    /// an empty data dir; a notice that comes after its next life was heard
-    /// marks nothing.
-    #[test]
-    fn a_peer_stops_counting_as_stopping_once_heard_in_another_life() {
-        let q = Quiescence::new(1);
-        q.departs(2, 7);
-        assert!(q.departed().contains(&2), "not heard from at all: in the life it said");
-        q.heard(2, 7, 1, Some(vec![]), false);
-        assert!(q.departed().contains(&2));
-        q.heard(2, 1, 1, Some(vec![]), false);
-        assert!(q.departed().is_empty(), "back on an empty data dir, its life counts from 1 again");
-        q.heard(3, 9, 1, Some(vec![]), false);
-        q.departs(3, 8);
-        assert!(q.departed().is_empty(), "a late notice from an earlier life");
     }
 }

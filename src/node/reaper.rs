@@ -208,7 +208,7 @@ impl Node {
                         let since = *absence.failing_since.entry(id).or_insert(now);
                         // A ping answered after the asking started failing
                         // (the failure watch's) restarts the clock.
-                        let last_seen = self.inner.seen.lock().expect("poisoned").get(&id).copied();
+                        let last_seen = self.inner.peers.last_seen(id);
                         let absent_since = last_seen.map_or(since, |seen| seen.max(since));
                         if now.duration_since(absent_since) < self.inner.timing.failure_timeout {
                             undecided = true;

@@ -185,7 +185,7 @@ impl Node {
         if !voter || !g.sync.borrow().synchronised.contains(&to) || to == me {
             return Err(NodeError::Invalid(format!("node {to} is not a synchronised mirror of '{}'", g.meta.name)));
         }
-        if self.inner.quiescence.departed().contains(&to) {
+        if self.inner.peers.departed().contains(&to) {
             return Err(NodeError::Unavailable(format!("node {to} is stopping")));
         }
         let Some(busy) = Busy::take(&self.inner.busy, group) else {

@@ -57,7 +57,7 @@ impl Node {
     /// Whether this node's confirm gates take `peer` as up and not
     /// stopping (their news of the peers).
     pub fn sees_peer_up(&self, peer: NodeId) -> bool {
-        let news = self.inner.peers.borrow();
+        let news = self.inner.peers.news();
         !news.down.contains(&peer) && !news.departed.contains(&peer)
     }
 

@@ -182,6 +182,7 @@ impl Node {
         let ask = RpcRequest::Liveness { from: self.id(), have: q.have(id), mine };
         match self.inner.ping(id, ask, limit).await {
             Ok(RpcResponse::Liveness { incarnation, gen, groups, refilling }) => {
+                self.inner.peers.heard_life(id, incarnation);
                 q.heard(id, incarnation, gen, groups, refilling);
                 if let Some(gen) = pushed {
                     q.pushed(id, gen);

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::catchup::SyncProgress;
 use crate::ids::NodeId;
+use crate::peers::PeerNews;
 use crate::raft::types::Raft;
 
 /// Published after every change of the group's metrics.
@@ -123,31 +124,6 @@ impl Wakeups {
         }
     }
 }
-
-/// Watch `raft`'s metrics and publish the group's [`SyncState`] until `stop`.
-///
-/// Also un-sticks replication: openraft 0.9 drops replication events while it
-/// backs off from an unreachable member, and on an idle queue nothing new
-/// comes to replicate, so a member that comes back would stay behind (and
-/// unsynchronised) until the next publish. An empty entry wakes it up.
-/// What a node knows of its peers that its gates judge members by.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PeerNews {
-    /// Not answering pings, or a master that announced its stop: not
-    /// watched for progress (a gate whose only lagging member is down, and
-    /// no longer synchronised, sleeps until this changes).
-    pub down: BTreeSet<NodeId>,
-    /// Said they are stopping: confirms do not wait for them, and they are
-    /// out of the synchronised set (their reports forgotten) until a later
-    /// life of theirs reports.
-    pub departed: BTreeSet<NodeId>,
-    /// Seen gone: their port refused a dial (the process ended), and they
-    /// have not answered since. Unlike a peer merely out of reach, such a
-    /// node comes back as a new process that reports by itself.
-    pub gone: BTreeSet<NodeId>,
-}
-
-pub type Peers = watch::Sender<PeerNews>;
 
 /// How a replica's message bodies stand, as it tells its master: with
 /// each request for bodies, in a report, and in its answer to a snapshot.
@@ -282,6 +258,12 @@ pub struct Leadership {
     pub now: Arc<AtomicBool>,
 }
 
+/// Watch `raft`'s metrics and publish the group's [`SyncState`] until `stop`.
+///
+/// Also un-sticks replication: openraft 0.9 drops replication events while it
+/// backs off from an unreachable member, and on an idle queue nothing new
+/// comes to replicate, so a member that comes back would stay behind (and
+/// unsynchronised) until the next publish. An empty entry wakes it up.
 pub fn spawn(
     group: u64,
     raft: Raft,
