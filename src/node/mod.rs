@@ -184,7 +184,7 @@ struct QueueGroup {
     /// The epoch this replica is in; fixed for the life of this Raft instance
     /// (re-forming and healing restart the group).
     epoch: Epoch,
-    /// What failover watches about this replica (`failover.rs`).
+    /// What failover watches about this replica (`failover/`).
     watch: failover::GroupWatch,
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.

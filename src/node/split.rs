@@ -4,7 +4,7 @@
 //! kept a live majority across the moment the fork was formed; the fork
 //! then yields (hands back what only it has and rejoins as a new mirror).
 //! Otherwise, as in the classic demo, the old group heals into the new
-//! epoch (`failover.rs`). The reasoning is in `docs/reliability.md`, "The
+//! epoch (`failover/heal.rs`). The reasoning is in `docs/reliability.md`, "The
 //! rule for a split".
 
 use std::collections::{BTreeSet, HashMap};

@@ -1,0 +1,183 @@
+//! The epoch each replica is in, kept beside its log, and what this node
+//! reports of it; news of a newer epoch starts a heal (`heal.rs`).
+
+use std::time::Instant;
+
+use openraft::storage::RaftLogStorage;
+use openraft::{ServerState, Vote};
+use tokio::sync::mpsc;
+
+use crate::error::ServerError;
+use crate::ids::{GroupId, NodeId};
+use crate::node::split::formed_record;
+use crate::node::{Inner, Node};
+use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
+use crate::queue::QueueMachine;
+use crate::raft::network::EpochNews;
+use crate::raft::types::LogStore;
+use mirrorq_storage::{NodeDb, SmSpace, StorageError};
+
+pub(super) fn epoch_key(group: GroupId) -> String {
+    format!("epoch/{group}")
+}
+
+pub(super) fn heal_key(group: GroupId) -> String {
+    format!("healing/{group}")
+}
+
+pub(in crate::node) fn term_floor_key(group: GroupId) -> String {
+    format!("term-floor/{group}")
+}
+
+/// The epoch this node's replica of `group` is in. Also finishes a heal that
+/// a crash interrupted after the hand-back (wiping is idempotent).
+///
+/// The wiped replica keeps a vote at the highest term it had seen, so this
+/// node never leads a term it led before, in any epoch: hand-back origins
+/// `(term, node, index)` and fork records name an entry by its leader, and
+/// two leaderships of one term by one node could make a hand-back look
+/// done, or an entry look shared, when it is not. Raised past that term,
+/// the new epoch's master steps down once (the learner answers with the
+/// higher vote) and is re-elected above it.
+pub(in crate::node) fn load_epoch(db: &NodeDb, group: GroupId, me: NodeId) -> Result<Epoch, ServerError> {
+    let decode = |b: Vec<u8>, what| mirrorq_storage::keys::decode::<Epoch>(&b, what);
+    if let Some(b) = db.get_node_value(&heal_key(group))? {
+        let epoch = decode(b, "healing marker")?;
+        let raft = |e: openraft::StorageError<NodeId>| ServerError::Raft(e.to_string());
+        let log = LogStore::new(db.clone(), group);
+        // Durable before the wipe: a crash in between must not lose it.
+        let kept = match db.get_node_value(&term_floor_key(group))? {
+            Some(b) => mirrorq_storage::keys::decode::<u64>(&b, "term floor")?,
+            None => 0,
+        };
+        let floor = kept.max(log.highest_term().map_err(raft)?);
+        db.put_node_value(&term_floor_key(group), &mirrorq_storage::keys::encode(&floor, "term floor")?)?;
+        db.drop_group(group)?;
+        if floor > 0 {
+            log.restore_vote(&Vote::new(floor, me)).map_err(raft)?;
+        }
+        store_epoch(db, group, epoch)?;
+        db.remove_node_value(&heal_key(group))?;
+        return Ok(epoch);
+    }
+    match db.get_node_value(&epoch_key(group))? {
+        Some(b) => Ok(decode(b, "group epoch")?),
+        None => Ok(Epoch::default()),
+    }
+}
+
+pub(super) fn store_epoch(db: &NodeDb, group: GroupId, epoch: Epoch) -> Result<(), StorageError> {
+    db.put_node_value(&epoch_key(group), &mirrorq_storage::keys::encode(&epoch, "group epoch")?)
+}
+
+/// Make this node's committed vote for itself in `group`, if it holds one,
+/// uncommitted, so that the group's next Raft instance here starts as a
+/// follower rather than resuming a leadership (only while the group's Raft
+/// is stopped). Returns once the vote is durable.
+pub(super) async fn step_down(db: NodeDb, group: GroupId, me: NodeId) -> Result<(), ServerError> {
+    let raft = |e: openraft::StorageError<NodeId>| ServerError::Raft(e.to_string());
+    let mut log = LogStore::new(db, group);
+    match log.read_vote().await.map_err(raft)? {
+        Some(v) if v.is_committed() && v.leader_id().voted_for() == Some(me) => {
+            let vote = Vote::new(v.leader_id().get_term(), me);
+            // Its sync blocks: not on a runtime thread.
+            tokio::task::spawn_blocking(move || log.restore_vote(&vote))
+                .await
+                .map_err(|e| ServerError::Raft(e.to_string()))?
+                .map_err(raft)
+        }
+        _ => Ok(()),
+    }
+}
+
+impl Inner {
+    /// Our replica's log of `group` as a record of its history.
+    pub(in crate::node) async fn history(&self, group: GroupId) -> Option<ForkRecord> {
+        let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
+        let mut log = LogStore::new(self.db.clone(), group);
+        let state = log.get_log_state().await.ok()?;
+        let ids = log.log_ids().ok()?;
+        Some(ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids))
+    }
+
+    /// Our replica's epoch of `group`, with its fork record if the replica
+    /// has it, and the master of that epoch in reach as our replica knows it.
+    pub(in crate::node) fn epoch_report(&self, group: GroupId) -> Option<EpochReport> {
+        let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
+        let record = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok()?;
+        // Formed here: the record as kept beside the log, if its entry was
+        // never committed (a stop right after the re-form); without it the
+        // other side would wait for a record no one has, both serving.
+        let record = record.filter(|r| r.epoch == g.epoch).or_else(|| formed_record(&self.db, group, g.epoch));
+        let m = g.raft.metrics().borrow().clone();
+        let heard = *g.watch.master_heard.lock().expect("poisoned");
+        let master = match m.state {
+            ServerState::Leader => Some(self.id),
+            _ => m.current_leader.filter(|_| heard.is_some_and(|t| t.elapsed() < self.timing.failure_timeout)),
+        };
+        Some(EpochReport { epoch: g.epoch, record, master })
+    }
+}
+
+impl Node {
+    pub(in crate::node) fn spawn_epoch_watch(&self, mut rx: mpsc::UnboundedReceiver<EpochNews>) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let news = tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    n = rx.recv() => match n { Some(n) => n, None => return },
+                };
+                let stale = match node.inner.groups.read().expect("poisoned").get(&news.group) {
+                    Some(g) if g.epoch < news.epoch => {
+                        g.watch.in_newer.lock().expect("poisoned").insert(news.from, Instant::now());
+                        true
+                    }
+                    _ => false,
+                };
+                if stale {
+                    let node = node.clone();
+                    tokio::spawn(async move { node.heal(news).await });
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::raft::types::TypeConfig;
+    use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
+
+    /// A replica that led terms up to 7 heals into another epoch: wiped, it
+    /// keeps a vote at term 7, so it can never lead term 7 (or below) again;
+    /// and a crash between the wipe and that vote loses nothing.
+    #[tokio::test]
+    async fn a_healed_replica_never_leads_a_term_it_saw_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = NodeDb::open(dir.path(), &mirrorq_storage::DbOptions::default()).unwrap();
+        let group = 5;
+        let mut log = LogStore::new(db.clone(), group);
+        let entries: Vec<Entry<TypeConfig>> = (1..=3)
+            .map(|i| Entry { log_id: LogId::new(CommittedLeaderId::new(7, 1), i), payload: EntryPayload::Blank })
+            .collect();
+        let epoch = (epoch_key(group), mirrorq_storage::keys::encode(&Epoch::default(), "e").unwrap());
+        log.refound(&Vote::new_committed(7, 1), entries, (&epoch.0, epoch.1)).await.unwrap();
+        let next = Epoch { term: 4, node: 3 };
+        db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&next, "m").unwrap()).unwrap();
+
+        assert_eq!(load_epoch(&db, group, 1).unwrap(), next);
+        let mut log = LogStore::new(db.clone(), group);
+        assert_eq!(log.get_log_state().await.unwrap().last_log_id, None, "wiped");
+        let vote = log.read_vote().await.unwrap().expect("a vote is kept");
+        assert_eq!((vote.leader_id.term, vote.is_committed()), (7, false));
+
+        // A crash after the wipe, before that vote: the floor was durable.
+        db.drop_group(group).unwrap();
+        db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&next, "m").unwrap()).unwrap();
+        load_epoch(&db, group, 1).unwrap();
+        let vote = LogStore::new(db.clone(), group).read_vote().await.unwrap();
+        assert_eq!(vote.map(|v| v.leader_id.term), Some(7));
+    }
+}

@@ -1,0 +1,438 @@
+//! Healing a replica of an older epoch into the newer one, and handing
+//! back what only the older epoch's replicas had stored.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use openraft::storage::RaftLogStorage;
+use openraft::{Entry, EntryPayload, RaftLogReader};
+
+use super::epoch::{heal_key, load_epoch};
+use super::Busy;
+use crate::error::NodeError;
+use crate::ids::{GroupId, NodeId};
+use crate::link::rpc::{RpcRequest, RpcResponse};
+use crate::metadata::QueueMeta;
+use crate::node::split::{add_defeated, defeated, left_through_own_forks, Formed, Undecided, Verdict};
+use crate::node::{Node, QueueGroup};
+use crate::queue::epoch::{divergence, Epoch, EpochReport, ForkRecord};
+use crate::queue::types::Origin;
+use crate::queue::{Message, QueueCmd, QueueMachine};
+use crate::raft::network::EpochNews;
+use crate::raft::state_machine::stored_applied;
+use crate::raft::types::{LogStore, Request, TypeConfig};
+use mirrorq_storage::{SmSpace, StorageError};
+
+/// Handed-back messages travel in chunks of at most this many bytes.
+const HANDBACK_CHUNK_BYTES: usize = 1 << 20;
+
+/// Messages handed back together: those one old-epoch entry published.
+pub(super) type Batch = (Option<Origin>, Vec<Message>);
+
+/// What a log entry published: its origin and its messages, each marked
+/// if it was a hand-back (stored outside the seq range) rather than a publish.
+pub(super) fn publishes(e: &Entry<TypeConfig>) -> (Origin, Vec<(&Message, bool)>) {
+    let origin = (e.log_id.leader_id.term, e.log_id.leader_id.node_id, e.log_id.index);
+    let mut msgs = Vec::new();
+    if let EntryPayload::Normal(Request::Queue(cmds)) = &e.payload {
+        for c in cmds.iter() {
+            match c {
+                QueueCmd::Enqueue { msgs: m } | QueueCmd::EnqueueExpiring { msgs: m, .. } => {
+                    msgs.extend(m.iter().map(|m| (m, false)))
+                }
+                QueueCmd::Handback { msgs: m, .. } => msgs.extend(m.iter().map(|m| (m, true))),
+                _ => {}
+            }
+        }
+    }
+    (origin, msgs)
+}
+
+impl Node {
+    /// A peer is in a newer epoch of a group we host. If our group kept its
+    /// majority from before that epoch formed, that epoch is a minority's
+    /// fork: it yields to us. Otherwise hand back what that epoch lacks,
+    /// wipe our replica and rejoin it as a new mirror.
+    pub(super) async fn heal(&self, news: EpochNews) {
+        let group = news.group;
+        // Undecided a moment ago about this epoch: every message of the
+        // fork brings news of it, and asking again at each would hold the
+        // group busy (no master move, no graceful hand-over) all along.
+        let asked = self
+            .inner
+            .groups
+            .read()
+            .expect("poisoned")
+            .get(&group)
+            .map(|g| *g.watch.undecided.lock().expect("poisoned"));
+        if let Some(Some((epoch, at))) = asked {
+            if epoch == news.epoch && at.elapsed() < self.inner.timing.failure_timeout {
+                return;
+            }
+        }
+        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
+        let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
+        if g.epoch >= news.epoch {
+            return;
+        }
+        let q = g.meta.clone();
+        let io = |e: StorageError| tracing::error!(queue = %q.name, error = %e, "cannot record a defeated epoch");
+        match defeated(&self.inner.db, group) {
+            // Judged a minority's fork before; unless our own group has
+            // since left for newer epochs (a verdict on disk must not hold a
+            // master alone in an epoch its mirrors left).
+            Ok(d) if d.contains(&news.epoch) && self.majority_still_ours(&g) => {
+                return self.tell_to_yield(&g, news).await
+            }
+            Ok(_) => {}
+            Err(e) => return io(e),
+        }
+        let verdict = self.split_verdict(&g, news).await;
+        // Asking took a while: the replica may have been removed meanwhile
+        // (the queue deleted or moved away), and a verdict must not outlive it.
+        if !self.inner.is_current(&g) {
+            return;
+        }
+        match verdict {
+            Verdict::Defer => return,
+            Verdict::Undecided(why) => {
+                *g.watch.undecided.lock().expect("poisoned") = Some((news.epoch, Instant::now()));
+                let what = format!("epoch {} formed by node {}: {why:?}", news.epoch, news.epoch.node);
+                if self.inner.repeated(group, "split-undecided", &what) {
+                    match why {
+                        Undecided::CannotAsk => {
+                            tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists, but none of its replicas that answer can tell when it formed: this group keeps its majority and goes on serving until one can (told once)")
+                        }
+                        Undecided::NoMaster => {
+                            tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists but has no master to hand back to; waiting for one, or for this group's master to decide (told once)")
+                        }
+                    }
+                }
+                return;
+            }
+            Verdict::Keep => {
+                self.inner.told.cleared(group, "split-undecided");
+                tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a minority re-formed the queue while this group kept its majority: its epoch yields to ours");
+                if let Err(e) = add_defeated(&self.inner.db, group, news.epoch) {
+                    return io(e);
+                }
+                return self.tell_to_yield(&g, news).await;
+            }
+            Verdict::Heal => self.inner.told.cleared(group, "split-undecided"),
+        }
+        tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "replica is in an older epoch: healing");
+        self.rejoin(g, news, false).await;
+    }
+
+    /// Our replica is in `defeated`, a minority's fork; the group of
+    /// `winner` (whose replica on `from` told us) kept its majority: hand
+    /// back to it what it may lack and rejoin it.
+    pub(in crate::node) async fn yield_to(&self, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) {
+        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
+        let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
+        if g.epoch != defeated {
+            return;
+        }
+        tracing::warn!(queue = %g.meta.name, ours = %g.epoch, winner = %winner, from, "this replica's epoch is a minority's fork and yields to the group that kept its majority");
+        self.rejoin(g, EpochNews { group, epoch: winner, from }, true).await;
+    }
+
+    /// Stop our replica of `g`, hand back to the master of `news.epoch`
+    /// what that epoch may lack, wipe the replica and restart it in that
+    /// epoch. `yielding`: the target epoch is the group our fork came
+    /// from, whose history is read from its live log (it has no fork
+    /// record of its own).
+    pub(in crate::node) async fn rejoin(&self, g: Arc<QueueGroup>, news: EpochNews, yielding: bool) {
+        let group = news.group;
+        let q = g.meta.clone();
+        if !self.inner.take_out(&g) {
+            return;
+        }
+        g.stop.cancel();
+        g.shut_down().await;
+        tracing::info!(queue = %q.name, "replica stopped to rejoin another epoch");
+
+        let mut news = news;
+        let result: Result<(), NodeError> = async {
+            // The hand-back goes to the newest epoch we hear of; our log is
+            // untouched until it is taken, so starting over is safe.
+            loop {
+                let fork = left_through_own_forks(&self.inner.db, group, g.epoch, news.epoch).filter(|_| yielding);
+                let batches = match fork {
+                    // We formed the fork: what we stored since is ours alone.
+                    Some(f) => self.stored_since_fork(group, f).await?,
+                    None => {
+                        let record = if yielding {
+                            self.fetch_history(group, news).await
+                        } else {
+                            self.fetch_fork(group, news).await
+                        };
+                        tracing::info!(queue = %q.name, epoch = %news.epoch, found = record.is_some(), "history of the epoch to join");
+                        self.handback_set(group, record.as_ref()).await?
+                    }
+                };
+                let count: usize = batches.iter().map(|b| b.1.len()).sum();
+                match self.send_handback(&q, news, batches).await? {
+                    None => {
+                        tracing::warn!(queue = %q.name, handed_back = count, epoch = %news.epoch, "messages handed back");
+                        break;
+                    }
+                    Some(newer) if yielding => {
+                        return Err(NodeError::Unavailable(format!(
+                            "the group to yield to moved on to epoch {}; retrying from news of it",
+                            newer.epoch
+                        )))
+                    }
+                    Some(newer) => news = newer,
+                }
+            }
+            let db = &self.inner.db;
+            let io = |e: StorageError| NodeError::Unavailable(e.to_string());
+            db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&news.epoch, "healing marker").map_err(io)?)
+                .map_err(io)?;
+            load_epoch(db, group, self.id()).map_err(|e| NodeError::Unavailable(e.to_string()))?;
+            Ok(())
+        }
+        .await;
+        match &result {
+            Ok(()) => {
+                self.inner.metrics.queue_rejoins.inc();
+                self.inner.told.cleared(group, "rejoin");
+            }
+            Err(e) => {
+                if self.inner.repeated(group, "rejoin", &e.to_string()) {
+                    tracing::error!(queue = %q.name, error = %e, "rejoining failed; the replica restarts in its own epoch and retries (told once until it changes)");
+                }
+            }
+        }
+        let state = self.metadata();
+        if let Err(e) = self.start_group(q.clone(), &state).await {
+            tracing::error!(queue = %q.name, error = %e, "cannot restart the queue replica after rejoining");
+        }
+    }
+
+    /// What the (stopped) replica that formed a fork holds that the group
+    /// it forked from lacks: messages stored since the fork, and publishes
+    /// in entries not applied here.
+    pub(super) async fn stored_since_fork(&self, group: GroupId, f: Formed) -> Result<Vec<Batch>, NodeError> {
+        let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
+        let db = self.inner.db.clone();
+        let space = SmSpace::new(db.clone(), group);
+        let mut out = vec![(None, QueueMachine::stored_since(&space, f.next_seq, f.next_tag).map_err(|e| io(&e))?)];
+        let start = stored_applied(&space).map_err(|e| io(&e))?.map_or(0, |l| l.index + 1);
+        let mut log = LogStore::new(db, group);
+        let mut reader = log.get_log_reader().await;
+        for e in reader.try_get_log_entries(start..).await.map_err(|e| io(&e))? {
+            let (origin, msgs) = publishes(&e);
+            if !msgs.is_empty() {
+                out.push((Some(origin), msgs.into_iter().map(|(m, _)| m.clone()).collect()));
+            }
+        }
+        out.retain(|b| !b.1.is_empty());
+        Ok(out)
+    }
+
+    /// Whom to ask about the newer epoch of `news`, in order: the node that
+    /// told us, the epoch's former, then the queue's other replicas.
+    pub(in crate::node) fn asked_about(&self, q: &QueueMeta, news: EpochNews) -> Vec<NodeId> {
+        let mut peers: Vec<NodeId> = Vec::new();
+        for p in [news.from, news.epoch.node].into_iter().chain(q.replicas.iter().copied()) {
+            if p != self.id() && !peers.contains(&p) {
+                peers.push(p);
+            }
+        }
+        peers
+    }
+
+    /// The history of `news.epoch` from a replica of it: its live log's
+    /// leader ids. `None` if no one answers (then everything is handed back).
+    pub(super) async fn fetch_history(&self, group: GroupId, news: EpochNews) -> Option<ForkRecord> {
+        let q = self.metadata().queues.values().find(|q| q.group == group).cloned()?;
+        for peer in self.asked_about(&q, news) {
+            let limit = Instant::now() + Duration::from_secs(5);
+            if let Ok(RpcResponse::History(Some(rec))) =
+                self.inner.call(peer, &RpcRequest::History { group }, limit).await
+            {
+                if rec.epoch == news.epoch {
+                    return Some(rec);
+                }
+            }
+        }
+        None
+    }
+
+    /// Ask the peer that told us (then the other replicas) for the newer
+    /// epoch's fork record. `None` if no one has it: then everything we hold
+    /// is handed back.
+    pub(super) async fn fetch_fork(&self, group: GroupId, news: EpochNews) -> Option<ForkRecord> {
+        let q = self.metadata().queues.values().find(|q| q.group == group).cloned()?;
+        let peers = self.asked_about(&q, news);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let answers = self.ask_forks(group, &peers).await;
+            if let Some(rec) = answers.into_iter().filter_map(|(_, a)| a.record).find(|rec| rec.epoch >= news.epoch) {
+                return Some(rec);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        None
+    }
+
+    /// What each of `peers`' replica of `group` tells of its epoch, asked
+    /// all at once; those that do not answer in a second are left out.
+    pub(in crate::node) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<(NodeId, EpochReport)> {
+        let limit = Instant::now() + Duration::from_secs(1);
+        let req = RpcRequest::Fork { group };
+        let answers = futures::future::join_all(peers.iter().map(|p| self.inner.call(*p, &req, limit))).await;
+        peers
+            .iter()
+            .zip(answers)
+            .filter_map(|(p, a)| match a {
+                Ok(RpcResponse::Fork(report)) => report.map(|r| (*p, r)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Every message this (stopped) replica holds that the epoch described
+    /// by `record` may lack, grouped by the log entry that published it:
+    /// live messages published after the point where the histories part,
+    /// and every publish in log entries not applied here.
+    pub(super) async fn handback_set(
+        &self,
+        group: GroupId,
+        record: Option<&ForkRecord>,
+    ) -> Result<Vec<Batch>, NodeError> {
+        let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
+        let db = self.inner.db.clone();
+        let space = SmSpace::new(db.clone(), group);
+        let mut log = LogStore::new(db, group);
+        let log_state = log.get_log_state().await.map_err(|e| io(&e))?;
+        let ids = log.log_ids().map_err(|e| io(&e))?;
+        let shared = record.and_then(|r| divergence(r, log_state.last_purged_log_id, &ids));
+        let applied = stored_applied(&space).map_err(|e| io(&e))?.map(|l| l.index);
+        let mut reader = log.get_log_reader().await;
+        let mut out = Vec::new();
+        // Applied past the shared point: of what those entries published,
+        // what is still live here.
+        if let Some(a) = applied.filter(|a| shared.is_none_or(|p| p < *a)) {
+            let purged = log_state.last_purged_log_id.map(|l| l.index);
+            match shared {
+                Some(p) if purged.is_none_or(|x| x <= p) => {
+                    let entries = reader.try_get_log_entries(p + 1..=a).await.map_err(|e| io(&e))?;
+                    // Which of these entries' messages are still live here,
+                    // by content: an entry's publishes do not map to seqs
+                    // by counting (a publish refused by reject-publish takes
+                    // none). A live message is always found; an identical
+                    // twin can only make a consumed one go back too (a
+                    // duplicate, never a loss).
+                    let mut live_here: HashMap<&Message, usize> = HashMap::new();
+                    let stored = QueueMachine::stored_from(&space, 0).map_err(|e| io(&e))?;
+                    for m in &stored {
+                        *live_here.entry(m).or_default() += 1;
+                    }
+                    for e in &entries {
+                        let (origin, msgs) = publishes(e);
+                        let mut live = Vec::new();
+                        for (m, _) in msgs {
+                            if let Some(n) = live_here.get_mut(m).filter(|n| **n > 0) {
+                                *n -= 1;
+                                live.push(m.clone());
+                            }
+                        }
+                        if !live.is_empty() {
+                            out.push((Some(origin), live));
+                        }
+                    }
+                }
+                // The entries are gone: everything live goes back.
+                _ => out.push((None, QueueMachine::stored_from(&space, 0).map_err(|e| io(&e))?)),
+            }
+        }
+        // Not applied here (not known to be committed, maybe confirmed):
+        // what each publish would have stored, from a replay on the stored
+        // state (a publish refused by reject-publish was never confirmed and
+        // must not appear), from the first entry not applied on.
+        let start = [shared, applied].into_iter().flatten().max().map_or(0, |i| i + 1);
+        let first = applied.map_or(0, |a| a + 1);
+        let unapplied = reader.try_get_log_entries(first..).await.map_err(|e| io(&e))?;
+        let cmds: Vec<Vec<QueueCmd>> = unapplied
+            .iter()
+            .map(|e| match &e.payload {
+                EntryPayload::Normal(Request::Queue(c)) => c.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect();
+        let stored = QueueMachine::would_store(&space, &cmds).map_err(|e| io(&e))?;
+        for ((e, cmds), counts) in unapplied.iter().zip(&cmds).zip(stored) {
+            if e.log_id.index < start {
+                continue;
+            }
+            let origin = (e.log_id.leader_id.term, e.log_id.leader_id.node_id, e.log_id.index);
+            let mut msgs = Vec::new();
+            for (c, n) in cmds.iter().zip(counts) {
+                match c {
+                    QueueCmd::Enqueue { msgs: m } | QueueCmd::EnqueueExpiring { msgs: m, .. } => {
+                        msgs.extend(m.iter().take(n as usize).cloned())
+                    }
+                    QueueCmd::Handback { msgs: m, .. } if n > 0 => msgs.extend(m.iter().cloned()),
+                    _ => {}
+                }
+            }
+            if !msgs.is_empty() {
+                out.push((Some(origin), msgs));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Give messages to the master of the newer epoch, a chunk at a time,
+    /// each answered once confirmed there. `Some(news)`: a replica answered
+    /// with an even newer epoch, which is where the messages must go instead.
+    pub(super) async fn send_handback(
+        &self,
+        q: &QueueMeta,
+        news: EpochNews,
+        batches: Vec<Batch>,
+    ) -> Result<Option<EpochNews>, NodeError> {
+        let deadline = Instant::now() + self.inner.timing.op_timeout * 4;
+        let mut candidates = self.asked_about(q, news);
+        if candidates.is_empty() {
+            candidates.push(news.from);
+        }
+        let mut target = news.from;
+        let mut attempt = 0usize;
+        let mut rest = batches.into_iter().peekable();
+        while rest.peek().is_some() {
+            let mut chunk = Vec::new();
+            let mut bytes = 0;
+            while let Some(b) = rest.next_if(|_| chunk.is_empty() || bytes <= HANDBACK_CHUNK_BYTES) {
+                bytes += b.1.iter().map(|m| m.body.len() + m.properties.len()).sum::<usize>();
+                chunk.push(b);
+            }
+            loop {
+                let req = RpcRequest::Handback { group: q.group, epoch: news.epoch, batches: chunk.clone() };
+                match self.inner.call(target, &req, Instant::now() + Duration::from_secs(10)).await {
+                    Ok(RpcResponse::Queue(Ok(_))) => break,
+                    Ok(RpcResponse::NewerEpoch(epoch)) if epoch > news.epoch => {
+                        return Ok(Some(EpochNews { group: q.group, epoch, from: target }));
+                    }
+                    Ok(RpcResponse::Queue(Err(NodeError::NotLeader { leader: Some(l) }))) if l != target => target = l,
+                    other => {
+                        tracing::debug!(queue = %q.name, target, answer = ?other.map(|_| ()), "hand-back not taken yet");
+                        if Instant::now() > deadline {
+                            return Err(NodeError::Unavailable(
+                                "no master of the newer epoch took the hand-back".into(),
+                            ));
+                        }
+                        attempt += 1;
+                        target = candidates[attempt % candidates.len()];
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+}
