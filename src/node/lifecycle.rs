@@ -236,6 +236,7 @@ impl Node {
             news,
             busy: Mutex::default(),
             peers: crate::peers::Peers::new(cfg.node_id),
+            watch_wanted: tokio::sync::Notify::new(),
             leaving: AtomicBool::new(false),
             replicas_started: tokio::sync::watch::Sender::new(false),
             refill: Mutex::new(refill.then(HashMap::new)),
@@ -291,6 +292,7 @@ impl Node {
         node.spawn_reaper();
         node.spawn_expirer();
         node.spawn_liveness();
+        node.spawn_failure_watch();
         node.spawn_rate_sampler();
         tracing::info!(
             id = cfg.node_id,

@@ -63,9 +63,8 @@ impl Node {
         let id = self.metadata().nodes.values().find(|n| n.raft_addr == addr).map(|n| n.id);
         let Some(id) = id.filter(|id| *id != self.id()) else { return };
         if self.probe_dead(id).await {
-            // Who stands now: the rule of every reconcile, run at once.
-            let state = self.metadata();
-            self.watch_failures(&state).await;
+            // Who stands now: the failure watch's rule, run at once.
+            self.want_watch();
         }
     }
 

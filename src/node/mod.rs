@@ -262,6 +262,8 @@ struct Inner {
     news: mpsc::UnboundedSender<EpochNews>,
     /// Groups being re-formed or healed: not (re)started meanwhile.
     busy: Mutex<HashSet<GroupId>>,
+    /// Asks for a run of the failure watch (`failover/watch.rs`).
+    watch_wanted: tokio::sync::Notify,
     /// Whether each peer is alive: the one owner of that fact.
     peers: crate::peers::Peers,
     /// Set once a graceful stop starts handing masterships over: no replica

@@ -90,7 +90,7 @@ impl Node {
                 let watch_due = true;
                 if watch_due && (ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY)) {
                     last_watch = Some(Instant::now());
-                    node.watch_failures(&state).await;
+                    node.want_watch();
                 }
                 let now_failing: HashSet<GroupId> = failed.iter().map(|(g, _)| *g).collect();
                 for (group, e) in failed {

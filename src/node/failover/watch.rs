@@ -14,7 +14,7 @@ use super::rules::{by_seniority, core_quit, reform_voters, reformer, still_leads
 use super::{ha_of, Busy};
 use crate::ids::NodeId;
 use crate::link::rpc::RpcRequest;
-use crate::metadata::MetaState;
+use crate::metadata::{MetaState, QueueMeta};
 use crate::node::split::{quorum, wall_ms};
 use crate::node::{Node, QueueGroup};
 
@@ -22,6 +22,8 @@ use crate::node::{Node, QueueGroup};
 /// voters: a vote asked for inside the lease is refused, and the refused
 /// candidate would wait a whole election timeout before asking again.
 const LEASE_MARGIN: Duration = Duration::from_millis(50);
+
+type Metrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
 
 impl Node {
     /// Peers answering pings, by a round at most a few hundred
@@ -41,21 +43,46 @@ impl Node {
         round.reach
     }
 
-    /// Called on every reconcile: decide, per hosted group, who may stand
-    /// for election, and whether to re-form a group that lost its majority.
-    pub(in crate::node) async fn watch_failures(&self, state: &MetaState) {
+    /// The failure watch's one owner: a task that runs it whenever asked
+    /// (`Node::want_watch`: the reconcile's tick, a peer seen dead), one run
+    /// at a time, asks that come during a run making one more run after
+    /// it. Its verdicts (who stands, who re-forms) are taken by one task,
+    /// never by two watches over the same group at once.
+    pub(in crate::node) fn spawn_failure_watch(&self) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    _ = node.inner.watch_wanted.notified() => {}
+                }
+                let state = node.metadata();
+                node.watch_failures(&state).await;
+            }
+        });
+    }
+
+    /// Ask the failure watch for a run (soon, after the one under way).
+    pub(in crate::node) fn want_watch(&self) {
+        self.inner.watch_wanted.notify_one();
+    }
+
+    /// Decide, per hosted group, who may stand for election, and whether
+    /// to re-form a group that lost its majority.
+    async fn watch_failures(&self, state: &MetaState) {
         let listed_at = self.inner.removals.load(Ordering::Acquire);
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
         self.watch_groups(state, groups, Some(listed_at)).await
     }
 
-    /// The failure watch over `groups`, a list taken when it began: several
-    /// watches run at once (each lost link starts one), so a group another
-    /// has re-formed or rejoined meanwhile is skipped here and refused by
-    /// `take_out` further on. `listed_at`: `Inner::removals` read before
-    /// the list was taken; a group in it stops being current only when one
-    /// is taken out of the table (or the node stops), so until then the
-    /// table need not be looked up for each group (`None`: look each up).
+    /// The failure watch over `groups`, a list taken when it began: a heal
+    /// (news of a newer epoch) and the reconciler change the table while a
+    /// run goes on, so a group re-formed, rejoined or stopped meanwhile is
+    /// skipped here and refused by `take_out` further on. `listed_at`:
+    /// `Inner::removals` read before the list was taken; a group in it
+    /// stops being current only when one is taken out of the table (or the
+    /// node stops), so until then the table need not be looked up for each
+    /// group (`None`: look each up).
     pub(in crate::node) async fn watch_groups(
         &self,
         state: &MetaState,
@@ -77,23 +104,8 @@ impl Node {
                 continue;
             }
             let world = self.inner.quiescence.world_of(g.meta.group);
-            let passed = g.watch.passed.lock().expect("poisoned").take();
-            if let Some((was, majority)) = passed {
-                let (metrics_changed, state_now) = {
-                    let m = g.watch.metrics.lock().expect("poisoned");
-                    let state_now = m.borrow().state;
-                    (m.has_changed().unwrap_or(true), state_now)
-                };
-                let unchanged = was == world && !self.inner.leaving.load(Ordering::Acquire) && !metrics_changed;
-                let still_quiet = g.hush.is_quiet() || state_now != ServerState::Leader;
-                if unchanged && still_quiet {
-                    // Watched without a gap, as the split rule needs.
-                    let mut stretch = g.watch.majority.lock().expect("poisoned");
-                    stretch.observe(majority, Instant::now(), wall_ms(), timing.failure_timeout);
-                    drop(stretch);
-                    *g.watch.passed.lock().expect("poisoned") = Some((was, majority));
-                    continue;
-                }
+            if self.passed_over(&g, world) {
+                continue;
             }
             let quit = core_quit(&g.watch.metrics.lock().expect("poisoned"));
             if let Some(why) = quit {
@@ -154,73 +166,7 @@ impl Node {
                 g.raft.runtime_config().tick(true);
             }
             if !held && m.state != ServerState::Leader && !self.inner.leaving.load(Ordering::Acquire) {
-                // Leaderless also while the last master known is out of
-                // reach: a senior replica that never received the group's
-                // log (it was down when the queue was declared) knows no
-                // members and never stands, and a synchronised mirror
-                // deferring to it would leave the queue without a master
-                // until the old one came back.
-                let leaderless_since = {
-                    let mut l = g.watch.leaderless_since.lock().expect("poisoned");
-                    // A leader sends at least a heartbeat per interval;
-                    // an election timeout without one is a master that
-                    // no longer leads, as openraft's own timer counts it.
-                    let heard = g
-                        .watch
-                        .master_heard
-                        .lock()
-                        .expect("poisoned")
-                        .is_some_and(|t| now.duration_since(t) < timing.election_max);
-                    match m.current_leader.filter(|l| still_leads(*l, self.id(), &reach, &voters, heard)) {
-                        Some(_) => *l = None,
-                        None => {
-                            l.get_or_insert(now);
-                        }
-                    }
-                    *l
-                };
-                let leaderless_long = leaderless_since.is_some_and(|t| now.duration_since(t) > timing.election_max * 3);
-                // A replica still fetching bodies never stands: it cannot
-                // serve what it does not have.
-                let complete = g.plan.borrow().is_none();
-                let may = complete && !self.inner.is_quiet(q.group);
-                let stand = may && (senior_voter == Some(self.id()) || leaderless_long);
-                g.raft.runtime_config().elect(stand);
-                // A follower of a master that was alive waits out the
-                // master's lease and then a whole election timeout more
-                // before standing (openraft), 3-4 s by default. The pings
-                // already tell the master is gone: stand as soon as the lease
-                // has run out on the other voters too. Their lease runs from
-                // the master's last heartbeat, so from no later than its
-                // death; when the link to it broke after its last answered
-                // ping (a killed process's sockets close at once), that
-                // moment bounds its death, else the moment the pings failed.
-                let lost_since = {
-                    let mut l = g.watch.master_lost_since.lock().expect("poisoned");
-                    match m.current_leader.filter(|leader| !reach.contains(leader)) {
-                        Some(leader) => Some(*l.get_or_insert_with(|| {
-                            let seen = self.inner.peers.last_seen(leader);
-                            match (self.inner.link_lost_at(leader), seen) {
-                                (Some(lost), Some(seen)) if lost > seen => lost.min(now),
-                                _ => now,
-                            }
-                        })),
-                        None => {
-                            *l = None;
-                            None
-                        }
-                    }
-                };
-                if let (true, Some(lost), Some(leader)) =
-                    (stand && m.state != ServerState::Candidate, lost_since, m.current_leader)
-                {
-                    // A master whose process is gone holds no lease: the
-                    // other voters forget it as they see the death
-                    // (`liveness`), and whoever has not yet refuses only
-                    // the first ask.
-                    let at = if self.is_dead(leader) { now } else { lost + timing.election_max + LEASE_MARGIN };
-                    self.elect_after_lease(&g, leader, at);
-                }
+                self.steer_election(&g, q, &m, &voters, &reach, senior_voter, now);
             }
 
             // Quiet, with a majority in reach (nothing here is waiting for
@@ -233,30 +179,10 @@ impl Node {
 
             // Re-form: no majority reachable for the failure timeout, the
             // policy allows it, and we are the most senior replica left.
-            // Every voter out of reach seen dead (its port refuses a dial)
-            // is no partition that may heal into a second master: no need
-            // to wait (the classic demo serves at once).
-            // Dead means gone after being up in this node's life: a peer
-            // not heard from since this node started may just not be up
-            // yet (every node back from a whole-cluster power cut), and
-            // re-forming alone then forks the queue on whichever node
-            // came up first, which a damaged dir set aside can strand. It
-            // was up if it answered a ping or a link to it broke; after a
-            // failure timeout here, a refusing port is a death either way.
-            let all_dead = voters.iter().filter(|v| !reach.contains(v)).all(|v| {
-                let link_broke = self.inner.link_lost_at(*v).is_some();
-                self.inner.peers.gone_for_sure(*v, link_broke, timing.failure_timeout)
-            });
-            let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
-            if now.duration_since(seen) >= wait
-                && !majority
-                && reformer(
-                    &q.replicas,
-                    &reform_voters(m.membership_config.membership().get_joint_config(), &reach),
-                    &alive,
-                ) == Some(self.id())
+            if !majority
                 && ha.promote_on_failure_always
                 && g.plan.borrow().is_none()
+                && self.reform_due(q, &m, &voters, &reach, &alive, now.duration_since(seen))
             {
                 match self.reform(g, q.clone(), state).await {
                     Ok(false) => {}
@@ -277,6 +203,147 @@ impl Node {
                 present = self.present(state);
             }
         }
+    }
+
+    /// A quiet group whose metrics and world (`Quiescence::world_of`) are
+    /// as at the last full look, with nothing else to do: its majority
+    /// stretch is extended, and it is passed over.
+    fn passed_over(&self, g: &QueueGroup, world: (u64, u64)) -> bool {
+        let passed = g.watch.passed.lock().expect("poisoned").take();
+        let Some((was, majority)) = passed else { return false };
+        let (metrics_changed, state_now) = {
+            let m = g.watch.metrics.lock().expect("poisoned");
+            let state_now = m.borrow().state;
+            (m.has_changed().unwrap_or(true), state_now)
+        };
+        let unchanged = was == world && !self.inner.leaving.load(Ordering::Acquire) && !metrics_changed;
+        let still_quiet = g.hush.is_quiet() || state_now != ServerState::Leader;
+        if !(unchanged && still_quiet) {
+            return false;
+        }
+        // Watched without a gap, as the split rule needs.
+        let mut stretch = g.watch.majority.lock().expect("poisoned");
+        stretch.observe(majority, Instant::now(), wall_ms(), self.inner.timing.failure_timeout);
+        drop(stretch);
+        *g.watch.passed.lock().expect("poisoned") = Some((was, majority));
+        true
+    }
+
+    /// As follower with no quiet master standing in: whether this replica
+    /// stands for election, and when, once the master it followed is lost.
+    #[allow(clippy::too_many_arguments)]
+    fn steer_election(
+        &self,
+        g: &Arc<QueueGroup>,
+        q: &QueueMeta,
+        m: &Metrics,
+        voters: &BTreeSet<NodeId>,
+        reach: &BTreeSet<NodeId>,
+        senior_voter: Option<NodeId>,
+        now: Instant,
+    ) {
+        let timing = &self.inner.timing;
+        // Leaderless also while the last master known is out of
+        // reach: a senior replica that never received the group's
+        // log (it was down when the queue was declared) knows no
+        // members and never stands, and a synchronised mirror
+        // deferring to it would leave the queue without a master
+        // until the old one came back.
+        let leaderless_since = {
+            let mut l = g.watch.leaderless_since.lock().expect("poisoned");
+            // A leader sends at least a heartbeat per interval;
+            // an election timeout without one is a master that
+            // no longer leads, as openraft's own timer counts it.
+            let heard = g
+                .watch
+                .master_heard
+                .lock()
+                .expect("poisoned")
+                .is_some_and(|t| now.duration_since(t) < timing.election_max);
+            match m.current_leader.filter(|l| still_leads(*l, self.id(), reach, voters, heard)) {
+                Some(_) => *l = None,
+                None => {
+                    l.get_or_insert(now);
+                }
+            }
+            *l
+        };
+        let leaderless_long = leaderless_since.is_some_and(|t| now.duration_since(t) > timing.election_max * 3);
+        // A replica still fetching bodies never stands: it cannot
+        // serve what it does not have.
+        let complete = g.plan.borrow().is_none();
+        let may = complete && !self.inner.is_quiet(q.group);
+        let stand = may && (senior_voter == Some(self.id()) || leaderless_long);
+        g.raft.runtime_config().elect(stand);
+        // A follower of a master that was alive waits out the
+        // master's lease and then a whole election timeout more
+        // before standing (openraft), 3-4 s by default. The pings
+        // already tell the master is gone: stand as soon as the lease
+        // has run out on the other voters too. Their lease runs from
+        // the master's last heartbeat, so from no later than its
+        // death; when the link to it broke after its last answered
+        // ping (a killed process's sockets close at once), that
+        // moment bounds its death, else the moment the pings failed.
+        let lost_since = {
+            let mut l = g.watch.master_lost_since.lock().expect("poisoned");
+            match m.current_leader.filter(|leader| !reach.contains(leader)) {
+                Some(leader) => Some(*l.get_or_insert_with(|| {
+                    let seen = self.inner.peers.last_seen(leader);
+                    match (self.inner.link_lost_at(leader), seen) {
+                        (Some(lost), Some(seen)) if lost > seen => lost.min(now),
+                        _ => now,
+                    }
+                })),
+                None => {
+                    *l = None;
+                    None
+                }
+            }
+        };
+        if let (true, Some(lost), Some(leader)) =
+            (stand && m.state != ServerState::Candidate, lost_since, m.current_leader)
+        {
+            // A master whose process is gone holds no lease: the
+            // other voters forget it as they see the death
+            // (`liveness`), and whoever has not yet refuses only
+            // the first ask.
+            let at = if self.is_dead(leader) { now } else { lost + timing.election_max + LEASE_MARGIN };
+            self.elect_after_lease(g, leader, at);
+        }
+    }
+
+    /// Whether this replica re-forms its group, which has had no majority
+    /// in reach for `without_majority`: it is the most senior replica
+    /// left, and that has lasted the failure timeout, or every voter out
+    /// of reach is dead.
+    fn reform_due(
+        &self,
+        q: &QueueMeta,
+        m: &Metrics,
+        voters: &BTreeSet<NodeId>,
+        reach: &BTreeSet<NodeId>,
+        alive: &BTreeSet<NodeId>,
+        without_majority: Duration,
+    ) -> bool {
+        let timing = &self.inner.timing;
+        // Every voter out of reach seen dead (its port refuses a dial)
+        // is no partition that may heal into a second master: no need
+        // to wait (the classic demo serves at once).
+        // Dead means gone after being up in this node's life: a peer
+        // not heard from since this node started may just not be up
+        // yet (every node back from a whole-cluster power cut), and
+        // re-forming alone then forks the queue on whichever node
+        // came up first, which a damaged dir set aside can strand. It
+        // was up if it answered a ping or a link to it broke; after a
+        // failure timeout here, a refusing port is a death either way.
+        let all_dead = voters.iter().filter(|v| !reach.contains(v)).all(|v| {
+            let link_broke = self.inner.link_lost_at(*v).is_some();
+            self.inner.peers.gone_for_sure(*v, link_broke, timing.failure_timeout)
+        });
+        let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
+        without_majority >= wait
+            && reformer(&q.replicas, &reform_voters(m.membership_config.membership().get_joint_config(), reach), alive)
+                == Some(self.id())
     }
 
     /// Fail this node's replica `g`, whose Raft core quit (`why`), and
