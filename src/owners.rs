@@ -8,7 +8,7 @@
 //! the set of its owners that are still alive: a queue's master asks the
 //! owning node which of its owners live, and gives back the messages of
 //! those that do not, or of every owner of a node gone for the failure
-//! timeout (`node/reaper.rs`).
+//! timeout (`node/sweeps/reaper.rs`).
 //!
 //! Layout, high bits first: 16 bits of the node id, 16 bits of the node's
 //! incarnation (a counter bumped and synced at every start, so an owner of

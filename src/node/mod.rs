@@ -37,12 +37,7 @@ use crate::raft::network::EpochNews;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::Raft;
 
-mod body_fetch;
-mod compaction;
-mod deadletter;
-mod expiry;
 mod failover;
-mod flows;
 mod forward;
 mod inbound;
 mod lifecycle;
@@ -51,17 +46,18 @@ mod members;
 mod meta_ops;
 mod queue_ops;
 mod quiescence;
-mod reaper;
 mod rebalance;
 mod reconcile;
 mod refill;
 mod split;
+mod sweeps;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
 mod told;
 mod views;
 
 pub use queue_ops::{stored_all, stored_count};
+use sweeps::{body_fetch, deadletter};
 
 /// Everything a node needs to start.
 #[derive(Debug, Clone)]

@@ -348,7 +348,7 @@ impl Inner {
     }
 
     async fn enqueue_to(g: &QueueGroup, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
-        if cmds.iter().any(super::expiry::is_use) {
+        if cmds.iter().any(super::sweeps::expiry::is_use) {
             *g.used.lock().expect("poisoned") = Instant::now();
         }
         g.proposer.enqueue(cmds, lane).await

@@ -235,7 +235,7 @@ impl Node {
             info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
             if g.is_leader(self.id()) {
                 info.catching_up = confirm_gate::catching_up(&g.catching).into_iter().collect();
-                let now = super::flows::queue_tally(&s.flow);
+                let now = super::sweeps::flows::queue_tally(&s.flow);
                 info.flows = Some(self.inner.rates.queue_flows(q.group, Instant::now(), now));
             }
         }

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use mirrorq_storage::SmSpace;
 
-use super::{Inner, Node, QueueGroup};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{Body, BodyChunk, RpcRequest, RpcResponse};
+use crate::node::{Inner, Node, QueueGroup};
 use crate::queue::catchup::Plan;
 use crate::queue::confirm_gate::Standing;
 use crate::queue::QueueMachine;
@@ -43,7 +43,7 @@ fn head(plan: &Plan) -> &[(u64, u64)] {
 /// `ha-sync-mode: manual` its catch-up waits for a `sync` action. Replicas
 /// that were members before (restarted, healed) always catch up at once:
 /// fetching never stops the queue, so there is no reason to make them wait.
-pub(super) fn new_mirror_key(group: GroupId) -> String {
+pub(in crate::node) fn new_mirror_key(group: GroupId) -> String {
     format!("new-mirror.{group}")
 }
 
@@ -53,7 +53,7 @@ pub(super) fn new_mirror_key(group: GroupId) -> String {
 /// what is published from now on, as in RabbitMQ. If the purge does not
 /// happen in time the mirror replicates the log instead and so ends up
 /// synchronised by itself.
-pub(super) async fn snapshot_and_purge(raft: &Raft, queue: &str) {
+pub(in crate::node) async fn snapshot_and_purge(raft: &Raft, queue: &str) {
     let applied = raft.metrics().borrow().last_applied.map(|l| l.index);
     let Some(applied) = applied else { return };
     let limit = Some(Duration::from_secs(5));
@@ -75,7 +75,7 @@ pub(super) async fn snapshot_and_purge(raft: &Raft, queue: &str) {
 
 impl Node {
     /// Run the catch-up of one hosted replica until its group stops.
-    pub(super) fn spawn_catch_up(&self, g: Arc<QueueGroup>) {
+    pub(in crate::node) fn spawn_catch_up(&self, g: Arc<QueueGroup>) {
         let node = self.clone();
         tokio::spawn(async move {
             let stop = g.stop.clone();
@@ -220,9 +220,9 @@ impl Node {
     }
 
     /// A new mirror of a `manual` queue waits for a `sync` action.
-    pub(super) fn waits_for_sync(&self, g: &QueueGroup) -> bool {
+    pub(in crate::node) fn waits_for_sync(&self, g: &QueueGroup) -> bool {
         let new = matches!(self.inner.db.get_node_value(&new_mirror_key(g.meta.group)), Ok(Some(_)));
-        new && !super::failover::ha_of(&self.metadata(), &g.meta).sync_automatic
+        new && !crate::node::failover::ha_of(&self.metadata(), &g.meta).sync_automatic
     }
 
     async fn finish_catch_up(&self, g: &QueueGroup, must_apply: Option<u64>) -> Result<(), NodeError> {
@@ -315,7 +315,7 @@ impl Node {
 
 impl Inner {
     /// How `g`'s bodies stand now (`running`: fetching), for its master.
-    pub(super) async fn standing(&self, g: &QueueGroup, running: bool) -> Standing {
+    pub(in crate::node) async fn standing(&self, g: &QueueGroup, running: bool) -> Standing {
         // Read before the look: a master of a later term than this never
         // counts it (see `Standing::term`).
         let term = g.raft.metrics().borrow().current_term;
@@ -332,14 +332,14 @@ impl Inner {
         .await
     }
 
-    pub(super) fn sync_control(&self, group: GroupId, run: bool) {
+    pub(in crate::node) fn sync_control(&self, group: GroupId, run: bool) {
         if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
             g.sync_run.send_replace(run);
         }
     }
 
     /// Master side of [`RpcRequest::Bodies`].
-    pub(super) async fn serve_bodies(
+    pub(in crate::node) async fn serve_bodies(
         &self,
         group: GroupId,
         (from, standing): (NodeId, Standing),

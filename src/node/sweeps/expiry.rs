@@ -16,15 +16,16 @@ use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 
-use super::{deadletter, Inner, Node};
+use super::deadletter;
 use crate::error::NodeError;
 use crate::ids::GroupId;
+use crate::node::{Inner, Node};
 use crate::queue::QueueCmd;
 
 const EVERY: Duration = Duration::from_secs(1);
 
 /// Does this command count as using the queue?
-pub(super) fn is_use(cmd: &QueueCmd) -> bool {
+pub(in crate::node) fn is_use(cmd: &QueueCmd) -> bool {
     matches!(
         cmd,
         QueueCmd::Get { .. }
@@ -38,7 +39,7 @@ pub(super) fn is_use(cmd: &QueueCmd) -> bool {
 }
 
 impl Node {
-    pub(super) fn spawn_expirer(&self) {
+    pub(in crate::node) fn spawn_expirer(&self) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(EVERY);
@@ -127,7 +128,7 @@ impl Node {
 impl Inner {
     /// A declare of `queue` reached this node's replica: a use, as a get
     /// is (RabbitMQ: a redeclare renews the lease).
-    pub(super) fn declared_here(&self, queue: &str) {
+    pub(in crate::node) fn declared_here(&self, queue: &str) {
         let Some(group) = self.meta.borrow().queues.get(queue).map(|q| q.group) else { return };
         if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
             *g.used.lock().expect("poisoned") = Instant::now();

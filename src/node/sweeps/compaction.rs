@@ -19,8 +19,8 @@
 
 use std::time::Duration;
 
-use super::Node;
 use crate::ids::METADATA_GROUP;
+use crate::node::Node;
 use crate::raft::types::Raft;
 
 /// How often the log is asked which groups pin its oldest segment.
@@ -35,7 +35,7 @@ enum Step {
 }
 
 impl Node {
-    pub(super) fn spawn_log_compactor(&self) {
+    pub(in crate::node) fn spawn_log_compactor(&self) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(EVERY);

@@ -15,8 +15,8 @@ use std::time::Duration;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use tokio::sync::oneshot;
 
-use super::{Inner, Node, QueueGroup};
 use crate::metadata::{names, policy, MetaState, QueueArgs, QueueMeta};
+use crate::node::{Inner, Node, QueueGroup};
 use crate::queue::proposer::{now_ms, DeadLetterSink};
 use crate::queue::types::{DeathReason, Limits, Overflow};
 use crate::queue::{Message, QueueCmd};
@@ -28,7 +28,7 @@ pub(crate) fn effective_args(state: &MetaState, q: &QueueMeta) -> QueueArgs {
 }
 
 /// What the master stamps on the queue's entries.
-pub(super) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
+pub(in crate::node) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
     let a = effective_args(state, q);
     Limits {
         ttl_ms: a.message_ttl,
@@ -51,7 +51,7 @@ pub(super) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
 /// with the first slot asked for (a master's first entry stamped with the
 /// queue's limits): a queue without limits never asks, and a waiting task
 /// per replica was 3-4 KiB of it.
-pub(super) fn sink(inner: Weak<Inner>, queue: String) -> DeadLetterSink {
+pub(in crate::node) fn sink(inner: Weak<Inner>, queue: String) -> DeadLetterSink {
     type Slot = oneshot::Receiver<Vec<(Message, DeathReason)>>;
     let tx: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<Slot>> = std::sync::OnceLock::new();
     Arc::new(move || {
@@ -123,7 +123,7 @@ impl Node {
     /// is due (by the queue's TTL or its own) and propose an entry whose
     /// stamp expires it. Sleeps on the queue's stats and limits otherwise:
     /// a queue with nothing due costs no wake-ups.
-    pub(super) fn spawn_expiry(&self, g: Arc<QueueGroup>) {
+    pub(in crate::node) fn spawn_expiry(&self, g: Arc<QueueGroup>) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut stats = g.stats.clone();

@@ -27,10 +27,10 @@ use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 
-use super::{Node, QueueGroup};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::rpc::{RpcRequest, RpcResponse};
+use crate::node::{Node, QueueGroup};
 use crate::owners;
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
@@ -61,7 +61,7 @@ struct Verdicts {
 }
 
 impl Node {
-    pub(super) fn spawn_reaper(&self) {
+    pub(in crate::node) fn spawn_reaper(&self) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(EVERY);

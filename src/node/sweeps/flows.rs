@@ -4,14 +4,14 @@
 
 use std::time::{Duration, Instant};
 
-use super::Node;
 use crate::ids::NodeId;
 use crate::link::rpc::{RpcRequest, RpcResponse};
+use crate::node::Node;
 use crate::queue::sm::Flow;
 use crate::rates::{Flows, Tally, SAMPLE_EVERY};
 
 /// A queue's counters under the names of `message_stats`.
-pub(super) fn queue_tally(f: &Flow) -> Tally {
+pub(in crate::node) fn queue_tally(f: &Flow) -> Tally {
     Tally { publish: f.published, confirm: 0, deliver_get: f.delivered, ack: f.acked }
 }
 
@@ -19,7 +19,7 @@ impl Node {
     /// Sample once a second until the node stops: one task for all the
     /// queues, each tick reading counters already kept (no lock but the
     /// groups map's, briefly), so 10,000 queues cost a pass over a map.
-    pub(super) fn spawn_rate_sampler(&self) {
+    pub(in crate::node) fn spawn_rate_sampler(&self) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(SAMPLE_EVERY);
