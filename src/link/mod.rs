@@ -6,6 +6,7 @@
 pub mod auth;
 pub mod beacon;
 pub mod client;
+pub mod faults;
 pub mod rpc;
 pub mod server;
 pub mod transport;

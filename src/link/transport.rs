@@ -6,9 +6,9 @@
 //! A broken connection fails its waiters and is re-dialled on the next call,
 //! with exponential backoff so a dead peer costs nothing but a fast error.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -20,8 +20,9 @@ use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
 use super::auth::{self, ClusterSecret};
 use super::beacon::{self, Beacon};
+use super::faults::Deafness;
+pub use super::faults::NetControl;
 use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
-use crate::ids::NodeId;
 use crate::tls::{LinkIo, LinkTls};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -43,29 +44,6 @@ pub enum CallError {
 
 pub fn codec() -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder().max_frame_length(MAX_FRAME).new_codec()
-}
-
-/// Test and operations hooks on the outbound side.
-#[derive(Default)]
-pub struct NetControl {
-    /// Traffic to these peers (Raft and every other call) fails as if they
-    /// were unreachable.
-    blocked: RwLock<HashSet<NodeId>>,
-}
-
-impl NetControl {
-    /// Hold back every call to `peer` (a test's one-way cut).
-    #[cfg(feature = "test-hooks")]
-    pub fn block(&self, peer: NodeId) {
-        self.blocked.write().expect("poisoned").insert(peer);
-    }
-    #[cfg(feature = "test-hooks")]
-    pub fn unblock(&self, peer: NodeId) {
-        self.blocked.write().expect("poisoned").remove(&peer);
-    }
-    pub fn is_blocked(&self, peer: NodeId) -> bool {
-        self.blocked.read().expect("poisoned").contains(&peer)
-    }
 }
 
 /// All outbound connections of a node.
@@ -181,7 +159,7 @@ impl Transport {
     /// test's one-way cut: this side sends and hears nothing back).
     #[cfg(feature = "test-hooks")]
     pub fn deafen(&self, addr: &str, deaf: bool) {
-        self.peer(addr).deaf.store(deaf, Ordering::Release);
+        self.peer(addr).deaf.set(deaf);
     }
 
     /// Drop every connection (the peers are re-dialled on the next call).
@@ -227,7 +205,7 @@ struct Peer {
     losses: broadcast::Sender<String>,
     next_id: AtomicU64,
     /// Replies are dropped on arrival ([`Transport::deafen`]).
-    deaf: Arc<AtomicBool>,
+    deaf: Deafness,
     guard: Guard,
 }
 
@@ -262,7 +240,7 @@ impl Peer {
             lost_at: Arc::default(),
             losses,
             next_id: AtomicU64::new(1),
-            deaf: Arc::default(),
+            deaf: Deafness::default(),
         }
     }
 
@@ -412,7 +390,7 @@ struct LossReport {
     addr: String,
 }
 
-fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Arc<AtomicBool>) -> Conn {
+fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Deafness) -> Conn {
     let (rd, wr) = tokio::io::split(stream);
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
     let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
@@ -430,7 +408,7 @@ fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Arc<Atomi
         tokio::spawn(async move {
             let mut input = FramedRead::new(rd, codec());
             while let Some(Ok(frame)) = input.next().await {
-                if deaf.load(Ordering::Acquire) {
+                if deaf.is_on() {
                     continue;
                 }
                 match rpc::decode::<Envelope<RpcResponse>>(&frame) {
