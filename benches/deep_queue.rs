@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mirrorq::link::client::NodeClient;
+use mirrorq::wire::client::NodeClient;
 use mirrorq::{Message, QueueCmd, QueueReply};
 
 fn free_port() -> u16 {

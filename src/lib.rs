@@ -14,10 +14,11 @@
 //!
 //! The data and control planes:
 //! - [`link`]: the node link (one multiplexed TCP connection per peer, its
-//!   wire format, the server that answers it, liveness pings on their own
-//!   beacon, and a client for tools and tests).
-//! - [`raft`]: what every group shares: the type config, the state-machine
-//!   adapter, and each group's openraft network over the link.
+//!   frames, the server that answers it, liveness pings on their own
+//!   beacon); it carries requests and replies of any serde type and knows
+//!   nothing of what they say.
+//! - [`raft`]: what every group shares: the type config and the
+//!   state-machine adapter.
 //! - [`queue`]: the queue state machine (pure [`queue::state`], on disk
 //!   [`queue::sm`]), batching into entries ([`queue::proposer`]) and the
 //!   synchronised-replica tracking behind confirms ([`queue::confirm_gate`]).
@@ -26,6 +27,10 @@
 //! - [`peers`]: whether each peer is alive (pings, refused dials, notices
 //!   of departure), decided in one place and published as one view.
 //! - [`owners`]: who holds a queue's unacknowledged messages.
+//! - [`wire`]: what nodes say to each other over the link (Raft's messages
+//!   by group and epoch, forwarded operations, pings, the API's
+//!   cluster-wide questions), each group's openraft network in those words,
+//!   and a client for tools and tests.
 //! - [`node`]: a running node, its groups and the library API (declare,
 //!   publish, get, ack, nack, purge, delete, shutdown); liveness, failover,
 //!   quiet groups, catch-up and the background sweeps.
@@ -73,6 +78,7 @@ pub mod raft;
 pub mod rates;
 pub mod serve;
 pub mod tls;
+pub mod wire;
 
 pub use error::{NodeError, ServerError};
 pub use node::{Node, NodeConfig, QueueInfo, Timing};

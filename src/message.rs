@@ -1,4 +1,5 @@
-//! A message as the broker keeps it, and its AMQP content properties:
+//! A message as the broker keeps it, its AMQP content properties, and the
+//! header and argument values routing compares. The properties are
 //! encoded once at the front end, stored and replicated as bytes, decoded
 //! where a property matters (expiration, dead-letter headers, the HTTP
 //! API). A leaf: the queue, the front ends and the control plane share it.
@@ -7,7 +8,7 @@ use amq_protocol::protocol::basic::{gen_properties, parse_properties, AMQPProper
 use amq_protocol::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
 
-use crate::metadata::routing::{ArgValue, Args};
+use std::collections::BTreeMap;
 
 /// A message as stored and replicated. `properties` are the AMQP content
 /// properties in their wire encoding ([`encode_properties`]; empty for
@@ -111,6 +112,32 @@ pub fn to_args(t: &FieldTable) -> Args {
             (k.as_str().to_string(), v)
         })
         .collect()
+}
+
+/// A header or binding-argument value, as far as routing compares them.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ArgValue {
+    Str(String),
+    Int(i64),
+    Bool(bool),
+    /// Anything else, by its printed form (compared for equality only).
+    Other(String),
+}
+
+pub type Args = BTreeMap<String, ArgValue>;
+
+/// Arguments as a JSON object, as RabbitMQ's API shows them.
+pub fn args_json(args: &Args) -> serde_json::Value {
+    let m = args.iter().map(|(k, v)| {
+        let v = match v {
+            ArgValue::Str(s) => serde_json::Value::from(s.clone()),
+            ArgValue::Int(n) => serde_json::Value::from(*n),
+            ArgValue::Bool(b) => serde_json::Value::from(*b),
+            ArgValue::Other(o) => serde_json::from_str(o).unwrap_or_else(|_| serde_json::Value::from(o.clone())),
+        };
+        (k.clone(), v)
+    });
+    serde_json::Value::Object(m.collect())
 }
 
 #[cfg(test)]

@@ -120,10 +120,10 @@ async fn a_joining_node_gets_mirrors_and_a_forgotten_one_loses_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
     use mirrorq::link::auth::ClusterSecret;
-    use mirrorq::link::client::NodeClient;
-    use mirrorq::link::rpc::RpcRequest;
     use mirrorq::link::transport::Transport;
     use mirrorq::queue::QueueCmd;
+    use mirrorq::wire::client::NodeClient;
+    use mirrorq::wire::{RpcRequest, RpcResponse};
     init_tracing();
     let secret = ClusterSecret::new("the cluster's own secret");
     let mut c = Cluster::start_configured(3, fast_timing(Duration::from_secs(3)), |cfg| {
@@ -178,7 +178,7 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
     ] {
         let was = refused(&c);
         for req in [&vote, &append, &handback, &publish, &get] {
-            let r = transport.call(&addr, req, Duration::from_secs(5)).await;
+            let r: Result<RpcResponse, _> = transport.call(&addr, req, Duration::from_secs(5)).await;
             assert!(r.is_err(), "{who}: a request was answered: {r:?}");
         }
         // The listener counts once it has seen the dialler give up.
@@ -225,9 +225,9 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_node_link_over_mutual_tls_serves_only_the_clusters_certificates() {
     use mirrorq::link::auth::ClusterSecret;
-    use mirrorq::link::rpc::{ClientRequest, RpcRequest};
     use mirrorq::link::transport::Transport;
     use mirrorq::tls::TlsFiles;
+    use mirrorq::wire::{ClientRequest, RpcRequest, RpcResponse};
     use std::sync::Arc;
     init_tracing();
     let dir = tempfile::tempdir().unwrap();
@@ -266,12 +266,12 @@ async fn the_node_link_over_mutual_tls_serves_only_the_clusters_certificates() {
         ),
     ] {
         let was = refused(&c);
-        let r = transport.call(&addr, &ask, Duration::from_secs(5)).await;
+        let r: Result<RpcResponse, _> = transport.call(&addr, &ask, Duration::from_secs(5)).await;
         assert!(r.is_err(), "{who}: answered: {r:?}");
         wait_until(Duration::from_secs(5), "the refusal counted", || refused(&c) > was).await;
     }
     let member = Transport::new().with_secret(Some(secret.clone())).with_tls(Some(link.clone()));
-    let r = member.call(&addr, &ask, Duration::from_secs(5)).await;
+    let r: Result<RpcResponse, _> = member.call(&addr, &ask, Duration::from_secs(5)).await;
     assert!(r.is_ok(), "the cluster's certificate and secret: {r:?}");
     c.shutdown().await;
 }

@@ -412,8 +412,8 @@ async fn a_restarted_mirror_stands_for_no_election_before_its_failure_watch_runs
 #[test]
 fn a_node_whose_runtime_is_blocked_still_answers_pings_until_the_failure_timeout() {
     use mirrorq::link::beacon::Beacon;
-    use mirrorq::link::rpc::{RpcRequest, RpcResponse};
     use mirrorq::link::transport::Transport;
+    use mirrorq::wire::{RpcRequest, RpcResponse};
     use std::sync::Arc;
     use tokio_util::sync::CancellationToken;
 

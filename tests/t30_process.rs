@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::process::{self, ProcNode};
 use common::{init_tracing, msg};
-use mirrorq::link::client::{ClientError, NodeClient};
+use mirrorq::wire::client::{ClientError, NodeClient};
 use mirrorq::NodeError;
 
 async fn drain(client: &NodeClient, queue: &str) -> Vec<Vec<u8>> {

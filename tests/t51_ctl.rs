@@ -6,7 +6,7 @@ mod common;
 use std::process::Output;
 
 use common::process;
-use mirrorq::link::client::NodeClient;
+use mirrorq::wire::client::NodeClient;
 
 fn ctl(port: u16, args: &[&str]) -> Output {
     std::process::Command::new(process::binary())

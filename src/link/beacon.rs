@@ -17,7 +17,7 @@
 //! A beacon connection opens with [`MAGIC`] on the node-link port; any
 //! other connection is the node link's own and goes to the main runtime as
 //! it is. A data frame cannot start with it: its first byte would announce
-//! a frame far above [`super::rpc::MAX_FRAME`].
+//! a frame far above [`super::frame::MAX_FRAME`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, Semaphore};
@@ -15,24 +17,31 @@ use tokio_util::sync::CancellationToken;
 
 use super::auth::{self, AuthError, ClusterSecret};
 use super::beacon::{self, Beacon, Hello, Pulse};
-use super::rpc::{self, Envelope, QuietList, RpcRequest, RpcResponse};
+use super::frame;
 use super::transport::{codec, write_frames};
-use crate::ids::NodeId;
 use crate::tls::{LinkIo, LinkTls};
 
 /// The rest of a request's handling, after its admission.
-pub type Completion = Pin<Box<dyn Future<Output = RpcResponse> + Send>>;
+pub type Completion<R> = Pin<Box<dyn Future<Output = R> + Send>>;
 
-/// Whatever answers requests arriving on the node link (the node).
+/// Whatever answers requests arriving on the node link (the node), in
+/// words of its own.
 pub trait RpcHandler: Send + Sync + 'static {
+    type Request: DeserializeOwned + Send + 'static;
+    type Response: Serialize + Send + 'static;
+
     /// Admit a request, in arrival order (queue operations take their place
     /// in the master's log order here), and return the rest of its handling,
     /// which runs concurrently with later requests.
-    fn admit(self: Arc<Self>, req: RpcRequest) -> impl Future<Output = Completion> + Send;
+    fn admit(self: Arc<Self>, req: Self::Request) -> impl Future<Output = Completion<Self::Response>> + Send;
 
-    /// Answer a liveness ping from `from` on the beacon's thread: at once,
-    /// without waiting for anything.
-    fn ping(&self, from: NodeId, have: Option<(u64, u64)>, mine: Option<QuietList>) -> RpcResponse;
+    /// Whether `req` is a liveness ping, the only request a beacon
+    /// connection may carry.
+    fn is_ping(req: &Self::Request) -> bool;
+
+    /// Answer a liveness ping on the beacon's thread: at once, without
+    /// waiting for anything.
+    fn ping(&self, req: Self::Request) -> Self::Response;
 }
 
 /// Who may connect: with a cluster secret, only a peer that proves it
@@ -219,20 +228,18 @@ fn hand_to<H: RpcHandler>(
 async fn answer_pings<H: RpcHandler>(stream: Box<dyn LinkIo>, handler: Arc<H>, pulse: Pulse) {
     let mut framed = Framed::new(stream, codec());
     while let Some(Ok(frame)) = framed.next().await {
-        let env: Envelope<RpcRequest> = match rpc::decode(&frame) {
-            Ok(e) => e,
-            Err(_) => return,
-        };
-        let RpcRequest::Liveness { from, have, mine } = env.body else {
+        let Some((id, body)) = frame::open(&frame.freeze()) else { return };
+        let Ok(req) = frame::decode::<H::Request>(&body) else { return };
+        if !H::is_ping(&req) {
             tracing::warn!("a beacon connection carried something other than a ping; closing it");
             return;
-        };
+        }
         if !pulse.alive() {
             continue;
         }
-        let body = handler.ping(from, have, mine);
-        let Ok(reply) = rpc::encode(&Envelope::<RpcResponse> { id: env.id, body }) else { return };
-        if framed.send(Bytes::from(reply)).await.is_err() {
+        let body = handler.ping(req);
+        let Ok(reply) = frame::frame(id, &body) else { return };
+        if framed.send(reply).await.is_err() {
             return;
         }
     }
@@ -255,15 +262,19 @@ async fn connection<H: RpcHandler>(stream: Box<dyn LinkIo>, handler: Arc<H>, sto
     while let Some(Ok(frame)) = input.next().await {
         let cost = frame.len().clamp(MIN_COST, IN_HAND) as u32;
         let Ok(permit) = in_hand.clone().acquire_many_owned(cost).await else { break };
-        let env: Envelope<RpcRequest> = match rpc::decode(&frame) {
-            Ok(e) => e,
+        let Some((id, body)) = frame::open(&frame.freeze()) else {
+            tracing::warn!("a request without an envelope id on the raft port; closing the connection");
+            break;
+        };
+        let req = match frame::decode::<H::Request>(&body) {
+            Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "undecodable request on the raft port; closing the connection");
                 break;
             }
         };
-        drop(frame);
-        let completion = handler.clone().admit(env.body).await;
+        drop(body);
+        let completion = handler.clone().admit(req).await;
         let (tx, stop) = (tx.clone(), stop.clone());
         tokio::spawn(async move {
             let body = tokio::select! {
@@ -271,9 +282,9 @@ async fn connection<H: RpcHandler>(stream: Box<dyn LinkIo>, handler: Arc<H>, sto
                 b = completion => b,
             };
             drop(permit);
-            match rpc::encode(&Envelope::<RpcResponse> { id: env.id, body }) {
+            match frame::frame(id, &body) {
                 Ok(b) => {
-                    let _ = tx.send(Bytes::from(b)).await;
+                    let _ = tx.send(b).await;
                 }
                 Err(e) => tracing::error!(error = %e, "cannot encode a reply"),
             }
@@ -298,20 +309,24 @@ mod tests {
     }
 
     impl RpcHandler for Held {
-        async fn admit(self: Arc<Self>, _req: RpcRequest) -> Completion {
+        type Request = u64;
+        type Response = ();
+
+        async fn admit(self: Arc<Self>, _req: u64) -> Completion<()> {
             self.admitted.fetch_add(1, Ordering::SeqCst);
             let release = self.release.clone();
             Box::pin(async move {
                 if let Ok(p) = release.acquire().await {
                     p.forget();
                 }
-                RpcResponse::Done
             })
         }
 
-        fn ping(&self, _from: NodeId, _have: Option<(u64, u64)>, _mine: Option<QuietList>) -> RpcResponse {
-            RpcResponse::Done
+        fn is_ping(_: &u64) -> bool {
+            false
         }
+
+        fn ping(&self, _req: u64) {}
     }
 
     async fn settled(count: &AtomicUsize) -> usize {
@@ -342,7 +357,7 @@ mod tests {
         let t = Transport::new();
         let mut waits = Vec::new();
         for group in 0..budget as u64 + 500 {
-            waits.push(t.start_call(&addr, &RpcRequest::Members { group, epoch: None }).await.unwrap());
+            waits.push(t.start_call::<u64, ()>(&addr, &group).await.unwrap());
         }
         assert_eq!(settled(&held.admitted).await, budget, "requests in hand beyond the budget");
         held.release.add_permits(10);

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{broadcast, mpsc, oneshot};
@@ -22,7 +24,7 @@ use super::auth::{self, ClusterSecret};
 use super::beacon::{self, Beacon};
 use super::faults::Deafness;
 pub use super::faults::NetControl;
-use super::rpc::{self, Envelope, RpcRequest, RpcResponse, MAX_FRAME};
+use super::frame::{self, MAX_FRAME};
 use crate::tls::{LinkIo, LinkTls};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -40,6 +42,8 @@ pub enum CallError {
     Closed(String),
     #[error("encode: {0}")]
     Encode(#[from] bincode::error::EncodeError),
+    #[error("undecodable reply from {0}: {1}")]
+    Decode(String, bincode::error::DecodeError),
 }
 
 pub fn codec() -> LengthDelimitedCodec {
@@ -112,7 +116,12 @@ impl Transport {
     }
 
     /// Send a request to the node at `addr` and wait for its reply.
-    pub async fn call(&self, addr: &str, req: &RpcRequest, timeout: Duration) -> Result<RpcResponse, CallError> {
+    pub async fn call<Req: Serialize + ?Sized, Resp: DeserializeOwned>(
+        &self,
+        addr: &str,
+        req: &Req,
+        timeout: Duration,
+    ) -> Result<Resp, CallError> {
         let peer = self.peer(addr);
         match tokio::time::timeout(timeout, peer.call(req)).await {
             Ok(r) => r,
@@ -123,7 +132,11 @@ impl Transport {
     /// A liveness ping to the node at `addr`, sent and answered on the
     /// beacon's connection: how busy this node's runtime is does not delay
     /// it, only how long the caller takes to look at the answer.
-    pub async fn ping(&self, addr: &str, req: RpcRequest, timeout: Duration) -> Result<RpcResponse, CallError> {
+    pub async fn ping<Req, Resp>(&self, addr: &str, req: Req, timeout: Duration) -> Result<Resp, CallError>
+    where
+        Req: Serialize + Send + Sync + 'static,
+        Resp: DeserializeOwned + Send + 'static,
+    {
         let Some(beacon) = &self.beacon else { return self.call(addr, &req, timeout).await };
         let peer = self.peer(addr);
         let timed_out = CallError::Timeout(addr.to_string());
@@ -141,8 +154,13 @@ impl Transport {
 
     /// Write a request to the node at `addr` now (so requests started in
     /// order travel in order) and return the wait for its reply.
-    pub async fn start_call(&self, addr: &str, req: &RpcRequest) -> Result<oneshot::Receiver<RpcResponse>, CallError> {
-        self.peer(addr).start_call(req).await
+    pub async fn start_call<Req: Serialize + ?Sized, Resp: DeserializeOwned>(
+        &self,
+        addr: &str,
+        req: &Req,
+    ) -> Result<Pending<Resp>, CallError> {
+        let rx = self.peer(addr).start_call(req).await?;
+        Ok(Pending { rx, addr: addr.to_string(), reply: std::marker::PhantomData })
     }
 
     /// When the connection to `addr` broke by itself (the peer closed it or
@@ -177,7 +195,7 @@ impl Transport {
 
 struct Conn {
     tx: mpsc::Sender<Bytes>,
-    pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>>,
+    pending: Arc<Mutex<HashMap<u64, oneshot::Sender<Bytes>>>>,
     closed: Arc<AtomicBool>,
     tasks: [tokio::task::AbortHandle; 2],
 }
@@ -308,7 +326,7 @@ impl Peer {
         Ok(conn)
     }
 
-    async fn ping(&self, req: &RpcRequest) -> Result<RpcResponse, CallError> {
+    async fn ping<Req: Serialize + ?Sized, Resp: DeserializeOwned>(&self, req: &Req) -> Result<Resp, CallError> {
         let conn = self.beacon_connection().await?;
         self.call_on(conn, req).await
     }
@@ -323,10 +341,10 @@ impl Peer {
         CallError::Unreachable(self.addr.clone(), why)
     }
 
-    async fn start_call(&self, req: &RpcRequest) -> Result<oneshot::Receiver<RpcResponse>, CallError> {
+    async fn start_call<Req: Serialize + ?Sized>(&self, req: &Req) -> Result<oneshot::Receiver<Bytes>, CallError> {
         let conn = self.connection().await?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = Bytes::from(rpc::encode(&Envelope { id, body: req })?);
+        let frame = frame::frame(id, req)?;
         let (tx, rx) = oneshot::channel();
         conn.pending.lock().expect("poisoned").insert(id, tx);
         if conn.tx.send(frame).await.is_err() {
@@ -337,14 +355,18 @@ impl Peer {
         Ok(rx)
     }
 
-    async fn call(&self, req: &RpcRequest) -> Result<RpcResponse, CallError> {
+    async fn call<Req: Serialize + ?Sized, Resp: DeserializeOwned>(&self, req: &Req) -> Result<Resp, CallError> {
         let conn = self.connection().await?;
         self.call_on(conn, req).await
     }
 
-    async fn call_on(&self, conn: Arc<Conn>, req: &RpcRequest) -> Result<RpcResponse, CallError> {
+    async fn call_on<Req: Serialize + ?Sized, Resp: DeserializeOwned>(
+        &self,
+        conn: Arc<Conn>,
+        req: &Req,
+    ) -> Result<Resp, CallError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = Bytes::from(rpc::encode(&Envelope { id, body: req })?);
+        let frame = frame::frame(id, req)?;
         let (tx, rx) = oneshot::channel();
         conn.pending.lock().expect("poisoned").insert(id, tx);
         // Removes our waiter however this call ends (timeout drops the future).
@@ -359,7 +381,22 @@ impl Peer {
             conn.closed.store(true, Ordering::Release);
             return Err(CallError::Closed(self.addr.clone()));
         }
-        rx.await.map_err(|_| CallError::Closed(self.addr.clone()))
+        let body = rx.await.map_err(|_| CallError::Closed(self.addr.clone()))?;
+        frame::decode(&body).map_err(|e| CallError::Decode(self.addr.clone(), e))
+    }
+}
+
+/// The reply to a request already written ([`Transport::start_call`]).
+pub struct Pending<Resp> {
+    rx: oneshot::Receiver<Bytes>,
+    addr: String,
+    reply: std::marker::PhantomData<fn() -> Resp>,
+}
+
+impl<Resp: DeserializeOwned> Pending<Resp> {
+    pub async fn reply(self) -> Result<Resp, CallError> {
+        let body = self.rx.await.map_err(|_| CallError::Closed(self.addr.clone()))?;
+        frame::decode(&body).map_err(|e| CallError::Decode(self.addr, e))
     }
 }
 
@@ -393,7 +430,7 @@ struct LossReport {
 fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Deafness) -> Conn {
     let (rd, wr) = tokio::io::split(stream);
     let (tx, rx) = mpsc::channel::<Bytes>(1024);
-    let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<RpcResponse>>>> = Arc::default();
+    let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<Bytes>>>> = Arc::default();
     let closed = Arc::new(AtomicBool::new(false));
 
     let writer = {
@@ -411,14 +448,14 @@ fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Deafness)
                 if deaf.is_on() {
                     continue;
                 }
-                match rpc::decode::<Envelope<RpcResponse>>(&frame) {
-                    Ok(env) => {
-                        if let Some(w) = pending.lock().expect("poisoned").remove(&env.id) {
-                            let _ = w.send(env.body);
+                match frame::open(&frame.freeze()) {
+                    Some((id, body)) => {
+                        if let Some(w) = pending.lock().expect("poisoned").remove(&id) {
+                            let _ = w.send(body);
                         }
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "undecodable reply from peer; dropping connection");
+                    None => {
+                        tracing::warn!("a reply without an envelope id from a peer; dropping the connection");
                         break;
                     }
                 }
@@ -448,7 +485,7 @@ mod tests {
         let t = Transport::new();
         assert!(t.link_lost_at(&addr).is_none(), "never dialled");
         let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
-        let _reply = t.start_call(&addr, &RpcRequest::Members { group: 0, epoch: None }).await.unwrap();
+        let _reply: Pending<()> = t.start_call(&addr, "anything").await.unwrap();
         let server_side = accept.await.unwrap();
         assert!(t.link_lost_at(&addr).is_none(), "the link is up");
         let before = Instant::now();

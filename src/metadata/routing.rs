@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use super::names;
+pub use crate::message::{args_json, ArgValue, Args};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ExchangeKind {
@@ -47,32 +48,6 @@ pub struct ExchangeMeta {
     pub alternate: Option<String>,
     /// Every argument as declared, shown back as RabbitMQ does.
     pub args: Args,
-}
-
-/// A header or binding-argument value, as far as routing compares them.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum ArgValue {
-    Str(String),
-    Int(i64),
-    Bool(bool),
-    /// Anything else, by its printed form (compared for equality only).
-    Other(String),
-}
-
-pub type Args = BTreeMap<String, ArgValue>;
-
-/// Arguments as a JSON object, as RabbitMQ's API shows them.
-pub fn args_json(args: &Args) -> serde_json::Value {
-    let m = args.iter().map(|(k, v)| {
-        let v = match v {
-            ArgValue::Str(s) => serde_json::Value::from(s.clone()),
-            ArgValue::Int(n) => serde_json::Value::from(*n),
-            ArgValue::Bool(b) => serde_json::Value::from(*b),
-            ArgValue::Other(o) => serde_json::from_str(o).unwrap_or_else(|_| serde_json::Value::from(o.clone())),
-        };
-        (k.clone(), v)
-    });
-    serde_json::Value::Object(m.collect())
 }
 
 /// A binding from the exchange `exchange` (the source) to a queue or,

@@ -18,12 +18,12 @@ use openraft::error::{ClientWriteError, RaftError};
 use super::{Inner, Node, Submitted};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::link::transport::CallError;
 use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
 use crate::queue::proposer::{Answer, Lane};
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::types::{Raft, Request, Response};
+use crate::wire::{RpcRequest, RpcResponse};
 
 /// The leader an operation must run at.
 #[derive(Clone, Copy)]
@@ -69,7 +69,10 @@ impl<T> Attempt<T> {
         match e {
             CallError::Unreachable(..) => Attempt::Elsewhere(None),
             CallError::Encode(e) => Attempt::Done(Err(NodeError::Invalid(e.to_string()))),
-            e @ (CallError::Timeout(_) | CallError::Closed(_)) => Attempt::Unanswered(e.to_string()),
+            // Sent, and perhaps run: an answer that cannot be read is no answer.
+            e @ (CallError::Timeout(_) | CallError::Closed(_) | CallError::Decode(..)) => {
+                Attempt::Unanswered(e.to_string())
+            }
         }
     }
 
@@ -193,10 +196,10 @@ impl Node {
         Ok(Box::pin(async move {
             let first = match started {
                 Some(Started::Here(answer)) => Attempt::answered(answer.await.unwrap_or(Err(NodeError::Stopped))),
-                Some(Started::There(addr, rx)) => match tokio::time::timeout(timeout, rx).await {
+                Some(Started::There(addr, rx)) => match tokio::time::timeout(timeout, rx.reply()).await {
                     Ok(Ok(RpcResponse::Queue(r))) => Attempt::answered(r),
                     Ok(Ok(other)) => Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
-                    Ok(Err(_)) => Attempt::Unanswered(format!("connection to {addr} lost")),
+                    Ok(Err(e)) => Attempt::Unanswered(e.to_string()),
                     Err(_) => Attempt::Unanswered(format!("no answer from {addr} in time")),
                 },
                 None => Attempt::Elsewhere(None),
@@ -377,7 +380,7 @@ impl Node {
 /// The first attempt of [`Node::submit_in`], started and not yet answered.
 enum Started {
     Here(Answer),
-    There(String, tokio::sync::oneshot::Receiver<RpcResponse>),
+    There(String, crate::link::transport::Pending<RpcResponse>),
 }
 
 impl Inner {

@@ -10,20 +10,23 @@ use openraft::ServerState;
 use super::{Inner, Node, QueueGroup};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
-use crate::link::rpc::{ClientReply, ClientRequest, QuietList, RpcRequest, RpcResponse};
 use crate::link::server;
 use crate::link::server::RpcHandler;
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::Lane;
 use crate::queue::QueueCmd;
-use crate::raft::network::EpochNews;
 use crate::raft::types::Raft;
+use crate::wire::raft_net::EpochNews;
+use crate::wire::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
 
 /// How long a request for a replica about to start waits for it.
 const REPLICA_START_WAIT: Duration = Duration::from_millis(200);
 
 impl RpcHandler for Inner {
-    async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion {
+    type Request = RpcRequest;
+    type Response = RpcResponse;
+
+    async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion<RpcResponse> {
         if let RpcRequest::Queue { group, cmds, lane } = req {
             let ranked = || self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.stats.borrow().ranked);
             if matches!(cmds.as_slice(), [QueueCmd::Get { consumer: Some(_), .. }]) && ranked() {
@@ -42,7 +45,12 @@ impl RpcHandler for Inner {
         Box::pin(self.handle(req))
     }
 
-    fn ping(&self, from: NodeId, have: Option<(u64, u64)>, mine: Option<QuietList>) -> RpcResponse {
+    fn is_ping(req: &RpcRequest) -> bool {
+        matches!(req, RpcRequest::Liveness { .. })
+    }
+
+    fn ping(&self, req: RpcRequest) -> RpcResponse {
+        let RpcRequest::Liveness { from, have, mine } = req else { return RpcResponse::Done };
         if let Some(list) = mine {
             self.peers.heard_life(from, list.incarnation);
             self.quiescence.heard(from, list.incarnation, list.gen, Some(list.groups), list.refilling);
@@ -256,7 +264,7 @@ impl Inner {
             // not yet reached by the master) knows nothing: it must not look
             // like a group that excludes the asker, which would then drop
             // what may be the only complete copy of the queue.
-            RpcRequest::Liveness { from, have, mine } => RpcHandler::ping(&*self, from, have, mine),
+            req @ RpcRequest::Liveness { .. } => RpcHandler::ping(&*self, req),
             RpcRequest::Members { group, epoch } => {
                 let same_epoch = |e| self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.epoch == e);
                 let raft = match epoch {

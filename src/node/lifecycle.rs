@@ -23,9 +23,9 @@ use crate::metadata::{MetaCmd, MetaMachine, NodeInfo};
 use crate::metrics::Metrics;
 use crate::owners::Owners;
 use crate::queue::epoch::Epoch;
-use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft};
+use crate::wire::raft_net::NetworkFactory;
 
 /// Open the data dir; one a power cut or a failing disk has damaged is set
 /// aside (kept whole) for an empty one, which the cluster refills like a new

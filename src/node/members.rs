@@ -18,8 +18,8 @@ use super::forward::{Attempt, Leader, Resend};
 use super::Node;
 use crate::error::NodeError;
 use crate::ids::NodeId;
-use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::{MetaCmd, MetaReply, NodeInfo};
+use crate::wire::{RpcRequest, RpcResponse};
 
 impl Node {
     /// Ask the member at `via` to let this node in, until it is in.

@@ -33,9 +33,9 @@ use crate::queue::epoch::Epoch;
 use crate::queue::hush::Hush;
 use crate::queue::proposer::Proposer;
 use crate::queue::{QueueMachine, QueueReply, QueueStats};
-use crate::raft::network::EpochNews;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::Raft;
+use crate::wire::raft_net::EpochNews;
 
 mod failover;
 mod forward;

@@ -30,9 +30,9 @@ use openraft::{RaftMetrics, ServerState};
 
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{QuietList, RpcResponse};
 use crate::metadata::MetaState;
 use crate::queue::confirm_gate;
+use crate::wire::{QuietList, RpcResponse};
 type Metrics = RaftMetrics<NodeId, openraft::BasicNode>;
 
 /// How many heartbeat intervals a group in use stays still before its

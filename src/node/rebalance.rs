@@ -21,7 +21,7 @@ use super::failover::Busy;
 use super::Node;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
+use crate::wire::{RpcRequest, RpcResponse};
 
 /// One mastership move of a rebalance, and how it went.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

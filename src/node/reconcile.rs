@@ -16,15 +16,15 @@ use super::failover::Busy;
 use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK, FOUNDING_TERM};
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::{ChangeFeed, MetaState, QueueMeta, Touched};
 use crate::queue::epoch::Epoch;
 use crate::queue::hush::Hush;
 use crate::queue::proposer::Proposer;
 use crate::queue::{confirm_gate, QueueMachine};
-use crate::raft::network::NetworkFactory;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft, TypeConfig};
+use crate::wire::raft_net::NetworkFactory;
+use crate::wire::{RpcRequest, RpcResponse};
 
 /// Replicas started at once by one round.
 const STARTS_AT_ONCE: usize = 16;

@@ -16,9 +16,9 @@ use openraft::ServerState;
 
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::RpcRequest;
 use crate::queue::epoch::{Epoch, ForkRecord};
-use crate::raft::network::EpochNews;
+use crate::wire::raft_net::EpochNews;
+use crate::wire::RpcRequest;
 use mirrorq_storage::{NodeDb, StorageError};
 
 /// The epochs of the group this node formed, each from the one before

@@ -12,8 +12,8 @@ use crate::api::{GroupRaftMetrics, QueueInfo};
 use crate::clients::{ConnectionInfo, ConsumerInfo};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
-use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
 use crate::queue::confirm_gate;
+use crate::wire::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
 
 impl Node {
     /// The queue as its master sees it (counts, synchronised mirrors), asked

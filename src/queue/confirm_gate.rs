@@ -161,7 +161,7 @@ impl Standing {
 /// every member that answers anyway.
 ///
 /// A snapshot moves a member's match past entries it never received: its
-/// answer is recorded here (by the master's network, `raft::network`)
+/// answer is recorded here (by the master's network, `wire::raft_net`)
 /// before openraft reads it, so a gate that sees the new match sees the
 /// member behind too. Within one leadership openraft advances a match past
 /// the leader's purged log only on a snapshot's answer, so no report can

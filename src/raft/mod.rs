@@ -1,6 +1,5 @@
-//! Raft plumbing shared by every group: the type configuration, the state
-//! machine adapter, and each group's openraft network over the node link.
+//! Raft plumbing shared by every group: the type configuration and the
+//! state machine adapter (each group's network is `wire::raft_net`).
 
-pub mod network;
 pub mod state_machine;
 pub mod types;

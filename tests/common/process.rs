@@ -188,7 +188,7 @@ pub async fn single(root: &Path) -> ProcNode {
 
 /// Declare through the node link, retrying while the node elects its
 /// metadata leader after start.
-pub async fn declare_retrying(client: &mirrorq::link::client::NodeClient, queue: &str, replicas: Vec<u64>) {
+pub async fn declare_retrying(client: &mirrorq::wire::client::NodeClient, queue: &str, replicas: Vec<u64>) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match client.declare_queue(queue, replicas.clone()).await {

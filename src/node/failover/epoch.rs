@@ -13,8 +13,8 @@ use crate::node::split::formed_record;
 use crate::node::{Inner, Node};
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
 use crate::queue::QueueMachine;
-use crate::raft::network::EpochNews;
 use crate::raft::types::LogStore;
+use crate::wire::raft_net::EpochNews;
 use mirrorq_storage::{NodeDb, SmSpace, StorageError};
 
 pub(super) fn epoch_key(group: GroupId) -> String {

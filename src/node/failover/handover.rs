@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use super::ha_of;
 use super::rules::by_seniority;
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::QueueMeta;
 use crate::node::{Node, QueueGroup};
+use crate::wire::{RpcRequest, RpcResponse};
 
 impl Node {
     /// For each queue this node masters, the most senior mirror that may

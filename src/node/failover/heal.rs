@@ -12,16 +12,16 @@ use super::epoch::{heal_key, load_epoch};
 use super::Busy;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::metadata::QueueMeta;
 use crate::node::split::{add_defeated, defeated, left_through_own_forks, Formed, Undecided, Verdict};
 use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{divergence, Epoch, EpochReport, ForkRecord};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
-use crate::raft::network::EpochNews;
 use crate::raft::state_machine::stored_applied;
 use crate::raft::types::{LogStore, Request, TypeConfig};
+use crate::wire::raft_net::EpochNews;
+use crate::wire::{RpcRequest, RpcResponse};
 use mirrorq_storage::{SmSpace, StorageError};
 
 /// Handed-back messages travel in chunks of at most this many bytes.

@@ -13,10 +13,10 @@ use super::epoch::step_down;
 use super::rules::{by_seniority, core_quit, reform_voters, reformer, still_leads};
 use super::{ha_of, Busy};
 use crate::ids::NodeId;
-use crate::link::rpc::RpcRequest;
 use crate::metadata::{MetaState, QueueMeta};
 use crate::node::split::{quorum, wall_ms};
 use crate::node::{Node, QueueGroup};
+use crate::wire::RpcRequest;
 
 /// Stand this long after the lost master's lease has run out on the other
 /// voters: a vote asked for inside the lease is refused, and the refused

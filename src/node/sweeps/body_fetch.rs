@@ -15,13 +15,13 @@ use mirrorq_storage::SmSpace;
 
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{Body, BodyChunk, RpcRequest, RpcResponse};
 use crate::node::{Inner, Node, QueueGroup};
 use crate::queue::catchup::Plan;
 use crate::queue::confirm_gate::Standing;
 use crate::queue::QueueMachine;
 use crate::raft::state_machine::stored_applied;
 use crate::raft::types::Raft;
+use crate::wire::{Body, BodyChunk, RpcRequest, RpcResponse};
 
 /// Most ranges named in one request (a plan is usually one or two).
 const RANGES_PER_REQUEST: usize = 64;

@@ -5,10 +5,10 @@
 use std::time::{Duration, Instant};
 
 use crate::ids::NodeId;
-use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::node::Node;
 use crate::queue::sm::Flow;
 use crate::rates::{Flows, Tally, SAMPLE_EVERY};
+use crate::wire::{RpcRequest, RpcResponse};
 
 /// A queue's counters under the names of `message_stats`.
 pub(in crate::node) fn queue_tally(f: &Flow) -> Tally {

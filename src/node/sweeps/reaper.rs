@@ -29,11 +29,11 @@ use openraft::ServerState;
 
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::node::{Node, QueueGroup};
 use crate::owners;
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
+use crate::wire::{RpcRequest, RpcResponse};
 
 const EVERY: Duration = Duration::from_secs(1);
 /// How long a node may take to say which of its owners are alive.

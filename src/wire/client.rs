@@ -6,10 +6,10 @@ use std::time::Duration;
 use crate::api::QueueInfo;
 use crate::error::NodeError;
 use crate::ids::NodeId;
-use crate::link::rpc::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
 use crate::link::transport::{CallError, Transport};
 use crate::metadata::QueueMeta;
 use crate::queue::{Delivery, Message, QueueCmd, QueueReply};
+use crate::wire::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {

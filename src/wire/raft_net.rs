@@ -13,12 +13,12 @@ use openraft::raft::{
 use openraft::BasicNode;
 use tokio::sync::mpsc;
 
-use super::types::TypeConfig;
 use crate::ids::{GroupId, NodeId};
-use crate::link::rpc::{RpcRequest, RpcResponse};
 use crate::link::transport::{CallError, Transport};
 use crate::queue::confirm_gate::CatchingUp;
 use crate::queue::epoch::Epoch;
+use crate::raft::types::TypeConfig;
+use crate::wire::{RpcRequest, RpcResponse};
 
 /// A peer told us a group has moved on to a newer epoch than ours.
 #[derive(Debug, Clone, Copy)]

@@ -1,6 +1,12 @@
-//! What travels between nodes: every message is tagged with its group id and
-//! an envelope id that matches replies to requests on a multiplexed link.
-//! Frames are length-delimited bincode 2.
+//! What nodes say to each other over the node link (`crate::link`, which
+//! carries it without knowing it): Raft's messages stamped with their group
+//! and epoch, forwarded queue and metadata operations, liveness pings, and
+//! the questions behind the API's cluster-wide views. Also openraft's
+//! network in these words (`raft_net`) and a client for tools and tests
+//! (`client`).
+
+pub mod client;
+pub mod raft_net;
 
 use openraft::error::{InstallSnapshotError, RaftError};
 use openraft::raft::{
@@ -18,15 +24,6 @@ use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::types::TypeConfig;
-
-/// Largest frame accepted on the node link.
-pub const MAX_FRAME: usize = 256 << 20;
-
-#[derive(Debug, Serialize, Deserialize)]
-pub struct Envelope<T> {
-    pub id: u64,
-    pub body: T,
-}
 
 /// A node's list of the groups it leads quietly, (group, term), at a
 /// generation of one life of the node.
@@ -300,12 +297,4 @@ pub enum ClientReply {
     Deleted,
     QueueInfo(Box<crate::api::QueueInfo>),
     Queue(Vec<QueueReply>),
-}
-
-pub fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, bincode::error::EncodeError> {
-    bincode::serde::encode_to_vec(v, bincode::config::standard())
-}
-
-pub fn decode<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, bincode::error::DecodeError> {
-    bincode::serde::decode_from_slice(b, bincode::config::standard()).map(|(v, _)| v)
 }
