@@ -123,7 +123,7 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
     use mirrorq::link::transport::Transport;
     use mirrorq::queue::QueueCmd;
     use mirrorq::wire::client::NodeClient;
-    use mirrorq::wire::{RpcRequest, RpcResponse};
+    use mirrorq::wire::{ask, RpcRequest, RpcResponse};
     init_tracing();
     let secret = ClusterSecret::new("the cluster's own secret");
     let mut c = Cluster::start_configured(3, fast_timing(Duration::from_secs(3)), |cfg| {
@@ -157,21 +157,21 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
             leader_commit: None,
         },
     };
-    let handback = RpcRequest::Handback {
+    let handback = RpcRequest::from(ask::Handback {
         group: q.group,
         epoch: Default::default(),
         batches: vec![(None, vec![common::msg("smuggled")])],
-    };
-    let publish = RpcRequest::Queue {
+    });
+    let publish = RpcRequest::from(ask::Queue {
         group: q.group,
         cmds: vec![QueueCmd::Enqueue { msgs: vec![common::msg("smuggled")] }],
         lane: mirrorq::queue::proposer::Lane::Arrival,
-    };
-    let get = RpcRequest::Queue {
+    });
+    let get = RpcRequest::from(ask::Queue {
         group: q.group,
         cmds: vec![QueueCmd::Get { owner: 1, max: 10, auto_ack: true, consumer: None }],
         lane: mirrorq::queue::proposer::Lane::Arrival,
-    };
+    });
     for (who, transport) in [
         ("no secret", Transport::new()),
         ("another secret", Transport::new().with_secret(Some(ClusterSecret::new("some other secret here")))),

@@ -413,7 +413,7 @@ async fn a_restarted_mirror_stands_for_no_election_before_its_failure_watch_runs
 fn a_node_whose_runtime_is_blocked_still_answers_pings_until_the_failure_timeout() {
     use mirrorq::link::beacon::Beacon;
     use mirrorq::link::transport::Transport;
-    use mirrorq::wire::{RpcRequest, RpcResponse};
+    use mirrorq::wire::{ask, RpcRequest, RpcResponse};
     use std::sync::Arc;
     use tokio_util::sync::CancellationToken;
 
@@ -429,11 +429,11 @@ fn a_node_whose_runtime_is_blocked_still_answers_pings_until_the_failure_timeout
     let ping = || {
         pinger.block_on(transport.ping(
             &addr,
-            RpcRequest::Liveness { from: 99, have: None, mine: None },
+            RpcRequest::from(ask::Liveness { from: 99, have: None, mine: None }),
             Duration::from_secs(1),
         ))
     };
-    assert!(matches!(ping(), Ok(RpcResponse::Liveness { .. })), "a running node answers");
+    assert!(matches!(ping(), Ok(RpcResponse::Liveness(_))), "a running node answers");
 
     let block = timing.failure_timeout + Duration::from_secs(3);
     let (started, blocked) = std::sync::mpsc::channel();
@@ -443,14 +443,14 @@ fn a_node_whose_runtime_is_blocked_still_answers_pings_until_the_failure_timeout
     });
     let since = blocked.recv().unwrap();
     let answer = ping();
-    assert!(matches!(answer, Ok(RpcResponse::Liveness { .. })), "the busy node did not answer: {answer:?}");
+    assert!(matches!(answer, Ok(RpcResponse::Liveness(_))), "the busy node did not answer: {answer:?}");
 
     std::thread::sleep((since + timing.failure_timeout).saturating_duration_since(Instant::now()));
     let answer = ping();
     assert!(answer.is_err(), "a node stuck for the failure timeout answered: {answer:?}");
 
     std::thread::sleep((since + block + Duration::from_millis(500)).saturating_duration_since(Instant::now()));
-    assert!(matches!(ping(), Ok(RpcResponse::Liveness { .. })), "the node did not answer again once unstuck");
+    assert!(matches!(ping(), Ok(RpcResponse::Liveness(_))), "the node did not answer again once unstuck");
 
     node_rt.block_on(c.crash(1));
     assert!(ping().is_err(), "a crashed node answered a ping");

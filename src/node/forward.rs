@@ -23,7 +23,28 @@ use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
 use crate::queue::proposer::{Answer, Lane};
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::types::{Raft, Request, Response};
+use crate::wire::ask::{self, Ask};
 use crate::wire::{RpcRequest, RpcResponse};
+
+/// Why a peer asked gave no answer of the kind the request expects.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum AskError {
+    #[error(transparent)]
+    Call(#[from] CallError),
+    /// An answer of another kind: a replica in a newer epoch, a group not
+    /// hosted yet, or a peer that does not speak this request.
+    #[error("unexpected reply {0:?}")]
+    Other(Box<RpcResponse>),
+}
+
+impl From<AskError> for NodeError {
+    fn from(e: AskError) -> Self {
+        match e {
+            AskError::Call(e) => NodeError::Unavailable(e.to_string()),
+            other @ AskError::Other(_) => NodeError::Invalid(other.to_string()),
+        }
+    }
+}
 
 /// The leader an operation must run at.
 #[derive(Clone, Copy)]
@@ -73,6 +94,14 @@ impl<T> Attempt<T> {
             e @ (CallError::Timeout(_) | CallError::Closed(_) | CallError::Decode(..)) => {
                 Attempt::Unanswered(e.to_string())
             }
+        }
+    }
+
+    /// A question to a peer that got no answer, or one of the wrong kind.
+    pub(super) fn not_answered(e: AskError) -> Self {
+        match e {
+            AskError::Call(e) => Attempt::failed(e),
+            other @ AskError::Other(_) => Attempt::Done(Err(other.into())),
         }
     }
 
@@ -197,8 +226,10 @@ impl Node {
             let first = match started {
                 Some(Started::Here(answer)) => Attempt::answered(answer.await.unwrap_or(Err(NodeError::Stopped))),
                 Some(Started::There(addr, rx)) => match tokio::time::timeout(timeout, rx.reply()).await {
-                    Ok(Ok(RpcResponse::Queue(r))) => Attempt::answered(r),
-                    Ok(Ok(other)) => Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
+                    Ok(Ok(answer)) => match ask::Queue::reply(answer) {
+                        Ok(r) => Attempt::answered(r),
+                        Err(other) => Attempt::not_answered(AskError::Other(Box::new(other))),
+                    },
                     Ok(Err(e)) => Attempt::Unanswered(e.to_string()),
                     Err(_) => Attempt::Unanswered(format!("no answer from {addr} in time")),
                 },
@@ -223,9 +254,9 @@ impl Node {
     ) -> (Option<Started>, Vec<QueueCmd>) {
         let addr = if self.inner.transport.control.is_blocked(target) { None } else { self.inner.addr_of(target) };
         let Some(addr) = addr else { return (None, cmds) };
-        let req = RpcRequest::Queue { group, cmds, lane };
+        let req = RpcRequest::from(ask::Queue { group, cmds, lane });
         let started = self.inner.transport.start_call(&addr, &req).await;
-        let RpcRequest::Queue { cmds, .. } = req else { unreachable!() };
+        let RpcRequest::Queue(ask::Queue { cmds, .. }) = req else { unreachable!() };
         match started {
             Ok(rx) => (Some(Started::There(addr, rx)), cmds),
             Err(_) => (None, cmds),
@@ -252,11 +283,10 @@ impl Node {
             let (result, here) = if target == self.id() {
                 (self.inner.local_queue_op(q.group, cmds.clone(), lane).await, true)
             } else {
-                let req = RpcRequest::Queue { group: q.group, cmds: cmds.clone(), lane };
-                match self.inner.call(target, &req, deadline).await {
-                    Ok(RpcResponse::Queue(r)) => (r, false),
-                    Ok(other) => return Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
-                    Err(e) => return Attempt::failed(e),
+                let req = ask::Queue { group: q.group, cmds: cmds.clone(), lane };
+                match self.inner.ask(target, req, deadline).await {
+                    Ok(r) => (r, false),
+                    Err(e) => return Attempt::not_answered(e),
                 }
             };
             match result {
@@ -340,8 +370,8 @@ impl Node {
             m.last_log_index
         } else {
             let deadline = Instant::now() + Duration::from_millis(1000);
-            match self.inner.call(leader, &RpcRequest::MetaIndex, deadline).await {
-                Ok(RpcResponse::MetaIndex(Some(index))) => Some(index),
+            match self.inner.ask(leader, ask::MetaIndex, deadline).await {
+                Ok(Some(index)) => Some(index),
                 _ => return false,
             }
         };
@@ -359,10 +389,9 @@ impl Node {
                 if target == self.id() {
                     return Attempt::answered(self.inner.local_meta_write(cmd.clone()).await);
                 }
-                match self.inner.call(target, &RpcRequest::Meta { cmd: cmd.clone() }, deadline).await {
-                    Ok(RpcResponse::Meta(r)) => Attempt::answered(r),
-                    Ok(other) => Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
-                    Err(e) => Attempt::failed(e),
+                match self.inner.ask(target, ask::Meta { cmd: cmd.clone() }, deadline).await {
+                    Ok(r) => Attempt::answered(r),
+                    Err(e) => Attempt::not_answered(e),
                 }
             })
             .await?;
@@ -397,15 +426,12 @@ impl Inner {
         self.transport.link_lost_at(&self.addr_of(id)?)
     }
 
-    pub(super) async fn call(
-        &self,
-        target: NodeId,
-        req: &RpcRequest,
-        deadline: Instant,
-    ) -> Result<RpcResponse, CallError> {
+    /// Ask `target` and wait for the answer `req` expects.
+    pub(super) async fn ask<A: Ask>(&self, target: NodeId, req: A, deadline: Instant) -> Result<A::Reply, AskError> {
         let addr = self.link_addr(target)?;
         let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-        self.transport.call(&addr, req, wait).await
+        let answer = self.transport.call(&addr, &req.into(), wait).await?;
+        A::reply(answer).map_err(|other| AskError::Other(Box::new(other)))
     }
 
     /// Where to reach `target` on the node link, unless a test cut it off.
@@ -420,11 +446,12 @@ impl Inner {
     pub(super) async fn ping(
         &self,
         target: NodeId,
-        req: RpcRequest,
+        req: ask::Liveness,
         limit: Duration,
-    ) -> Result<RpcResponse, CallError> {
+    ) -> Result<ask::Alive, AskError> {
         let addr = self.link_addr(target)?;
-        self.transport.ping(&addr, req, limit).await
+        let answer = self.transport.ping(&addr, RpcRequest::from(req), limit).await?;
+        ask::Liveness::reply(answer).map_err(|other| AskError::Other(Box::new(other)))
     }
 
     pub(super) async fn local_meta_write(&self, cmd: MetaCmd) -> Result<(MetaReply, u64), NodeError> {

@@ -16,6 +16,7 @@ use crate::queue::epoch::Epoch;
 use crate::queue::proposer::Lane;
 use crate::queue::QueueCmd;
 use crate::raft::types::Raft;
+use crate::wire::ask;
 use crate::wire::raft_net::EpochNews;
 use crate::wire::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
 
@@ -27,7 +28,7 @@ impl RpcHandler for Inner {
     type Response = RpcResponse;
 
     async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion<RpcResponse> {
-        if let RpcRequest::Queue { group, cmds, lane } = req {
+        if let RpcRequest::Queue(ask::Queue { group, cmds, lane }) = req {
             let ranked = || self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.stats.borrow().ranked);
             if matches!(cmds.as_slice(), [QueueCmd::Get { consumer: Some(_), .. }]) && ranked() {
                 // A consumer's get of a queue with registered consumers may
@@ -46,11 +47,11 @@ impl RpcHandler for Inner {
     }
 
     fn is_ping(req: &RpcRequest) -> bool {
-        matches!(req, RpcRequest::Liveness { .. })
+        matches!(req, RpcRequest::Liveness(_))
     }
 
     fn ping(&self, req: RpcRequest) -> RpcResponse {
-        let RpcRequest::Liveness { from, have, mine } = req else { return RpcResponse::Done };
+        let RpcRequest::Liveness(ask::Liveness { from, have, mine }) = req else { return RpcResponse::Done };
         if let Some(list) = mine {
             self.peers.heard_life(from, list.incarnation);
             self.quiescence.heard(from, list.incarnation, list.gen, Some(list.groups), list.refilling);
@@ -147,14 +148,14 @@ impl Inner {
                 }
                 Err(refusal) => refusal,
             },
-            RpcRequest::Fork { group } => RpcResponse::Fork(self.epoch_report(group)),
-            RpcRequest::History { group } => RpcResponse::History(self.history(group).await),
-            RpcRequest::Yield { group, defeated, winner, from } => {
+            RpcRequest::Fork(ask::Fork { group }) => RpcResponse::Fork(self.epoch_report(group)),
+            RpcRequest::History(ask::History { group }) => RpcResponse::History(self.history(group).await),
+            RpcRequest::Yield(ask::Yield { group, defeated, winner, from }) => {
                 let node = Node { inner: self };
                 tokio::spawn(async move { node.yield_to(group, defeated, winner, from).await });
                 RpcResponse::Done
             }
-            RpcRequest::Handback { group, epoch, batches } => {
+            RpcRequest::Handback(ask::Handback { group, epoch, batches }) => {
                 let g = self.groups.read().expect("poisoned").get(&group).cloned();
                 match g {
                     Some(g) if g.epoch == epoch => {
@@ -167,26 +168,26 @@ impl Inner {
                     _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),
                 }
             }
-            RpcRequest::Bodies { group, from, standing, ranges, max_bytes, totals } => {
+            RpcRequest::Bodies(ask::Bodies { group, from, standing, ranges, max_bytes, totals }) => {
                 RpcResponse::Bodies(self.serve_bodies(group, (from, standing), ranges, max_bytes, totals).await)
             }
-            RpcRequest::SyncControl { group, run } => {
+            RpcRequest::SyncControl(ask::SyncControl { group, run }) => {
                 self.sync_control(group, run);
                 RpcResponse::Done
             }
-            RpcRequest::Join { info } => {
+            RpcRequest::Join(ask::Join { info }) => {
                 let node = Node { inner: self };
                 RpcResponse::Member(node.admit(info).await)
             }
-            RpcRequest::Forget { id } => {
+            RpcRequest::Forget(ask::Forget { id }) => {
                 let node = Node { inner: self };
                 RpcResponse::Member(node.forget_locally(id).await)
             }
-            RpcRequest::MoveMaster { group, to } => {
+            RpcRequest::MoveMaster(ask::MoveMaster { group, to }) => {
                 let node = Node { inner: self };
                 RpcResponse::Moved(node.move_master(group, to, false).await)
             }
-            RpcRequest::Elect { group, from, leaving } => {
+            RpcRequest::Elect(ask::Elect { group, from, leaving }) => {
                 if leaving {
                     self.peers.stepping_down(from);
                 }
@@ -221,7 +222,7 @@ impl Inner {
                 }
                 RpcResponse::Done
             }
-            RpcRequest::Departing { from, incarnation } => {
+            RpcRequest::Departing(ask::Departing { from, incarnation }) => {
                 // Unless a later life of it was heard already (a late notice).
                 if self.peers.departs(from, incarnation) {
                     for g in self.groups.read().expect("poisoned").values() {
@@ -231,13 +232,17 @@ impl Inner {
                 tracing::info!(node = from, "peer is stopping: confirms no longer wait for it");
                 RpcResponse::Done
             }
-            RpcRequest::Queue { group, cmds, lane } => RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await),
-            RpcRequest::CloseConnection { id, reason } => RpcResponse::Closed(self.clients.close(id, &reason)),
-            RpcRequest::Clients => {
+            RpcRequest::Queue(ask::Queue { group, cmds, lane }) => {
+                RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await)
+            }
+            RpcRequest::CloseConnection(ask::CloseConnection { id, reason }) => {
+                RpcResponse::Closed(self.clients.close(id, &reason))
+            }
+            RpcRequest::Clients(_) => {
                 let (c, k) = self.clients.snapshot();
                 RpcResponse::Clients(c, k)
             }
-            RpcRequest::Owners { owners, held } => RpcResponse::Owners(
+            RpcRequest::Owners(ask::Owners { owners, held }) => RpcResponse::Owners(
                 self.owners.alive_of(&owners),
                 held.into_iter()
                     .map(|(owner, queue, tags)| {
@@ -247,12 +252,12 @@ impl Inner {
                     .filter(|(_, _, unknown)| !unknown.is_empty())
                     .collect(),
             ),
-            RpcRequest::Readings => RpcResponse::Readings(self.alarms.readings()),
-            RpcRequest::Flows => RpcResponse::Flows(Node { inner: self }.own_flows()),
+            RpcRequest::Readings(_) => RpcResponse::Readings(self.alarms.readings()),
+            RpcRequest::Flows(_) => RpcResponse::Flows(Node { inner: self }.own_flows()),
             // Unknown (a storage error) counts as held: the asker must not
             // found the group again on that answer.
-            RpcRequest::Holds { group } => RpcResponse::Holds(self.db.group_exists(group).unwrap_or(true)),
-            RpcRequest::MetaIndex => {
+            RpcRequest::Holds(ask::Holds { group }) => RpcResponse::Holds(self.db.group_exists(group).unwrap_or(true)),
+            RpcRequest::MetaIndex(_) => {
                 let m = self.meta_raft.metrics().borrow().clone();
                 RpcResponse::MetaIndex(if m.current_leader == Some(self.id) {
                     m.last_applied.map(|l| l.index)
@@ -264,8 +269,8 @@ impl Inner {
             // not yet reached by the master) knows nothing: it must not look
             // like a group that excludes the asker, which would then drop
             // what may be the only complete copy of the queue.
-            req @ RpcRequest::Liveness { .. } => RpcHandler::ping(&*self, req),
-            RpcRequest::Members { group, epoch } => {
+            req @ RpcRequest::Liveness(_) => RpcHandler::ping(&*self, req),
+            RpcRequest::Members(ask::Members { group, epoch }) => {
                 let same_epoch = |e| self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.epoch == e);
                 let raft = match epoch {
                     Some(e) if !same_epoch(e) => None,
@@ -276,7 +281,7 @@ impl Inner {
                     m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())
                 }))
             }
-            RpcRequest::Meta { cmd } => {
+            RpcRequest::Meta(ask::Meta { cmd }) => {
                 let leader = self.meta_raft.metrics().borrow().current_leader;
                 RpcResponse::Meta(if leader == Some(self.id) {
                     self.local_meta_write(cmd).await

@@ -19,7 +19,8 @@ use super::Node;
 use crate::error::NodeError;
 use crate::ids::NodeId;
 use crate::metadata::{MetaCmd, MetaReply, NodeInfo};
-use crate::wire::{RpcRequest, RpcResponse};
+use crate::wire::ask::{self, Ask};
+use crate::wire::RpcRequest;
 
 impl Node {
     /// Ask the member at `via` to let this node in, until it is in.
@@ -33,15 +34,15 @@ impl Node {
                     tracing::info!(via, "joined the cluster");
                     return;
                 }
-                let req = RpcRequest::Join { info: info.clone() };
+                let req = RpcRequest::from(ask::Join { info: info.clone() });
                 let answer = tokio::select! {
                     _ = node.inner.stop.cancelled() => return,
                     a = node.inner.transport.call(&via, &req, Duration::from_secs(30)) => a,
                 };
-                match answer {
-                    Ok(RpcResponse::Member(Ok(()))) => {}
-                    Ok(RpcResponse::Member(Err(e))) => tracing::warn!(via, error = %e, "join refused; retrying"),
-                    Ok(other) => tracing::warn!(via, ?other, "unexpected answer to join"),
+                match answer.map(ask::Join::reply) {
+                    Ok(Ok(Ok(()))) => {}
+                    Ok(Ok(Err(e))) => tracing::warn!(via, error = %e, "join refused; retrying"),
+                    Ok(Err(other)) => tracing::warn!(via, ?other, "unexpected answer to join"),
                     Err(e) if e.to_string().contains("cluster secret") => {
                         if node.inner.repeated(crate::ids::METADATA_GROUP, "join", &e.to_string()) {
                             tracing::error!(via, error = %e, "cannot join: the member refuses this node's cluster secret or proves another; check --cluster-secret-file on both (retrying; told once until it changes)");
@@ -60,7 +61,7 @@ impl Node {
         if let Some(other) = self.metadata().nodes.values().find(|n| n.name == info.name && n.id != info.id) {
             return Err(NodeError::Conflict(format!("node name {} is taken by node {}", info.name, other.id)));
         }
-        self.at_meta_leader(RpcRequest::Join { info: info.clone() }, || self.admit_locally(info.clone())).await
+        self.at_meta_leader(ask::Join { info: info.clone() }, || self.admit_locally(info.clone())).await
     }
 
     async fn admit_locally(&self, info: NodeInfo) -> Result<(), NodeError> {
@@ -95,7 +96,7 @@ impl Node {
         if self.ping(id, Duration::from_secs(1)).await {
             return Err(NodeError::Invalid(format!("node {name} is running; stop it before forgetting it")));
         }
-        self.at_meta_leader(RpcRequest::Forget { id }, || self.forget_locally(id)).await
+        self.at_meta_leader(ask::Forget { id }, || self.forget_locally(id)).await
     }
 
     pub(super) async fn forget_locally(&self, id: NodeId) -> Result<(), NodeError> {
@@ -123,8 +124,9 @@ impl Node {
     /// to the leader. Joining and forgetting find their work done when it
     /// was (a member is not added twice, a forgotten node is not found), so
     /// a request that got no answer may go again.
-    async fn at_meta_leader<F, Fut>(&self, req: RpcRequest, local: F) -> Result<(), NodeError>
+    async fn at_meta_leader<A, F, Fut>(&self, req: A, local: F) -> Result<(), NodeError>
     where
+        A: Ask<Reply = Result<(), NodeError>> + Clone,
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Result<(), NodeError>>,
     {
@@ -134,10 +136,9 @@ impl Node {
             if target == self.id() {
                 return Attempt::answered(local().await);
             }
-            match self.inner.call(target, req, deadline).await {
-                Ok(RpcResponse::Member(r)) => Attempt::answered(r),
-                Ok(other) => Attempt::Done(Err(NodeError::Invalid(format!("unexpected reply {other:?}")))),
-                Err(e) => Attempt::failed(e),
+            match self.inner.ask(target, req.clone(), deadline).await {
+                Ok(r) => Attempt::answered(r),
+                Err(e) => Attempt::not_answered(e),
             }
         })
         .await

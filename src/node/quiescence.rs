@@ -32,6 +32,7 @@ use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::MetaState;
 use crate::queue::confirm_gate;
+use crate::wire::ask::Alive;
 use crate::wire::{QuietList, RpcResponse};
 type Metrics = RaftMetrics<NodeId, openraft::BasicNode>;
 
@@ -126,12 +127,12 @@ impl Quiescence {
             };
         }
         let current = have == Some((self.incarnation, ours.gen));
-        RpcResponse::Liveness {
+        RpcResponse::Liveness(Alive {
             incarnation: self.incarnation,
             gen: ours.gen,
             groups: (!current).then(|| ours.groups.iter().map(|(g, a)| (*g, a.term)).collect()),
             refilling: ours.refilling,
-        }
+        })
     }
 
     /// What to tell `peer` we hold of its list.

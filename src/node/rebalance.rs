@@ -21,7 +21,7 @@ use super::failover::Busy;
 use super::Node;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
-use crate::wire::{RpcRequest, RpcResponse};
+use crate::wire::ask;
 
 /// One mastership move of a rebalance, and how it went.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -99,11 +99,10 @@ impl Node {
                     Some(group) if from == self.id() => self.move_master(group, to, false).await,
                     Some(group) => {
                         let deadline = Instant::now() + Duration::from_secs(20);
-                        match self.inner.call(from, &RpcRequest::MoveMaster { group, to }, deadline).await {
-                            Ok(RpcResponse::Moved(r)) => r,
-                            Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-                            Err(e) => Err(NodeError::Unavailable(e.to_string())),
-                        }
+                        self.inner
+                            .ask(from, ask::MoveMaster { group, to }, deadline)
+                            .await
+                            .unwrap_or_else(|e| Err(e.into()))
                     }
                 };
                 if let Err(e) = &result {
@@ -225,7 +224,7 @@ impl Node {
         drop(busy);
 
         let deadline = Instant::now() + Duration::from_secs(2);
-        let _ = self.inner.call(to, &RpcRequest::Elect { group, from: me, leaving }, deadline).await;
+        let _ = self.inner.ask(to, ask::Elect { group, from: me, leaving }, deadline).await;
         let moved = g
             .raft
             .wait(Some(self.inner.timing.election_max * 3))

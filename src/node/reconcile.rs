@@ -23,8 +23,8 @@ use crate::queue::proposer::Proposer;
 use crate::queue::{confirm_gate, QueueMachine};
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft, TypeConfig};
+use crate::wire::ask;
 use crate::wire::raft_net::NetworkFactory;
-use crate::wire::{RpcRequest, RpcResponse};
 
 /// Replicas started at once by one round.
 const STARTS_AT_ONCE: usize = 16;
@@ -324,8 +324,8 @@ impl Node {
     pub(super) async fn excluded_by_peers(&self, group: GroupId, epoch: Epoch, peers: &[NodeId]) -> bool {
         let deadline = Instant::now() + Duration::from_secs(1);
         for peer in peers.iter().filter(|p| **p != self.id()) {
-            let ask = RpcRequest::Members { group, epoch: Some(epoch) };
-            if let Ok(RpcResponse::Members(Some(members))) = self.inner.call(*peer, &ask, deadline).await {
+            let req = ask::Members { group, epoch: Some(epoch) };
+            if let Ok(Some(members)) = self.inner.ask(*peer, req, deadline).await {
                 if !members.contains(&self.id()) {
                     return true;
                 }
@@ -478,9 +478,9 @@ impl Node {
         let others: BTreeSet<NodeId> = q.replicas.iter().chain(&q.initial).copied().filter(|id| *id != me).collect();
         let deadline = Instant::now() + Duration::from_secs(1);
         for peer in others {
-            match self.inner.call(peer, &RpcRequest::Holds { group: q.group }, deadline).await {
-                Ok(RpcResponse::Holds(false)) => {}
-                Ok(RpcResponse::Holds(true)) => return Ok(true),
+            match self.inner.ask(peer, ask::Holds { group: q.group }, deadline).await {
+                Ok(false) => {}
+                Ok(true) => return Ok(true),
                 _ => {
                     return Err(ServerError::Raft(format!(
                         "cannot tell whether queue '{}' ran before this node's data dir: node {peer} did not answer",

@@ -17,8 +17,8 @@ use openraft::ServerState;
 use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::queue::epoch::{Epoch, ForkRecord};
+use crate::wire::ask;
 use crate::wire::raft_net::EpochNews;
-use crate::wire::RpcRequest;
 use mirrorq_storage::{NodeDb, StorageError};
 
 /// The epochs of the group this node formed, each from the one before
@@ -341,8 +341,8 @@ impl Node {
         if !self.expel(g, news.from).await {
             return;
         }
-        let req = RpcRequest::Yield { group, defeated: news.epoch, winner: g.epoch, from: self.id() };
-        if let Err(e) = self.inner.call(news.from, &req, Instant::now() + Duration::from_secs(2)).await {
+        let req = ask::Yield { group, defeated: news.epoch, winner: g.epoch, from: self.id() };
+        if let Err(e) = self.inner.ask(news.from, req, Instant::now() + Duration::from_secs(2)).await {
             tracing::debug!(group, to = news.from, error = %e, "could not tell a defeated replica to yield");
         }
     }

@@ -6,14 +6,15 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::forward::{Attempt, Leader, Resend};
+use super::forward::{AskError, Attempt, Leader, Resend};
 use super::{Node, QueueGroup};
 use crate::api::{GroupRaftMetrics, QueueInfo};
 use crate::clients::{ConnectionInfo, ConsumerInfo};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::queue::confirm_gate;
-use crate::wire::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+use crate::wire::ask;
+use crate::wire::{ClientReply, ClientRequest};
 
 impl Node {
     /// The queue as its master sees it (counts, synchronised mirrors), asked
@@ -36,12 +37,13 @@ impl Node {
             let info = if target == self.id() {
                 self.queue_info_declared(name, declared)
             } else {
-                let req = RpcRequest::Client(ClientRequest::QueueInfo { name: name.into(), declared });
-                match self.inner.call(target, &req, deadline).await {
-                    Ok(RpcResponse::Client(Ok(ClientReply::QueueInfo(i)))) => Ok(*i),
-                    Ok(RpcResponse::Client(Err(e))) => Err(e),
-                    Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-                    Err(e) => return Attempt::failed(e),
+                let req = ClientRequest::QueueInfo { name: name.into(), declared };
+                match self.inner.ask(target, req, deadline).await {
+                    Ok(Ok(ClientReply::QueueInfo(i))) => Ok(*i),
+                    Ok(Ok(other)) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
+                    Ok(Err(e)) => Err(e),
+                    Err(AskError::Call(e)) => return Attempt::failed(e),
+                    Err(other) => Err(other.into()),
                 }
             };
             match info {
@@ -81,10 +83,7 @@ impl Node {
         if id == self.id() {
             return Some(self.alarms().readings());
         }
-        match self.inner.call(id, &RpcRequest::Readings, Instant::now() + limit).await {
-            Ok(RpcResponse::Readings(r)) => Some(r),
-            _ => None,
-        }
+        self.inner.ask(id, ask::Readings, Instant::now() + limit).await.ok()
     }
 
     /// Raft figures of every queue replica hosted here.
@@ -129,10 +128,10 @@ impl Node {
             .filter(|id| *id != self.id() && !(complete && self.is_dead(*id)))
             .collect();
         let deadline = Instant::now() + Duration::from_millis(1000);
-        let asks = peers.iter().map(|peer| self.inner.call(*peer, &RpcRequest::Clients, deadline));
+        let asks = peers.iter().map(|peer| self.inner.ask(*peer, ask::Clients, deadline));
         for answer in futures::future::join_all(asks).await {
             match answer {
-                Ok(RpcResponse::Clients(c, k)) => {
+                Ok((c, k)) => {
                     conns.extend(c);
                     consumers.extend(k);
                 }
@@ -153,8 +152,8 @@ impl Node {
             return false;
         };
         let deadline = Instant::now() + Duration::from_millis(1000);
-        let req = RpcRequest::CloseConnection { id: conn.id, reason: reason.to_string() };
-        matches!(self.inner.call(peer, &req, deadline).await, Ok(RpcResponse::Closed(true)))
+        let req = ask::CloseConnection { id: conn.id, reason: reason.to_string() };
+        matches!(self.inner.ask(peer, req, deadline).await, Ok(true))
     }
 
     /// The consumers of `queue` on every node that answers.
@@ -165,10 +164,7 @@ impl Node {
     /// Does node `id` answer on the node link?
     pub async fn ping(&self, id: NodeId, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
-        matches!(
-            self.inner.call(id, &RpcRequest::Members { group: METADATA_GROUP, epoch: None }, deadline).await,
-            Ok(RpcResponse::Members(_))
-        )
+        self.inner.ask(id, ask::Members { group: METADATA_GROUP, epoch: None }, deadline).await.is_ok()
     }
 
     /// Does node `id` answer a liveness ping? Its answer brings its list of
@@ -179,9 +175,9 @@ impl Node {
         let q = &self.inner.quiescence;
         let mine = q.push_for(id);
         let pushed = mine.as_ref().map(|l| l.gen);
-        let ask = RpcRequest::Liveness { from: self.id(), have: q.have(id), mine };
-        match self.inner.ping(id, ask, limit).await {
-            Ok(RpcResponse::Liveness { incarnation, gen, groups, refilling }) => {
+        let req = ask::Liveness { from: self.id(), have: q.have(id), mine };
+        match self.inner.ping(id, req, limit).await {
+            Ok(ask::Alive { incarnation, gen, groups, refilling }) => {
                 self.inner.peers.heard_life(id, incarnation);
                 q.heard(id, incarnation, gen, groups, refilling);
                 if let Some(gen) = pushed {

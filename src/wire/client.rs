@@ -9,7 +9,8 @@ use crate::ids::NodeId;
 use crate::link::transport::{CallError, Transport};
 use crate::metadata::QueueMeta;
 use crate::queue::{Delivery, Message, QueueCmd, QueueReply};
-use crate::wire::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+use crate::wire::ask::Ask;
+use crate::wire::{ClientReply, ClientRequest, RpcRequest};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -42,9 +43,10 @@ impl NodeClient {
     }
 
     async fn request(&self, req: ClientRequest) -> Result<ClientReply, ClientError> {
-        match self.transport.call(&self.addr, &RpcRequest::Client(req), self.timeout).await? {
-            RpcResponse::Client(r) => Ok(r?),
-            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        let answer = self.transport.call(&self.addr, &RpcRequest::from(req), self.timeout).await?;
+        match ClientRequest::reply(answer) {
+            Ok(r) => Ok(r?),
+            Err(other) => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
     }
 

@@ -1,10 +1,12 @@
 //! What nodes say to each other over the node link (`crate::link`, which
 //! carries it without knowing it): Raft's messages stamped with their group
 //! and epoch, forwarded queue and metadata operations, liveness pings, and
-//! the questions behind the API's cluster-wide views. Also openraft's
-//! network in these words (`raft_net`) and a client for tools and tests
-//! (`client`).
+//! the questions behind the API's cluster-wide views. Each request but
+//! Raft's is a type in `ask` paired with the one answer it expects, so a
+//! caller gets that answer typed. Also openraft's network in these words
+//! (`raft_net`) and a client for tools and tests (`client`).
 
+pub mod ask;
 pub mod client;
 pub mod raft_net;
 
@@ -18,10 +20,9 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{GroupId, NodeId};
 
 use crate::error::NodeError;
-use crate::metadata::{MetaCmd, MetaReply};
+use crate::metadata::MetaReply;
 use crate::queue::confirm_gate::Standing;
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
-use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
 use crate::raft::types::TypeConfig;
 
@@ -37,6 +38,8 @@ pub struct QuietList {
     pub refilling: bool,
 }
 
+/// Raft's messages, stamped with their group and epoch, then the requests
+/// of [`ask`].
 #[derive(Debug, Serialize, Deserialize)]
 pub enum RpcRequest {
     Append {
@@ -57,147 +60,31 @@ pub enum RpcRequest {
         from: NodeId,
         req: InstallSnapshotRequest<TypeConfig>,
     },
-    /// Queue operations for the master of `group`; answered after confirm.
-    /// A receiver that does not host the group (yet) answers `NotLeader`.
-    Queue {
-        group: GroupId,
-        cmds: Vec<QueueCmd>,
-        /// Where they wait at the master (consumers' gets and settlements
-        /// go ahead of queued publishes).
-        lane: Lane,
-    },
-    /// The members (voters and learners) of `group` as the receiver's replica
-    /// sees them; `None` if it hosts none, or (with `epoch`) none of that
-    /// epoch. A replica moved away asks this to learn that the membership
-    /// change excluding it is in effect: only a replica of its own epoch
-    /// can say so (a minority's fork has a membership of its own).
-    Members {
-        group: GroupId,
-        epoch: Option<crate::queue::epoch::Epoch>,
-    },
-    /// A liveness ping from node `from`, which holds the receiver's list of
-    /// quietly led groups at `have` (incarnation, generation): the answer
-    /// carries the list only if it changed since. `mine`: the sender's own
-    /// list, when the receiver has not yet said it holds its latest.
-    Liveness {
-        from: NodeId,
-        have: Option<(u64, u64)>,
-        mine: Option<QuietList>,
-    },
-    /// This node's AMQP connections and consumers (for the API's listings).
-    Clients,
-    /// Close this node's AMQP connection `id`, telling its client `reason`
-    /// (the management API's `DELETE /api/connections/{name}`).
-    CloseConnection {
-        id: u64,
-        reason: String,
-    },
-    /// Which of these owners of unacked messages (made on the receiver,
-    /// `owners.rs`) are still alive: a master gives back the messages of
-    /// the others.
-    Owners {
-        owners: Vec<u64>,
-        /// Per owner, a queue and the tags of it recorded as delivered to
-        /// that owner: the answer names those its holder never got.
-        held: Vec<(u64, String, Vec<u64>)>,
-    },
-    /// This node's memory and disk readings (for `/api/nodes`).
-    Readings,
-    /// The metadata leader's last applied index: a node that waits until it
-    /// has applied as far reads its own writes made through other nodes.
-    MetaIndex,
-    /// Whether the receiver's storage holds anything of `group` (a vote, a
-    /// log entry), started or not: a founder back on an empty data dir
-    /// asks before it founds a group again.
-    Holds {
-        group: GroupId,
-    },
-    /// A metadata change for the metadata leader.
-    Meta {
-        cmd: MetaCmd,
-    },
+    Queue(ask::Queue),
+    Members(ask::Members),
+    Liveness(ask::Liveness),
+    Clients(ask::Clients),
+    CloseConnection(ask::CloseConnection),
+    Owners(ask::Owners),
+    Readings(ask::Readings),
+    MetaIndex(ask::MetaIndex),
+    Holds(ask::Holds),
+    Meta(ask::Meta),
     /// Library-level requests from tools and tests using the link as a client.
     Client(ClientRequest),
-    /// The fork record of the receiver's epoch of `group` (a stale replica
-    /// asks before healing).
-    Fork {
-        group: GroupId,
-    },
-    /// The receiver's replica's log as a record of its history (the leader
-    /// ids of its entries): a replica whose fork yields finds with it what
-    /// the winning epoch already has.
-    History {
-        group: GroupId,
-    },
-    /// The receiver's replica is in `defeated`, an epoch formed by a
-    /// minority while the group `winner` kept its majority and kept going:
-    /// it must hand back what it holds to `winner`'s master and rejoin it.
-    Yield {
-        group: GroupId,
-        defeated: Epoch,
-        winner: Epoch,
-        from: NodeId,
-    },
-    /// Messages a stale replica hands back, for the master of `epoch`.
-    Handback {
-        group: GroupId,
-        epoch: Epoch,
-        batches: Vec<(Option<crate::queue::types::Origin>, Vec<crate::queue::Message>)>,
-    },
-    /// A replica catching up after a snapshot asks the master of `group`
-    /// for message bodies in `ranges` (about `max_bytes` of them; none: a
-    /// report only) and tells how its bodies stand. `totals`: also count
-    /// the bytes still to fetch.
-    Bodies {
-        group: GroupId,
-        from: NodeId,
-        standing: Standing,
-        ranges: Vec<(u64, u64)>,
-        max_bytes: u32,
-        totals: bool,
-    },
-    /// Start (`run`) or stop fetching missing bodies: the `sync` and
-    /// `cancel_sync` actions, sent to every replica of the queue.
-    SyncControl {
-        group: GroupId,
-        run: bool,
-    },
-    /// A master handing over (stopping, or a rebalance) asks its successor
-    /// to stand for election now.
-    Elect {
-        group: GroupId,
-        /// The master handing over.
-        from: NodeId,
-        /// It is stopping: confirms need not wait for it.
-        leaving: bool,
-    },
-    /// A node that is stopping tells each peer before it moves its
-    /// masterships: confirms stop waiting for its replicas, and groups
-    /// settle without them.
-    Departing {
-        from: NodeId,
-        /// The life it stops (a late notice must not mark the next one).
-        incarnation: u64,
-    },
-    /// A node asks to join the cluster (sent to any member; answered by the
-    /// metadata leader once the node is a voter of the metadata group and
-    /// registered).
-    Join {
-        info: crate::metadata::NodeInfo,
-    },
-    /// Remove a stopped node from the cluster (for the metadata leader).
-    Forget {
-        id: NodeId,
-    },
-    /// Hand mastership of `group` over to `to` (a rebalance), answered once
-    /// `to` leads or the move failed.
-    MoveMaster {
-        group: GroupId,
-        to: NodeId,
-    },
-    /// This node's message counters and their window (the overview's
-    /// `message_stats`). Last, so the other requests keep their tags.
-    Flows,
+    Fork(ask::Fork),
+    History(ask::History),
+    Yield(ask::Yield),
+    Handback(ask::Handback),
+    Bodies(ask::Bodies),
+    SyncControl(ask::SyncControl),
+    Elect(ask::Elect),
+    Departing(ask::Departing),
+    Join(ask::Join),
+    Forget(ask::Forget),
+    MoveMaster(ask::MoveMaster),
+    /// Last, so the other requests keep their tags.
+    Flows(ask::Flows),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -214,15 +101,7 @@ pub enum RpcResponse {
     Meta(Result<(MetaReply, u64), NodeError>),
     Client(Result<ClientReply, NodeError>),
     Members(Option<std::collections::BTreeSet<NodeId>>),
-    /// The receiver's incarnation and the generation of its list of quietly
-    /// led groups; the list (group, term) unless the asker has it.
-    Liveness {
-        incarnation: u64,
-        gen: u64,
-        groups: Option<Vec<(GroupId, u64)>>,
-        /// As in [`QuietList`].
-        refilling: bool,
-    },
+    Liveness(ask::Alive),
     MetaIndex(Option<u64>),
     Holds(bool),
     Clients(Vec<crate::clients::ConnectionInfo>, Vec<crate::clients::ConsumerInfo>),

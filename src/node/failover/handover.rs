@@ -11,7 +11,7 @@ use super::rules::by_seniority;
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::QueueMeta;
 use crate::node::{Node, QueueGroup};
-use crate::wire::{RpcRequest, RpcResponse};
+use crate::wire::ask;
 
 impl Node {
     /// For each queue this node masters, the most senior mirror that may
@@ -70,13 +70,13 @@ impl Node {
     /// and settle groups without them.
     pub(in crate::node) async fn announce_departure(&self) {
         let state = self.metadata();
-        let req = RpcRequest::Departing { from: self.id(), incarnation: self.inner.quiescence.incarnation() };
+        let req = ask::Departing { from: self.id(), incarnation: self.inner.quiescence.incarnation() };
         let deadline = Instant::now() + Duration::from_secs(1);
         let peers = state.nodes.keys().copied().filter(|id| *id != self.id());
         let calls = peers.map(|id| {
-            let req = &req;
+            let req = req.clone();
             async move {
-                if self.inner.call(id, req, deadline).await.is_err() {
+                if self.inner.ask(id, req, deadline).await.is_err() {
                     tracing::info!(node = id, "peer not told of this node's stop");
                 }
             }
@@ -90,10 +90,10 @@ impl Node {
     /// about one election timeout instead of after failure detection.
     pub(in crate::node) async fn hand_over(&self, successors: Vec<(GroupId, NodeId)>) {
         let calls = successors.into_iter().map(|(group, next)| async move {
-            let req = RpcRequest::Elect { group, from: self.id(), leaving: true };
-            let asked = self.inner.call(next, &req, Instant::now() + Duration::from_secs(1)).await;
+            let req = ask::Elect { group, from: self.id(), leaving: true };
+            let asked = self.inner.ask(next, req, Instant::now() + Duration::from_secs(1)).await;
             match asked {
-                Ok(RpcResponse::Done) => tracing::info!(group, successor = next, "mastership handed over"),
+                Ok(()) => tracing::info!(group, successor = next, "mastership handed over"),
                 _ => tracing::warn!(group, successor = next, "successor did not answer the handover"),
             }
         });

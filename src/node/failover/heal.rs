@@ -20,8 +20,8 @@ use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::raft::state_machine::stored_applied;
 use crate::raft::types::{LogStore, Request, TypeConfig};
+use crate::wire::ask::{self, Handed};
 use crate::wire::raft_net::EpochNews;
-use crate::wire::{RpcRequest, RpcResponse};
 use mirrorq_storage::{SmSpace, StorageError};
 
 /// Handed-back messages travel in chunks of at most this many bytes.
@@ -251,9 +251,7 @@ impl Node {
         let q = self.metadata().queues.values().find(|q| q.group == group).cloned()?;
         for peer in self.asked_about(&q, news) {
             let limit = Instant::now() + Duration::from_secs(5);
-            if let Ok(RpcResponse::History(Some(rec))) =
-                self.inner.call(peer, &RpcRequest::History { group }, limit).await
-            {
+            if let Ok(Some(rec)) = self.inner.ask(peer, ask::History { group }, limit).await {
                 if rec.epoch == news.epoch {
                     return Some(rec);
                 }
@@ -283,16 +281,9 @@ impl Node {
     /// all at once; those that do not answer in a second are left out.
     pub(in crate::node) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<(NodeId, EpochReport)> {
         let limit = Instant::now() + Duration::from_secs(1);
-        let req = RpcRequest::Fork { group };
-        let answers = futures::future::join_all(peers.iter().map(|p| self.inner.call(*p, &req, limit))).await;
-        peers
-            .iter()
-            .zip(answers)
-            .filter_map(|(p, a)| match a {
-                Ok(RpcResponse::Fork(report)) => report.map(|r| (*p, r)),
-                _ => None,
-            })
-            .collect()
+        let answers =
+            futures::future::join_all(peers.iter().map(|p| self.inner.ask(*p, ask::Fork { group }, limit))).await;
+        peers.iter().zip(answers).filter_map(|(p, a)| a.ok().flatten().map(|r| (*p, r))).collect()
     }
 
     /// Every message this (stopped) replica holds that the epoch described
@@ -412,13 +403,13 @@ impl Node {
                 chunk.push(b);
             }
             loop {
-                let req = RpcRequest::Handback { group: q.group, epoch: news.epoch, batches: chunk.clone() };
-                match self.inner.call(target, &req, Instant::now() + Duration::from_secs(10)).await {
-                    Ok(RpcResponse::Queue(Ok(_))) => break,
-                    Ok(RpcResponse::NewerEpoch(epoch)) if epoch > news.epoch => {
+                let req = ask::Handback { group: q.group, epoch: news.epoch, batches: chunk.clone() };
+                match self.inner.ask(target, req, Instant::now() + Duration::from_secs(10)).await {
+                    Ok(Handed::Answered(Ok(_))) => break,
+                    Ok(Handed::NewerEpoch(epoch)) if epoch > news.epoch => {
                         return Ok(Some(EpochNews { group: q.group, epoch, from: target }));
                     }
-                    Ok(RpcResponse::Queue(Err(NodeError::NotLeader { leader: Some(l) }))) if l != target => target = l,
+                    Ok(Handed::Answered(Err(NodeError::NotLeader { leader: Some(l) }))) if l != target => target = l,
                     other => {
                         tracing::debug!(queue = %q.name, target, answer = ?other.map(|_| ()), "hand-back not taken yet");
                         if Instant::now() > deadline {

@@ -16,7 +16,7 @@ use crate::ids::NodeId;
 use crate::metadata::{MetaState, QueueMeta};
 use crate::node::split::{quorum, wall_ms};
 use crate::node::{Node, QueueGroup};
-use crate::wire::RpcRequest;
+use crate::wire::ask;
 
 /// Stand this long after the lost master's lease has run out on the other
 /// voters: a vote asked for inside the lease is refused, and the refused
@@ -384,7 +384,7 @@ impl Node {
         let inner = self.inner.clone();
         tokio::spawn(async move {
             let deadline = Instant::now() + Duration::from_secs(2);
-            let _ = inner.call(to, &RpcRequest::Elect { group, from: me, leaving: false }, deadline).await;
+            let _ = inner.ask(to, ask::Elect { group, from: me, leaving: false }, deadline).await;
         });
     }
 

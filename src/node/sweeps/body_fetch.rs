@@ -21,7 +21,8 @@ use crate::queue::confirm_gate::Standing;
 use crate::queue::QueueMachine;
 use crate::raft::state_machine::stored_applied;
 use crate::raft::types::Raft;
-use crate::wire::{Body, BodyChunk, RpcRequest, RpcResponse};
+use crate::wire::ask;
+use crate::wire::{Body, BodyChunk};
 
 /// Most ranges named in one request (a plan is usually one or two).
 const RANGES_PER_REQUEST: usize = 64;
@@ -279,17 +280,13 @@ impl Node {
         if let Some(released) = &self.inner.bodies_held {
             released.cancelled().await;
         }
-        let req = RpcRequest::Bodies { group: g.meta.group, from: self.id(), standing, ranges, max_bytes, totals };
+        let req = ask::Bodies { group: g.meta.group, from: self.id(), standing, ranges, max_bytes, totals };
         let master = g.raft.metrics().borrow().current_leader;
         let Some(master) = master.filter(|m| *m != self.id()) else {
             return Err(NodeError::NotLeader { leader: None });
         };
         let deadline = Instant::now() + Duration::from_secs(10);
-        match self.inner.call(master, &req, deadline).await {
-            Ok(RpcResponse::Bodies(r)) => r,
-            Ok(other) => Err(NodeError::Invalid(format!("unexpected reply {other:?}"))),
-            Err(e) => Err(NodeError::Unavailable(e.to_string())),
-        }
+        self.inner.ask(master, req, deadline).await?
     }
 
     /// Start (`run`) or stop fetching the bodies the queue's mirrors lack:
@@ -304,8 +301,8 @@ impl Node {
                 continue;
             }
             let deadline = Instant::now() + Duration::from_secs(2);
-            let req = RpcRequest::SyncControl { group: q.group, run };
-            if let Err(e) = self.inner.call(*r, &req, deadline).await {
+            let req = ask::SyncControl { group: q.group, run };
+            if let Err(e) = self.inner.ask(*r, req, deadline).await {
                 tracing::warn!(queue = name, node = r, error = %e, "replica not told to sync");
             }
         }

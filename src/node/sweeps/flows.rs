@@ -8,7 +8,7 @@ use crate::ids::NodeId;
 use crate::node::Node;
 use crate::queue::sm::Flow;
 use crate::rates::{Flows, Tally, SAMPLE_EVERY};
-use crate::wire::{RpcRequest, RpcResponse};
+use crate::wire::ask;
 
 /// A queue's counters under the names of `message_stats`.
 pub(in crate::node) fn queue_tally(f: &Flow) -> Tally {
@@ -68,10 +68,7 @@ impl Node {
         if id == self.id() {
             return Some(self.own_flows());
         }
-        match self.inner.call(id, &RpcRequest::Flows, Instant::now() + limit).await {
-            Ok(RpcResponse::Flows(f)) => Some(f),
-            _ => None,
-        }
+        self.inner.ask(id, ask::Flows, Instant::now() + limit).await.ok()
     }
 
     /// Every node's message flows, asked all at once (a node that does not

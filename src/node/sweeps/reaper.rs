@@ -33,7 +33,7 @@ use crate::node::{Node, QueueGroup};
 use crate::owners;
 use crate::queue::proposer::Lane;
 use crate::queue::{QueueCmd, QueueReply};
-use crate::wire::{RpcRequest, RpcResponse};
+use crate::wire::ask;
 
 const EVERY: Duration = Duration::from_secs(1);
 /// How long a node may take to say which of its owners are alive.
@@ -197,9 +197,9 @@ impl Node {
                     unknown.extend(held.iter().map(|(o, q, t)| (*o, q.clone(), self.inner.owners.unknown(*o, q, t))));
                     continue;
                 }
-                let req = RpcRequest::Owners { owners: asked.clone(), held: held.clone() };
-                match self.inner.call(id, &req, Instant::now() + ASK_LIMIT).await {
-                    Ok(RpcResponse::Owners(live, not_known)) => {
+                let req = ask::Owners { owners: asked.clone(), held: held.clone() };
+                match self.inner.ask(id, req, Instant::now() + ASK_LIMIT).await {
+                    Ok((live, not_known)) => {
                         absence.failing_since.remove(&id);
                         alive.extend(live);
                         unknown.extend(not_known);
