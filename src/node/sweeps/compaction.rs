@@ -19,6 +19,7 @@
 
 use std::time::Duration;
 
+use super::Clock;
 use crate::ids::METADATA_GROUP;
 use crate::node::Node;
 use crate::raft::types::Raft;
@@ -38,13 +39,8 @@ impl Node {
     pub(in crate::node) fn spawn_log_compactor(&self) {
         let node = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = node.inner.stop.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
+            let mut clock = Clock::new(&node, EVERY);
+            while clock.next().await {
                 for group in node.inner.db.wal().pinning_oldest() {
                     let raft = if group == METADATA_GROUP {
                         Some(node.inner.meta_raft.clone())

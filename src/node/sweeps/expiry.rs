@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use openraft::ServerState;
 
 use super::deadletter;
+use super::Clock;
 use crate::error::NodeError;
 use crate::ids::GroupId;
 use crate::node::{Inner, Node};
@@ -42,15 +43,10 @@ impl Node {
     pub(in crate::node) fn spawn_expirer(&self) {
         let node = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut clock = Clock::new(&node, EVERY);
             // When each queue's replica here was first seen leading.
             let mut leading_since: HashMap<GroupId, Instant> = HashMap::new();
-            loop {
-                tokio::select! {
-                    _ = node.inner.stop.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
+            while clock.next().await {
                 node.expire_unused(&mut leading_since).await;
             }
         });

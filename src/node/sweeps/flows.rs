@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::Clock;
 use crate::ids::NodeId;
 use crate::node::Node;
 use crate::queue::sm::Flow;
@@ -22,13 +23,9 @@ impl Node {
     pub(in crate::node) fn spawn_rate_sampler(&self) {
         let node = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(SAMPLE_EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = node.inner.stop.cancelled() => return,
-                    _ = tick.tick() => node.sample_flows(Instant::now()),
-                }
+            let mut clock = Clock::new(&node, SAMPLE_EVERY);
+            while clock.next().await {
+                node.sample_flows(Instant::now());
             }
         });
     }

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 
+use super::Clock;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::node::{Node, QueueGroup};
@@ -64,14 +65,9 @@ impl Node {
     pub(in crate::node) fn spawn_reaper(&self) {
         let node = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut clock = Clock::new(&node, EVERY);
             let mut absence = Absence::default();
-            loop {
-                tokio::select! {
-                    _ = node.inner.stop.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
+            while clock.next().await {
                 node.reap(&mut absence).await;
             }
         });
