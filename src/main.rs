@@ -1,7 +1,7 @@
 use clap::Parser;
 
 // glibc malloc spent a fifth of the CPU faulting in fresh pages for sled's
-// copy-on-write pages under load (perf, docs/benchmarks.md).
+// copy-on-write pages under load (perf, benches/results/HISTORY.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -17,7 +17,7 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// of a node's CPU go to the kernel zeroing the same pages again with 4 KiB
 /// messages; 100 ms gave +30% msg/s there and +40% publishing a deep queue,
 /// for 12% more RSS holding 1M x 1 KiB (424 vs 378 MB with 16 KiB chunks;
-/// docs/benchmarks.md).
+/// benches/results/HISTORY.md).
 /// mimalloc's default kept about 160 MB more on that queue.
 const PURGE_DELAY_MS: std::ffi::c_long = 100;
 

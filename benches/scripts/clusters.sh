@@ -93,7 +93,7 @@ ports_free() {
   ! ss -Htln 2>/dev/null | awk '{print $4}' | grep -Eq ':(2669[1-3]|569[1-3]|1569[1-3])$'
 }
 # Three nodes share two cores here: one runtime thread each does better than
-# one per core (benchmarks.md, "One runtime thread per node"). MIRRORQ_WORKERS="" gives
+# one per core (benches/results/HISTORY.md, "One runtime thread per node"). MIRRORQ_WORKERS="" gives
 # tokio's default.
 start_mirrorq() {
   local c=1=127.0.0.1:26691,2=127.0.0.1:26692,3=127.0.0.1:26693

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Sums up campaign output (the `seed=... result=...` lines of
-campaign.py) for the runs tables of docs/reliability.md: runs, passes,
+campaign.py) for the runs tables of docs/reliability.md and tests/faults/runs/HISTORY.md: runs, passes,
 confirmed, lost, duplicates, and how often each fault kind ran.
 
     python3 tests/faults/summarize.py tests/faults/runs/powercut-*.txt
