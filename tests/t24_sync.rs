@@ -406,7 +406,7 @@ async fn a_returning_node_counts_as_synchronised_once_it_has_started_every_repli
         assert!(!info.synchronised.contains(&back), "a mirror lacking a confirmed message counted synchronised");
     }
     let release = Arc::new(tokio::sync::Notify::new());
-    c.configs[(back - 1) as usize].start_held = Some(("a".into(), release.clone()));
+    c.configs[(back - 1) as usize].test.start_held = Some(("a".into(), release.clone()));
     c.restart(back).await;
     wait_until(Duration::from_secs(20), "the returned replica of b has every message", || {
         c.node(back).local_stored_count("b").is_ok_and(|n| n == 2)
@@ -447,7 +447,7 @@ async fn a_new_masters_grace_period_waits_for_no_member_back_from_a_stop() {
     c.node(old).shutdown().await;
     c.crash(old).await;
     let release = Arc::new(tokio::sync::Notify::new());
-    c.configs[(old - 1) as usize].start_held = Some(("q".into(), release.clone()));
+    c.configs[(old - 1) as usize].test.start_held = Some(("q".into(), release.clone()));
     c.restart(old).await;
     wait_until(Duration::from_secs(10), "the new master sees the old one back", || c.node(new).sees_peer_up(old)).await;
     assert!(c.node(old).queue_raft("q").is_none(), "the held replica started already");
@@ -512,7 +512,7 @@ async fn mirror_sent_a_snapshot(queue: &str, emptied: bool) {
 
     tracing::info!("--- back, it installs the snapshot while its fetch is held");
     let released = tokio_util::sync::CancellationToken::new();
-    c.configs[(back - 1) as usize].bodies_held = Some(released.clone());
+    c.configs[(back - 1) as usize].test.bodies_held = Some(released.clone());
     c.restart(back).await;
     let matched = || {
         let m = raft.metrics().borrow().clone();

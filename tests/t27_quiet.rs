@@ -93,7 +93,7 @@ async fn an_idle_group_sends_no_heartbeats_once_settled() {
 async fn a_settled_group_goes_quiet_at_its_masters_next_round_with_its_commit_known() {
     init_tracing();
     let timing = fast_timing(Duration::from_secs(60));
-    let c = Cluster::start_configured(3, timing.clone(), |cfg| cfg.watch_after = Duration::from_secs(3600)).await;
+    let c = Cluster::start_configured(3, timing.clone(), |cfg| cfg.test.watch_after = Duration::from_secs(3600)).await;
     c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
     let master = c.master_of("q").await;
     let raft = c.node(master).queue_raft("q").unwrap();
@@ -123,7 +123,7 @@ async fn a_settled_group_goes_quiet_at_its_masters_next_round_with_its_commit_kn
 async fn a_group_in_use_is_announced_quiet_only_once_still_for_a_while() {
     init_tracing();
     let timing = Timing { heartbeat: Duration::from_millis(300), ..fast_timing(Duration::from_secs(60)) };
-    let c = Cluster::start_configured(3, timing.clone(), |cfg| cfg.watch_after = Duration::from_secs(3600)).await;
+    let c = Cluster::start_configured(3, timing.clone(), |cfg| cfg.test.watch_after = Duration::from_secs(3600)).await;
     c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
     let master = c.master_of("q").await;
     let raft = c.node(master).queue_raft("q").unwrap();
@@ -390,7 +390,7 @@ async fn a_restarted_mirror_stands_for_no_election_before_its_failure_watch_runs
     let term = c.node(master).queue_raft("q").unwrap().metrics().borrow().current_term;
     let mirror = mirrors[0];
     c.crash(mirror).await;
-    c.configs[(mirror - 1) as usize].watch_after = timing.election_max * 6;
+    c.configs[(mirror - 1) as usize].test.watch_after = timing.election_max * 6;
     c.restart(mirror).await;
     tokio::time::sleep(timing.election_max * 4).await;
     let restarted = c.node(mirror).queue_raft("q").unwrap().metrics().borrow().clone();

@@ -94,7 +94,7 @@ impl Node {
         let refill = db.get_node_value(REFILL_KEY)?.is_some();
         tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
         #[cfg(feature = "test-hooks")]
-        if cfg.crash_image {
+        if cfg.test.crash_image {
             db.keep_crash_image().map_err(|e| ServerError::Config(format!("crash image: {e}")))?;
         }
         match db.get_node_value(NODE_ID_KEY)? {
@@ -219,11 +219,7 @@ impl Node {
             groups: RwLock::new(HashMap::new()),
             removals: Default::default(),
             #[cfg(feature = "test-hooks")]
-            watch_from: Instant::now() + cfg.watch_after,
-            #[cfg(feature = "test-hooks")]
-            start_held: cfg.start_held.clone(),
-            #[cfg(feature = "test-hooks")]
-            bodies_held: cfg.bodies_held.clone(),
+            knobs: super::knobs::Knobs::new(&cfg.test),
             standings: Default::default(),
             group_started: tokio::sync::Notify::new(),
             hints: Mutex::new(HashMap::new()),

@@ -40,6 +40,7 @@ use crate::wire::raft_net::EpochNews;
 mod failover;
 mod forward;
 mod inbound;
+mod knobs;
 mod lifecycle;
 mod liveness;
 mod members;
@@ -56,6 +57,8 @@ mod test_hooks;
 mod told;
 mod views;
 
+#[cfg(feature = "test-hooks")]
+pub use knobs::TestKnobs;
 pub use queue_ops::{stored_all, stored_count};
 use sweeps::{body_fetch, deadletter};
 
@@ -92,23 +95,9 @@ pub struct NodeConfig {
     pub cluster_secret: Option<crate::link::auth::ClusterSecret>,
     /// Mutual TLS on every node-link connection (`--tls-node-link`).
     pub link_tls: Option<Arc<crate::tls::LinkTls>>,
-    /// Keep a copy of sled's file as of its last sync, so that
-    /// `Node::crash` loses what a power cut would.
+    /// Faults and pauses of tests (`knobs.rs`).
     #[cfg(feature = "test-hooks")]
-    pub crash_image: bool,
-    /// The failure watch first runs this long after the start, as on a
-    /// node still starting thousands of replicas.
-    #[cfg(feature = "test-hooks")]
-    pub watch_after: Duration,
-    /// The replica of this queue starts only once the test notifies, as
-    /// one among thousands on a node still starting them.
-    #[cfg(feature = "test-hooks")]
-    pub start_held: Option<(String, Arc<tokio::sync::Notify>)>,
-    /// This node's replicas ask their masters for no body and send them no
-    /// report until the token is cancelled, as a replica whose fetch is
-    /// slow to get going after a snapshot.
-    #[cfg(feature = "test-hooks")]
-    pub bodies_held: Option<CancellationToken>,
+    pub test: TestKnobs,
 }
 
 /// Time limits. Defaults suit a loaded 2-core machine running three nodes.
@@ -160,13 +149,7 @@ impl NodeConfig {
             cluster_secret: None,
             link_tls: None,
             #[cfg(feature = "test-hooks")]
-            crash_image: false,
-            #[cfg(feature = "test-hooks")]
-            watch_after: Duration::ZERO,
-            #[cfg(feature = "test-hooks")]
-            start_held: None,
-            #[cfg(feature = "test-hooks")]
-            bodies_held: None,
+            test: TestKnobs::default(),
         }
     }
 }
@@ -221,15 +204,9 @@ struct Inner {
     meta_raft: Raft,
     meta: watch::Receiver<Arc<MetaState>>,
     groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
-    /// See `NodeConfig::watch_after`.
+    /// See `NodeConfig::test`.
     #[cfg(feature = "test-hooks")]
-    watch_from: Instant,
-    /// See `NodeConfig::start_held`.
-    #[cfg(feature = "test-hooks")]
-    start_held: Option<(String, Arc<tokio::sync::Notify>)>,
-    /// See `NodeConfig::bodies_held`.
-    #[cfg(feature = "test-hooks")]
-    bodies_held: Option<CancellationToken>,
+    knobs: knobs::Knobs,
     /// Orders the standings this node's replicas give ([`confirm_gate::Standing::seq`]).
     standings: std::sync::atomic::AtomicU64,
     /// Replicas taken out of `groups` so far: the reconciler looks over

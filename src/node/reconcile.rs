@@ -84,11 +84,7 @@ impl Node {
                 if sweep.full && !sweep.more {
                     node.inner.replicas_started.send_if_modified(|s| !std::mem::replace(s, true));
                 }
-                #[cfg(feature = "test-hooks")]
-                let watch_due = Instant::now() >= node.inner.watch_from;
-                #[cfg(not(feature = "test-hooks"))]
-                let watch_due = true;
-                if watch_due && (ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY)) {
+                if node.inner.watch_due() && (ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY)) {
                     last_watch = Some(Instant::now());
                     node.want_watch();
                 }
@@ -493,10 +489,7 @@ impl Node {
     }
 
     pub(super) async fn start_group(&self, q: QueueMeta, state: &MetaState) -> Result<(), ServerError> {
-        #[cfg(feature = "test-hooks")]
-        if let Some((_, release)) = self.inner.start_held.as_ref().filter(|(name, _)| *name == q.name) {
-            release.notified().await;
-        }
+        self.inner.start_hold(&q.name).await;
         let started = Instant::now();
         let db = &self.inner.db;
         let epoch = failover::load_epoch(db, q.group, self.id())?;

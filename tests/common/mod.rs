@@ -114,7 +114,7 @@ impl Cluster {
             cfg.cluster = members.clone();
             cfg.timing = timing.clone();
             // A crash loses what was not synced, as a power cut would.
-            cfg.crash_image = true;
+            cfg.test.crash_image = true;
             tweak(&mut cfg);
             dirs.push(dir);
             configs.push(cfg);
@@ -175,7 +175,7 @@ impl Cluster {
         let mut cfg = NodeConfig::new(id, dir.path(), listener.local_addr().unwrap().to_string());
         cfg.timing = self.configs[0].timing.clone();
         cfg.cluster_secret = self.configs[0].cluster_secret.clone();
-        cfg.crash_image = true;
+        cfg.test.crash_image = true;
         cfg.join = Some(self.configs[(via - 1) as usize].raft_listen.clone());
         let node = Node::start_with_listener(cfg.clone(), listener).await.expect("joining node starts");
         self.dirs.push(dir);

@@ -276,10 +276,7 @@ impl Node {
         max_bytes: u32,
         totals: bool,
     ) -> Result<BodyChunk, NodeError> {
-        #[cfg(feature = "test-hooks")]
-        if let Some(released) = &self.inner.bodies_held {
-            released.cancelled().await;
-        }
+        self.inner.bodies_hold().await;
         let req = ask::Bodies { group: g.meta.group, from: self.id(), standing, ranges, max_bytes, totals };
         let master = g.raft.metrics().borrow().current_leader;
         let Some(master) = master.filter(|m| *m != self.id()) else {
