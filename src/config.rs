@@ -123,17 +123,58 @@ impl ServeConfig {
             }
             None => FileConfig::default(),
         };
+        let mut node = Self::node_config(args, &file)?;
+        let worker_threads = args.worker_threads.or(file.worker_threads);
+        if let Some(n) = worker_threads {
+            if !(1..=MAX_WORKER_THREADS).contains(&n) {
+                return Err(ServerError::Config(format!(
+                    "--worker-threads must be between 1 and {MAX_WORKER_THREADS}"
+                )));
+            }
+        }
+        let amqps_listen = args.amqps_listen.clone().or(file.amqps_listen.clone());
+        let https_listen = args.https_listen.clone().or(file.https_listen.clone());
+        let tls = Self::tls(args, &file, amqps_listen.is_some() || https_listen.is_some())?;
+        if args.tls_node_link || file.tls_node_link.unwrap_or(false) {
+            let t = tls.as_ref().ok_or_else(|| {
+                ServerError::Config("--tls-node-link needs --tls-cert, --tls-key and --tls-ca".into())
+            })?;
+            node.link_tls = Some(Arc::new(t.link_tls().map_err(|e| ServerError::Config(e.to_string()))?));
+        }
+        Ok(Self {
+            node,
+            amqps_listen,
+            https_listen,
+            tls,
+            worker_threads,
+            amqp_listen: args
+                .amqp_listen
+                .clone()
+                .or(file.amqp_listen.clone())
+                .unwrap_or_else(|| "127.0.0.1:5672".into()),
+            http_listen: args
+                .http_listen
+                .clone()
+                .or(file.http_listen.clone())
+                .unwrap_or_else(|| "127.0.0.1:15672".into()),
+        })
+    }
+
+    /// The node's part: ids, addresses, cluster, timing, limits.
+    fn node_config(args: &ServeArgs, file: &FileConfig) -> Result<NodeConfig, ServerError> {
         let node_id = args.node_id.or(file.node_id).unwrap_or(1);
-        let data_dir = args.data_dir.clone().or(file.data_dir).unwrap_or_else(|| PathBuf::from("./mirrorq-data"));
-        let raft_listen = args.raft_listen.clone().or(file.raft_listen).unwrap_or_else(|| "127.0.0.1:25672".into());
+        let data_dir =
+            args.data_dir.clone().or(file.data_dir.clone()).unwrap_or_else(|| PathBuf::from("./mirrorq-data"));
+        let raft_listen =
+            args.raft_listen.clone().or(file.raft_listen.clone()).unwrap_or_else(|| "127.0.0.1:25672".into());
         let mut node = NodeConfig::new(node_id, data_dir, raft_listen);
-        if let Some(name) = args.node_name.clone().or(file.node_name) {
+        if let Some(name) = args.node_name.clone().or(file.node_name.clone()) {
             node.node_name = name;
         }
-        if let Some(c) = args.cluster.clone().or(file.cluster) {
+        if let Some(c) = args.cluster.clone().or(file.cluster.clone()) {
             node.cluster = parse_cluster(&c).map_err(|e| ServerError::Config(format!("--cluster: {e}")))?;
         }
-        node.join = args.join.clone().or(file.join);
+        node.join = args.join.clone().or(file.join.clone());
         if node.join.is_some() && !node.cluster.is_empty() {
             return Err(ServerError::Config("--join and --cluster exclude each other".into()));
         }
@@ -156,7 +197,7 @@ impl ServeConfig {
             let min = Duration::from_secs_f64(s);
             node.timing = Timing { heartbeat: min / 4, election_min: min, election_max: min * 2, ..node.timing };
         }
-        let watermark = args.memory_high_watermark.clone().or(file.memory_high_watermark.map(|v| match v {
+        let watermark = args.memory_high_watermark.clone().or(file.memory_high_watermark.clone().map(|v| match v {
             toml::Value::String(s) => s,
             toml::Value::Float(f) => f.to_string(),
             toml::Value::Integer(n) => n.to_string(),
@@ -169,7 +210,7 @@ impl ServeConfig {
         if let Some(d) = args.disk_free_limit.or(file.disk_free_limit) {
             node.disk_free_limit = d;
         }
-        if let Some(path) = args.cluster_secret_file.clone().or(file.cluster_secret_file) {
+        if let Some(path) = args.cluster_secret_file.clone().or(file.cluster_secret_file.clone()) {
             node.cluster_secret = Some(
                 crate::link::auth::ClusterSecret::from_file(&path)
                     .map_err(|e| ServerError::Config(format!("--cluster-secret-file: {e}")))?,
@@ -188,27 +229,23 @@ impl ServeConfig {
         if let Some(mb) = args.cache_mb.or(file.cache_mb) {
             node.cache_bytes = mb << 20;
         }
-        let worker_threads = args.worker_threads.or(file.worker_threads);
-        if let Some(n) = worker_threads {
-            if !(1..=MAX_WORKER_THREADS).contains(&n) {
-                return Err(ServerError::Config(format!(
-                    "--worker-threads must be between 1 and {MAX_WORKER_THREADS}"
-                )));
-            }
-        }
-        let amqps_listen = args.amqps_listen.clone().or(file.amqps_listen);
-        let https_listen = args.https_listen.clone().or(file.https_listen);
-        let tls = match (args.tls_cert.clone().or(file.tls_cert), args.tls_key.clone().or(file.tls_key)) {
+        Ok(node)
+    }
+
+    /// The TLS files, checked: `listens` if a TLS listener is on.
+    fn tls(args: &ServeArgs, file: &FileConfig, listens: bool) -> Result<Option<crate::tls::TlsFiles>, ServerError> {
+        let tls = match (args.tls_cert.clone().or(file.tls_cert.clone()), args.tls_key.clone().or(file.tls_key.clone()))
+        {
             (Some(cert), Some(key)) => Some(crate::tls::TlsFiles {
                 cert,
                 key,
-                ca: args.tls_ca.clone().or(file.tls_ca),
+                ca: args.tls_ca.clone().or(file.tls_ca.clone()),
                 verify_peer: args.tls_verify_peer || file.tls_verify_peer.unwrap_or(false),
             }),
             (None, None) => None,
             _ => return Err(ServerError::Config("--tls-cert and --tls-key go together".into())),
         };
-        if (amqps_listen.is_some() || https_listen.is_some()) && tls.is_none() {
+        if listens && tls.is_none() {
             return Err(ServerError::Config("--amqps-listen and --https-listen need --tls-cert and --tls-key".into()));
         }
         if let Some(t) = &tls {
@@ -219,21 +256,7 @@ impl ServeConfig {
             // listener later.
             t.server_config(&[]).map_err(|e| ServerError::Config(e.to_string()))?;
         }
-        if args.tls_node_link || file.tls_node_link.unwrap_or(false) {
-            let t = tls.as_ref().ok_or_else(|| {
-                ServerError::Config("--tls-node-link needs --tls-cert, --tls-key and --tls-ca".into())
-            })?;
-            node.link_tls = Some(Arc::new(t.link_tls().map_err(|e| ServerError::Config(e.to_string()))?));
-        }
-        Ok(Self {
-            node,
-            amqps_listen,
-            https_listen,
-            tls,
-            worker_threads,
-            amqp_listen: args.amqp_listen.clone().or(file.amqp_listen).unwrap_or_else(|| "127.0.0.1:5672".into()),
-            http_listen: args.http_listen.clone().or(file.http_listen).unwrap_or_else(|| "127.0.0.1:15672".into()),
-        })
+        Ok(tls)
     }
 }
 

@@ -1,6 +1,8 @@
 //! `mirrorq ctl`: the HTTP API from the command line, tables by default,
 //! `--json` for scripts; a clear message and exit 1 on any error.
 
+use std::path::Path;
+
 use serde_json::{json, Value};
 
 use crate::cli::{CtlArgs, CtlCommand};
@@ -81,182 +83,180 @@ fn s(v: &Value) -> String {
 
 /// Run one command; returns what to print.
 pub fn run(args: &CtlArgs) -> Result<String, CtlError> {
-    use base64::Engine;
-    let auth = format!(
-        "Basic {}",
-        base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", args.user, args.password))
-    );
-    let c = Client { base: args.url.clone(), auth };
-    let vhost = enc(&args.vhost);
-    let list = |path: &str, keys: &[&str], headers: &[&str]| -> Result<String, CtlError> {
-        let v = c.call("GET", path, None)?;
-        if args.json {
+    let ctl = Ctl::new(args);
+    let vhost = &ctl.vhost;
+    match &args.command {
+        CtlCommand::ClusterStatus => ctl.list("/api/nodes", &["name", "running"], &["node", "running"]),
+        CtlCommand::ListQueues => ctl.list("/api/queues", QUEUE_KEYS, QUEUE_HEADERS),
+        CtlCommand::ListPolicies => ctl.list_policies(),
+        CtlCommand::SetPolicy { name, pattern, definition, priority, apply_to } => {
+            ctl.set_policy(name, pattern, definition, *priority, apply_to)
+        }
+        CtlCommand::ClearPolicy { name } => {
+            ctl.done("DELETE", &format!("/api/policies/{vhost}/{}", enc(name)), None, format!("policy {name} cleared"))
+        }
+        CtlCommand::SyncQueue { name } => ctl.queue_action(name, "sync", format!("sync of {name} started")),
+        CtlCommand::CancelSyncQueue { name } => {
+            ctl.queue_action(name, "cancel_sync", format!("sync of {name} cancelled"))
+        }
+        CtlCommand::ForgetNode { name } => {
+            ctl.done("DELETE", &format!("/api/nodes/{}", enc(name)), None, format!("node {name} forgotten"))
+        }
+        CtlCommand::Rebalance => ctl.rebalance(),
+        CtlCommand::ExportDefinitions { file } => ctl.export_definitions(file),
+        CtlCommand::ImportDefinitions { file } => ctl.import_definitions(file),
+        CtlCommand::ListUsers => ctl.list("/api/users", &["name", "tags"], &["user", "tags"]),
+        CtlCommand::AddUser { name, password, tags } => {
+            let body = json!({"password": password, "tags": tags});
+            ctl.done("PUT", &format!("/api/users/{}", enc(name)), Some(&body), format!("user {name} added"))
+        }
+        CtlCommand::DeleteUser { name } => {
+            ctl.done("DELETE", &format!("/api/users/{}", enc(name)), None, format!("user {name} deleted"))
+        }
+        CtlCommand::ListVhosts => ctl.list("/api/vhosts", &["name", "description"], &["vhost", "description"]),
+        CtlCommand::AddVhost { name } => {
+            ctl.done("PUT", &format!("/api/vhosts/{}", enc(name)), Some(&json!({})), format!("vhost {name} added"))
+        }
+        CtlCommand::DeleteVhost { name } => {
+            ctl.done("DELETE", &format!("/api/vhosts/{}", enc(name)), None, format!("vhost {name} deleted"))
+        }
+        CtlCommand::ListPermissions => ctl.list(
+            &format!("/api/vhosts/{vhost}/permissions"),
+            &["user", "configure", "write", "read"],
+            &["user", "configure", "write", "read"],
+        ),
+        CtlCommand::SetPermissions { user, configure, write, read } => {
+            let body = json!({"configure": configure, "write": write, "read": read});
+            let done = format!("permissions of {user} in vhost {} set", args.vhost);
+            ctl.done("PUT", &format!("/api/permissions/{vhost}/{}", enc(user)), Some(&body), done)
+        }
+        CtlCommand::ClearPermissions { user } => {
+            let done = format!("permissions of {user} in vhost {} cleared", args.vhost);
+            ctl.done("DELETE", &format!("/api/permissions/{vhost}/{}", enc(user)), None, done)
+        }
+    }
+}
+
+/// `list_queues`: the API's keys, and the table's headers in RabbitMQ's
+/// words for them.
+const QUEUE_KEYS: &[&str] =
+    &["vhost", "name", "node", "slave_nodes", "synchronised_slave_nodes", "messages", "policy", "state"];
+const QUEUE_HEADERS: &[&str] = &["vhost", "name", "master", "mirrors", "synchronised", "messages", "policy", "state"];
+
+/// One command's client and options.
+struct Ctl<'a> {
+    c: Client,
+    args: &'a CtlArgs,
+    /// The vhost, encoded for a path.
+    vhost: String,
+}
+
+impl<'a> Ctl<'a> {
+    fn new(args: &'a CtlArgs) -> Ctl<'a> {
+        use base64::Engine;
+        let auth = format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", args.user, args.password))
+        );
+        Ctl { c: Client { base: args.url.clone(), auth }, args, vhost: enc(&args.vhost) }
+    }
+
+    /// A call whose answer is not shown: `done` once it succeeded.
+    fn done(&self, method: &str, path: &str, body: Option<&Value>, done: String) -> Result<String, CtlError> {
+        self.c.call(method, path, body)?;
+        Ok(done)
+    }
+
+    /// The JSON as it came (`--json`), or a table of `keys` of its items.
+    fn list(&self, path: &str, keys: &[&str], headers: &[&str]) -> Result<String, CtlError> {
+        let v = self.c.call("GET", path, None)?;
+        if self.args.json {
             return Ok(serde_json::to_string_pretty(&v).unwrap_or_default());
         }
         let rows = v.as_array().map(Vec::as_slice).unwrap_or_default().iter();
         Ok(table(headers, rows.map(|item| keys.iter().map(|k| s(&item[*k])).collect()).collect()))
-    };
-    let v = match &args.command {
-        CtlCommand::ClusterStatus => {
-            let v = c.call("GET", "/api/nodes", None)?;
-            if !args.json {
-                let rows = v
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-                    .iter()
-                    .map(|n| vec![s(&n["name"]), s(&n["running"])])
-                    .collect();
-                return Ok(table(&["node", "running"], rows));
-            }
-            v
+    }
+
+    /// As [`Ctl::list`], but a definition is shown as JSON.
+    fn list_policies(&self) -> Result<String, CtlError> {
+        let v = self.c.call("GET", "/api/policies", None)?;
+        if self.args.json {
+            return Ok(serde_json::to_string_pretty(&v).unwrap_or_default());
         }
-        CtlCommand::ListQueues => {
-            let v = c.call("GET", "/api/queues", None)?;
-            if !args.json {
-                let rows = v
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-                    .iter()
-                    .map(|q| {
-                        [
-                            "vhost",
-                            "name",
-                            "node",
-                            "slave_nodes",
-                            "synchronised_slave_nodes",
-                            "messages",
-                            "policy",
-                            "state",
-                        ]
-                        .iter()
-                        .map(|k| s(&q[*k]))
-                        .collect()
-                    })
-                    .collect();
-                return Ok(table(
-                    &["vhost", "name", "master", "mirrors", "synchronised", "messages", "policy", "state"],
-                    rows,
-                ));
-            }
-            v
+        let rows = v
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|p| {
+                vec![
+                    s(&p["vhost"]),
+                    s(&p["name"]),
+                    s(&p["pattern"]),
+                    s(&p["apply-to"]),
+                    s(&p["priority"]),
+                    p["definition"].to_string(),
+                ]
+            })
+            .collect();
+        Ok(table(&["vhost", "name", "pattern", "apply-to", "priority", "definition"], rows))
+    }
+
+    fn set_policy(
+        &self,
+        name: &str,
+        pattern: &str,
+        definition: &str,
+        priority: i64,
+        apply_to: &str,
+    ) -> Result<String, CtlError> {
+        let def: Value = serde_json::from_str(definition)
+            .map_err(|e| CtlError::Input(format!("DEFINITION_JSON is not JSON: {e}")))?;
+        let body = json!({"pattern": pattern, "definition": def, "priority": priority, "apply-to": apply_to});
+        self.done(
+            "PUT",
+            &format!("/api/policies/{}/{}", self.vhost, enc(name)),
+            Some(&body),
+            format!("policy {name} set"),
+        )
+    }
+
+    fn queue_action(&self, name: &str, action: &str, done: String) -> Result<String, CtlError> {
+        let path = format!("/api/queues/{}/{}/actions", self.vhost, enc(name));
+        self.done("POST", &path, Some(&json!({"action": action})), done)
+    }
+
+    fn rebalance(&self) -> Result<String, CtlError> {
+        let v = self.c.call("POST", "/api/rebalance/queues", Some(&json!({})))?;
+        let moves = v["moves"].as_array().cloned().unwrap_or_default();
+        let failed: Vec<String> = moves
+            .iter()
+            .filter(|m| !m["error"].is_null())
+            .map(|m| format!("{}: {}", m["queue"].as_str().unwrap_or("?"), m["error"].as_str().unwrap_or("?")))
+            .collect();
+        let mut out =
+            format!("rebalanced: {} of {} planned master moves done", moves.len() - failed.len(), moves.len());
+        for f in failed {
+            out.push_str(&format!("\nnot moved: {f}"));
         }
-        CtlCommand::ListPolicies => {
-            let v = c.call("GET", "/api/policies", None)?;
-            if !args.json {
-                let rows = v
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-                    .iter()
-                    .map(|p| {
-                        vec![
-                            s(&p["vhost"]),
-                            s(&p["name"]),
-                            s(&p["pattern"]),
-                            s(&p["apply-to"]),
-                            s(&p["priority"]),
-                            p["definition"].to_string(),
-                        ]
-                    })
-                    .collect();
-                return Ok(table(&["vhost", "name", "pattern", "apply-to", "priority", "definition"], rows));
-            }
-            v
-        }
-        CtlCommand::SetPolicy { name, pattern, definition, priority, apply_to } => {
-            let def: Value = serde_json::from_str(definition)
-                .map_err(|e| CtlError::Input(format!("DEFINITION_JSON is not JSON: {e}")))?;
-            let body = json!({"pattern": pattern, "definition": def, "priority": priority, "apply-to": apply_to});
-            c.call("PUT", &format!("/api/policies/{vhost}/{}", enc(name)), Some(&body))?;
-            return Ok(format!("policy {name} set"));
-        }
-        CtlCommand::ClearPolicy { name } => {
-            c.call("DELETE", &format!("/api/policies/{vhost}/{}", enc(name)), None)?;
-            return Ok(format!("policy {name} cleared"));
-        }
-        CtlCommand::SyncQueue { name } => {
-            c.call("POST", &format!("/api/queues/{vhost}/{}/actions", enc(name)), Some(&json!({"action": "sync"})))?;
-            return Ok(format!("sync of {name} started"));
-        }
-        CtlCommand::CancelSyncQueue { name } => {
-            c.call(
-                "POST",
-                &format!("/api/queues/{vhost}/{}/actions", enc(name)),
-                Some(&json!({"action": "cancel_sync"})),
-            )?;
-            return Ok(format!("sync of {name} cancelled"));
-        }
-        CtlCommand::ForgetNode { name } => {
-            c.call("DELETE", &format!("/api/nodes/{}", enc(name)), None)?;
-            return Ok(format!("node {name} forgotten"));
-        }
-        CtlCommand::Rebalance => {
-            let v = c.call("POST", "/api/rebalance/queues", Some(&json!({})))?;
-            let moves = v["moves"].as_array().cloned().unwrap_or_default();
-            let failed: Vec<String> = moves
-                .iter()
-                .filter(|m| !m["error"].is_null())
-                .map(|m| format!("{}: {}", m["queue"].as_str().unwrap_or("?"), m["error"].as_str().unwrap_or("?")))
-                .collect();
-            let mut out =
-                format!("rebalanced: {} of {} planned master moves done", moves.len() - failed.len(), moves.len());
-            for f in failed {
-                out.push_str(&format!("\nnot moved: {f}"));
-            }
-            return Ok(out);
-        }
-        CtlCommand::ExportDefinitions { file } => {
-            let v = c.call("GET", "/api/definitions", None)?;
-            std::fs::write(file, serde_json::to_vec_pretty(&v).unwrap_or_default())
-                .map_err(|e| CtlError::Input(format!("cannot write {}: {e}", file.display())))?;
-            return Ok(format!("definitions written to {}", file.display()));
-        }
-        CtlCommand::ImportDefinitions { file } => {
-            let text = std::fs::read_to_string(file)
-                .map_err(|e| CtlError::Input(format!("cannot read {}: {e}", file.display())))?;
-            let v: Value = serde_json::from_str(&text)
-                .map_err(|e| CtlError::Input(format!("{} is not JSON: {e}", file.display())))?;
-            c.call("POST", "/api/definitions", Some(&v))?;
-            return Ok(format!("definitions imported from {}", file.display()));
-        }
-        CtlCommand::ListUsers => return list("/api/users", &["name", "tags"], &["user", "tags"]),
-        CtlCommand::AddUser { name, password, tags } => {
-            c.call("PUT", &format!("/api/users/{}", enc(name)), Some(&json!({"password": password, "tags": tags})))?;
-            return Ok(format!("user {name} added"));
-        }
-        CtlCommand::DeleteUser { name } => {
-            c.call("DELETE", &format!("/api/users/{}", enc(name)), None)?;
-            return Ok(format!("user {name} deleted"));
-        }
-        CtlCommand::ListVhosts => return list("/api/vhosts", &["name", "description"], &["vhost", "description"]),
-        CtlCommand::AddVhost { name } => {
-            c.call("PUT", &format!("/api/vhosts/{}", enc(name)), Some(&json!({})))?;
-            return Ok(format!("vhost {name} added"));
-        }
-        CtlCommand::DeleteVhost { name } => {
-            c.call("DELETE", &format!("/api/vhosts/{}", enc(name)), None)?;
-            return Ok(format!("vhost {name} deleted"));
-        }
-        CtlCommand::ListPermissions => {
-            return list(
-                &format!("/api/vhosts/{vhost}/permissions"),
-                &["user", "configure", "write", "read"],
-                &["user", "configure", "write", "read"],
-            )
-        }
-        CtlCommand::SetPermissions { user, configure, write, read } => {
-            let body = json!({"configure": configure, "write": write, "read": read});
-            c.call("PUT", &format!("/api/permissions/{vhost}/{}", enc(user)), Some(&body))?;
-            return Ok(format!("permissions of {user} in vhost {} set", args.vhost));
-        }
-        CtlCommand::ClearPermissions { user } => {
-            c.call("DELETE", &format!("/api/permissions/{vhost}/{}", enc(user)), None)?;
-            return Ok(format!("permissions of {user} in vhost {} cleared", args.vhost));
-        }
-    };
-    Ok(serde_json::to_string_pretty(&v).unwrap_or_default())
+        Ok(out)
+    }
+
+    fn export_definitions(&self, file: &Path) -> Result<String, CtlError> {
+        let v = self.c.call("GET", "/api/definitions", None)?;
+        std::fs::write(file, serde_json::to_vec_pretty(&v).unwrap_or_default())
+            .map_err(|e| CtlError::Input(format!("cannot write {}: {e}", file.display())))?;
+        Ok(format!("definitions written to {}", file.display()))
+    }
+
+    fn import_definitions(&self, file: &Path) -> Result<String, CtlError> {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| CtlError::Input(format!("cannot read {}: {e}", file.display())))?;
+        let v: Value =
+            serde_json::from_str(&text).map_err(|e| CtlError::Input(format!("{} is not JSON: {e}", file.display())))?;
+        self.c.call("POST", "/api/definitions", Some(&v))?;
+        Ok(format!("definitions imported from {}", file.display()))
+    }
 }
 
 /// Percent-encode a name for a path segment.

@@ -49,16 +49,8 @@ where
 {
     let handshake_deadline = Instant::now() + HANDSHAKE_TIMEOUT;
     let (mut rd, mut wr) = tokio::io::split(stream);
-    let mut header = [0u8; 8];
-    match tokio::time::timeout_at(handshake_deadline.into(), rd.read_exact(&mut header)).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(_)) => return Ok(()),
-        Err(_) => return Err("no protocol header within the handshake timeout".into()),
-    }
-    if &header != PROTOCOL_HEADER {
-        // The spec's answer to a wrong protocol header: ours, then close.
-        let _ = wr.write_all(PROTOCOL_HEADER).await;
-        return Err(format!("bad protocol header {header:?}"));
+    if !protocol_header(&mut rd, &mut wr, handshake_deadline).await? {
+        return Ok(());
     }
 
     node.clients().connected(crate::clients::ConnectionInfo {
@@ -70,86 +62,14 @@ where
         node: node.name().to_string(),
         channels: Vec::new(),
     });
-    let (tx, mut rx) = mpsc::channel::<Outgoing>(1024);
+    let (tx, rx) = mpsc::channel::<Outgoing>(1024);
     let out = Out(tx);
-    let writer = tokio::spawn(async move {
-        let mut buf = Vec::with_capacity(64 * 1024);
-        while let Some(first) = rx.recv().await {
-            buf.clear();
-            let mut batch = first;
-            loop {
-                match batch {
-                    Outgoing::Frames(frames) => {
-                        for f in &frames {
-                            if let Err(e) = codec::write_frame(f, &mut buf) {
-                                tracing::error!(error = %e, "dropping an unencodable frame");
-                            }
-                        }
-                    }
-                    Outgoing::Encoded(bytes) if buf.is_empty() => buf = bytes,
-                    Outgoing::Encoded(bytes) => buf.extend_from_slice(&bytes),
-                }
-                if buf.len() > 256 * 1024 {
-                    break;
-                }
-                match rx.try_recv() {
-                    Ok(more) => batch = more,
-                    Err(_) => break,
-                }
-            }
-            if wr.write_all(&buf).await.is_err() {
-                return;
-            }
-        }
-        let _ = wr.shutdown().await;
-    });
+    let writer = tokio::spawn(write_loop(rx, wr));
 
-    let mut conn = Conn {
-        node,
-        conn_id,
-        out: out.clone(),
-        channels: HashMap::new(),
-        frame_max: FRAME_MAX,
-        channel_max: CHANNEL_MAX,
-        heartbeat: 0,
-        handshake_deadline,
-        state: State::AwaitStartOk,
-        in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-        hard_rx: None,
-        hard_tx: None,
-        exclusive: Arc::default(),
-        blocked_capable: false,
-        told_blocked: false,
-        published: false,
-        peer_loopback: peer.ip().is_loopback(),
-        user: Arc::from(""),
-        vhost: Arc::from(DEFAULT_VHOST),
-    };
-    let (hard_tx, hard_rx) = mpsc::channel::<Hard>(8);
-    let closer = hard_tx.clone();
-    conn.node.clients().closes_by(
-        conn_id,
-        Box::new(move |reason| {
-            let _ = closer.try_send(hard(CONNECTION_FORCED, format!("CONNECTION_FORCED - {reason}")));
-        }),
-    );
-    conn.hard_tx = Some(hard_tx);
-    conn.hard_rx = Some(hard_rx);
+    let mut conn = Conn::new(node, conn_id, out.clone(), peer, handshake_deadline);
     conn.send_start().await;
     let result = conn.read_loop(&mut rd).await;
-    for (_, ch) in conn.channels.drain() {
-        ch.closed.cancel();
-    }
-    for q in conn.node.clients().disconnected(conn_id) {
-        conn.node.consumer_gone(&q).await;
-    }
-    // Exclusive queues live as long as the connection that declared them.
-    let exclusive: Vec<String> = conn.exclusive.lock().expect("poisoned").iter().cloned().collect();
-    for q in exclusive {
-        if let Err(e) = conn.node.delete_queue(&q).await {
-            tracing::warn!(queue = %q, error = %e, "could not delete an exclusive queue");
-        }
-    }
+    conn.release().await;
     if let Err(h) = &result {
         tracing::info!(%peer, code = h.code, text = %h.text, "closing amqp connection");
         out.one(method(
@@ -179,6 +99,60 @@ where
     drop(conn);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
     result.map_err(|h| h.text)
+}
+
+/// Read and check the client's protocol header: `Ok(false)` if the client
+/// left before sending one.
+async fn protocol_header(
+    rd: &mut (impl AsyncRead + Unpin),
+    wr: &mut (impl AsyncWrite + Unpin),
+    handshake_deadline: Instant,
+) -> Result<bool, String> {
+    let mut header = [0u8; 8];
+    match tokio::time::timeout_at(handshake_deadline.into(), rd.read_exact(&mut header)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(_)) => return Ok(false),
+        Err(_) => return Err("no protocol header within the handshake timeout".into()),
+    }
+    if &header != PROTOCOL_HEADER {
+        // The spec's answer to a wrong protocol header: ours, then close.
+        let _ = wr.write_all(PROTOCOL_HEADER).await;
+        return Err(format!("bad protocol header {header:?}"));
+    }
+    Ok(true)
+}
+
+/// The writer task: what is queued meanwhile goes out in one write.
+async fn write_loop(mut rx: mpsc::Receiver<Outgoing>, mut wr: impl AsyncWrite + Unpin) {
+    let mut buf = Vec::with_capacity(64 * 1024);
+    while let Some(first) = rx.recv().await {
+        buf.clear();
+        let mut batch = first;
+        loop {
+            match batch {
+                Outgoing::Frames(frames) => {
+                    for f in &frames {
+                        if let Err(e) = codec::write_frame(f, &mut buf) {
+                            tracing::error!(error = %e, "dropping an unencodable frame");
+                        }
+                    }
+                }
+                Outgoing::Encoded(bytes) if buf.is_empty() => buf = bytes,
+                Outgoing::Encoded(bytes) => buf.extend_from_slice(&bytes),
+            }
+            if buf.len() > 256 * 1024 {
+                break;
+            }
+            match rx.try_recv() {
+                Ok(more) => batch = more,
+                Err(_) => break,
+            }
+        }
+        if wr.write_all(&buf).await.is_err() {
+            return;
+        }
+    }
+    let _ = wr.shutdown().await;
 }
 
 #[derive(PartialEq)]
@@ -226,6 +200,61 @@ struct Conn {
 }
 
 impl Conn {
+    /// A connection awaiting `connection.start-ok`; `Clients::close` tells
+    /// it to close (CONNECTION_FORCED).
+    fn new(node: Node, conn_id: u64, out: Out, peer: SocketAddr, handshake_deadline: Instant) -> Conn {
+        let mut conn = Conn {
+            node,
+            conn_id,
+            out,
+            channels: HashMap::new(),
+            frame_max: FRAME_MAX,
+            channel_max: CHANNEL_MAX,
+            heartbeat: 0,
+            handshake_deadline,
+            state: State::AwaitStartOk,
+            in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+            hard_rx: None,
+            hard_tx: None,
+            exclusive: Arc::default(),
+            blocked_capable: false,
+            told_blocked: false,
+            published: false,
+            peer_loopback: peer.ip().is_loopback(),
+            user: Arc::from(""),
+            vhost: Arc::from(DEFAULT_VHOST),
+        };
+        let (hard_tx, hard_rx) = mpsc::channel::<Hard>(8);
+        let closer = hard_tx.clone();
+        conn.node.clients().closes_by(
+            conn_id,
+            Box::new(move |reason| {
+                let _ = closer.try_send(hard(CONNECTION_FORCED, format!("CONNECTION_FORCED - {reason}")));
+            }),
+        );
+        conn.hard_tx = Some(hard_tx);
+        conn.hard_rx = Some(hard_rx);
+        conn
+    }
+
+    /// The read loop ended: stop the channels, let go of the consumers and
+    /// of the exclusive queues.
+    async fn release(&mut self) {
+        for (_, ch) in self.channels.drain() {
+            ch.closed.cancel();
+        }
+        for q in self.node.clients().disconnected(self.conn_id) {
+            self.node.consumer_gone(&q).await;
+        }
+        // Exclusive queues live as long as the connection that declared them.
+        let exclusive: Vec<String> = self.exclusive.lock().expect("poisoned").iter().cloned().collect();
+        for q in exclusive {
+            if let Err(e) = self.node.delete_queue(&q).await {
+                tracing::warn!(queue = %q, error = %e, "could not delete an exclusive queue");
+            }
+        }
+    }
+
     async fn send_start(&self) {
         let mut caps = FieldTable::default();
         for c in [
@@ -414,38 +443,7 @@ impl Conn {
     async fn connection_method(&mut self, m: connection::AMQPMethod) -> Result<bool, Hard> {
         use connection::AMQPMethod as M;
         match (&self.state, m) {
-            (State::AwaitStartOk, M::StartOk(ok)) => {
-                self.blocked_capable = matches!(
-                    ok.client_properties.inner().get("capabilities"),
-                    Some(AMQPValue::FieldTable(caps))
-                        if matches!(caps.inner().get("connection.blocked"), Some(AMQPValue::Boolean(true)))
-                );
-                let login = |meta: &crate::metadata::MetaState| {
-                    auth::authenticate(meta, ok.mechanism.as_str(), ok.response.as_bytes(), self.peer_loopback)
-                };
-                let mut result = login(&self.node.metadata());
-                if result.is_err() {
-                    // Perhaps a user just added through another node.
-                    self.node.meta_barrier().await;
-                    result = login(&self.node.metadata());
-                }
-                match result {
-                    Ok(user) => self.user = Arc::from(user),
-                    Err(text) => return Err(Hard { code: ACCESS_REFUSED, text, class: 10, method: 11 }),
-                }
-                self.state = State::AwaitTuneOk;
-                self.out
-                    .one(method(
-                        0,
-                        AMQPClass::Connection(M::Tune(connection::Tune {
-                            channel_max: CHANNEL_MAX,
-                            frame_max: FRAME_MAX,
-                            heartbeat: HEARTBEAT,
-                        })),
-                    ))
-                    .await;
-                Ok(true)
-            }
+            (State::AwaitStartOk, M::StartOk(ok)) => self.start_ok(ok).await,
             (State::AwaitTuneOk, M::TuneOk(t)) => {
                 if t.frame_max != 0 && t.frame_max < 4096 {
                     return Err(hard(SYNTAX_ERROR, "frame_max below 4096"));
@@ -456,57 +454,8 @@ impl Conn {
                 self.state = State::AwaitOpen;
                 Ok(true)
             }
-            (State::AwaitOpen, M::Open(o)) => {
-                let vhost = o.virtual_host.as_str();
-                let mut meta = self.node.metadata();
-                if meta.permission(&self.user, vhost).is_none() {
-                    // Perhaps a vhost or permission just added through another node.
-                    self.node.meta_barrier().await;
-                    meta = self.node.metadata();
-                }
-                if !meta.vhosts.contains_key(vhost) {
-                    return Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - vhost '{vhost}' not found")));
-                }
-                if meta.permission(&self.user, vhost).is_none() {
-                    return Err(hard(
-                        NOT_ALLOWED,
-                        format!("NOT_ALLOWED - access to vhost '{vhost}' refused for user '{}'", self.user),
-                    ));
-                }
-                if let Err(max) = self.node.clients().opened(self.conn_id, &self.user, vhost) {
-                    return Err(hard(
-                        NOT_ALLOWED,
-                        format!("NOT_ALLOWED - connection limit ({max}) of node {} is reached", self.node.name()),
-                    ));
-                }
-                self.vhost = Arc::from(vhost);
-                self.state = State::Open;
-                self.out.one(method(0, AMQPClass::Connection(M::OpenOk(connection::OpenOk {})))).await;
-                Ok(true)
-            }
-            // As RabbitMQ: a client with an expiring credential (a token)
-            // gives the new one on the open connection. Here the secret is
-            // the user's password: checked as at login, for the same user.
-            (State::Open, M::UpdateSecret(u)) => {
-                let valid = |meta: &crate::metadata::MetaState| {
-                    meta.users
-                        .get(&*self.user)
-                        .is_some_and(|user| user.password_matches(&String::from_utf8_lossy(u.new_secret.as_bytes())))
-                };
-                if !valid(&self.node.metadata()) && {
-                    self.node.meta_barrier().await;
-                    !valid(&self.node.metadata())
-                } {
-                    return Err(Hard {
-                        code: ACCESS_REFUSED,
-                        text: format!("ACCESS_REFUSED - the new secret of user '{}' was refused", self.user),
-                        class: 10,
-                        method: 70,
-                    });
-                }
-                self.out.one(method(0, AMQPClass::Connection(M::UpdateSecretOk(connection::UpdateSecretOk {})))).await;
-                Ok(true)
-            }
+            (State::AwaitOpen, M::Open(o)) => self.open(o).await,
+            (State::Open, M::UpdateSecret(u)) => self.update_secret(u).await,
             (_, M::Close(_)) => {
                 self.out.one(method(0, AMQPClass::Connection(M::CloseOk(connection::CloseOk {})))).await;
                 Ok(false)
@@ -515,6 +464,95 @@ impl Conn {
             (_, M::Blocked(_) | M::Unblocked(_)) => Ok(true),
             (_, other) => Err(hard(COMMAND_INVALID, format!("unexpected {other:?} in this state"))),
         }
+    }
+
+    async fn start_ok(&mut self, ok: connection::StartOk) -> Result<bool, Hard> {
+        use connection::AMQPMethod as M;
+        self.blocked_capable = matches!(
+            ok.client_properties.inner().get("capabilities"),
+            Some(AMQPValue::FieldTable(caps))
+                if matches!(caps.inner().get("connection.blocked"), Some(AMQPValue::Boolean(true)))
+        );
+        let login = |meta: &crate::metadata::MetaState| {
+            auth::authenticate(meta, ok.mechanism.as_str(), ok.response.as_bytes(), self.peer_loopback)
+        };
+        let mut result = login(&self.node.metadata());
+        if result.is_err() {
+            // Perhaps a user just added through another node.
+            self.node.meta_barrier().await;
+            result = login(&self.node.metadata());
+        }
+        match result {
+            Ok(user) => self.user = Arc::from(user),
+            Err(text) => return Err(Hard { code: ACCESS_REFUSED, text, class: 10, method: 11 }),
+        }
+        self.state = State::AwaitTuneOk;
+        self.out
+            .one(method(
+                0,
+                AMQPClass::Connection(M::Tune(connection::Tune {
+                    channel_max: CHANNEL_MAX,
+                    frame_max: FRAME_MAX,
+                    heartbeat: HEARTBEAT,
+                })),
+            ))
+            .await;
+        Ok(true)
+    }
+
+    async fn open(&mut self, o: connection::Open) -> Result<bool, Hard> {
+        use connection::AMQPMethod as M;
+        let vhost = o.virtual_host.as_str();
+        let mut meta = self.node.metadata();
+        if meta.permission(&self.user, vhost).is_none() {
+            // Perhaps a vhost or permission just added through another node.
+            self.node.meta_barrier().await;
+            meta = self.node.metadata();
+        }
+        if !meta.vhosts.contains_key(vhost) {
+            return Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - vhost '{vhost}' not found")));
+        }
+        if meta.permission(&self.user, vhost).is_none() {
+            return Err(hard(
+                NOT_ALLOWED,
+                format!("NOT_ALLOWED - access to vhost '{vhost}' refused for user '{}'", self.user),
+            ));
+        }
+        if let Err(max) = self.node.clients().opened(self.conn_id, &self.user, vhost) {
+            return Err(hard(
+                NOT_ALLOWED,
+                format!("NOT_ALLOWED - connection limit ({max}) of node {} is reached", self.node.name()),
+            ));
+        }
+        self.vhost = Arc::from(vhost);
+        self.state = State::Open;
+        self.out.one(method(0, AMQPClass::Connection(M::OpenOk(connection::OpenOk {})))).await;
+        Ok(true)
+    }
+
+    /// As RabbitMQ: a client with an expiring credential (a token) gives the
+    /// new one on the open connection. Here the secret is the user's
+    /// password: checked as at login, for the same user.
+    async fn update_secret(&mut self, u: connection::UpdateSecret) -> Result<bool, Hard> {
+        use connection::AMQPMethod as M;
+        let valid = |meta: &crate::metadata::MetaState| {
+            meta.users
+                .get(&*self.user)
+                .is_some_and(|user| user.password_matches(&String::from_utf8_lossy(u.new_secret.as_bytes())))
+        };
+        if !valid(&self.node.metadata()) && {
+            self.node.meta_barrier().await;
+            !valid(&self.node.metadata())
+        } {
+            return Err(Hard {
+                code: ACCESS_REFUSED,
+                text: format!("ACCESS_REFUSED - the new secret of user '{}' was refused", self.user),
+                class: 10,
+                method: 70,
+            });
+        }
+        self.out.one(method(0, AMQPClass::Connection(M::UpdateSecretOk(connection::UpdateSecretOk {})))).await;
+        Ok(true)
     }
 
     async fn channel_frame(&mut self, frame: AMQPFrame) -> Result<(), Hard> {

@@ -60,6 +60,17 @@ pub(super) struct Consumer {
     pub register: Option<bool>,
 }
 
+/// A serving consumer's gets in flight: they go to the client in this
+/// order, which is their order in the log.
+struct Window {
+    gets: FuturesOrdered<Get>,
+    /// Messages the gets in flight ask for.
+    asked: u64,
+    /// How long to wait for messages after an unparked get found none:
+    /// doubles, up to 200ms, while the queue stays empty.
+    idle: Duration,
+}
+
 /// How long a consumer goes on trying to register or unregister while the
 /// queue's master changes.
 const REGISTER_FOR: Duration = Duration::from_secs(60);
@@ -87,147 +98,179 @@ impl Consumer {
     }
 
     async fn serve(self) {
-        let mut idle = Duration::from_millis(5);
-        let mut gets: FuturesOrdered<Get> = FuturesOrdered::new();
-        // Messages the gets in flight ask for.
-        let mut asked = 0u64;
+        let mut w = Window { gets: FuturesOrdered::new(), asked: 0, idle: Duration::from_millis(5) };
         loop {
             if self.stop.is_cancelled() {
-                return self.give_back(gets).await;
+                return self.give_back(&mut w.gets).await;
             }
-            let mut no_room = false;
-            while gets.len() < GETS_IN_FLIGHT {
-                let first = gets.is_empty();
-                // Another get only while the queue holds more than is asked
-                // for. The first goes anyway, parked at the master for the
-                // next publish unless this node's replica shows messages
-                // ready (without a replica here, the master decides).
-                let ready = self.node.ready_hint(&self.queue);
-                let park = first && ready.is_none_or(|r| r == 0);
-                let worth = first || ready.is_some_and(|r| r > asked);
-                if !worth {
-                    break;
-                }
-                // Held until the messages fetched with it are assigned tags.
-                let claim = (!self.no_ack).then(|| self.deliveries.claim(self.id, GET_BATCH));
-                let want = claim.as_ref().map_or(NO_ACK_BATCH, |c| c.n);
-                if want == 0 {
-                    no_room = first;
-                    break;
-                }
-                asked += want as u64;
-                let (node, queue, owner, no_ack) = (self.node.clone(), self.queue.clone(), self.owner, self.no_ack);
-                let me = Some(self.me);
-                gets.push_back(
-                    async move {
-                        let got = if park {
-                            node.consumer_get(&queue, owner, want, no_ack, me).await
-                        } else {
-                            node.consumer_fetch(&queue, owner, want, no_ack, me).await.map(|(msgs, _)| msgs)
-                        };
-                        (claim, want, park, got)
-                    }
-                    .boxed(),
-                );
-            }
+            let no_room = self.ask(&mut w);
             // Room an ack gives back while gets are in flight is asked for
             // at once, not when the oldest get completes: with the window
             // refilled only at completions, a consumer ran at the gets'
             // round trip (behind big publish entries) and fell behind.
-            let next = if !gets.is_empty() && gets.len() < GETS_IN_FLIGHT && !self.no_ack {
+            let next = if !w.gets.is_empty() && w.gets.len() < GETS_IN_FLIGHT && !self.no_ack {
                 let room = self.deliveries.room.notified();
                 tokio::select! {
                     biased;
-                    next = gets.next() => next,
+                    next = w.gets.next() => next,
                     _ = room => continue,
                 }
             } else {
-                gets.next().await
+                w.gets.next().await
             };
             let Some((claim, want, parked, got)) = next else {
-                // Nothing asked: wait for room or for messages.
-                if no_room {
-                    let notified = self.deliveries.room.notified();
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return,
-                        _ = notified => {}
-                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                    }
-                } else {
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return,
-                        _ = self.node.wait_for_messages(&self.queue, Duration::from_millis(200)) => {}
-                    }
+                if !self.wait_for_work(no_room).await {
+                    return;
                 }
                 continue;
             };
-            asked -= want as u64;
-            match got {
-                Ok(msgs) if msgs.is_empty() => {
-                    drop(claim);
-                    // A parked get waited at the master already: park again
-                    // at once, or a publish meanwhile would miss it.
-                    if gets.is_empty() && !parked {
-                        tokio::select! {
-                            _ = self.stop.cancelled() => return,
-                            _ = self.node.wait_for_messages(&self.queue, idle) => {}
-                        }
-                        idle = (idle * 2).min(Duration::from_millis(200));
-                    }
-                }
-                Ok(msgs) => {
-                    idle = Duration::from_millis(5);
-                    if self.stop.is_cancelled() {
-                        // Cancelled while the get was in flight: hand them back.
-                        self.requeue(msgs).await;
-                        return self.give_back(gets).await;
-                    }
-                    if let Err(msgs) = self.deliver(msgs).await {
-                        // Cancelled meanwhile: not one delivery after cancel-ok.
-                        self.requeue(msgs).await;
-                        return self.give_back(gets).await;
-                    }
-                    drop(claim);
-                }
-                Err(NodeError::NoSuchQueue(_)) => {
-                    // The queue was deleted: tell the client (consumer_cancel_notify),
-                    // unless the client cancelled this consumer first (a get
-                    // still in flight then): its tag may be in use again.
-                    let gate = self.gate.lock().await;
-                    if self.stop.is_cancelled() {
-                        drop(gate);
-                        return self.give_back(gets).await;
-                    }
-                    self.node.clients().stopped_consuming(self.connection, self.channel, &self.tag);
-                    self.out
-                        .one(method(
-                            self.channel,
-                            AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-                                consumer_tag: ss(&self.tag),
-                                nowait: true,
-                            })),
-                        ))
-                        .await;
-                    drop(gate);
-                    return self.give_back(gets).await;
-                }
-                Err(e) => {
-                    drop(claim);
-                    tracing::debug!(queue = %self.queue, error = %e, "consumer get failed; retrying");
-                    if gets.is_empty() {
-                        tokio::select! {
-                            _ = self.stop.cancelled() => return,
-                            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                        }
-                    }
-                }
+            w.asked -= want as u64;
+            if !self.take(&mut w, claim, parked, got).await {
+                return;
             }
         }
     }
 
+    /// Issue gets up to [`GETS_IN_FLIGHT`]; `true` if the first one found
+    /// no room in the prefetch.
+    fn ask(&self, w: &mut Window) -> bool {
+        let mut no_room = false;
+        while w.gets.len() < GETS_IN_FLIGHT {
+            let first = w.gets.is_empty();
+            // Another get only while the queue holds more than is asked
+            // for. The first goes anyway, parked at the master for the
+            // next publish unless this node's replica shows messages
+            // ready (without a replica here, the master decides).
+            let ready = self.node.ready_hint(&self.queue);
+            let park = first && ready.is_none_or(|r| r == 0);
+            let worth = first || ready.is_some_and(|r| r > w.asked);
+            if !worth {
+                break;
+            }
+            // Held until the messages fetched with it are assigned tags.
+            let claim = (!self.no_ack).then(|| self.deliveries.claim(self.id, GET_BATCH));
+            let want = claim.as_ref().map_or(NO_ACK_BATCH, |c| c.n);
+            if want == 0 {
+                no_room = first;
+                break;
+            }
+            w.asked += want as u64;
+            let (node, queue, owner, no_ack) = (self.node.clone(), self.queue.clone(), self.owner, self.no_ack);
+            let me = Some(self.me);
+            w.gets.push_back(
+                async move {
+                    let got = if park {
+                        node.consumer_get(&queue, owner, want, no_ack, me).await
+                    } else {
+                        node.consumer_fetch(&queue, owner, want, no_ack, me).await.map(|(msgs, _)| msgs)
+                    };
+                    (claim, want, park, got)
+                }
+                .boxed(),
+            );
+        }
+        no_room
+    }
+
+    /// Nothing asked: wait for room or for messages; `false` once stopped.
+    async fn wait_for_work(&self, no_room: bool) -> bool {
+        if no_room {
+            let notified = self.deliveries.room.notified();
+            tokio::select! {
+                _ = self.stop.cancelled() => return false,
+                _ = notified => {}
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        } else {
+            tokio::select! {
+                _ = self.stop.cancelled() => return false,
+                _ = self.node.wait_for_messages(&self.queue, Duration::from_millis(200)) => {}
+            }
+        }
+        true
+    }
+
+    /// What a get brought; `false` once the consumer is done.
+    async fn take(
+        &self,
+        w: &mut Window,
+        claim: Option<Claim>,
+        parked: bool,
+        got: Result<Vec<Delivery>, NodeError>,
+    ) -> bool {
+        match got {
+            Ok(msgs) if msgs.is_empty() => {
+                drop(claim);
+                // A parked get waited at the master already: park again
+                // at once, or a publish meanwhile would miss it.
+                if w.gets.is_empty() && !parked {
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return false,
+                        _ = self.node.wait_for_messages(&self.queue, w.idle) => {}
+                    }
+                    w.idle = (w.idle * 2).min(Duration::from_millis(200));
+                }
+            }
+            Ok(msgs) => {
+                w.idle = Duration::from_millis(5);
+                if self.stop.is_cancelled() {
+                    // Cancelled while the get was in flight: hand them back.
+                    self.requeue(msgs).await;
+                    self.give_back(&mut w.gets).await;
+                    return false;
+                }
+                if let Err(msgs) = self.deliver(msgs).await {
+                    // Cancelled meanwhile: not one delivery after cancel-ok.
+                    self.requeue(msgs).await;
+                    self.give_back(&mut w.gets).await;
+                    return false;
+                }
+                drop(claim);
+            }
+            Err(NodeError::NoSuchQueue(_)) => {
+                self.queue_gone(&mut w.gets).await;
+                return false;
+            }
+            Err(e) => {
+                drop(claim);
+                tracing::debug!(queue = %self.queue, error = %e, "consumer get failed; retrying");
+                if w.gets.is_empty() {
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return false,
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// The queue was deleted: tell the client (consumer_cancel_notify),
+    /// unless the client cancelled this consumer first (a get still in
+    /// flight then): its tag may be in use again.
+    async fn queue_gone(&self, gets: &mut FuturesOrdered<Get>) {
+        let gate = self.gate.lock().await;
+        if self.stop.is_cancelled() {
+            drop(gate);
+            return self.give_back(gets).await;
+        }
+        self.node.clients().stopped_consuming(self.connection, self.channel, &self.tag);
+        self.out
+            .one(method(
+                self.channel,
+                AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                    consumer_tag: ss(&self.tag),
+                    nowait: true,
+                })),
+            ))
+            .await;
+        drop(gate);
+        self.give_back(gets).await
+    }
+
     /// Gets still in flight when the consumer stops: wait for them (a get
     /// cannot be taken back once sent) and requeue what they took.
-    async fn give_back(&self, mut gets: FuturesOrdered<Get>) {
+    async fn give_back(&self, gets: &mut FuturesOrdered<Get>) {
         while let Some((_claim, _, _, got)) = gets.next().await {
             if let Ok(msgs) = got {
                 self.requeue(msgs).await;

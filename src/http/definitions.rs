@@ -119,86 +119,14 @@ pub async fn import(
         changes.push(MetaCmd::SetPermission(permission_from(vhost, user, object(p, "permission")?)?));
     }
     for p in list(&defs, "policies")? {
-        let vhost = vhost_of(p, "policy", &vhosts)?;
-        let def = p
-            .get("definition")
-            .filter(|d| d.is_object())
-            .ok_or_else(|| ApiError::bad_request("policy: definition must be an object"))?;
-        let name = text(p, "name", "policy")?;
-        names::check("policy", name).map_err(ApiError::bad_request)?;
-        let pol = Policy {
-            name: key(vhost, name),
-            pattern: text(p, "pattern", "policy")?.to_string(),
-            apply_to: ApplyTo::parse(p.get("apply-to").and_then(Value::as_str).unwrap_or("all"))
-                .map_err(ApiError::bad_request)?,
-            priority: p.get("priority").and_then(Value::as_i64).unwrap_or(0),
-            definition: def.to_string(),
-        };
-        policy::validate(&pol).map_err(|e| ApiError::bad_request(format!("policy {name}: {e}")))?;
-        changes.push(MetaCmd::SetPolicy(pol));
+        changes.push(MetaCmd::SetPolicy(policy_of(p, &vhosts)?));
     }
     let mut exchanges = Vec::new();
     for e in list(&defs, "exchanges")? {
-        let vhost = vhost_of(e, "exchange", &vhosts)?;
-        let name = text(e, "name", "exchange")?;
-        names::check("exchange", name).map_err(ApiError::bad_request)?;
-        if routing::builtin(name).is_some() {
-            continue;
-        }
-        let kind = ExchangeKind::parse(text(e, "type", "exchange")?)
-            .ok_or_else(|| ApiError::bad_request(format!("exchange {name}: unknown type")))?;
-        let alternate = match e.get("arguments").and_then(|a| a.get("alternate-exchange")) {
-            None | Some(Value::Null) => None,
-            Some(Value::String(alt)) => Some(key(vhost, alt)),
-            Some(_) => {
-                return Err(ApiError::bad_request(format!("exchange {name}: alternate-exchange must be a string")))
-            }
-        };
-        exchanges.push(ExchangeMeta {
-            name: key(vhost, name),
-            kind,
-            durable: e.get("durable").and_then(Value::as_bool).unwrap_or(true),
-            auto_delete: e.get("auto_delete").and_then(Value::as_bool).unwrap_or(false),
-            internal: e.get("internal").and_then(Value::as_bool).unwrap_or(false),
-            alternate,
-            args: super::json_args(e.get("arguments")),
-        });
+        exchanges.extend(exchange_of(e, &vhosts)?);
     }
-    let mut queues = Vec::new();
-    for q in list(&defs, "queues")? {
-        let vhost = vhost_of(q, "queue", &vhosts)?;
-        let name = text(q, "name", "queue")?;
-        if name.is_empty() || name.len() > 255 {
-            return Err(ApiError::bad_request("queue: name must be 1 to 255 bytes"));
-        }
-        names::check("queue", name).map_err(ApiError::bad_request)?;
-        let args = super::queue_args(q.get("arguments"))
-            .map_err(|why| ApiError::bad_request(format!("queue {name}: {why}")))?;
-        let flag = |k: &str, default: bool| q.get(k).and_then(Value::as_bool).unwrap_or(default);
-        let opts = crate::api::DeclareOpts {
-            args,
-            transient: !flag("durable", true),
-            auto_delete: flag("auto_delete", false),
-            ..Default::default()
-        };
-        queues.push((key(vhost, name), opts));
-    }
-    let mut bindings = Vec::new();
-    for b in list(&defs, "bindings")? {
-        let vhost = vhost_of(b, "binding", &vhosts)?;
-        let to_exchange = match b.get("destination_type").and_then(Value::as_str).unwrap_or("queue") {
-            "queue" => false,
-            "exchange" => true,
-            other => return Err(ApiError::bad_request(format!("binding: unknown destination_type '{other}'"))),
-        };
-        bindings.push(Binding {
-            exchange: key(vhost, text(b, "source", "binding")?),
-            destination: key(vhost, text(b, "destination", "binding")?),
-            to_exchange,
-            routing_key: b.get("routing_key").and_then(Value::as_str).unwrap_or("").to_string(),
-            args: super::json_args(b.get("arguments")),
-        });
-    }
+    let queues = list(&defs, "queues")?.iter().map(|q| queue_of(q, &vhosts)).collect::<Result<Vec<_>, _>>()?;
+    let bindings = list(&defs, "bindings")?.iter().map(|b| binding_of(b, &vhosts)).collect::<Result<Vec<_>, _>>()?;
     for change in changes {
         node.meta_change(change, String::new).await?;
     }
@@ -212,4 +140,85 @@ pub async fn import(
         node.bind(b).await?;
     }
     Ok(StatusCode::NO_CONTENT)
+}
+
+fn policy_of(p: &Value, vhosts: &[String]) -> Result<Policy, ApiError> {
+    let vhost = vhost_of(p, "policy", vhosts)?;
+    let def = p
+        .get("definition")
+        .filter(|d| d.is_object())
+        .ok_or_else(|| ApiError::bad_request("policy: definition must be an object"))?;
+    let name = text(p, "name", "policy")?;
+    names::check("policy", name).map_err(ApiError::bad_request)?;
+    let pol = Policy {
+        name: key(vhost, name),
+        pattern: text(p, "pattern", "policy")?.to_string(),
+        apply_to: ApplyTo::parse(p.get("apply-to").and_then(Value::as_str).unwrap_or("all"))
+            .map_err(ApiError::bad_request)?,
+        priority: p.get("priority").and_then(Value::as_i64).unwrap_or(0),
+        definition: def.to_string(),
+    };
+    policy::validate(&pol).map_err(|e| ApiError::bad_request(format!("policy {name}: {e}")))?;
+    Ok(pol)
+}
+
+/// `None` for a built-in exchange, which is there already.
+fn exchange_of(e: &Value, vhosts: &[String]) -> Result<Option<ExchangeMeta>, ApiError> {
+    let vhost = vhost_of(e, "exchange", vhosts)?;
+    let name = text(e, "name", "exchange")?;
+    names::check("exchange", name).map_err(ApiError::bad_request)?;
+    if routing::builtin(name).is_some() {
+        return Ok(None);
+    }
+    let kind = ExchangeKind::parse(text(e, "type", "exchange")?)
+        .ok_or_else(|| ApiError::bad_request(format!("exchange {name}: unknown type")))?;
+    let alternate = match e.get("arguments").and_then(|a| a.get("alternate-exchange")) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(alt)) => Some(key(vhost, alt)),
+        Some(_) => return Err(ApiError::bad_request(format!("exchange {name}: alternate-exchange must be a string"))),
+    };
+    Ok(Some(ExchangeMeta {
+        name: key(vhost, name),
+        kind,
+        durable: e.get("durable").and_then(Value::as_bool).unwrap_or(true),
+        auto_delete: e.get("auto_delete").and_then(Value::as_bool).unwrap_or(false),
+        internal: e.get("internal").and_then(Value::as_bool).unwrap_or(false),
+        alternate,
+        args: super::json_args(e.get("arguments")),
+    }))
+}
+
+fn queue_of(q: &Value, vhosts: &[String]) -> Result<(String, crate::api::DeclareOpts), ApiError> {
+    let vhost = vhost_of(q, "queue", vhosts)?;
+    let name = text(q, "name", "queue")?;
+    if name.is_empty() || name.len() > 255 {
+        return Err(ApiError::bad_request("queue: name must be 1 to 255 bytes"));
+    }
+    names::check("queue", name).map_err(ApiError::bad_request)?;
+    let args =
+        super::queue_args(q.get("arguments")).map_err(|why| ApiError::bad_request(format!("queue {name}: {why}")))?;
+    let flag = |k: &str, default: bool| q.get(k).and_then(Value::as_bool).unwrap_or(default);
+    let opts = crate::api::DeclareOpts {
+        args,
+        transient: !flag("durable", true),
+        auto_delete: flag("auto_delete", false),
+        ..Default::default()
+    };
+    Ok((key(vhost, name), opts))
+}
+
+fn binding_of(b: &Value, vhosts: &[String]) -> Result<Binding, ApiError> {
+    let vhost = vhost_of(b, "binding", vhosts)?;
+    let to_exchange = match b.get("destination_type").and_then(Value::as_str).unwrap_or("queue") {
+        "queue" => false,
+        "exchange" => true,
+        other => return Err(ApiError::bad_request(format!("binding: unknown destination_type '{other}'"))),
+    };
+    Ok(Binding {
+        exchange: key(vhost, text(b, "source", "binding")?),
+        destination: key(vhost, text(b, "destination", "binding")?),
+        to_exchange,
+        routing_key: b.get("routing_key").and_then(Value::as_str).unwrap_or("").to_string(),
+        args: super::json_args(b.get("arguments")),
+    })
 }

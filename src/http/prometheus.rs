@@ -59,8 +59,21 @@ fn queue_labels(queue: &str) -> Vec<(String, String)> {
 
 /// The node's metrics in the OpenMetrics text format.
 pub fn render(node: &Node) -> String {
-    let m = node.metrics();
     let mut r = Registry::default();
+    counters(&mut r, node);
+    storage(&mut r, node);
+    replicas(&mut r, node);
+    node_gauges(&mut r, node);
+    let mut out = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &r) {
+        let _ = writeln!(out, "# encoding failed: {e}");
+    }
+    out
+}
+
+/// The counters of `metrics::Metrics`, and the process's dropped log lines.
+fn counters(r: &mut Registry, node: &Node) {
+    let m = node.metrics();
     r.register("rabbitmq_global_messages_received", "Messages received from publishers", m.received.clone());
     r.register("rabbitmq_global_messages_confirmed", "Messages confirmed to publishers", m.confirmed.clone());
     r.register("rabbitmq_global_messages_delivered", "Messages delivered to consumers", m.delivered.clone());
@@ -127,7 +140,10 @@ pub fn render(node: &Node) -> String {
         "AppendEntries calls (entries or heartbeats) received from leaders, every group of this node",
         m.appends_received.clone(),
     );
+}
 
+/// The storage flusher's syncs and the log's relocations.
+fn storage(r: &mut Registry, node: &Node) {
     let stats = node.db().flusher().stats();
     let buckets = mirrorq_storage::flusher::SYNC_BUCKET_BOUNDS
         .iter()
@@ -151,21 +167,23 @@ pub fn render(node: &Node) -> String {
         "Log bytes copied forward because idle queues pinned the oldest log segment (each copy holds every append)",
         relocated,
     );
+}
 
-    let ready =
-        labelled(&mut r, "rabbitmq_queue_messages_ready", "Messages ready to be delivered (queues mastered here)");
-    let unacked = labelled(&mut r, "rabbitmq_queue_messages_unacked", "Messages delivered, not yet acknowledged");
-    let synced =
-        labelled(&mut r, "mirrorq_queue_synchronised_replicas", "Replicas a confirm waits for, master included");
-    let term = labelled(&mut r, "rabbitmq_raft_term", "Current Raft term of the replica here");
-    let commit = labelled(&mut r, "rabbitmq_raft_log_commit_index", "Raft commit index of the replica here");
-    let leader = labelled(&mut r, "mirrorq_raft_leader_node", "Node id of the group's leader as known here (0: none)");
+/// Per queue replica hosted here: Raft figures from each, message counts
+/// from those mastered here.
+fn replicas(r: &mut Registry, node: &Node) {
+    let ready = labelled(r, "rabbitmq_queue_messages_ready", "Messages ready to be delivered (queues mastered here)");
+    let unacked = labelled(r, "rabbitmq_queue_messages_unacked", "Messages delivered, not yet acknowledged");
+    let synced = labelled(r, "mirrorq_queue_synchronised_replicas", "Replicas a confirm waits for, master included");
+    let term = labelled(r, "rabbitmq_raft_term", "Current Raft term of the replica here");
+    let commit = labelled(r, "rabbitmq_raft_log_commit_index", "Raft commit index of the replica here");
+    let leader = labelled(r, "mirrorq_raft_leader_node", "Node id of the group's leader as known here (0: none)");
     // Replicas of one queue that show different epochs are a split not
     // healed yet: one of them is a minority's fork.
     let epoch_term =
-        labelled(&mut r, "mirrorq_queue_epoch_term", "Term of the epoch (group incarnation) of the replica here");
+        labelled(r, "mirrorq_queue_epoch_term", "Term of the epoch (group incarnation) of the replica here");
     let epoch_node =
-        labelled(&mut r, "mirrorq_queue_epoch_node", "Node that formed the epoch of the replica here (0: as founded)");
+        labelled(r, "mirrorq_queue_epoch_node", "Node that formed the epoch of the replica here (0: as founded)");
     for g in node.local_raft_metrics() {
         let labels = queue_labels(&g.queue);
         term.get_or_create(&labels).set(g.term as i64);
@@ -181,9 +199,12 @@ pub fn render(node: &Node) -> String {
             }
         }
     }
+}
 
+/// Gauges of the node as a whole: quiet groups, tasks, memory, disk, alarms.
+fn node_gauges(r: &mut Registry, node: &Node) {
     gauge(
-        &mut r,
+        r,
         "mirrorq_queue_groups_quiet",
         "Queue groups mastered here that are idle and send no Raft heartbeats",
         node.quiet_groups() as u64,
@@ -192,33 +213,27 @@ pub fn render(node: &Node) -> String {
     // Each queue replica runs several tasks: how many are alive tells what
     // an idle group costs beyond its bytes.
     gauge(
-        &mut r,
+        r,
         "mirrorq_runtime_tasks",
         "Tasks alive in this node's runtime",
         tokio::runtime::Handle::current().metrics().num_alive_tasks() as u64,
     );
 
     let readings = node.alarms().readings();
-    gauge(&mut r, "rabbitmq_process_resident_memory_bytes", "Resident memory of this node", readings.mem_used);
-    gauge(&mut r, "rabbitmq_resident_memory_limit_bytes", "Memory high watermark", readings.mem_limit);
-    gauge(&mut r, "rabbitmq_disk_space_available_bytes", "Free disk on the data dir's file system", readings.disk_free);
+    gauge(r, "rabbitmq_process_resident_memory_bytes", "Resident memory of this node", readings.mem_used);
+    gauge(r, "rabbitmq_resident_memory_limit_bytes", "Memory high watermark", readings.mem_limit);
+    gauge(r, "rabbitmq_disk_space_available_bytes", "Free disk on the data dir's file system", readings.disk_free);
     gauge(
-        &mut r,
+        r,
         "rabbitmq_disk_space_available_limit_bytes",
         "Free disk below which publishers are blocked",
         readings.disk_free_limit,
     );
-    gauge(&mut r, "rabbitmq_alarms_memory_used_watermark", "1 while the memory alarm is on", readings.mem_alarm as u64);
+    gauge(r, "rabbitmq_alarms_memory_used_watermark", "1 while the memory alarm is on", readings.mem_alarm as u64);
     gauge(
-        &mut r,
+        r,
         "rabbitmq_alarms_free_disk_space_watermark",
         "1 while the disk alarm is on",
         readings.disk_free_alarm as u64,
     );
-
-    let mut out = String::new();
-    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &r) {
-        let _ = writeln!(out, "# encoding failed: {e}");
-    }
-    out
 }

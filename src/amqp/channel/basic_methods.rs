@@ -47,122 +47,9 @@ impl Channel {
                 self.reply(AMQPClass::Basic(B::QosOk(basic::QosOk {}))).await;
                 Ok(true)
             }
-            B::Get(g) => {
-                self.may(Access::Read, "queue", g.queue.as_str(), 60, 70)?;
-                let queue = self.key(g.queue.as_str());
-                self.locked_check(&queue, 60, 70).await?;
-                let (got, remaining) =
-                    self.node.fetch(&queue, self.owner, 1, g.no_ack).await.map_err(|e| Ok(node_soft(e, 60, 70)))?;
-                match got.into_iter().next() {
-                    None => self.reply(AMQPClass::Basic(B::GetEmpty(basic::GetEmpty {}))).await,
-                    Some(d) => {
-                        self.node.metrics().delivered.inc();
-                        let tag = self.deliveries.assign(&queue, d.tag, !g.no_ack, None);
-                        let m = B::GetOk(basic::GetOk {
-                            delivery_tag: tag,
-                            redelivered: d.redelivered,
-                            exchange: ss(&d.message.exchange),
-                            routing_key: ss(&d.message.routing_key),
-                            message_count: remaining as u32,
-                        });
-                        self.out.content(self.id, AMQPClass::Basic(m), &d.message, self.frame_max).await;
-                    }
-                }
-                Ok(true)
-            }
-            B::Consume(c) => {
-                let bare = c.queue.as_str().to_string();
-                self.may(Access::Read, "queue", &bare, 60, 20)?;
-                let queue = self.key(&bare);
-                let single_active = match self.node.find_queue(&queue).await {
-                    Ok(q) => {
-                        self.check_exclusive(&q, 60, 20)?;
-                        q.args.single_active_consumer
-                    }
-                    Err(_) => return Err(self.not_found("queue", &bare, 60, 20)),
-                };
-                let priority = match to_args(&c.arguments).get("x-priority") {
-                    None => 0,
-                    Some(ArgValue::Int(p)) if i32::try_from(*p).is_ok() => *p as i32,
-                    Some(_) => {
-                        let why = "PRECONDITION_FAILED - invalid arg 'x-priority': not a 32-bit integer";
-                        return Err(Ok(soft(PRECONDITION_FAILED, why.to_string(), 60, 20)));
-                    }
-                };
-                let tag = if c.consumer_tag.as_str().is_empty() {
-                    format!("amq.ctag-{:016x}", rand_id())
-                } else {
-                    c.consumer_tag.as_str().to_string()
-                };
-                if self.consumers.contains_key(&tag) {
-                    return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
-                }
-                // Cluster-wide, as the consumers of a queue may be on any node.
-                let present = self.node.consumers_of(&queue).await;
-                if (c.exclusive && !present.is_empty()) || present.iter().any(|k| k.exclusive) {
-                    return Err(Ok(soft(
-                        ACCESS_REFUSED,
-                        format!("ACCESS_REFUSED - queue '{bare}' in vhost '{}' in exclusive use", self.vhost),
-                        60,
-                        20,
-                    )));
-                }
-                self.next_consumer += 1;
-                let id = self.next_consumer;
-                let me = ConsumerRef { number: id as u64, priority };
-                let register = (single_active || priority != 0).then_some(single_active);
-                let prefetch = self.deliveries.consumer_started(id);
-                let stop = self.closed.child_token();
-                self.consumers.insert(tag.clone(), stop.clone());
-                self.node.clients().consuming(crate::clients::ConsumerInfo {
-                    connection: self.conn_id,
-                    channel: self.id,
-                    tag: tag.clone(),
-                    queue: queue.clone(),
-                    ack_required: !c.no_ack,
-                    prefetch,
-                    exclusive: c.exclusive,
-                    owner: self.owner,
-                    number: me.number,
-                    single_active,
-                });
-                if !c.nowait {
-                    self.reply(AMQPClass::Basic(B::ConsumeOk(basic::ConsumeOk { consumer_tag: ss(&tag) }))).await;
-                }
-                let consumer = Consumer {
-                    id,
-                    channel: self.id,
-                    tag,
-                    queue,
-                    no_ack: c.no_ack,
-                    owner: self.owner,
-                    connection: self.conn_id,
-                    node: self.node.clone(),
-                    out: self.out.clone(),
-                    deliveries: self.deliveries.clone(),
-                    frame_max: self.frame_max,
-                    stop,
-                    gate: self.delivery_gate.clone(),
-                    me,
-                    register,
-                };
-                tokio::spawn(consumer.run());
-                Ok(true)
-            }
-            B::Cancel(c) => {
-                if let Some(t) = self.consumers.remove(c.consumer_tag.as_str()) {
-                    let _gate = self.delivery_gate.lock().await;
-                    t.cancel();
-                }
-                if let Some(q) = self.node.clients().stopped_consuming(self.conn_id, self.id, c.consumer_tag.as_str()) {
-                    let node = self.node.clone();
-                    tokio::spawn(async move { node.consumer_gone(&q).await });
-                }
-                if !c.nowait {
-                    self.reply(AMQPClass::Basic(B::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag }))).await;
-                }
-                Ok(true)
-            }
+            B::Get(g) => self.basic_get(g).await,
+            B::Consume(c) => self.basic_consume(c).await,
+            B::Cancel(c) => self.basic_cancel(c).await,
             B::Ack(a) => self.settle(a.delivery_tag, a.multiple, Settle::Ack, 80).await,
             B::Nack(n) => self.settle(n.delivery_tag, n.multiple, Settle::Nack { requeue: n.requeue }, 120).await,
             B::Reject(r) => self.settle(r.delivery_tag, false, Settle::Nack { requeue: r.requeue }, 90).await,
@@ -177,6 +64,128 @@ impl Channel {
             }
             other => Err(Err(hard(COMMAND_INVALID, format!("basic.{other:?} is not a client method")))),
         }
+    }
+
+    async fn basic_get(&mut self, g: basic::Get) -> Result<bool, Result<Soft, Hard>> {
+        use basic::AMQPMethod as B;
+        self.may(Access::Read, "queue", g.queue.as_str(), 60, 70)?;
+        let queue = self.key(g.queue.as_str());
+        self.locked_check(&queue, 60, 70).await?;
+        let (got, remaining) =
+            self.node.fetch(&queue, self.owner, 1, g.no_ack).await.map_err(|e| Ok(node_soft(e, 60, 70)))?;
+        match got.into_iter().next() {
+            None => self.reply(AMQPClass::Basic(B::GetEmpty(basic::GetEmpty {}))).await,
+            Some(d) => {
+                self.node.metrics().delivered.inc();
+                let tag = self.deliveries.assign(&queue, d.tag, !g.no_ack, None);
+                let m = B::GetOk(basic::GetOk {
+                    delivery_tag: tag,
+                    redelivered: d.redelivered,
+                    exchange: ss(&d.message.exchange),
+                    routing_key: ss(&d.message.routing_key),
+                    message_count: remaining as u32,
+                });
+                self.out.content(self.id, AMQPClass::Basic(m), &d.message, self.frame_max).await;
+            }
+        }
+        Ok(true)
+    }
+
+    async fn basic_consume(&mut self, c: basic::Consume) -> Result<bool, Result<Soft, Hard>> {
+        use basic::AMQPMethod as B;
+        let bare = c.queue.as_str().to_string();
+        self.may(Access::Read, "queue", &bare, 60, 20)?;
+        let queue = self.key(&bare);
+        let single_active = match self.node.find_queue(&queue).await {
+            Ok(q) => {
+                self.check_exclusive(&q, 60, 20)?;
+                q.args.single_active_consumer
+            }
+            Err(_) => return Err(self.not_found("queue", &bare, 60, 20)),
+        };
+        let priority = match to_args(&c.arguments).get("x-priority") {
+            None => 0,
+            Some(ArgValue::Int(p)) if i32::try_from(*p).is_ok() => *p as i32,
+            Some(_) => {
+                let why = "PRECONDITION_FAILED - invalid arg 'x-priority': not a 32-bit integer";
+                return Err(Ok(soft(PRECONDITION_FAILED, why.to_string(), 60, 20)));
+            }
+        };
+        let tag = if c.consumer_tag.as_str().is_empty() {
+            format!("amq.ctag-{:016x}", rand_id())
+        } else {
+            c.consumer_tag.as_str().to_string()
+        };
+        if self.consumers.contains_key(&tag) {
+            return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
+        }
+        // Cluster-wide, as the consumers of a queue may be on any node.
+        let present = self.node.consumers_of(&queue).await;
+        if (c.exclusive && !present.is_empty()) || present.iter().any(|k| k.exclusive) {
+            return Err(Ok(soft(
+                ACCESS_REFUSED,
+                format!("ACCESS_REFUSED - queue '{bare}' in vhost '{}' in exclusive use", self.vhost),
+                60,
+                20,
+            )));
+        }
+        self.next_consumer += 1;
+        let id = self.next_consumer;
+        let me = ConsumerRef { number: id as u64, priority };
+        let register = (single_active || priority != 0).then_some(single_active);
+        let prefetch = self.deliveries.consumer_started(id);
+        let stop = self.closed.child_token();
+        self.consumers.insert(tag.clone(), stop.clone());
+        self.node.clients().consuming(crate::clients::ConsumerInfo {
+            connection: self.conn_id,
+            channel: self.id,
+            tag: tag.clone(),
+            queue: queue.clone(),
+            ack_required: !c.no_ack,
+            prefetch,
+            exclusive: c.exclusive,
+            owner: self.owner,
+            number: me.number,
+            single_active,
+        });
+        if !c.nowait {
+            self.reply(AMQPClass::Basic(B::ConsumeOk(basic::ConsumeOk { consumer_tag: ss(&tag) }))).await;
+        }
+        let consumer = Consumer {
+            id,
+            channel: self.id,
+            tag,
+            queue,
+            no_ack: c.no_ack,
+            owner: self.owner,
+            connection: self.conn_id,
+            node: self.node.clone(),
+            out: self.out.clone(),
+            deliveries: self.deliveries.clone(),
+            frame_max: self.frame_max,
+            stop,
+            gate: self.delivery_gate.clone(),
+            me,
+            register,
+        };
+        tokio::spawn(consumer.run());
+        Ok(true)
+    }
+
+    async fn basic_cancel(&mut self, c: basic::Cancel) -> Result<bool, Result<Soft, Hard>> {
+        use basic::AMQPMethod as B;
+        if let Some(t) = self.consumers.remove(c.consumer_tag.as_str()) {
+            let _gate = self.delivery_gate.lock().await;
+            t.cancel();
+        }
+        if let Some(q) = self.node.clients().stopped_consuming(self.conn_id, self.id, c.consumer_tag.as_str()) {
+            let node = self.node.clone();
+            tokio::spawn(async move { node.consumer_gone(&q).await });
+        }
+        if !c.nowait {
+            self.reply(AMQPClass::Basic(B::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag }))).await;
+        }
+        Ok(true)
     }
 
     pub(in crate::amqp) async fn requeue_all(&mut self, _requeue: bool) {

@@ -19,166 +19,193 @@ impl Channel {
     pub(in crate::amqp) async fn queue_method(&mut self, m: queue::AMQPMethod) -> Result<bool, Result<Soft, Hard>> {
         use queue::AMQPMethod as Q;
         match m {
-            Q::Declare(d) => {
-                let mut name = d.queue.as_str().to_string();
-                if name.is_empty() {
-                    name = format!("amq.gen-{:016x}", rand_id());
-                }
-                if let Err(why) = names::check("queue", &name) {
-                    return Err(Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 50, 10)));
-                }
-                if !d.passive {
-                    self.may(Access::Configure, "queue", &name, 50, 10)?;
-                }
-                let bare = name;
-                let name = self.key(&bare);
-                if name.starts_with("amq.") && !d.queue.as_str().is_empty() && !d.passive {
-                    return Err(Ok(soft(
-                        ACCESS_REFUSED,
-                        format!("ACCESS_REFUSED - queue name '{name}' contains reserved prefix 'amq.*'"),
-                        50,
-                        10,
-                    )));
-                }
-                let existing = self.node.find_queue(&name).await.ok();
-                if d.passive && existing.is_none() {
-                    return Err(self.not_found("queue", &bare, 50, 10));
-                }
-                let args = if d.passive {
-                    None
-                } else {
-                    let parsed = QueueArgs::parse(&to_args(&d.arguments))
-                        .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 50, 10)))?;
-                    Some(parsed)
-                };
-                let (q, created) = match existing {
-                    Some(q) => {
-                        if let Some(arg) = args.as_ref().and_then(|a| a.inequivalent(&q.args)) {
-                            return Err(Ok(soft(
-                                PRECONDITION_FAILED,
-                                format!(
-                                    "PRECONDITION_FAILED - inequivalent arg '{arg}' for queue '{bare}' in vhost '{}': \
-                                     received {} but current is {}",
-                                    self.vhost,
-                                    args.as_ref().map(|a| a.to_json()).unwrap_or_default(),
-                                    q.args.to_json()
-                                ),
-                                50,
-                                10,
-                            )));
-                        }
-                        (q, false)
-                    }
-                    None => {
-                        let min_masters = match d.arguments.inner().get(&ss("x-queue-master-locator")) {
-                            None => None,
-                            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"min-masters" => Some(true),
-                            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"client-local" => Some(false),
-                            Some(other) => {
-                                return Err(Ok(soft(
-                                    PRECONDITION_FAILED,
-                                    format!("PRECONDITION_FAILED - invalid x-queue-master-locator {other:?}"),
-                                    50,
-                                    10,
-                                )))
-                            }
-                        };
-                        let opts = DeclareOpts {
-                            min_masters,
-                            exclusive_owner: d.exclusive.then_some(self.conn_id),
-                            auto_delete: d.auto_delete,
-                            transient: !d.durable,
-                            args: args.clone().unwrap_or_default(),
-                        };
-                        // Placed by the effective policy (none: one replica, here).
-                        let (q, created) = self
-                            .node
-                            .declare_queue_with(&name, Vec::new(), opts)
-                            .await
-                            .map_err(|e| Ok(node_soft(e, 50, 10)))?;
-                        if created && d.exclusive {
-                            self.exclusive.lock().expect("poisoned").insert(name.clone());
-                        }
-                        (q, created)
-                    }
-                };
-                self.check_exclusive(&q, 50, 10)?;
-                // A queue this declare created has a master serving it (the
-                // declare waited for one), no message and no consumer yet.
-                // Otherwise: the master's count as applied, read without an
-                // entry in its log (RabbitMQ's count is no more exact); a
-                // declare, passive or not, counts as a use (x-expires).
-                let ready = if created {
-                    0
-                } else {
-                    self.node.view_at_master(&name, true).await.map_err(|e| Ok(node_soft(e, 50, 10)))?.ready
-                };
-                if !d.nowait {
-                    let consumers = if created { 0 } else { self.node.consumers_of(&name).await.len() };
-                    self.reply(AMQPClass::Queue(Q::DeclareOk(queue::DeclareOk {
-                        queue: ss(&bare),
-                        message_count: ready.min(u32::MAX as u64) as u32,
-                        consumer_count: consumers as u32,
-                    })))
-                    .await;
-                }
-                Ok(true)
-            }
-            Q::Purge(p) => {
-                self.may(Access::Read, "queue", p.queue.as_str(), 50, 30)?;
-                let name = self.key(p.queue.as_str());
-                self.locked_check(&name, 50, 30).await?;
-                let n = self.node.purge(&name).await.map_err(|e| Ok(node_soft(e, 50, 30)))?;
-                if !p.nowait {
-                    self.reply(AMQPClass::Queue(Q::PurgeOk(queue::PurgeOk { message_count: n as u32 }))).await;
-                }
-                Ok(true)
-            }
-            Q::Delete(d) => {
-                let bare = d.queue.as_str();
-                self.may(Access::Configure, "queue", bare, 50, 40)?;
-                let key = self.key(bare);
-                let name = key.as_str();
-                self.locked_check(name, 50, 40).await?;
-                let (ready, unacked) = self.node.status(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
-                if d.if_unused && !self.node.consumers_of(name).await.is_empty() {
-                    return Err(Ok(soft(
-                        PRECONDITION_FAILED,
-                        format!("PRECONDITION_FAILED - queue '{bare}' in vhost '{}' in use", self.vhost),
-                        50,
-                        40,
-                    )));
-                }
-                if d.if_empty && ready + unacked > 0 {
-                    return Err(Ok(soft(
-                        PRECONDITION_FAILED,
-                        format!("PRECONDITION_FAILED - queue '{bare}' in vhost '{}' not empty", self.vhost),
-                        50,
-                        40,
-                    )));
-                }
-                self.node.delete_queue(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
-                if !d.nowait {
-                    self.reply(AMQPClass::Queue(Q::DeleteOk(queue::DeleteOk { message_count: ready as u32 }))).await;
-                }
-                Ok(true)
-            }
-            Q::Bind(b) => {
-                let binding = self.binding_of(&b.exchange, &b.queue, false, &b.routing_key, &b.arguments);
-                self.change_binding(binding, true, (50, 20)).await?;
-                if !b.nowait {
-                    self.reply(AMQPClass::Queue(Q::BindOk(queue::BindOk {}))).await;
-                }
-                Ok(true)
-            }
-            Q::Unbind(b) => {
-                let binding = self.binding_of(&b.exchange, &b.queue, false, &b.routing_key, &b.arguments);
-                self.change_binding(binding, false, (50, 50)).await?;
-                self.reply(AMQPClass::Queue(Q::UnbindOk(queue::UnbindOk {}))).await;
-                Ok(true)
-            }
+            Q::Declare(d) => self.queue_declare(d).await,
+            Q::Purge(p) => self.queue_purge(p).await,
+            Q::Delete(d) => self.queue_delete(d).await,
+            Q::Bind(b) => self.queue_bind(b).await,
+            Q::Unbind(b) => self.queue_unbind(b).await,
             other => Err(Err(hard(COMMAND_INVALID, format!("queue.{other:?} is not a client method")))),
         }
+    }
+
+    async fn queue_declare(&mut self, d: queue::Declare) -> Result<bool, Result<Soft, Hard>> {
+        let mut name = d.queue.as_str().to_string();
+        if name.is_empty() {
+            name = format!("amq.gen-{:016x}", rand_id());
+        }
+        if let Err(why) = names::check("queue", &name) {
+            return Err(Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 50, 10)));
+        }
+        if !d.passive {
+            self.may(Access::Configure, "queue", &name, 50, 10)?;
+        }
+        let bare = name;
+        let name = self.key(&bare);
+        if name.starts_with("amq.") && !d.queue.as_str().is_empty() && !d.passive {
+            return Err(Ok(soft(
+                ACCESS_REFUSED,
+                format!("ACCESS_REFUSED - queue name '{name}' contains reserved prefix 'amq.*'"),
+                50,
+                10,
+            )));
+        }
+        let existing = self.node.find_queue(&name).await.ok();
+        if d.passive && existing.is_none() {
+            return Err(self.not_found("queue", &bare, 50, 10));
+        }
+        let args = if d.passive {
+            None
+        } else {
+            let parsed = QueueArgs::parse(&to_args(&d.arguments))
+                .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 50, 10)))?;
+            Some(parsed)
+        };
+        let (q, created) = match existing {
+            Some(q) => {
+                self.check_equivalent(&q, args.as_ref(), &bare)?;
+                (q, false)
+            }
+            None => self.declare_new(&d, &name, args).await?,
+        };
+        self.check_exclusive(&q, 50, 10)?;
+        // A queue this declare created has a master serving it (the
+        // declare waited for one), no message and no consumer yet.
+        // Otherwise: the master's count as applied, read without an
+        // entry in its log (RabbitMQ's count is no more exact); a
+        // declare, passive or not, counts as a use (x-expires).
+        let ready = if created {
+            0
+        } else {
+            self.node.view_at_master(&name, true).await.map_err(|e| Ok(node_soft(e, 50, 10)))?.ready
+        };
+        if !d.nowait {
+            let consumers = if created { 0 } else { self.node.consumers_of(&name).await.len() };
+            self.reply(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                queue: ss(&bare),
+                message_count: ready.min(u32::MAX as u64) as u32,
+                consumer_count: consumers as u32,
+            })))
+            .await;
+        }
+        Ok(true)
+    }
+
+    /// A non-passive declare of an existing queue must ask for its arguments.
+    fn check_equivalent(
+        &self,
+        q: &crate::metadata::QueueMeta,
+        args: Option<&QueueArgs>,
+        bare: &str,
+    ) -> Result<(), Result<Soft, Hard>> {
+        if let Some(arg) = args.and_then(|a| a.inequivalent(&q.args)) {
+            return Err(Ok(soft(
+                PRECONDITION_FAILED,
+                format!(
+                    "PRECONDITION_FAILED - inequivalent arg '{arg}' for queue '{bare}' in vhost '{}': \
+                     received {} but current is {}",
+                    self.vhost,
+                    args.map(|a| a.to_json()).unwrap_or_default(),
+                    q.args.to_json()
+                ),
+                50,
+                10,
+            )));
+        }
+        Ok(())
+    }
+
+    /// `queue.declare` of a queue not there yet: `(queue, created)`.
+    async fn declare_new(
+        &mut self,
+        d: &queue::Declare,
+        name: &str,
+        args: Option<QueueArgs>,
+    ) -> Result<(crate::metadata::QueueMeta, bool), Result<Soft, Hard>> {
+        let min_masters = match d.arguments.inner().get(&ss("x-queue-master-locator")) {
+            None => None,
+            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"min-masters" => Some(true),
+            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"client-local" => Some(false),
+            Some(other) => {
+                return Err(Ok(soft(
+                    PRECONDITION_FAILED,
+                    format!("PRECONDITION_FAILED - invalid x-queue-master-locator {other:?}"),
+                    50,
+                    10,
+                )))
+            }
+        };
+        let opts = DeclareOpts {
+            min_masters,
+            exclusive_owner: d.exclusive.then_some(self.conn_id),
+            auto_delete: d.auto_delete,
+            transient: !d.durable,
+            args: args.unwrap_or_default(),
+        };
+        // Placed by the effective policy (none: one replica, here).
+        let (q, created) =
+            self.node.declare_queue_with(name, Vec::new(), opts).await.map_err(|e| Ok(node_soft(e, 50, 10)))?;
+        if created && d.exclusive {
+            self.exclusive.lock().expect("poisoned").insert(name.to_string());
+        }
+        Ok((q, created))
+    }
+
+    async fn queue_purge(&mut self, p: queue::Purge) -> Result<bool, Result<Soft, Hard>> {
+        self.may(Access::Read, "queue", p.queue.as_str(), 50, 30)?;
+        let name = self.key(p.queue.as_str());
+        self.locked_check(&name, 50, 30).await?;
+        let n = self.node.purge(&name).await.map_err(|e| Ok(node_soft(e, 50, 30)))?;
+        if !p.nowait {
+            self.reply(AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk { message_count: n as u32 }))).await;
+        }
+        Ok(true)
+    }
+
+    async fn queue_delete(&mut self, d: queue::Delete) -> Result<bool, Result<Soft, Hard>> {
+        let bare = d.queue.as_str();
+        self.may(Access::Configure, "queue", bare, 50, 40)?;
+        let key = self.key(bare);
+        let name = key.as_str();
+        self.locked_check(name, 50, 40).await?;
+        let (ready, unacked) = self.node.status(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
+        if d.if_unused && !self.node.consumers_of(name).await.is_empty() {
+            return Err(Ok(soft(
+                PRECONDITION_FAILED,
+                format!("PRECONDITION_FAILED - queue '{bare}' in vhost '{}' in use", self.vhost),
+                50,
+                40,
+            )));
+        }
+        if d.if_empty && ready + unacked > 0 {
+            return Err(Ok(soft(
+                PRECONDITION_FAILED,
+                format!("PRECONDITION_FAILED - queue '{bare}' in vhost '{}' not empty", self.vhost),
+                50,
+                40,
+            )));
+        }
+        self.node.delete_queue(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
+        if !d.nowait {
+            let ok = queue::DeleteOk { message_count: ready as u32 };
+            self.reply(AMQPClass::Queue(queue::AMQPMethod::DeleteOk(ok))).await;
+        }
+        Ok(true)
+    }
+
+    async fn queue_bind(&mut self, b: queue::Bind) -> Result<bool, Result<Soft, Hard>> {
+        let binding = self.binding_of(&b.exchange, &b.queue, false, &b.routing_key, &b.arguments);
+        self.change_binding(binding, true, (50, 20)).await?;
+        if !b.nowait {
+            self.reply(AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {}))).await;
+        }
+        Ok(true)
+    }
+
+    async fn queue_unbind(&mut self, b: queue::Unbind) -> Result<bool, Result<Soft, Hard>> {
+        let binding = self.binding_of(&b.exchange, &b.queue, false, &b.routing_key, &b.arguments);
+        self.change_binding(binding, false, (50, 50)).await?;
+        self.reply(AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {}))).await;
+        Ok(true)
     }
 
     /// Another connection's exclusive queue: 405 RESOURCE_LOCKED.
