@@ -232,38 +232,8 @@ pub enum MetaReply {
 impl MetaState {
     pub fn apply(&mut self, cmd: &MetaCmd) -> MetaReply {
         match cmd {
-            MetaCmd::RegisterNode(info) => {
-                let new = !self.nodes.contains_key(&info.id);
-                self.nodes.insert(info.id, info.clone());
-                if new {
-                    self.replace_all();
-                }
-                MetaReply::Ok
-            }
-            MetaCmd::ForgetNode { id } => {
-                if !self.nodes.contains_key(id) {
-                    return MetaReply::NotFound;
-                }
-                let only: Vec<&str> =
-                    self.queues.values().filter(|q| q.replicas == [*id]).map(|q| q.name.as_str()).collect();
-                if !only.is_empty() {
-                    return MetaReply::Conflict(format!(
-                        "node {id} holds the only replica of queue(s) {}; delete or mirror them first",
-                        only.join(", ")
-                    ));
-                }
-                self.nodes.remove(id);
-                let holding: Vec<String> =
-                    self.queues.values().filter(|q| q.replicas.contains(id)).map(|q| q.name.clone()).collect();
-                for name in holding {
-                    if let Some(q) = self.queues.get_mut(&name) {
-                        q.replicas.retain(|r| r != id);
-                        q.forget_a_gone_founder();
-                    }
-                }
-                self.replace_all();
-                MetaReply::Ok
-            }
+            MetaCmd::RegisterNode(info) => self.register_node(info),
+            MetaCmd::ForgetNode { id } => self.forget_node(*id),
             MetaCmd::DeclareQueue {
                 name,
                 replicas,
@@ -277,225 +247,302 @@ impl MetaState {
                 if let Some(q) = self.queues.get(name) {
                     return MetaReply::Queue(q.clone());
                 }
-                if let Err(why) = self.vhost_exists(name) {
-                    return why;
-                }
-                let by_policy = replicas.is_empty();
-                let (replicas, policy) = if by_policy {
-                    let pol = policy::effective(&self.policies, name).cloned();
-                    let ha = pol.as_ref().and_then(|p| policy::parse_definition(&p.definition).ok());
-                    let mode = ha.as_ref().and_then(|h| h.mode.clone());
-                    // CONTRACT 5: client-local for unmirrored queues, min-masters for mirrored.
-                    let min_masters = locator.or(ha.as_ref().and_then(|h| h.min_masters)).unwrap_or(mode.is_some());
-                    let master = if min_masters || !self.nodes.contains_key(declared_on) {
-                        self.least_masters().unwrap_or(*declared_on)
-                    } else {
-                        *declared_on
-                    };
-                    // Only `exactly` picks nodes by load; counting it walks every queue.
-                    let load = match mode {
-                        Some(policy::HaMode::Exactly(_)) => self.replica_load(),
-                        _ => BTreeMap::new(),
-                    };
-                    let placed = policy::placement(mode.as_ref(), &[master], &self.node_list(), &load);
-                    (placed, pol.map(|p| p.name))
-                } else {
-                    (replicas.clone(), None)
+                let (placed, policy) = match self.place_new_queue(name, replicas, *declared_on, *locator) {
+                    Ok(placed) => placed,
+                    Err(why) => return why,
                 };
-                if replicas.is_empty() {
-                    return MetaReply::Invalid("a queue needs at least one replica".into());
-                }
-                let mut seen = std::collections::BTreeSet::new();
-                if !replicas.iter().all(|r| seen.insert(*r)) {
-                    return MetaReply::Invalid("replica listed twice".into());
-                }
-                if let Some(r) = replicas.iter().find(|r| !self.nodes.contains_key(r)) {
-                    return MetaReply::Invalid(format!("node {r} is not a cluster member"));
-                }
                 self.next_group += 1;
-                let q = QueueMeta {
+                self.add_queue(QueueMeta {
                     name: name.clone(),
                     group: self.next_group,
-                    initial: replicas.clone(),
-                    replicas,
+                    initial: placed.clone(),
+                    replicas: placed,
                     durable: *durable,
-                    by_policy,
+                    by_policy: replicas.is_empty(),
                     policy,
                     exclusive_owner: *exclusive_owner,
                     auto_delete: *auto_delete,
                     args: args.clone(),
-                };
-                self.queues.insert(name.clone(), q.clone());
-                self.by_group.insert(q.group, name.clone());
-                self.counts.add(&q);
-                MetaReply::NewQueue(q)
+                })
             }
-            MetaCmd::SetPolicy(p) => {
-                if let Err(why) = policy::validate(p) {
-                    return MetaReply::Invalid(why);
-                }
-                if let Err(why) = self.vhost_exists(&p.name) {
-                    return why;
-                }
-                let new = self.policies.insert(p.name.clone(), p.clone()).is_none();
-                self.replace_all();
-                if new {
-                    MetaReply::Created
-                } else {
-                    MetaReply::Ok
-                }
+            MetaCmd::SetPolicy(p) => self.set_policy(p),
+            MetaCmd::ClearPolicy { name } => self.clear_policy(name),
+            MetaCmd::DeleteQueue { name } => self.delete_queue(name),
+            MetaCmd::DeclareExchange(ex) => self.declare_exchange(ex),
+            MetaCmd::DeleteExchange { name, if_unused } => self.delete_exchange(name, *if_unused),
+            MetaCmd::Bind(b) => self.bind(b),
+            MetaCmd::Unbind(b) => self.unbind(b),
+            MetaCmd::PutUser(u) => self.put_user(u),
+            MetaCmd::DeleteUser { name } => self.delete_user(name),
+            MetaCmd::PutVhost(v) => self.put_vhost(v),
+            MetaCmd::DeleteVhost { name } => self.delete_vhost(name),
+            MetaCmd::SetPermission(p) => self.set_permission(p),
+            MetaCmd::ClearPermission { vhost, user } => self.clear_permission(vhost, user),
+        }
+    }
+
+    fn register_node(&mut self, info: &NodeInfo) -> MetaReply {
+        let new = !self.nodes.contains_key(&info.id);
+        self.nodes.insert(info.id, info.clone());
+        if new {
+            self.replace_all();
+        }
+        MetaReply::Ok
+    }
+
+    fn forget_node(&mut self, id: NodeId) -> MetaReply {
+        if !self.nodes.contains_key(&id) {
+            return MetaReply::NotFound;
+        }
+        let only: Vec<&str> = self.queues.values().filter(|q| q.replicas == [id]).map(|q| q.name.as_str()).collect();
+        if !only.is_empty() {
+            return MetaReply::Conflict(format!(
+                "node {id} holds the only replica of queue(s) {}; delete or mirror them first",
+                only.join(", ")
+            ));
+        }
+        self.nodes.remove(&id);
+        let holding: Vec<String> =
+            self.queues.values().filter(|q| q.replicas.contains(&id)).map(|q| q.name.clone()).collect();
+        for name in holding {
+            if let Some(q) = self.queues.get_mut(&name) {
+                q.replicas.retain(|r| *r != id);
+                q.forget_a_gone_founder();
             }
-            MetaCmd::ClearPolicy { name } => {
-                if self.policies.remove(name).is_none() {
-                    return MetaReply::NotFound;
-                }
-                self.replace_all();
+        }
+        self.replace_all();
+        MetaReply::Ok
+    }
+
+    /// The replicas and policy of a queue about to be declared, checked:
+    /// `replicas` as asked, or placed by the effective policy if empty.
+    fn place_new_queue(
+        &self,
+        name: &str,
+        replicas: &[NodeId],
+        declared_on: NodeId,
+        locator: Option<bool>,
+    ) -> Result<(Vec<NodeId>, Option<String>), MetaReply> {
+        self.vhost_exists(name)?;
+        let (replicas, policy) = if replicas.is_empty() {
+            let pol = policy::effective(&self.policies, name).cloned();
+            let ha = pol.as_ref().and_then(|p| policy::parse_definition(&p.definition).ok());
+            let mode = ha.as_ref().and_then(|h| h.mode.clone());
+            // CONTRACT 5: client-local for unmirrored queues, min-masters for mirrored.
+            let min_masters = locator.or(ha.as_ref().and_then(|h| h.min_masters)).unwrap_or(mode.is_some());
+            let master = if min_masters || !self.nodes.contains_key(&declared_on) {
+                self.least_masters().unwrap_or(declared_on)
+            } else {
+                declared_on
+            };
+            // Only `exactly` picks nodes by load; counting it walks every queue.
+            let load = match mode {
+                Some(policy::HaMode::Exactly(_)) => self.replica_load(),
+                _ => BTreeMap::new(),
+            };
+            let placed = policy::placement(mode.as_ref(), &[master], &self.node_list(), &load);
+            (placed, pol.map(|p| p.name))
+        } else {
+            (replicas.to_vec(), None)
+        };
+        if replicas.is_empty() {
+            return Err(MetaReply::Invalid("a queue needs at least one replica".into()));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if !replicas.iter().all(|r| seen.insert(*r)) {
+            return Err(MetaReply::Invalid("replica listed twice".into()));
+        }
+        if let Some(r) = replicas.iter().find(|r| !self.nodes.contains_key(r)) {
+            return Err(MetaReply::Invalid(format!("node {r} is not a cluster member")));
+        }
+        Ok((replicas, policy))
+    }
+
+    fn add_queue(&mut self, q: QueueMeta) -> MetaReply {
+        self.queues.insert(q.name.clone(), q.clone());
+        self.by_group.insert(q.group, q.name.clone());
+        self.counts.add(&q);
+        MetaReply::NewQueue(q)
+    }
+
+    fn delete_queue(&mut self, name: &str) -> MetaReply {
+        match self.queues.remove(name).inspect(|q| {
+            self.by_group.remove(&q.group);
+            self.counts.remove(q);
+        }) {
+            Some(_) => {
+                self.bindings.retain(|b| b.to_exchange || b.destination != name);
                 MetaReply::Ok
             }
-            MetaCmd::DeleteQueue { name } => match self.queues.remove(name).inspect(|q| {
+            None => MetaReply::NotFound,
+        }
+    }
+
+    fn set_policy(&mut self, p: &Policy) -> MetaReply {
+        if let Err(why) = policy::validate(p) {
+            return MetaReply::Invalid(why);
+        }
+        if let Err(why) = self.vhost_exists(&p.name) {
+            return why;
+        }
+        let new = self.policies.insert(p.name.clone(), p.clone()).is_none();
+        self.replace_all();
+        if new {
+            MetaReply::Created
+        } else {
+            MetaReply::Ok
+        }
+    }
+
+    fn clear_policy(&mut self, name: &str) -> MetaReply {
+        if self.policies.remove(name).is_none() {
+            return MetaReply::NotFound;
+        }
+        self.replace_all();
+        MetaReply::Ok
+    }
+
+    fn declare_exchange(&mut self, ex: &ExchangeMeta) -> MetaReply {
+        let (vhost, bare) = names::split(&ex.name);
+        if let Some(have) = self.exchange(&ex.name) {
+            return if have.kind == ex.kind {
+                MetaReply::Ok
+            } else {
+                MetaReply::Conflict(format!(
+                    "inequivalent arg 'type' for exchange '{bare}' in vhost '{vhost}': received '{}' but current is '{}'",
+                    ex.kind.as_str(),
+                    have.kind.as_str()
+                ))
+            };
+        }
+        if bare.starts_with("amq.") {
+            return MetaReply::Refused(format!("exchange name '{bare}' contains reserved prefix 'amq.*'"));
+        }
+        if let Err(why) = self.vhost_exists(&ex.name) {
+            return why;
+        }
+        self.exchanges.insert(ex.name.clone(), ex.clone());
+        MetaReply::Ok
+    }
+
+    fn delete_exchange(&mut self, name: &str, if_unused: bool) -> MetaReply {
+        let (vhost, bare) = names::split(name);
+        if builtin(name).is_some() {
+            return MetaReply::Refused(format!("cannot delete built-in exchange '{bare}'"));
+        }
+        if !self.exchanges.contains_key(name) {
+            return MetaReply::NotFound;
+        }
+        // As RabbitMQ: bindings to it do not make it used.
+        if if_unused && self.bindings.iter().any(|b| b.exchange == name) {
+            return MetaReply::Conflict(format!("exchange '{bare}' in vhost '{vhost}' in use"));
+        }
+        self.exchanges.remove(name);
+        self.bindings.retain(|b| b.exchange != name && !(b.to_exchange && b.destination == name));
+        MetaReply::Ok
+    }
+
+    fn bind(&mut self, b: &Binding) -> MetaReply {
+        if names::name_of(&b.exchange).is_empty() {
+            return MetaReply::Refused("operation not permitted on the default exchange".into());
+        }
+        if b.to_exchange && names::name_of(&b.destination).is_empty() {
+            return MetaReply::Refused("operation not permitted on the default exchange".into());
+        }
+        let destination = match b.to_exchange {
+            true => self.exchange(&b.destination).is_some(),
+            false => self.queues.contains_key(&b.destination),
+        };
+        if self.exchange(&b.exchange).is_none() || !destination {
+            return MetaReply::NotFound;
+        }
+        self.bindings.insert(b.clone());
+        MetaReply::Ok
+    }
+
+    fn unbind(&mut self, b: &Binding) -> MetaReply {
+        if names::name_of(&b.exchange).is_empty() {
+            return MetaReply::Refused("operation not permitted on the default exchange".into());
+        }
+        self.bindings.remove(b);
+        MetaReply::Ok
+    }
+
+    fn put_user(&mut self, u: &User) -> MetaReply {
+        if u.name.is_empty() {
+            return MetaReply::Invalid("user name is empty".into());
+        }
+        match self.users.insert(u.name.clone(), u.clone()) {
+            None => MetaReply::Created,
+            Some(_) => MetaReply::Ok,
+        }
+    }
+
+    fn delete_user(&mut self, name: &str) -> MetaReply {
+        if self.users.remove(name).is_none() {
+            return MetaReply::NotFound;
+        }
+        for users in self.permissions.values_mut() {
+            users.remove(name);
+        }
+        MetaReply::Ok
+    }
+
+    fn put_vhost(&mut self, v: &Vhost) -> MetaReply {
+        if let Err(why) = names::check("vhost", &v.name).and_then(|()| {
+            if v.name.is_empty() {
+                Err("vhost name is empty".to_string())
+            } else {
+                Ok(())
+            }
+        }) {
+            return MetaReply::Invalid(why);
+        }
+        match self.vhosts.insert(v.name.clone(), v.clone()) {
+            None => MetaReply::Created,
+            Some(_) => MetaReply::Ok,
+        }
+    }
+
+    fn delete_vhost(&mut self, name: &str) -> MetaReply {
+        if self.vhosts.remove(name).is_none() {
+            return MetaReply::NotFound;
+        }
+        let inside = |key: &String| names::vhost_of(key) == name;
+        let gone: Vec<String> = self.queues.keys().filter(|k| inside(k)).cloned().collect();
+        for k in gone {
+            if let Some(q) = self.queues.remove(&k) {
                 self.by_group.remove(&q.group);
-                self.counts.remove(q);
-            }) {
-                Some(_) => {
-                    self.bindings.retain(|b| b.to_exchange || &b.destination != name);
-                    MetaReply::Ok
-                }
-                None => MetaReply::NotFound,
-            },
-            MetaCmd::DeclareExchange(ex) => {
-                let (vhost, bare) = names::split(&ex.name);
-                if let Some(have) = self.exchange(&ex.name) {
-                    return if have.kind == ex.kind {
-                        MetaReply::Ok
-                    } else {
-                        MetaReply::Conflict(format!(
-                            "inequivalent arg 'type' for exchange '{bare}' in vhost '{vhost}': received '{}' but current is '{}'",
-                            ex.kind.as_str(),
-                            have.kind.as_str()
-                        ))
-                    };
-                }
-                if bare.starts_with("amq.") {
-                    return MetaReply::Refused(format!("exchange name '{bare}' contains reserved prefix 'amq.*'"));
-                }
-                if let Err(why) = self.vhost_exists(&ex.name) {
-                    return why;
-                }
-                self.exchanges.insert(ex.name.clone(), ex.clone());
-                MetaReply::Ok
+                self.counts.remove(&q);
             }
-            MetaCmd::DeleteExchange { name, if_unused } => {
-                let (vhost, bare) = names::split(name);
-                if builtin(name).is_some() {
-                    return MetaReply::Refused(format!("cannot delete built-in exchange '{bare}'"));
-                }
-                if !self.exchanges.contains_key(name) {
-                    return MetaReply::NotFound;
-                }
-                // As RabbitMQ: bindings to it do not make it used.
-                if *if_unused && self.bindings.iter().any(|b| &b.exchange == name) {
-                    return MetaReply::Conflict(format!("exchange '{bare}' in vhost '{vhost}' in use"));
-                }
-                self.exchanges.remove(name);
-                self.bindings.retain(|b| &b.exchange != name && !(b.to_exchange && &b.destination == name));
-                MetaReply::Ok
-            }
-            MetaCmd::Bind(b) => {
-                if names::name_of(&b.exchange).is_empty() {
-                    return MetaReply::Refused("operation not permitted on the default exchange".into());
-                }
-                if b.to_exchange && names::name_of(&b.destination).is_empty() {
-                    return MetaReply::Refused("operation not permitted on the default exchange".into());
-                }
-                let destination = match b.to_exchange {
-                    true => self.exchange(&b.destination).is_some(),
-                    false => self.queues.contains_key(&b.destination),
-                };
-                if self.exchange(&b.exchange).is_none() || !destination {
-                    return MetaReply::NotFound;
-                }
-                self.bindings.insert(b.clone());
-                MetaReply::Ok
-            }
-            MetaCmd::Unbind(b) => {
-                if names::name_of(&b.exchange).is_empty() {
-                    return MetaReply::Refused("operation not permitted on the default exchange".into());
-                }
-                self.bindings.remove(b);
-                MetaReply::Ok
-            }
-            MetaCmd::PutUser(u) => {
-                if u.name.is_empty() {
-                    return MetaReply::Invalid("user name is empty".into());
-                }
-                match self.users.insert(u.name.clone(), u.clone()) {
-                    None => MetaReply::Created,
-                    Some(_) => MetaReply::Ok,
-                }
-            }
-            MetaCmd::DeleteUser { name } => {
-                if self.users.remove(name).is_none() {
-                    return MetaReply::NotFound;
-                }
-                for users in self.permissions.values_mut() {
-                    users.remove(name);
-                }
-                MetaReply::Ok
-            }
-            MetaCmd::PutVhost(v) => {
-                if let Err(why) = names::check("vhost", &v.name).and_then(|()| {
-                    if v.name.is_empty() {
-                        Err("vhost name is empty".to_string())
-                    } else {
-                        Ok(())
-                    }
-                }) {
-                    return MetaReply::Invalid(why);
-                }
-                match self.vhosts.insert(v.name.clone(), v.clone()) {
-                    None => MetaReply::Created,
-                    Some(_) => MetaReply::Ok,
-                }
-            }
-            MetaCmd::DeleteVhost { name } => {
-                if self.vhosts.remove(name).is_none() {
-                    return MetaReply::NotFound;
-                }
-                let inside = |key: &String| names::vhost_of(key) == name;
-                let gone: Vec<String> = self.queues.keys().filter(|k| inside(k)).cloned().collect();
-                for k in gone {
-                    if let Some(q) = self.queues.remove(&k) {
-                        self.by_group.remove(&q.group);
-                        self.counts.remove(&q);
-                    }
-                }
-                self.exchanges.retain(|k, _| !inside(k));
-                self.bindings.retain(|b| !inside(&b.exchange) && !inside(&b.destination));
-                self.policies.retain(|k, _| !inside(k));
-                self.permissions.remove(name);
-                MetaReply::Ok
-            }
-            MetaCmd::SetPermission(p) => {
-                if !self.users.contains_key(&p.user) {
-                    return MetaReply::Invalid(format!("no user '{}'", p.user));
-                }
-                if !self.vhosts.contains_key(&p.vhost) {
-                    return MetaReply::Invalid(format!("no vhost '{}'", p.vhost));
-                }
-                if let Err(why) = p.validate() {
-                    return MetaReply::Invalid(why);
-                }
-                match self.permissions.entry(p.vhost.clone()).or_default().insert(p.user.clone(), p.clone()) {
-                    None => MetaReply::Created,
-                    Some(_) => MetaReply::Ok,
-                }
-            }
-            MetaCmd::ClearPermission { vhost, user } => {
-                match self.permissions.get_mut(vhost).and_then(|users| users.remove(user)) {
-                    Some(_) => MetaReply::Ok,
-                    None => MetaReply::NotFound,
-                }
-            }
+        }
+        self.exchanges.retain(|k, _| !inside(k));
+        self.bindings.retain(|b| !inside(&b.exchange) && !inside(&b.destination));
+        self.policies.retain(|k, _| !inside(k));
+        self.permissions.remove(name);
+        MetaReply::Ok
+    }
+
+    fn set_permission(&mut self, p: &Permission) -> MetaReply {
+        if !self.users.contains_key(&p.user) {
+            return MetaReply::Invalid(format!("no user '{}'", p.user));
+        }
+        if !self.vhosts.contains_key(&p.vhost) {
+            return MetaReply::Invalid(format!("no vhost '{}'", p.vhost));
+        }
+        if let Err(why) = p.validate() {
+            return MetaReply::Invalid(why);
+        }
+        match self.permissions.entry(p.vhost.clone()).or_default().insert(p.user.clone(), p.clone()) {
+            None => MetaReply::Created,
+            Some(_) => MetaReply::Ok,
+        }
+    }
+
+    fn clear_permission(&mut self, vhost: &str, user: &str) -> MetaReply {
+        match self.permissions.get_mut(vhost).and_then(|users| users.remove(user)) {
+            Some(_) => MetaReply::Ok,
+            None => MetaReply::NotFound,
         }
     }
 

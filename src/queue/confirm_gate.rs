@@ -278,7 +278,6 @@ pub fn spawn(
     tokio::spawn(async move {
         let mut metrics = raft.metrics();
         let reports = catching.read().expect("poisoned").reported.clone();
-        let mut samples = Samples { term: 0, points: VecDeque::new() };
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Only a master with something that time can change (a member
@@ -287,21 +286,6 @@ pub fn spawn(
         // it. Thousands of idle replicas each waking ten times a second
         // were most of an idle node's CPU.
         let mut ticking = true;
-        // Per lagging member: the index it was at, and since when.
-        let mut lagging: HashMap<NodeId, (Option<u64>, Instant)> = HashMap::new();
-        let mut last_kick = Instant::now();
-        let mut in_sync: BTreeSet<NodeId> = BTreeSet::new();
-        // Log index a member must reach to (re)join, set at takeover.
-        let mut floor: Option<u64> = None;
-        let mut grace_until = Instant::now();
-        // Members gone or stopping at some point of this leadership: the
-        // grace period no longer waits for them. One back from a restart
-        // acknowledges slowly while its node starts every replica (every
-        // busy queue that changed master at its stop stalled for about a
-        // second at its return), and joins by its report as any other. A
-        // member merely out of reach (a missed ping) is still waited for.
-        let mut away: BTreeSet<NodeId> = BTreeSet::new();
-        let mut reported: BTreeSet<NodeId> = BTreeSet::new();
         // A member out of the synchronised set, or down and lagging: news
         // of the peers (a return, a stop that is over) may let it in, or
         // call for a kick.
@@ -310,6 +294,7 @@ pub fn spawn(
         // acknowledgement.
         let mut news = peers.borrow_and_update().clone();
         let mut news_came = false;
+        let mut gate = Gate::new(group, raft, timeout, catching, leaderships);
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -323,7 +308,6 @@ pub fn spawn(
             if std::mem::take(&mut news_came) || peers.has_changed().unwrap_or(false) {
                 news = peers.borrow_and_update().clone();
             }
-            let (down_now, departed) = (&news.down, &news.departed);
             let m = metrics.borrow_and_update().clone();
             leading.store(m.state == ServerState::Leader && m.current_leader == Some(m.id), Ordering::Release);
             let members: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
@@ -331,101 +315,8 @@ pub fn spawn(
             ticking = false;
             on_peers = false;
             if let (ServerState::Leader, Some(repl)) = (m.state, m.replication.as_ref()) {
-                if samples.term != m.current_term {
-                    // New leadership: only the leader is known to hold every
-                    // confirmed message. The others join once they reach the
-                    // leader's log as it was at takeover; until then, and for
-                    // one timeout at most, confirms wait for them too.
-                    samples = Samples { term: m.current_term, points: VecDeque::new() };
-                    leaderships.inc();
-                    in_sync = BTreeSet::from([m.id]);
-                    floor = m.last_log_index;
-                    grace_until = now + timeout;
-                    away.clear();
-                }
-                if now < grace_until {
-                    let gone = news.gone.iter().chain(&news.departed);
-                    away.extend(gone.filter(|id| st.members.contains(id)));
-                }
-                samples.record(now, m.last_log_index.unwrap_or(0), timeout);
-                let threshold = samples.threshold(now, timeout);
-                let last = m.last_log_index;
-                lagging.retain(|id, _| st.members.contains(id));
-                let mut stalled = false;
-                for id in &st.members {
-                    let matched = repl.get(id).cloned().flatten().map(|l| l.index);
-                    if matched >= last {
-                        lagging.remove(id);
-                        continue;
-                    }
-                    let entry = lagging.entry(*id).or_insert((matched, now));
-                    if entry.0 != matched {
-                        *entry = (matched, now);
-                    } else if now.duration_since(entry.1) >= STALL && !down_now.contains(id) {
-                        stalled = true;
-                    }
-                }
-                if stalled && now.duration_since(last_kick) >= STALL {
-                    last_kick = now;
-                    let raft = raft.clone();
-                    tokio::spawn(async move {
-                        let _ = raft.client_write(crate::raft::types::Request::Queue(Default::default())).await;
-                    });
-                }
-                let matched_of = |id: &NodeId| repl.get(id).cloned().flatten().map(|l| l.index);
-                let behind = catching_up(&catching);
-                let book = catching.read().expect("poisoned");
-                in_sync.retain(|id| {
-                    *id == m.id
-                        || (st.members.contains(id)
-                            && book.heard_in(m.current_term, *id)
-                            && !behind.contains_key(id)
-                            && (threshold.is_none() || matched_of(id) >= threshold)
-                            && !(departed.contains(id) && matched_of(id) < last))
-                });
-                // What every replica waited on has: during the grace period
-                // after takeover that is every member that has been up since,
-                // later the synchronised.
-                let waiting = st.members.iter().filter(|id| {
-                    **id == m.id
-                        || !departed.contains(id)
-                            && (in_sync.contains(id)
-                                || (now < grace_until && !away.contains(id) && !behind.contains_key(id)))
-                });
-                let confirmed = waiting.map(matched_of).min().flatten();
-                // Back in only with everything confirmed so far (so joining
-                // never lowers `confirmed`).
-                let entry_floor = floor.max(confirmed);
-                for id in &st.members {
-                    if book.heard_in(m.current_term, *id)
-                        && !in_sync.contains(id)
-                        && !behind.contains_key(id)
-                        && !departed.contains(id)
-                        && matched_of(id) >= entry_floor
-                    {
-                        in_sync.insert(*id);
-                    }
-                }
-                drop(book);
-                if in_sync != reported {
-                    tracing::info!(group, term = m.current_term, synchronised = ?in_sync, was = ?reported, "synchronised replicas changed");
-                    reported = in_sync.clone();
-                }
-                // With every member synchronised and none behind the last
-                // index, neither the grace period's end nor a rising
-                // threshold (never above the last index) can change
-                // anything: metrics changes wake it, and a just-founded
-                // group does not tick ten times a second for a timeout.
-                // (The samples lose nothing: the index moves only with the
-                // metrics.)
-                // A report from a member since removed stays in the book.
-                let members_behind = behind.keys().any(|id| st.members.contains(id));
-                let wake =
-                    Wakeups::of(lagging.keys(), &in_sync, &st.members, &news, now < grace_until || members_behind);
+                let wake = gate.lead(&m, repl, &news, now, &mut st);
                 (ticking, on_peers) = (wake.tick, wake.on_peers);
-                st.synchronised = in_sync.clone();
-                st.confirmed = confirmed;
-                st.leader_term = Some(m.current_term);
             }
             tx.send_if_modified(|cur| {
                 if *cur != st {
@@ -438,6 +329,188 @@ pub fn spawn(
         }
     });
     rx
+}
+
+type Metrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
+/// Per member, the last log id it has durably appended, as the leader knows.
+type Matched = BTreeMap<NodeId, Option<openraft::LogId<NodeId>>>;
+
+/// What a master's gate keeps from one look to the next (a new leadership
+/// resets most of it: [`Gate::take_over`]).
+struct Gate {
+    group: u64,
+    raft: Raft,
+    timeout: Duration,
+    catching: CatchingUp,
+    leaderships: Counter,
+    samples: Samples,
+    /// Per lagging member: the index it was at, and since when.
+    lagging: HashMap<NodeId, (Option<u64>, Instant)>,
+    last_kick: Instant,
+    in_sync: BTreeSet<NodeId>,
+    /// Log index a member must reach to (re)join, set at takeover.
+    floor: Option<u64>,
+    grace_until: Instant,
+    /// Members gone or stopping at some point of this leadership: the
+    /// grace period no longer waits for them. One back from a restart
+    /// acknowledges slowly while its node starts every replica (every
+    /// busy queue that changed master at its stop stalled for about a
+    /// second at its return), and joins by its report as any other. A
+    /// member merely out of reach (a missed ping) is still waited for.
+    away: BTreeSet<NodeId>,
+    /// The synchronised set as last logged.
+    reported: BTreeSet<NodeId>,
+}
+
+impl Gate {
+    fn new(group: u64, raft: Raft, timeout: Duration, catching: CatchingUp, leaderships: Counter) -> Self {
+        Self {
+            group,
+            raft,
+            timeout,
+            catching,
+            leaderships,
+            samples: Samples { term: 0, points: VecDeque::new() },
+            lagging: HashMap::new(),
+            last_kick: Instant::now(),
+            in_sync: BTreeSet::new(),
+            floor: None,
+            grace_until: Instant::now(),
+            away: BTreeSet::new(),
+            reported: BTreeSet::new(),
+        }
+    }
+
+    /// One look as leader: fill in `st`'s synchronised set and confirmed
+    /// index, and say what must wake the gate next.
+    fn lead(&mut self, m: &Metrics, repl: &Matched, news: &PeerNews, now: Instant, st: &mut SyncState) -> Wakeups {
+        if self.samples.term != m.current_term {
+            self.take_over(m, now);
+        }
+        if now < self.grace_until {
+            let gone = news.gone.iter().chain(&news.departed);
+            self.away.extend(gone.filter(|id| st.members.contains(id)));
+        }
+        self.samples.record(now, m.last_log_index.unwrap_or(0), self.timeout);
+        self.kick_if_stalled(&st.members, repl, m.last_log_index, &news.down, now);
+        let behind = catching_up(&self.catching);
+        let confirmed = self.resync(m, repl, &st.members, &news.departed, &behind, now);
+        if self.in_sync != self.reported {
+            tracing::info!(group = self.group, term = m.current_term, synchronised = ?self.in_sync, was = ?self.reported, "synchronised replicas changed");
+            self.reported = self.in_sync.clone();
+        }
+        // With every member synchronised and none behind the last
+        // index, neither the grace period's end nor a rising
+        // threshold (never above the last index) can change
+        // anything: metrics changes wake it, and a just-founded
+        // group does not tick ten times a second for a timeout.
+        // (The samples lose nothing: the index moves only with the
+        // metrics.)
+        // A report from a member since removed stays in the book.
+        let members_behind = behind.keys().any(|id| st.members.contains(id));
+        let busy = now < self.grace_until || members_behind;
+        let wake = Wakeups::of(self.lagging.keys(), &self.in_sync, &st.members, news, busy);
+        st.synchronised = self.in_sync.clone();
+        st.confirmed = confirmed;
+        st.leader_term = Some(m.current_term);
+        wake
+    }
+
+    /// New leadership: only the leader is known to hold every confirmed
+    /// message. The others join once they reach the leader's log as it was
+    /// at takeover; until then, and for one timeout at most, confirms wait
+    /// for them too.
+    fn take_over(&mut self, m: &Metrics, now: Instant) {
+        self.samples = Samples { term: m.current_term, points: VecDeque::new() };
+        self.leaderships.inc();
+        self.in_sync = BTreeSet::from([m.id]);
+        self.floor = m.last_log_index;
+        self.grace_until = now + self.timeout;
+        self.away.clear();
+    }
+
+    /// Track the members behind `last`, and write an empty entry if one
+    /// that is up made no progress for [`STALL`].
+    fn kick_if_stalled(
+        &mut self,
+        members: &BTreeSet<NodeId>,
+        repl: &Matched,
+        last: Option<u64>,
+        down_now: &BTreeSet<NodeId>,
+        now: Instant,
+    ) {
+        self.lagging.retain(|id, _| members.contains(id));
+        let mut stalled = false;
+        for id in members {
+            let matched = repl.get(id).cloned().flatten().map(|l| l.index);
+            if matched >= last {
+                self.lagging.remove(id);
+                continue;
+            }
+            let entry = self.lagging.entry(*id).or_insert((matched, now));
+            if entry.0 != matched {
+                *entry = (matched, now);
+            } else if now.duration_since(entry.1) >= STALL && !down_now.contains(id) {
+                stalled = true;
+            }
+        }
+        if stalled && now.duration_since(self.last_kick) >= STALL {
+            self.last_kick = now;
+            let raft = self.raft.clone();
+            tokio::spawn(async move {
+                let _ = raft.client_write(crate::raft::types::Request::Queue(Default::default())).await;
+            });
+        }
+    }
+
+    /// Drop from the synchronised set the members that fell behind, take
+    /// back those that caught up, and return the confirmed index.
+    fn resync(
+        &mut self,
+        m: &Metrics,
+        repl: &Matched,
+        members: &BTreeSet<NodeId>,
+        departed: &BTreeSet<NodeId>,
+        behind: &BTreeMap<NodeId, SyncProgress>,
+        now: Instant,
+    ) -> Option<u64> {
+        let threshold = self.samples.threshold(now, self.timeout);
+        let last = m.last_log_index;
+        let matched_of = |id: &NodeId| repl.get(id).cloned().flatten().map(|l| l.index);
+        let book = self.catching.read().expect("poisoned");
+        self.in_sync.retain(|id| {
+            *id == m.id
+                || (members.contains(id)
+                    && book.heard_in(m.current_term, *id)
+                    && !behind.contains_key(id)
+                    && (threshold.is_none() || matched_of(id) >= threshold)
+                    && !(departed.contains(id) && matched_of(id) < last))
+        });
+        // What every replica waited on has: during the grace period
+        // after takeover that is every member that has been up since,
+        // later the synchronised.
+        let waiting = members.iter().filter(|id| {
+            **id == m.id
+                || !departed.contains(id)
+                    && (self.in_sync.contains(id)
+                        || (now < self.grace_until && !self.away.contains(id) && !behind.contains_key(id)))
+        });
+        let confirmed = waiting.map(matched_of).min().flatten();
+        // Back in only with everything confirmed so far (so joining
+        // never lowers `confirmed`).
+        let entry_floor = self.floor.max(confirmed);
+        for id in members {
+            if book.heard_in(m.current_term, *id)
+                && !self.in_sync.contains(id)
+                && !behind.contains_key(id)
+                && !departed.contains(id)
+                && matched_of(id) >= entry_floor
+            {
+                self.in_sync.insert(*id);
+            }
+        }
+        confirmed
+    }
 }
 
 #[cfg(test)]

@@ -142,122 +142,30 @@ impl Proposer {
         sync: watch::Receiver<SyncState>,
         min_sync_wait: Duration,
         dead_letters: DeadLetterSink,
-        mut stats: watch::Receiver<QueueStats>,
+        stats: watch::Receiver<QueueStats>,
         stop: CancellationToken,
     ) -> Self {
-        let (tx, mut rx) = mpsc::channel::<Pending>(65536);
-        let (consumer_tx, mut consumer_rx) = mpsc::channel::<Pending>(65536);
+        let (tx, rx) = mpsc::channel::<Pending>(65536);
+        let (consumer_tx, consumer_rx) = mpsc::channel::<Pending>(65536);
         let min_sync = Arc::new(AtomicUsize::new(0));
-        let min = min_sync.clone();
         let limits = Arc::new(watch::Sender::new(Limits::default()));
-        let task_limits = limits.clone();
         let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
-        let task_slots = slots.clone();
-        tokio::spawn(async move {
-            let slots = task_slots;
-            let mut parked = Parked::default();
-            loop {
-                // Work first, then a slot: an idle proposer holds no slot,
-                // so `hold` takes them all at once.
-                let first = tokio::select! {
-                    biased;
-                    _ = stop.cancelled() => return refuse_all(&mut parked, &mut consumer_rx, &mut rx),
-                    p = consumer_rx.recv() => match p {
-                        // Only the leader parks: elsewhere the get goes on
-                        // to be refused, so its caller finds the master.
-                        Some(p) if p.park && stats.borrow().ready == 0 && raft.metrics().borrow().state.is_leader() => {
-                            parked.push(p);
-                            continue;
-                        }
-                        Some(p) => Some((p, Lane::Consumer)),
-                        None => return,
-                    },
-                    p = rx.recv() => match p {
-                        Some(p) => Some((p, Lane::Arrival)),
-                        None => return,
-                    },
-                    // Something became ready that no entry of theirs took:
-                    // the parked gets go in an entry of their own.
-                    r = stats.changed(), if !parked.is_empty() => {
-                        if r.is_ok() && stats.borrow().ready == 0 {
-                            continue;
-                        }
-                        None
-                    }
-                    _ = tokio::time::sleep_until(parked.deadline()), if !parked.is_empty() => {
-                        parked.answer_empty();
-                        continue;
-                    }
-                };
-                let permit = tokio::select! {
-                    _ = stop.cancelled() => {
-                        if let Some((first, _)) = first {
-                            let _ = first.reply.send(Err(NodeError::NotLeader { leader: None }));
-                        }
-                        return refuse_all(&mut parked, &mut consumer_rx, &mut rx);
-                    }
-                    p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
-                };
-                // The consumer lane first, then arrival order: an arrival
-                // that was waiting for this slot goes after the consumer lane
-                // too, so nothing waits behind more than one entry's worth.
-                let (mut consumer_first, mut arrival_first) = (None, None);
-                match first {
-                    Some((p, Lane::Consumer)) => consumer_first = Some(p),
-                    Some((p, _)) => arrival_first = Some(p),
-                    None => {}
-                }
-                let mut batch = Batch::default();
-                batch.extend(consumer_first);
-                while !batch.full() && batch.cmds < MAX_CONSUMER_CMDS {
-                    match consumer_rx.try_recv() {
-                        Ok(p) if p.park => parked.push(p),
-                        Ok(p) => batch.push(p),
-                        Err(_) => break,
-                    }
-                }
-                batch.extend(arrival_first);
-                while !batch.full() {
-                    match rx.try_recv() {
-                        Ok(p) => batch.push(p),
-                        Err(_) => break,
-                    }
-                }
-                let mut batch = batch.pending;
-                // Parked gets go last, so they take what this entry publishes.
-                batch.extend(parked.take());
-                if batch.is_empty() {
-                    continue;
-                }
-                // Hand the entry to Raft here, in this order (that fixes
-                // its place in the log); wait for commit and confirm elsewhere.
-                let (mut cmds, waiters, needs_confirm) = flatten(batch);
-                let limits = *task_limits.borrow();
-                let stamped = limits.any() || cmds.iter().any(QueueCmd::needs_stamp);
-                if stamped {
-                    cmds.insert(0, QueueCmd::Stamp { now_ms: now_ms(), limits });
-                }
-                // A quiet group's followers learn this entry's commit from
-                // the heartbeats that follow it.
-                hush.wake();
-                // Boxed: the idle proposer task need not hold room for it.
-                match Box::pin(raft.client_write_ff(Request::Queue(Arc::new(cmds)))).await {
-                    Ok(rx) => {
-                        let sync = sync.clone();
-                        let min = (needs_confirm, min.load(Ordering::Relaxed), min_sync_wait);
-                        let dead = stamped.then(|| dead_letters());
-                        tokio::spawn(finish(rx, sync, waiters, min, dead, permit));
-                    }
-                    // The group stopped (its mastership moved, or the node
-                    // stops) before the entry reached it: nothing was
-                    // proposed, so the callers may go to the new master.
-                    // Refused as unavailable, an ack sent during a move was
-                    // lost and its message redelivered.
-                    Err(openraft::error::Fatal::Stopped) => fail(waiters, NodeError::NotLeader { leader: None }),
-                    Err(fatal) => fail(waiters, NodeError::Unavailable(fatal.to_string())),
-                }
-            }
-        });
+        let task = Proposing {
+            raft,
+            hush,
+            sync,
+            min_sync: min_sync.clone(),
+            min_sync_wait,
+            limits: limits.clone(),
+            slots: slots.clone(),
+            dead_letters,
+            stats,
+            stop,
+            rx,
+            consumer_rx,
+            parked: Parked::default(),
+        };
+        tokio::spawn(task.run());
         Self { tx, consumer_tx, min_sync, limits, slots }
     }
 
@@ -303,6 +211,148 @@ impl Proposer {
         Ok(rx)
     }
 }
+
+/// The task behind a [`Proposer`]: it takes operations off the lanes and
+/// proposes them as entries.
+struct Proposing {
+    raft: Raft,
+    hush: Arc<Hush>,
+    sync: watch::Receiver<SyncState>,
+    min_sync: Arc<AtomicUsize>,
+    min_sync_wait: Duration,
+    limits: Arc<watch::Sender<Limits>>,
+    slots: Arc<Semaphore>,
+    dead_letters: DeadLetterSink,
+    stats: watch::Receiver<QueueStats>,
+    stop: CancellationToken,
+    rx: mpsc::Receiver<Pending>,
+    consumer_rx: mpsc::Receiver<Pending>,
+    parked: Parked,
+}
+
+impl Proposing {
+    async fn run(mut self) {
+        loop {
+            // Work first, then a slot: an idle proposer holds no slot,
+            // so `hold` takes them all at once.
+            let first = tokio::select! {
+                biased;
+                _ = self.stop.cancelled() => return self.refuse_all(),
+                p = self.consumer_rx.recv() => match p {
+                    // Only the leader parks: elsewhere the get goes on
+                    // to be refused, so its caller finds the master.
+                    Some(p) if p.park && self.stats.borrow().ready == 0 && self.raft.metrics().borrow().state.is_leader() => {
+                        self.parked.push(p);
+                        continue;
+                    }
+                    Some(p) => Some((p, Lane::Consumer)),
+                    None => return,
+                },
+                p = self.rx.recv() => match p {
+                    Some(p) => Some((p, Lane::Arrival)),
+                    None => return,
+                },
+                // Something became ready that no entry of theirs took:
+                // the parked gets go in an entry of their own.
+                r = self.stats.changed(), if !self.parked.is_empty() => {
+                    if r.is_ok() && self.stats.borrow().ready == 0 {
+                        continue;
+                    }
+                    None
+                }
+                _ = tokio::time::sleep_until(self.parked.deadline()), if !self.parked.is_empty() => {
+                    self.parked.answer_empty();
+                    continue;
+                }
+            };
+            let permit = tokio::select! {
+                _ = self.stop.cancelled() => {
+                    if let Some((first, _)) = first {
+                        let _ = first.reply.send(Err(NodeError::NotLeader { leader: None }));
+                    }
+                    return self.refuse_all();
+                }
+                p = self.slots.clone().acquire_owned() => p.expect("semaphore never closed"),
+            };
+            let batch = self.gather(first);
+            if batch.is_empty() {
+                continue;
+            }
+            self.propose(batch, permit).await;
+        }
+    }
+
+    /// The operations of the next entry. The consumer lane first, then
+    /// arrival order: an arrival that was waiting for this slot goes after
+    /// the consumer lane too, so nothing waits behind more than one
+    /// entry's worth.
+    fn gather(&mut self, first: Option<(Pending, Lane)>) -> Vec<Pending> {
+        let (mut consumer_first, mut arrival_first) = (None, None);
+        match first {
+            Some((p, Lane::Consumer)) => consumer_first = Some(p),
+            Some((p, _)) => arrival_first = Some(p),
+            None => {}
+        }
+        let mut batch = Batch::default();
+        batch.extend(consumer_first);
+        while !batch.full() && batch.cmds < MAX_CONSUMER_CMDS {
+            match self.consumer_rx.try_recv() {
+                Ok(p) if p.park => self.parked.push(p),
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        batch.extend(arrival_first);
+        while !batch.full() {
+            match self.rx.try_recv() {
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        let mut batch = batch.pending;
+        // Parked gets go last, so they take what this entry publishes.
+        batch.extend(self.parked.take());
+        batch
+    }
+
+    /// Hand the entry to Raft here, in this order (that fixes its place in
+    /// the log); wait for commit and confirm elsewhere.
+    async fn propose(&self, batch: Vec<Pending>, permit: tokio::sync::OwnedSemaphorePermit) {
+        let (mut cmds, waiters, needs_confirm) = flatten(batch);
+        let limits = *self.limits.borrow();
+        let stamped = limits.any() || cmds.iter().any(QueueCmd::needs_stamp);
+        if stamped {
+            cmds.insert(0, QueueCmd::Stamp { now_ms: now_ms(), limits });
+        }
+        // A quiet group's followers learn this entry's commit from
+        // the heartbeats that follow it.
+        self.hush.wake();
+        // Boxed: the idle proposer task need not hold room for it.
+        match Box::pin(self.raft.client_write_ff(Request::Queue(Arc::new(cmds)))).await {
+            Ok(rx) => {
+                let sync = self.sync.clone();
+                let min = (needs_confirm, self.min_sync.load(Ordering::Relaxed), self.min_sync_wait);
+                let dead = stamped.then(|| (self.dead_letters)());
+                tokio::spawn(finish(rx, sync, waiters, min, dead, permit));
+            }
+            // The group stopped (its mastership moved, or the node
+            // stops) before the entry reached it: nothing was
+            // proposed, so the callers may go to the new master.
+            // Refused as unavailable, an ack sent during a move was
+            // lost and its message redelivered.
+            Err(openraft::error::Fatal::Stopped) => fail(waiters, NodeError::NotLeader { leader: None }),
+            Err(fatal) => fail(waiters, NodeError::Unavailable(fatal.to_string())),
+        }
+    }
+
+    /// The group stopped here: everything parked or waiting in either lane.
+    fn refuse_all(&mut self) {
+        self.parked.refuse();
+        refuse_waiting(&mut self.consumer_rx);
+        refuse_waiting(&mut self.rx);
+    }
+}
+
 /// Parked consumer gets and when the oldest must be answered.
 #[derive(Default)]
 struct Parked {
@@ -356,13 +406,6 @@ fn refuse_waiting(rx: &mut mpsc::Receiver<Pending>) {
     while let Ok(p) = rx.try_recv() {
         let _ = p.reply.send(Err(NodeError::NotLeader { leader: None }));
     }
-}
-
-/// The group stopped here: everything parked or waiting in either lane.
-fn refuse_all(parked: &mut Parked, consumer_rx: &mut mpsc::Receiver<Pending>, rx: &mut mpsc::Receiver<Pending>) {
-    parked.refuse();
-    refuse_waiting(consumer_rx);
-    refuse_waiting(rx);
 }
 
 /// Per submitter: how many commands, whether any of them is a publish

@@ -499,6 +499,82 @@ impl QueueMachine {
         (seq < first + r.count()).then_some((*first, r))
     }
 
+    /// Write the changes one command of an entry made to the batch, and
+    /// put the bodies it delivers in its reply.
+    fn write_changes<'a>(
+        &mut self,
+        space: &SmSpace,
+        batch: &mut Batch,
+        entry: &mut EntryEffects<'a>,
+        (cmd_at, cmd): (usize, &'a QueueCmd),
+        changes: &[Change],
+        reply: &mut QueueReply,
+    ) -> Result<(), StorageError> {
+        for ch in changes {
+            match *ch {
+                Change::Insert { seq, batch_index } => {
+                    let Some(msgs) = cmd.messages() else { unreachable!("insert without messages") };
+                    let m = &msgs[batch_index];
+                    let bytes = (m.body.len() + m.properties.len() + m.exchange.len() + m.routing_key.len() + 8) as u64;
+                    entry.inserted.push((seq, cmd_at as u32, batch_index as u32, bytes));
+                    entry.fresh.insert(seq, m);
+                }
+                Change::Handed { origin } => batch.insert(space.key(&handed_key(origin)), &[][..]),
+                Change::Stamped { seq, at_ms } => batch.insert(space.key(&time_key(seq)), &at_ms.to_be_bytes()[..]),
+                Change::Unstamped { seq } => batch.remove(space.key(&time_key(seq))),
+                Change::Deadline { seq, at_ms } => {
+                    batch.insert(space.key(&deadline_key(seq)), &at_ms.to_be_bytes()[..])
+                }
+                Change::Undeadline { seq } => batch.remove(space.key(&deadline_key(seq))),
+                Change::Registered { owner, number, registration } => {
+                    let v = keys::encode(&registration, "consumer registration")?;
+                    batch.insert(space.key(&consumer_key(owner, number)), v);
+                }
+                Change::Unregistered { owner, number } => batch.remove(space.key(&consumer_key(owner, number))),
+                // Bodies go into replies only where a client gets them: a
+                // mirror reads none (one still catching up may not have them).
+                Change::DeadLetter { .. } | Change::Deliver { .. } if !entry.answering => {}
+                Change::DeadLetter { seq, reason } => {
+                    let message = match entry.fresh.get(&seq) {
+                        Some(m) => Some((*m).clone()),
+                        None => self.read_body(space, seq)?,
+                    };
+                    entry.dead.extend(message.map(|m| (m, reason)));
+                }
+                Change::SetState { seq, state: MsgState::Unacked { tag, owner } } => {
+                    // Delivered again after a requeue: its state key goes.
+                    if self.tracked.contains(&seq) && !self.runs.holds(seq) {
+                        batch.remove(space.key(&state_key(seq)));
+                    }
+                    self.tracked.insert(seq);
+                    self.runs.delivered(seq, tag, owner);
+                }
+                Change::SetState { seq, state } => {
+                    self.runs.settle(seq);
+                    self.tracked.insert(seq);
+                    batch.insert(space.key(&state_key(seq)), keys::encode(&state, "message state")?);
+                }
+                Change::Remove { seq, tracked } => {
+                    if tracked && !self.runs.settle(seq) {
+                        batch.remove(space.key(&state_key(seq)));
+                    }
+                    self.tracked.remove(&seq);
+                    entry.removed.push(seq);
+                }
+                Change::Deliver { seq, tag, redelivered } => {
+                    let message = match entry.fresh.get(&seq) {
+                        Some(m) => Some((*m).clone()),
+                        None => self.read_body(space, seq)?,
+                    };
+                    if let (Some(message), QueueReply::Got { msgs, .. }) = (message, &mut *reply) {
+                        msgs.push(Delivery { tag, redelivered, message });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// End of the entry at `index`: reference its new messages' bodies in
     /// it, drop references and chunks none of whose messages is held any
     /// more, write the changed runs.
@@ -623,6 +699,17 @@ impl QueueMachine {
     }
 }
 
+/// What the commands of one entry applied so far left for the entry's end.
+#[derive(Default)]
+struct EntryEffects<'a> {
+    answering: bool,
+    /// Bodies not in sled until the batch is applied: a get in the same entry reads them here.
+    fresh: HashMap<u64, &'a Message>,
+    inserted: Vec<(u64, u32, u32, u64)>,
+    removed: Vec<u64>,
+    dead: Vec<(Message, DeathReason)>,
+}
+
 /// The queue's index, as sent to a replica that is too far behind for the
 /// log. Bodies are not in it: the replica fetches them afterwards.
 #[derive(Serialize, Deserialize)]
@@ -689,12 +776,7 @@ impl Machine for QueueMachine {
         };
         let mut replies = Vec::with_capacity(cmds.len());
         let mut changes = Vec::new();
-        // Bodies inserted by this apply call are not in sled until the batch
-        // is applied; a get in the same entry reads them from here.
-        let mut fresh: HashMap<u64, &Message> = HashMap::new();
-        let mut inserted: Vec<(u64, u32, u32, u64)> = Vec::new();
-        let mut removed: Vec<u64> = Vec::new();
-        let mut dead: Vec<(Message, DeathReason)> = Vec::new();
+        let mut entry = EntryEffects { answering, ..EntryEffects::default() };
         self.state.begin_entry();
         self.runs.begin_entry();
         for (cmd_at, cmd) in cmds.iter().enumerate() {
@@ -704,87 +786,14 @@ impl Machine for QueueMachine {
             changes.clear();
             let mut reply = self.state.apply(cmd, &mut changes);
             self.flow.count(cmd, &reply, &changes);
-            for ch in &changes {
-                match *ch {
-                    Change::Insert { seq, batch_index } => {
-                        let Some(msgs) = cmd.messages() else { unreachable!("insert without messages") };
-                        let m = &msgs[batch_index];
-                        let bytes =
-                            (m.body.len() + m.properties.len() + m.exchange.len() + m.routing_key.len() + 8) as u64;
-                        inserted.push((seq, cmd_at as u32, batch_index as u32, bytes));
-                        fresh.insert(seq, m);
-                    }
-                    Change::Handed { origin } => {
-                        batch.insert(space.key(&handed_key(origin)), &[][..]);
-                    }
-                    Change::Stamped { seq, at_ms } => {
-                        batch.insert(space.key(&time_key(seq)), &at_ms.to_be_bytes()[..]);
-                    }
-                    Change::Unstamped { seq } => {
-                        batch.remove(space.key(&time_key(seq)));
-                    }
-                    Change::Deadline { seq, at_ms } => {
-                        batch.insert(space.key(&deadline_key(seq)), &at_ms.to_be_bytes()[..]);
-                    }
-                    Change::Undeadline { seq } => {
-                        batch.remove(space.key(&deadline_key(seq)));
-                    }
-                    Change::Registered { owner, number, registration } => {
-                        let v = keys::encode(&registration, "consumer registration")?;
-                        batch.insert(space.key(&consumer_key(owner, number)), v);
-                    }
-                    Change::Unregistered { owner, number } => {
-                        batch.remove(space.key(&consumer_key(owner, number)));
-                    }
-                    // Bodies go into replies only where a client gets them:
-                    // a mirror reads none (one still catching up may not
-                    // have them).
-                    Change::DeadLetter { .. } | Change::Deliver { .. } if !answering => {}
-                    Change::DeadLetter { seq, reason } => {
-                        let message = match fresh.get(&seq) {
-                            Some(m) => Some((*m).clone()),
-                            None => self.read_body(space, seq)?,
-                        };
-                        dead.extend(message.map(|m| (m, reason)));
-                    }
-                    Change::SetState { seq, state: MsgState::Unacked { tag, owner } } => {
-                        // Delivered again after a requeue: its state key goes.
-                        if self.tracked.contains(&seq) && !self.runs.holds(seq) {
-                            batch.remove(space.key(&state_key(seq)));
-                        }
-                        self.tracked.insert(seq);
-                        self.runs.delivered(seq, tag, owner);
-                    }
-                    Change::SetState { seq, state } => {
-                        self.runs.settle(seq);
-                        self.tracked.insert(seq);
-                        batch.insert(space.key(&state_key(seq)), keys::encode(&state, "message state")?);
-                    }
-                    Change::Remove { seq, tracked } => {
-                        if tracked && !self.runs.settle(seq) {
-                            batch.remove(space.key(&state_key(seq)));
-                        }
-                        self.tracked.remove(&seq);
-                        removed.push(seq);
-                    }
-                    Change::Deliver { seq, tag, redelivered } => {
-                        let message = match fresh.get(&seq) {
-                            Some(m) => Some((*m).clone()),
-                            None => self.read_body(space, seq)?,
-                        };
-                        if let (Some(message), QueueReply::Got { msgs, .. }) = (message, &mut reply) {
-                            msgs.push(Delivery { tag, redelivered, message });
-                        }
-                    }
-                }
-            }
+            self.write_changes(space, batch, &mut entry, (cmd_at, cmd), &changes, &mut reply)?;
             replies.push(reply);
         }
-        self.write_entry(space, batch, index, &inserted, &mut removed)?;
+        self.write_entry(space, batch, index, &entry.inserted, &mut entry.removed)?;
         // The entry's dead letters go to its stamp's reply, which only the
         // master's proposer reads.
         if let Some(QueueReply::DeadLetters { msgs }) = replies.first_mut() {
-            *msgs = dead;
+            *msgs = entry.dead;
         }
         Ok(Response::Queue(replies))
     }

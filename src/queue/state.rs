@@ -24,7 +24,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use super::types::{DeathReason, Limits, Message, MsgState, Origin, Overflow, QueueCmd, QueueReply, Registration};
+use super::types::{
+    ConsumerRef, DeathReason, Limits, Message, MsgState, Origin, Overflow, QueueCmd, QueueReply, Registration,
+};
 
 /// Seqs of messages outside the never-delivered range (handed back, or of
 /// a priority above 0) have this bit set. Below it: the message's priority
@@ -332,87 +334,20 @@ impl QueueState {
         match cmd {
             QueueCmd::Enqueue { msgs } => self.enqueue(msgs, None, changes),
             QueueCmd::EnqueueExpiring { msgs, ttl_ms } => self.enqueue(msgs, Some(ttl_ms), changes),
-            QueueCmd::Get { owner, max, auto_ack, consumer } => {
-                if let Some(c) = consumer {
-                    if self.active_consumer().is_some_and(|active| active != (*owner, c.number)) {
-                        return QueueReply::Got { msgs: Vec::new(), remaining: self.ready_count() };
-                    }
-                }
-                let mut delivered = 0u32;
-                while delivered < *max {
-                    let Some(Head { seq, redelivered, tracked }) = self.take_head() else { break };
-                    let tag = self.counters.next_tag;
-                    self.counters.next_tag += 1;
-                    changes.push(Change::Deliver { seq, tag, redelivered });
-                    if *auto_ack {
-                        self.remove(seq, tracked, changes);
-                    } else {
-                        self.unacked.insert(tag, Unacked { seq, owner: *owner });
-                        changes.push(Change::SetState { seq, state: MsgState::Unacked { tag, owner: *owner } });
-                    }
-                    delivered += 1;
-                }
-                QueueReply::Got { msgs: Vec::new(), remaining: self.ready_count() }
-            }
+            QueueCmd::Get { owner, max, auto_ack, consumer } => self.get(*owner, *max, *auto_ack, *consumer, changes),
             QueueCmd::Ack { tags } => self.settle(tags, None, None, changes),
             QueueCmd::AckOf { owner, tags } => self.settle(tags, Some(*owner), None, changes),
             QueueCmd::Nack { tags, requeue } => self.settle(tags, None, Some(*requeue), changes),
             QueueCmd::NackOf { owner, tags, requeue } => self.settle(tags, Some(*owner), Some(*requeue), changes),
-            QueueCmd::Release { owner } => {
-                let theirs: Vec<(u64, u64)> =
-                    self.consumers.range((*owner, 0)..=(*owner, u64::MAX)).map(|(k, _)| *k).collect();
-                for (owner, number) in theirs {
-                    self.consumers.remove(&(owner, number));
-                    changes.push(Change::Unregistered { owner, number });
-                }
-                // Tags ascend with delivery order, so requeue in that order.
-                let mut tags: Vec<u64> =
-                    self.unacked.iter().filter(|(_, u)| u.owner == *owner).map(|(t, _)| *t).collect();
-                tags.sort_unstable();
-                for tag in &tags {
-                    if let Some(u) = self.unacked.remove(tag) {
-                        self.settle_nack(u.seq, true, changes);
-                    }
-                }
-                QueueReply::Settled { count: tags.len() as u32, unknown: Vec::new() }
-            }
+            QueueCmd::Release { owner } => self.release(*owner, changes),
             QueueCmd::Purge => {
                 let count = self.ready_count();
                 self.drop_ready(changes);
                 QueueReply::Purged { count }
             }
-            QueueCmd::Delete => {
-                let count = self.ready_count();
-                self.drop_ready(changes);
-                let mut unacked: Vec<u64> = self.unacked.drain().map(|(_, u)| u.seq).collect();
-                unacked.sort_unstable();
-                for seq in unacked {
-                    self.remove(seq, true, changes);
-                }
-                QueueReply::Purged { count }
-            }
+            QueueCmd::Delete => self.delete(changes),
             QueueCmd::Status => QueueReply::Status { ready: self.ready_count(), unacked: self.unacked_count() },
-            QueueCmd::Handback { origin, msgs } => {
-                if let Some(o) = origin {
-                    if !self.handed.insert(*o) {
-                        return QueueReply::Enqueued { count: 0 };
-                    }
-                    changes.push(Change::Handed { origin: *o });
-                }
-                for i in 0..msgs.len() {
-                    // Outside the never-delivered range, which must stay
-                    // contiguous: a seq space of its own, unique by the tag
-                    // counter it borrows.
-                    let seq = HANDBACK_SEQ | self.counters.next_tag;
-                    self.counters.next_tag += 1;
-                    changes.push(Change::Insert { seq, batch_index: i });
-                    let order = self.counters.next_requeue;
-                    self.counters.next_requeue += 1;
-                    self.requeued.insert(order, seq);
-                    changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
-                }
-                QueueReply::Enqueued { count: msgs.len() as u32 }
-            }
+            QueueCmd::Handback { origin, msgs } => self.handback(*origin, msgs.len(), changes),
             QueueCmd::Fork(_) => QueueReply::Enqueued { count: 0 },
             QueueCmd::Stamp { now_ms, limits } => {
                 self.now_ms = *now_ms;
@@ -423,15 +358,7 @@ impl QueueState {
             }
             QueueCmd::Expire => QueueReply::Enqueued { count: 0 },
             QueueCmd::Consume { owner, consumer, single_active } => {
-                if !self.consumers.contains_key(&(*owner, consumer.number)) {
-                    let order = self.counters.next_requeue;
-                    self.counters.next_requeue += 1;
-                    let registration =
-                        Registration { priority: consumer.priority, order, single_active: *single_active };
-                    self.consumers.insert((*owner, consumer.number), registration);
-                    changes.push(Change::Registered { owner: *owner, number: consumer.number, registration });
-                }
-                QueueReply::Enqueued { count: 0 }
+                self.consume(*owner, *consumer, *single_active, changes)
             }
             QueueCmd::Cancel { owner, number } => {
                 if self.consumers.remove(&(*owner, *number)).is_some() {
@@ -440,6 +367,109 @@ impl QueueState {
                 QueueReply::Enqueued { count: 0 }
             }
         }
+    }
+
+    /// Deliver up to `max` messages to `owner` (none to a consumer that is
+    /// not the single active one).
+    fn get(
+        &mut self,
+        owner: u64,
+        max: u32,
+        auto_ack: bool,
+        consumer: Option<ConsumerRef>,
+        changes: &mut Vec<Change>,
+    ) -> QueueReply {
+        if let Some(c) = consumer {
+            if self.active_consumer().is_some_and(|active| active != (owner, c.number)) {
+                return QueueReply::Got { msgs: Vec::new(), remaining: self.ready_count() };
+            }
+        }
+        let mut delivered = 0u32;
+        while delivered < max {
+            let Some(Head { seq, redelivered, tracked }) = self.take_head() else { break };
+            let tag = self.counters.next_tag;
+            self.counters.next_tag += 1;
+            changes.push(Change::Deliver { seq, tag, redelivered });
+            if auto_ack {
+                self.remove(seq, tracked, changes);
+            } else {
+                self.unacked.insert(tag, Unacked { seq, owner });
+                changes.push(Change::SetState { seq, state: MsgState::Unacked { tag, owner } });
+            }
+            delivered += 1;
+        }
+        QueueReply::Got { msgs: Vec::new(), remaining: self.ready_count() }
+    }
+
+    /// Unregister `owner`'s consumers and requeue what it holds.
+    fn release(&mut self, owner: u64, changes: &mut Vec<Change>) -> QueueReply {
+        let theirs: Vec<(u64, u64)> = self.consumers.range((owner, 0)..=(owner, u64::MAX)).map(|(k, _)| *k).collect();
+        for (owner, number) in theirs {
+            self.consumers.remove(&(owner, number));
+            changes.push(Change::Unregistered { owner, number });
+        }
+        // Tags ascend with delivery order, so requeue in that order.
+        let mut tags: Vec<u64> = self.unacked.iter().filter(|(_, u)| u.owner == owner).map(|(t, _)| *t).collect();
+        tags.sort_unstable();
+        for tag in &tags {
+            if let Some(u) = self.unacked.remove(tag) {
+                self.settle_nack(u.seq, true, changes);
+            }
+        }
+        QueueReply::Settled { count: tags.len() as u32, unknown: Vec::new() }
+    }
+
+    fn delete(&mut self, changes: &mut Vec<Change>) -> QueueReply {
+        let count = self.ready_count();
+        self.drop_ready(changes);
+        let mut unacked: Vec<u64> = self.unacked.drain().map(|(_, u)| u.seq).collect();
+        unacked.sort_unstable();
+        for seq in unacked {
+            self.remove(seq, true, changes);
+        }
+        QueueReply::Purged { count }
+    }
+
+    /// Take back `count` messages of an old epoch as requeued ones (none if
+    /// those of `origin` were taken back already).
+    fn handback(&mut self, origin: Option<Origin>, count: usize, changes: &mut Vec<Change>) -> QueueReply {
+        if let Some(o) = origin {
+            if !self.handed.insert(o) {
+                return QueueReply::Enqueued { count: 0 };
+            }
+            changes.push(Change::Handed { origin: o });
+        }
+        for i in 0..count {
+            // Outside the never-delivered range, which must stay
+            // contiguous: a seq space of its own, unique by the tag
+            // counter it borrows.
+            let seq = HANDBACK_SEQ | self.counters.next_tag;
+            self.counters.next_tag += 1;
+            changes.push(Change::Insert { seq, batch_index: i });
+            let order = self.counters.next_requeue;
+            self.counters.next_requeue += 1;
+            self.requeued.insert(order, seq);
+            changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
+        }
+        QueueReply::Enqueued { count: count as u32 }
+    }
+
+    /// Register a consumer (once: a repeated consume keeps its place).
+    fn consume(
+        &mut self,
+        owner: u64,
+        consumer: ConsumerRef,
+        single_active: bool,
+        changes: &mut Vec<Change>,
+    ) -> QueueReply {
+        if !self.consumers.contains_key(&(owner, consumer.number)) {
+            let order = self.counters.next_requeue;
+            self.counters.next_requeue += 1;
+            let registration = Registration { priority: consumer.priority, order, single_active };
+            self.consumers.insert((owner, consumer.number), registration);
+            changes.push(Change::Registered { owner, number: consumer.number, registration });
+        }
+        QueueReply::Enqueued { count: 0 }
     }
 
     /// Store new messages (`ttl_ms`: their own TTLs, if any) under the
