@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use openraft::raft::VoteRequest;
 use openraft::ServerState;
 
 use super::{Inner, Node, QueueGroup};
@@ -12,6 +13,7 @@ use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::link::server;
 use crate::link::server::RpcHandler;
+use crate::metadata::MetaCmd;
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::Lane;
 use crate::queue::QueueCmd;
@@ -19,6 +21,10 @@ use crate::raft::types::Raft;
 use crate::wire::ask;
 use crate::wire::raft_net::EpochNews;
 use crate::wire::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+
+type AppendRequest = openraft::raft::AppendEntriesRequest<crate::raft::types::TypeConfig>;
+type SnapshotRequest = openraft::raft::InstallSnapshotRequest<crate::raft::types::TypeConfig>;
+type HandbackBatch = (Option<crate::queue::types::Origin>, Vec<crate::queue::Message>);
 
 /// How long a request for a replica about to start waits for it.
 const REPLICA_START_WAIT: Duration = Duration::from_millis(200);
@@ -107,193 +113,224 @@ impl Inner {
             self.replica_soon(*group).await;
         }
         match req {
-            RpcRequest::Append { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
-                Ok(r) => {
-                    if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
-                        *g.watch.master_heard.lock().expect("poisoned") = Some(Instant::now());
-                        g.watch.appends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    self.metrics.appends_received.inc();
-                    self.refill_heard(group, req.leader_commit.map(|l| l.index));
-                    RpcResponse::Append(r.append_entries(req).await)
-                }
-                Err(refusal) => refusal,
-            },
-            RpcRequest::Vote { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
-                Ok(r) => {
-                    if group != METADATA_GROUP {
-                        self.metrics.queue_vote_requests.inc();
-                    }
-                    if let Some(refusal) = self.refill_refusal(group, &r, &req) {
-                        return RpcResponse::Vote(Ok(refusal));
-                    }
-                    RpcResponse::Vote(r.vote(req).await)
-                }
-                Err(refusal) => refusal,
-            },
-            RpcRequest::Snapshot { group, epoch, from, req } => match self.raft_in_epoch(group, epoch, from) {
-                Ok(r) => {
-                    // The last chunk installs the snapshot: the answer then
-                    // says what the replica lacks (see `confirm_gate`).
-                    let g = if req.done { self.group_in_epoch(group, epoch) } else { None };
-                    let answer = r.install_snapshot(req).await;
-                    let standing = match (&answer, g) {
-                        (Ok(_), Some(g)) => {
-                            let running = *g.sync_run.borrow() || !Node { inner: self.clone() }.waits_for_sync(&g);
-                            Some(Box::new(self.standing(&g, running).await))
-                        }
-                        _ => None,
-                    };
-                    RpcResponse::Snapshot(answer, standing)
-                }
-                Err(refusal) => refusal,
-            },
+            RpcRequest::Append { group, epoch, from, req } => self.on_append(group, epoch, from, req).await,
+            RpcRequest::Vote { group, epoch, from, req } => self.on_vote(group, epoch, from, req).await,
+            RpcRequest::Snapshot { group, epoch, from, req } => self.on_snapshot(group, epoch, from, req).await,
             RpcRequest::Fork(ask::Fork { group }) => RpcResponse::Fork(self.epoch_report(group)),
             RpcRequest::History(ask::History { group }) => RpcResponse::History(self.history(group).await),
             RpcRequest::Yield(ask::Yield { group, defeated, winner, from }) => {
-                let node = Node { inner: self };
-                tokio::spawn(async move { node.yield_to(group, defeated, winner, from).await });
-                RpcResponse::Done
+                self.on_yield(group, defeated, winner, from)
             }
             RpcRequest::Handback(ask::Handback { group, epoch, batches }) => {
-                let g = self.groups.read().expect("poisoned").get(&group).cloned();
-                match g {
-                    Some(g) if g.epoch == epoch => {
-                        let cmds =
-                            batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
-                        RpcResponse::Queue(self.local_queue_op(group, cmds, Lane::Arrival).await)
-                    }
-                    // The epoch moved on again: the sender must heal into this one.
-                    Some(g) if g.epoch > epoch => RpcResponse::NewerEpoch(g.epoch),
-                    _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),
-                }
+                self.on_handback(group, epoch, batches).await
             }
             RpcRequest::Bodies(ask::Bodies { group, from, standing, ranges, max_bytes, totals }) => {
                 RpcResponse::Bodies(self.serve_bodies(group, (from, standing), ranges, max_bytes, totals).await)
             }
-            RpcRequest::SyncControl(ask::SyncControl { group, run }) => {
-                self.sync_control(group, run);
-                RpcResponse::Done
-            }
-            RpcRequest::Join(ask::Join { info }) => {
-                let node = Node { inner: self };
-                RpcResponse::Member(node.admit(info).await)
-            }
+            RpcRequest::SyncControl(ask::SyncControl { group, run }) => self.on_sync_control(group, run),
+            RpcRequest::Join(ask::Join { info }) => RpcResponse::Member(Node { inner: self }.admit(info).await),
             RpcRequest::Forget(ask::Forget { id }) => {
-                let node = Node { inner: self };
-                RpcResponse::Member(node.forget_locally(id).await)
+                RpcResponse::Member(Node { inner: self }.forget_locally(id).await)
             }
             RpcRequest::MoveMaster(ask::MoveMaster { group, to }) => {
-                let node = Node { inner: self };
-                RpcResponse::Moved(node.move_master(group, to, false).await)
+                RpcResponse::Moved(Node { inner: self }.move_master(group, to, false).await)
             }
-            RpcRequest::Elect(ask::Elect { group, from, leaving }) => {
-                if leaving {
-                    self.peers.stepping_down(from);
-                }
-                let g = self.groups.read().expect("poisoned").get(&group).cloned();
-                // A replica still fetching bodies never stands, asked or not:
-                // as master it would answer gets without those bodies. Nor
-                // does one on a node that is stopping itself (two stopping
-                // at once): it would lead a group it has no one to hand to.
-                let stopping = self.leaving.load(std::sync::atomic::Ordering::Acquire);
-                if let Some(r) = g.filter(|g| g.plan.borrow().is_none() && !stopping).map(|g| g.raft.clone()) {
-                    // The other mirrors refuse votes until the lease of the
-                    // old master's last heartbeat runs out: keep standing
-                    // until someone leads, a little longer than that lease.
-                    let (me, until) = (self.id, Instant::now() + self.timing.election_max * 2);
-                    let step = self.timing.heartbeat;
-                    tokio::spawn(async move {
-                        while Instant::now() < until {
-                            let m = r.metrics().borrow().clone();
-                            if m.current_leader.is_some_and(|l| l != from) || m.state == ServerState::Leader {
-                                return;
-                            }
-                            if m.state != ServerState::Candidate {
-                                // Its timers run again: a quiet group's
-                                // follower had them off.
-                                r.runtime_config().tick(true);
-                                let _ = r.trigger().elect().await;
-                            }
-                            tokio::time::sleep(step).await;
-                        }
-                        tracing::debug!(node = me, "gave up standing after a handover");
-                    });
-                }
-                RpcResponse::Done
-            }
-            RpcRequest::Departing(ask::Departing { from, incarnation }) => {
-                // Unless a later life of it was heard already (a late notice).
-                if self.peers.departs(from, incarnation) {
-                    for g in self.groups.read().expect("poisoned").values() {
-                        g.catching.write().expect("poisoned").forget(from, incarnation);
-                    }
-                }
-                tracing::info!(node = from, "peer is stopping: confirms no longer wait for it");
-                RpcResponse::Done
-            }
+            RpcRequest::Elect(ask::Elect { group, from, leaving }) => self.on_elect(group, from, leaving),
+            RpcRequest::Departing(ask::Departing { from, incarnation }) => self.on_departing(from, incarnation),
             RpcRequest::Queue(ask::Queue { group, cmds, lane }) => {
                 RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await)
             }
             RpcRequest::CloseConnection(ask::CloseConnection { id, reason }) => {
                 RpcResponse::Closed(self.clients.close(id, &reason))
             }
-            RpcRequest::Clients(_) => {
-                let (c, k) = self.clients.snapshot();
-                RpcResponse::Clients(c, k)
-            }
-            RpcRequest::Owners(ask::Owners { owners, held }) => RpcResponse::Owners(
-                self.owners.alive_of(&owners),
-                held.into_iter()
-                    .map(|(owner, queue, tags)| {
-                        let unknown = self.owners.unknown(owner, &queue, &tags);
-                        (owner, queue, unknown)
-                    })
-                    .filter(|(_, _, unknown)| !unknown.is_empty())
-                    .collect(),
-            ),
+            RpcRequest::Clients(_) => self.on_clients(),
+            RpcRequest::Owners(ask::Owners { owners, held }) => self.on_owners(&owners, held),
             RpcRequest::Readings(_) => RpcResponse::Readings(self.alarms.readings()),
             RpcRequest::Flows(_) => RpcResponse::Flows(Node { inner: self }.own_flows()),
             // Unknown (a storage error) counts as held: the asker must not
             // found the group again on that answer.
             RpcRequest::Holds(ask::Holds { group }) => RpcResponse::Holds(self.db.group_exists(group).unwrap_or(true)),
-            RpcRequest::MetaIndex(_) => {
-                let m = self.meta_raft.metrics().borrow().clone();
-                RpcResponse::MetaIndex(if m.current_leader == Some(self.id) {
-                    m.last_applied.map(|l| l.index)
-                } else {
-                    None
-                })
-            }
-            // A replica that has received no membership yet (a new mirror
-            // not yet reached by the master) knows nothing: it must not look
-            // like a group that excludes the asker, which would then drop
-            // what may be the only complete copy of the queue.
+            RpcRequest::MetaIndex(_) => self.on_meta_index(),
             req @ RpcRequest::Liveness(_) => RpcHandler::ping(&*self, req),
-            RpcRequest::Members(ask::Members { group, epoch }) => {
-                let same_epoch = |e| self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.epoch == e);
-                let raft = match epoch {
-                    Some(e) if !same_epoch(e) => None,
-                    _ => self.raft_of(group),
+            RpcRequest::Members(ask::Members { group, epoch }) => self.on_members(group, epoch),
+            RpcRequest::Meta(ask::Meta { cmd }) => self.on_meta(cmd).await,
+            RpcRequest::Client(c) => RpcResponse::Client(Node { inner: self }.client_request(c).await),
+        }
+    }
+
+    async fn on_append(&self, group: GroupId, epoch: Epoch, from: NodeId, req: AppendRequest) -> RpcResponse {
+        match self.raft_in_epoch(group, epoch, from) {
+            Ok(r) => {
+                if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
+                    *g.watch.master_heard.lock().expect("poisoned") = Some(Instant::now());
+                    g.watch.appends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                self.metrics.appends_received.inc();
+                self.refill_heard(group, req.leader_commit.map(|l| l.index));
+                RpcResponse::Append(r.append_entries(req).await)
+            }
+            Err(refusal) => refusal,
+        }
+    }
+
+    async fn on_vote(&self, group: GroupId, epoch: Epoch, from: NodeId, req: VoteRequest<NodeId>) -> RpcResponse {
+        match self.raft_in_epoch(group, epoch, from) {
+            Ok(r) => {
+                if group != METADATA_GROUP {
+                    self.metrics.queue_vote_requests.inc();
+                }
+                if let Some(refusal) = self.refill_refusal(group, &r, &req) {
+                    return RpcResponse::Vote(Ok(refusal));
+                }
+                RpcResponse::Vote(r.vote(req).await)
+            }
+            Err(refusal) => refusal,
+        }
+    }
+
+    async fn on_snapshot(
+        self: &Arc<Self>,
+        group: GroupId,
+        epoch: Epoch,
+        from: NodeId,
+        req: SnapshotRequest,
+    ) -> RpcResponse {
+        match self.raft_in_epoch(group, epoch, from) {
+            Ok(r) => {
+                // The last chunk installs the snapshot: the answer then
+                // says what the replica lacks (see `confirm_gate`).
+                let g = if req.done { self.group_in_epoch(group, epoch) } else { None };
+                let answer = r.install_snapshot(req).await;
+                let standing = match (&answer, g) {
+                    (Ok(_), Some(g)) => {
+                        let running = *g.sync_run.borrow() || !Node { inner: self.clone() }.waits_for_sync(&g);
+                        Some(Box::new(self.standing(&g, running).await))
+                    }
+                    _ => None,
                 };
-                RpcResponse::Members(raft.and_then(|r| {
-                    let m = r.metrics().borrow().membership_config.clone();
-                    m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())
-                }))
+                RpcResponse::Snapshot(answer, standing)
             }
-            RpcRequest::Meta(ask::Meta { cmd }) => {
-                let leader = self.meta_raft.metrics().borrow().current_leader;
-                RpcResponse::Meta(if leader == Some(self.id) {
-                    self.local_meta_write(cmd).await
-                } else {
-                    Err(NodeError::NotLeader { leader })
-                })
+            Err(refusal) => refusal,
+        }
+    }
+
+    fn on_yield(self: Arc<Self>, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) -> RpcResponse {
+        let node = Node { inner: self };
+        tokio::spawn(async move { node.yield_to(group, defeated, winner, from).await });
+        RpcResponse::Done
+    }
+
+    async fn on_handback(&self, group: GroupId, epoch: Epoch, batches: Vec<HandbackBatch>) -> RpcResponse {
+        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        match g {
+            Some(g) if g.epoch == epoch => {
+                let cmds = batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
+                RpcResponse::Queue(self.local_queue_op(group, cmds, Lane::Arrival).await)
             }
-            RpcRequest::Client(c) => {
-                let node = Node { inner: self };
-                RpcResponse::Client(node.client_request(c).await)
+            // The epoch moved on again: the sender must heal into this one.
+            Some(g) if g.epoch > epoch => RpcResponse::NewerEpoch(g.epoch),
+            _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),
+        }
+    }
+
+    fn on_sync_control(&self, group: GroupId, run: bool) -> RpcResponse {
+        self.sync_control(group, run);
+        RpcResponse::Done
+    }
+
+    fn on_elect(&self, group: GroupId, from: NodeId, leaving: bool) -> RpcResponse {
+        if leaving {
+            self.peers.stepping_down(from);
+        }
+        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        // A replica still fetching bodies never stands, asked or not:
+        // as master it would answer gets without those bodies. Nor
+        // does one on a node that is stopping itself (two stopping
+        // at once): it would lead a group it has no one to hand to.
+        let stopping = self.leaving.load(std::sync::atomic::Ordering::Acquire);
+        if let Some(r) = g.filter(|g| g.plan.borrow().is_none() && !stopping).map(|g| g.raft.clone()) {
+            // The other mirrors refuse votes until the lease of the
+            // old master's last heartbeat runs out: keep standing
+            // until someone leads, a little longer than that lease.
+            let (me, until) = (self.id, Instant::now() + self.timing.election_max * 2);
+            let step = self.timing.heartbeat;
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    let m = r.metrics().borrow().clone();
+                    if m.current_leader.is_some_and(|l| l != from) || m.state == ServerState::Leader {
+                        return;
+                    }
+                    if m.state != ServerState::Candidate {
+                        // Its timers run again: a quiet group's
+                        // follower had them off.
+                        r.runtime_config().tick(true);
+                        let _ = r.trigger().elect().await;
+                    }
+                    tokio::time::sleep(step).await;
+                }
+                tracing::debug!(node = me, "gave up standing after a handover");
+            });
+        }
+        RpcResponse::Done
+    }
+
+    fn on_departing(&self, from: NodeId, incarnation: u64) -> RpcResponse {
+        // Unless a later life of it was heard already (a late notice).
+        if self.peers.departs(from, incarnation) {
+            for g in self.groups.read().expect("poisoned").values() {
+                g.catching.write().expect("poisoned").forget(from, incarnation);
             }
         }
+        tracing::info!(node = from, "peer is stopping: confirms no longer wait for it");
+        RpcResponse::Done
+    }
+
+    fn on_clients(&self) -> RpcResponse {
+        let (c, k) = self.clients.snapshot();
+        RpcResponse::Clients(c, k)
+    }
+
+    fn on_owners(&self, owners: &[u64], held: Vec<(u64, String, Vec<u64>)>) -> RpcResponse {
+        RpcResponse::Owners(
+            self.owners.alive_of(owners),
+            held.into_iter()
+                .map(|(owner, queue, tags)| {
+                    let unknown = self.owners.unknown(owner, &queue, &tags);
+                    (owner, queue, unknown)
+                })
+                .filter(|(_, _, unknown)| !unknown.is_empty())
+                .collect(),
+        )
+    }
+
+    fn on_meta_index(&self) -> RpcResponse {
+        let m = self.meta_raft.metrics().borrow().clone();
+        RpcResponse::MetaIndex(if m.current_leader == Some(self.id) { m.last_applied.map(|l| l.index) } else { None })
+    }
+
+    /// A replica that has received no membership yet (a new mirror not yet
+    /// reached by the master) knows nothing: it must not look like a group
+    /// that excludes the asker, which would then drop what may be the only
+    /// complete copy of the queue.
+    fn on_members(&self, group: GroupId, epoch: Option<Epoch>) -> RpcResponse {
+        let same_epoch = |e| self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.epoch == e);
+        let raft = match epoch {
+            Some(e) if !same_epoch(e) => None,
+            _ => self.raft_of(group),
+        };
+        RpcResponse::Members(raft.and_then(|r| {
+            let m = r.metrics().borrow().membership_config.clone();
+            m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())
+        }))
+    }
+
+    async fn on_meta(&self, cmd: MetaCmd) -> RpcResponse {
+        let leader = self.meta_raft.metrics().borrow().current_leader;
+        RpcResponse::Meta(if leader == Some(self.id) {
+            self.local_meta_write(cmd).await
+        } else {
+            Err(NodeError::NotLeader { leader })
+        })
     }
 }
 

@@ -9,23 +9,23 @@ use std::time::{Duration, Instant};
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace, StorageError};
 use openraft::BasicNode;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::{told, Inner, Node, NodeConfig, FOUNDING_FLOOR_KEY, INCARNATION_KEY, NODE_ID_KEY, REFILL_KEY};
+use super::{told, Inner, Node, NodeConfig, Timing, FOUNDING_FLOOR_KEY, INCARNATION_KEY, NODE_ID_KEY, REFILL_KEY};
 use crate::alarms::Alarms;
 use crate::error::ServerError;
 use crate::ids::{NodeId, METADATA_GROUP};
 use crate::link::beacon::Beacon;
 use crate::link::server;
 use crate::link::transport::Transport;
-use crate::metadata::{MetaCmd, MetaMachine, NodeInfo};
+use crate::metadata::{ChangeFeed, MetaCmd, MetaMachine, MetaState, NodeInfo};
 use crate::metrics::Metrics;
 use crate::owners::Owners;
 use crate::queue::epoch::Epoch;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{LogStore, Raft};
-use crate::wire::raft_net::NetworkFactory;
+use crate::wire::raft_net::{EpochNews, NetworkFactory};
 
 /// Open the data dir; one a power cut or a failing disk has damaged is set
 /// aside (kept whole) for an empty one, which the cluster refills like a new
@@ -85,125 +85,23 @@ impl Node {
         Self::start_with(cfg, Some(listener)).await
     }
 
+    /// Start-up, phase by phase, in the order of their effects: storage
+    /// first (the rest reads and writes it), a crash's step-downs before
+    /// any group starts, the background tasks once the node link serves.
     pub(super) async fn start_with(cfg: NodeConfig, bound: Option<std::net::TcpListener>) -> Result<Node, ServerError> {
         if cfg.node_id == 0 {
             return Err(ServerError::Config("--node-id must be >= 1".into()));
         }
         let started = Instant::now();
-        let db = open_or_set_aside(&cfg)?;
-        let refill = db.get_node_value(REFILL_KEY)?.is_some();
-        tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
-        #[cfg(feature = "test-hooks")]
-        if cfg.test.crash_image {
-            db.keep_crash_image().map_err(|e| ServerError::Config(format!("crash image: {e}")))?;
-        }
-        match db.get_node_value(NODE_ID_KEY)? {
-            Some(b) => {
-                let found = u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8]));
-                if found != cfg.node_id {
-                    return Err(ServerError::WrongNode { path: cfg.data_dir.clone(), found, configured: cfg.node_id });
-                }
-            }
-            None => db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?,
-        }
-
-        if !db.started_clean() {
-            // Before any group starts: see `LogStore::step_down_after_crash`.
-            let led =
-                LogStore::step_down_after_crash(&db, cfg.node_id).map_err(|e| ServerError::Raft(e.to_string()))?;
-            if !led.is_empty() {
-                tracing::warn!(
-                    groups = led.len(),
-                    "the last stop was not clean: the groups this node led go to an election, which a replica \
-                     with every committed entry wins"
-                );
-            }
-        }
-
-        // A new life: owners of unacked messages made before are dead.
-        let stored = db.get_node_value(INCARNATION_KEY)?;
-        let stored = stored.map(|b| u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8])));
-        // An empty data dir: which queues were declared before it is not
-        // known until the metadata leader says (before the first life).
-        if stored.is_none() {
-            db.put_node_value(FOUNDING_FLOOR_KEY, &[])?;
-        }
-        let founding_floor = match db.get_node_value(FOUNDING_FLOOR_KEY)? {
-            None => 0,
-            Some(b) => b.as_slice().try_into().map_or(u64::MAX, u64::from_be_bytes),
-        };
-        let incarnation = next_life(stored, unix_millis());
-        db.put_node_value(INCARNATION_KEY, &incarnation.to_be_bytes())?;
-
-        let listen_err = |source| ServerError::Listen { addr: cfg.raft_listen.clone(), source };
-        let listener = match bound {
-            Some(l) => {
-                l.set_nonblocking(true).map_err(listen_err)?;
-                TcpListener::from_std(l).map_err(listen_err)?
-            }
-            None => TcpListener::bind(&cfg.raft_listen).await.map_err(listen_err)?,
-        };
-        let addr = listener
-            .local_addr()
-            .map_err(|source| ServerError::Listen { addr: cfg.raft_listen.clone(), source })?
-            .to_string();
-
-        let t = &cfg.timing;
-        let raft_config = openraft::Config {
-            cluster_name: "mirrorq".into(),
-            heartbeat_interval: t.heartbeat.as_millis() as u64,
-            election_timeout_min: t.election_min.as_millis() as u64,
-            election_timeout_max: t.election_max.as_millis() as u64,
-            install_snapshot_timeout: 10_000,
-            max_payload_entries: 64,
-            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(crate::raft::state_machine::SNAPSHOT_EVERY),
-            max_in_snapshot_log_to_keep: 256,
-            ..Default::default()
-        }
-        .validate()
-        .map_err(|e| ServerError::Config(e.to_string()))?;
-        // A queue's mirrors learn a commit index with the next entry (or the
-        // next heartbeat) instead of in a round trip of its own: a confirm
-        // waits for every replica's append, never for a mirror's apply, and
-        // at one message in flight that extra round trip held the next
-        // entry back (openraft sends one AppendEntries at a time per mirror).
-        // The metadata group keeps telling commits at once: every node
-        // routes from its own applied copy of the metadata.
-        let queue_raft_config = Arc::new(openraft::Config { commit_rides_on_next_append: true, ..raft_config.clone() });
-        let raft_config = Arc::new(raft_config);
+        let (db, refill) = open_storage(&cfg, started)?;
+        step_down_after_crash(&db, cfg.node_id)?;
+        let (incarnation, founding_floor) = begin_life(&db)?;
+        let (listener, addr) = bind_link(&cfg, bound).await?;
+        let (raft_config, queue_raft_config) = raft_configs(&cfg.timing)?;
         let stop = CancellationToken::new();
-        let beacon = Arc::new(Beacon::start(stop.child_token()).map_err(ServerError::Beacon)?);
-        // A node whose runtime makes no progress for the failure timeout is
-        // as good as gone to its peers.
-        beacon.watch_this_runtime(cfg.timing.failure_timeout);
-        let transport = Arc::new(
-            Transport::with_beacon(beacon.clone())
-                .with_secret(cfg.cluster_secret.clone())
-                .with_tls(cfg.link_tls.clone()),
-        );
+        let (beacon, transport) = start_transport(&cfg, &stop)?;
         let (news, news_rx) = mpsc::unbounded_channel();
-
-        let meta_log = LogStore::new(db.clone(), METADATA_GROUP);
-        let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?
-            .applying_durable(meta_log.durability());
-        let (meta, feed) = meta_sm.with(|m| (m.subscribe(), m.feed())).await;
-        let meta_raft = Raft::new(
-            cfg.node_id,
-            raft_config.clone(),
-            NetworkFactory {
-                group: METADATA_GROUP,
-                epoch: Epoch::default(),
-                me: cfg.node_id,
-                news: news.clone(),
-                transport: transport.clone(),
-                catching: None,
-            },
-            meta_log,
-            meta_sm.clone(),
-        )
-        .await
-        .map_err(|e| ServerError::Raft(e.to_string()))?;
-        meta_sm.enable_snapshot_transfer();
+        let (meta_raft, meta, feed) = start_metadata(&cfg, &db, raft_config, &news, &transport).await?;
 
         let inner = Arc::new(Inner {
             id: cfg.node_id,
@@ -245,51 +143,10 @@ impl Node {
             stop,
         });
 
-        let gate = Arc::new(server::Gate::new(
-            cfg.cluster_secret.clone(),
-            cfg.link_tls.clone(),
-            inner.metrics.link_refused.clone(),
-        ));
-        server::serve(listener, inner.clone(), &beacon, gate, inner.stop.clone());
-        inner.alarms.clone().spawn(inner.stop.clone());
-        spawn_disk_full_alarm(&inner, cfg.wal_segment_bytes);
-
-        let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
-        let joining = pristine && cfg.join.is_some();
-        if pristine && refill {
-            tracing::warn!("this data dir replaced a damaged one: waiting for the cluster to refill it");
-        } else if pristine && !joining {
-            let mut members: BTreeMap<NodeId, BasicNode> =
-                cfg.cluster.iter().map(|(id, a)| (*id, BasicNode { addr: a.clone() })).collect();
-            if members.is_empty() {
-                members.insert(cfg.node_id, BasicNode { addr: addr.clone() });
-            }
-            if !members.contains_key(&cfg.node_id) {
-                return Err(ServerError::Config(format!("--cluster does not list this node ({})", cfg.node_id)));
-            }
-            // Every node of a new cluster does this with the same list, which
-            // openraft allows: they hold one election among themselves.
-            if let Err(e) = meta_raft.initialize(members).await {
-                tracing::info!(error = %e, "metadata group already initialized");
-            }
-        }
-
+        serve_link(&inner, listener, &beacon, &cfg);
+        let joining = bootstrap_metadata(&cfg, &meta_raft, refill, &addr).await?;
         let node = Node { inner };
-        if let (true, Some(via)) = (joining, cfg.join.clone()) {
-            node.spawn_join(via);
-        }
-        node.spawn_refill_watch();
-        node.spawn_reconciler(feed);
-        node.spawn_epoch_watch(news_rx);
-        node.spawn_registration();
-        node.spawn_fatal_watch();
-        node.spawn_metadata_leadership_count();
-        node.spawn_log_compactor();
-        node.spawn_reaper();
-        node.spawn_expirer();
-        node.spawn_liveness();
-        node.spawn_failure_watch();
-        node.spawn_rate_sampler();
+        node.spawn_tasks(cfg.join.clone().filter(|_| joining), feed, news_rx);
         tracing::info!(
             id = cfg.node_id,
             %addr,
@@ -298,6 +155,26 @@ impl Node {
             "node started"
         );
         Ok(node)
+    }
+
+    /// The node's background tasks; `join`: the member to join the cluster
+    /// through, for a new node joining one.
+    fn spawn_tasks(&self, join: Option<String>, feed: ChangeFeed, news_rx: mpsc::UnboundedReceiver<EpochNews>) {
+        if let Some(via) = join {
+            self.spawn_join(via);
+        }
+        self.spawn_refill_watch();
+        self.spawn_reconciler(feed);
+        self.spawn_epoch_watch(news_rx);
+        self.spawn_registration();
+        self.spawn_fatal_watch();
+        self.spawn_metadata_leadership_count();
+        self.spawn_log_compactor();
+        self.spawn_reaper();
+        self.spawn_expirer();
+        self.spawn_liveness();
+        self.spawn_failure_watch();
+        self.spawn_rate_sampler();
     }
 
     /// Stop the node: masterships handed over (`ha-promote-on-shutdown`), no
@@ -419,6 +296,193 @@ impl Node {
             }
         });
     }
+}
+
+/// Open the data dir (set aside if damaged) and check it is this node's;
+/// whether it waits for the cluster to refill it.
+fn open_storage(cfg: &NodeConfig, started: Instant) -> Result<(NodeDb, bool), ServerError> {
+    let db = open_or_set_aside(cfg)?;
+    let refill = db.get_node_value(REFILL_KEY)?.is_some();
+    tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "storage opened");
+    #[cfg(feature = "test-hooks")]
+    if cfg.test.crash_image {
+        db.keep_crash_image().map_err(|e| ServerError::Config(format!("crash image: {e}")))?;
+    }
+    match db.get_node_value(NODE_ID_KEY)? {
+        Some(b) => {
+            let found = u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8]));
+            if found != cfg.node_id {
+                return Err(ServerError::WrongNode { path: cfg.data_dir.clone(), found, configured: cfg.node_id });
+            }
+        }
+        None => db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?,
+    }
+    Ok((db, refill))
+}
+
+fn step_down_after_crash(db: &NodeDb, me: NodeId) -> Result<(), ServerError> {
+    if !db.started_clean() {
+        // Before any group starts: see `LogStore::step_down_after_crash`.
+        let led = LogStore::step_down_after_crash(db, me).map_err(|e| ServerError::Raft(e.to_string()))?;
+        if !led.is_empty() {
+            tracing::warn!(
+                groups = led.len(),
+                "the last stop was not clean: the groups this node led go to an election, which a replica \
+                 with every committed entry wins"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Record this start's life; it and the founding floor
+/// (`Inner::founding_floor`).
+fn begin_life(db: &NodeDb) -> Result<(u64, u64), ServerError> {
+    // A new life: owners of unacked messages made before are dead.
+    let stored = db.get_node_value(INCARNATION_KEY)?;
+    let stored = stored.map(|b| u64::from_be_bytes(b.as_slice().try_into().unwrap_or([0; 8])));
+    // An empty data dir: which queues were declared before it is not
+    // known until the metadata leader says (before the first life).
+    if stored.is_none() {
+        db.put_node_value(FOUNDING_FLOOR_KEY, &[])?;
+    }
+    let founding_floor = match db.get_node_value(FOUNDING_FLOOR_KEY)? {
+        None => 0,
+        Some(b) => b.as_slice().try_into().map_or(u64::MAX, u64::from_be_bytes),
+    };
+    let incarnation = next_life(stored, unix_millis());
+    db.put_node_value(INCARNATION_KEY, &incarnation.to_be_bytes())?;
+    Ok((incarnation, founding_floor))
+}
+
+/// The node link's listener (`bound`, or bound here) and its address.
+async fn bind_link(
+    cfg: &NodeConfig,
+    bound: Option<std::net::TcpListener>,
+) -> Result<(TcpListener, String), ServerError> {
+    let listen_err = |source| ServerError::Listen { addr: cfg.raft_listen.clone(), source };
+    let listener = match bound {
+        Some(l) => {
+            l.set_nonblocking(true).map_err(listen_err)?;
+            TcpListener::from_std(l).map_err(listen_err)?
+        }
+        None => TcpListener::bind(&cfg.raft_listen).await.map_err(listen_err)?,
+    };
+    let addr = listener
+        .local_addr()
+        .map_err(|source| ServerError::Listen { addr: cfg.raft_listen.clone(), source })?
+        .to_string();
+    Ok((listener, addr))
+}
+
+/// The metadata group's Raft config, and the queue groups'.
+fn raft_configs(t: &Timing) -> Result<(Arc<openraft::Config>, Arc<openraft::Config>), ServerError> {
+    let raft_config = openraft::Config {
+        cluster_name: "mirrorq".into(),
+        heartbeat_interval: t.heartbeat.as_millis() as u64,
+        election_timeout_min: t.election_min.as_millis() as u64,
+        election_timeout_max: t.election_max.as_millis() as u64,
+        install_snapshot_timeout: 10_000,
+        max_payload_entries: 64,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(crate::raft::state_machine::SNAPSHOT_EVERY),
+        max_in_snapshot_log_to_keep: 256,
+        ..Default::default()
+    }
+    .validate()
+    .map_err(|e| ServerError::Config(e.to_string()))?;
+    // A queue's mirrors learn a commit index with the next entry (or the
+    // next heartbeat) instead of in a round trip of its own: a confirm
+    // waits for every replica's append, never for a mirror's apply, and
+    // at one message in flight that extra round trip held the next
+    // entry back (openraft sends one AppendEntries at a time per mirror).
+    // The metadata group keeps telling commits at once: every node
+    // routes from its own applied copy of the metadata.
+    let queue_raft_config = Arc::new(openraft::Config { commit_rides_on_next_append: true, ..raft_config.clone() });
+    Ok((Arc::new(raft_config), queue_raft_config))
+}
+
+/// The beacon (with its watch on this runtime) and the node link's
+/// transport to the peers.
+fn start_transport(cfg: &NodeConfig, stop: &CancellationToken) -> Result<(Arc<Beacon>, Arc<Transport>), ServerError> {
+    let beacon = Arc::new(Beacon::start(stop.child_token()).map_err(ServerError::Beacon)?);
+    // A node whose runtime makes no progress for the failure timeout is
+    // as good as gone to its peers.
+    beacon.watch_this_runtime(cfg.timing.failure_timeout);
+    let transport = Arc::new(
+        Transport::with_beacon(beacon.clone()).with_secret(cfg.cluster_secret.clone()).with_tls(cfg.link_tls.clone()),
+    );
+    Ok((beacon, transport))
+}
+
+/// The metadata group's Raft on its stored log and state machine; the
+/// metadata's watch and its change feed.
+async fn start_metadata(
+    cfg: &NodeConfig,
+    db: &NodeDb,
+    raft_config: Arc<openraft::Config>,
+    news: &mpsc::UnboundedSender<EpochNews>,
+    transport: &Arc<Transport>,
+) -> Result<(Raft, watch::Receiver<Arc<MetaState>>, ChangeFeed), ServerError> {
+    let meta_log = LogStore::new(db.clone(), METADATA_GROUP);
+    let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?
+        .applying_durable(meta_log.durability());
+    let (meta, feed) = meta_sm.with(|m| (m.subscribe(), m.feed())).await;
+    let meta_raft = Raft::new(
+        cfg.node_id,
+        raft_config,
+        NetworkFactory {
+            group: METADATA_GROUP,
+            epoch: Epoch::default(),
+            me: cfg.node_id,
+            news: news.clone(),
+            transport: transport.clone(),
+            catching: None,
+        },
+        meta_log,
+        meta_sm.clone(),
+    )
+    .await
+    .map_err(|e| ServerError::Raft(e.to_string()))?;
+    meta_sm.enable_snapshot_transfer();
+    Ok((meta_raft, meta, feed))
+}
+
+/// Serve the node link, and watch memory and disk.
+fn serve_link(inner: &Arc<Inner>, listener: TcpListener, beacon: &Beacon, cfg: &NodeConfig) {
+    let gate = Arc::new(server::Gate::new(
+        cfg.cluster_secret.clone(),
+        cfg.link_tls.clone(),
+        inner.metrics.link_refused.clone(),
+    ));
+    server::serve(listener, inner.clone(), beacon, gate, inner.stop.clone());
+    inner.alarms.clone().spawn(inner.stop.clone());
+    spawn_disk_full_alarm(inner, cfg.wal_segment_bytes);
+}
+
+/// On a data dir that holds no cluster yet: found one (every listed node
+/// does so alike), or wait to be refilled; whether the node joins one
+/// instead.
+async fn bootstrap_metadata(cfg: &NodeConfig, meta_raft: &Raft, refill: bool, addr: &str) -> Result<bool, ServerError> {
+    let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
+    let joining = pristine && cfg.join.is_some();
+    if pristine && refill {
+        tracing::warn!("this data dir replaced a damaged one: waiting for the cluster to refill it");
+    } else if pristine && !joining {
+        let mut members: BTreeMap<NodeId, BasicNode> =
+            cfg.cluster.iter().map(|(id, a)| (*id, BasicNode { addr: a.clone() })).collect();
+        if members.is_empty() {
+            members.insert(cfg.node_id, BasicNode { addr: addr.to_string() });
+        }
+        if !members.contains_key(&cfg.node_id) {
+            return Err(ServerError::Config(format!("--cluster does not list this node ({})", cfg.node_id)));
+        }
+        // Every node of a new cluster does this with the same list, which
+        // openraft allows: they hold one election among themselves.
+        if let Err(e) = meta_raft.initialize(members).await {
+            tracing::info!(error = %e, "metadata group already initialized");
+        }
+    }
+    Ok(joining)
 }
 
 /// Raise the disk alarm as soon as the write-ahead log meets a full disk,

@@ -56,6 +56,20 @@ pub(super) struct Sweep {
     last: Option<Arc<MetaState>>,
 }
 
+/// What one round does to the hosted groups.
+struct Work {
+    to_start: Vec<QueueMeta>,
+    to_stop: Vec<Arc<QueueGroup>>,
+    to_steer: Vec<Arc<QueueGroup>>,
+    /// More replicas are left to start than one round starts.
+    more: bool,
+}
+
+/// This node's replica's queue, if the metadata still has it.
+fn queue_of<'a>(state: &'a MetaState, g: &QueueGroup) -> Option<&'a QueueMeta> {
+    state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group)
+}
+
 impl Node {
     /// Keep the hosted groups equal to the metadata's wish.
     pub(super) fn spawn_reconciler(&self, mut feed: ChangeFeed) {
@@ -138,11 +152,7 @@ impl Node {
         sweep: &mut Sweep,
     ) -> Vec<(GroupId, ServerError)> {
         let mut failed = Vec::new();
-        let me = self.id();
         let removals = self.inner.removals.load(Ordering::Acquire);
-        // This node's replica's queue, if the metadata still has it.
-        let queue_of = |g: &QueueGroup| state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group);
-        let wants = |q: &QueueMeta| q.replicas.contains(&me);
         // A declare or a delete looks at its own queues only; a tick, or a
         // change to policies or nodes, at every one.
         let nothing = BTreeSet::new();
@@ -153,21 +163,57 @@ impl Node {
         };
         // Whatever this round leaves undone makes the next tick look again;
         // a round that looked at some queues only vouches for no others.
-        let more;
         let (mut settled, removals) = match names {
             None => (true, removals),
             Some(_) => (sweep.settled, sweep.removals),
         };
-        // The hosted groups a declare or a delete may concern: found by the
-        // queues' names, in this metadata and in the last round's (which
-        // still has a queue deleted since, or the group of one declared
-        // again); with ten thousand groups, going over all of them at every
-        // declare cost more than the declare. A name in neither (declared
-        // and deleted between two rounds) makes this round go over all.
-        let concerned: Option<Vec<Arc<QueueGroup>>> = match touched {
+        let concerned = self.concerned(state, touched, sweep.last.as_deref());
+        let Work { to_start, to_stop, to_steer, more } =
+            self.round_work(state, touched, names, concerned.as_deref(), &mut settled);
+        // Moved away but still a member in our own view: the final
+        // membership entry never reaches a removed node, so ask the replicas
+        // that stay whether the change excluding us is in effect. (Moves
+        // come with a policy or node change, or show at the next tick.)
+        let moved = match names {
+            Some(_) => Vec::new(),
+            None => self.moved_away(state),
+        };
+        settled &= to_stop.is_empty() && moved.is_empty();
+        self.drop_moved(moved, &mut failed).await;
+        // What the queue's policy and arguments ask of its publishes holds
+        // from the next publish on, so it is set at every change (the
+        // failure watch runs less often); a replica started since got it
+        // at its start.
+        if *touched != Touched::None {
+            self.set_publish_limits(state, touched, concerned.as_deref());
+        }
+        for g in to_steer {
+            if let Some(q) = queue_of(state, &g) {
+                self.steer_membership(g.clone(), q, state);
+            }
+        }
+        self.stop_replicas(to_stop, &mut failed).await;
+        let started_any = self.start_replicas(to_start, state, &mut failed, &mut settled).await;
+        // Replicas that cannot start wait for the next tick, not spin.
+        *sweep = Sweep { settled, removals, more: more && started_any, full: names.is_none(), last: sweep.last.take() };
+        failed
+    }
+
+    /// The hosted groups a declare or a delete may concern: found by the
+    /// queues' names, in this metadata and in the `last` round's (which
+    /// still has a queue deleted since, or the group of one declared
+    /// again); with ten thousand groups, going over all of them at every
+    /// declare cost more than the declare. A name in neither (declared
+    /// and deleted between two rounds) makes this round go over all.
+    fn concerned(
+        &self,
+        state: &MetaState,
+        touched: &Touched,
+        last: Option<&MetaState>,
+    ) -> Option<Vec<Arc<QueueGroup>>> {
+        match touched {
             Touched::Some(names) => {
                 let groups = self.inner.groups.read().expect("poisoned");
-                let last = sweep.last.as_deref();
                 let mut found = BTreeMap::new();
                 let mut unknown = false;
                 for name in names {
@@ -183,61 +229,77 @@ impl Node {
                 (!unknown).then(|| found.into_values().collect())
             }
             Touched::None | Touched::All => None,
+        }
+    }
+
+    /// What a round does, from one look at the table: the replicas it
+    /// starts, the groups it stops and those whose membership it steers
+    /// (of `concerned`, else of those `names`, else of all).
+    fn round_work(
+        &self,
+        state: &MetaState,
+        touched: &Touched,
+        names: Option<&BTreeSet<String>>,
+        concerned: Option<&[Arc<QueueGroup>]>,
+        settled: &mut bool,
+    ) -> Work {
+        let me = self.id();
+        let wants = |q: &QueueMeta| q.replicas.contains(&me);
+        let groups = self.inner.groups.read().expect("poisoned");
+        let startable = |q: &&QueueMeta| wants(q) && !groups.contains_key(&q.group);
+        let mut to_start: Vec<QueueMeta> = match names {
+            Some(names) => names.iter().filter_map(|n| state.queues.get(n)).filter(startable).cloned().collect(),
+            None => state.queues.values().filter(startable).cloned().collect(),
         };
-        let (to_start, to_stop, to_steer): (Vec<QueueMeta>, Vec<Arc<QueueGroup>>, Vec<Arc<QueueGroup>>) = {
-            let groups = self.inner.groups.read().expect("poisoned");
-            let startable = |q: &&QueueMeta| wants(q) && !groups.contains_key(&q.group);
-            let mut to_start: Vec<QueueMeta> = match names {
-                Some(names) => names.iter().filter_map(|n| state.queues.get(n)).filter(startable).cloned().collect(),
-                None => state.queues.values().filter(startable).cloned().collect(),
-            };
-            let wanted = to_start.len();
-            to_start.retain(|q| !self.inner.busy.lock().expect("poisoned").contains(&q.group));
-            more = to_start.len() > STARTS_PER_ROUND;
-            to_start.truncate(STARTS_PER_ROUND);
-            settled &= to_start.len() == wanted;
-            // Deleted, or moved away and already out of the group's
-            // membership (so stopping cannot cost the group a vote).
-            let stoppable = |g: &Arc<QueueGroup>| queue_of(g).is_none_or(|q| !wants(q) && !g.is_member(me));
-            let (to_stop, to_steer) = match &concerned {
-                Some(concerned) => (
-                    concerned.iter().filter(|g| stoppable(g)).cloned().collect(),
-                    concerned.iter().filter(|g| g.is_leader(me)).cloned().collect(),
-                ),
-                None => (
-                    groups
-                        .values()
-                        .filter(|g| names.is_none_or(|n| n.contains(&g.meta.name)))
-                        .filter(|g| stoppable(g))
-                        .cloned()
-                        .collect(),
-                    groups
-                        .values()
-                        .filter(|g| (!g.hush.is_quiet() || touched.contains(&g.meta.name)) && g.is_leader(me))
-                        .cloned()
-                        .collect(),
-                ),
-            };
-            (to_start, to_stop, to_steer)
+        let wanted = to_start.len();
+        to_start.retain(|q| !self.inner.busy.lock().expect("poisoned").contains(&q.group));
+        let more = to_start.len() > STARTS_PER_ROUND;
+        to_start.truncate(STARTS_PER_ROUND);
+        *settled &= to_start.len() == wanted;
+        // Deleted, or moved away and already out of the group's
+        // membership (so stopping cannot cost the group a vote).
+        let stoppable = |g: &Arc<QueueGroup>| queue_of(state, g).is_none_or(|q| !wants(q) && !g.is_member(me));
+        let (to_stop, to_steer) = match concerned {
+            Some(concerned) => (
+                concerned.iter().filter(|g| stoppable(g)).cloned().collect(),
+                concerned.iter().filter(|g| g.is_leader(me)).cloned().collect(),
+            ),
+            None => (
+                groups
+                    .values()
+                    .filter(|g| names.is_none_or(|n| n.contains(&g.meta.name)))
+                    .filter(|g| stoppable(g))
+                    .cloned()
+                    .collect(),
+                groups
+                    .values()
+                    .filter(|g| (!g.hush.is_quiet() || touched.contains(&g.meta.name)) && g.is_leader(me))
+                    .cloned()
+                    .collect(),
+            ),
         };
-        // Moved away but still a member in our own view: the final
-        // membership entry never reaches a removed node, so ask the replicas
-        // that stay whether the change excluding us is in effect. (Moves
-        // come with a policy or node change, or show at the next tick.)
-        let moved: Vec<(Arc<QueueGroup>, Vec<NodeId>)> = match names {
-            Some(_) => Vec::new(),
-            None => self
-                .inner
-                .groups
-                .read()
-                .expect("poisoned")
-                .values()
-                .filter_map(|g| {
-                    queue_of(g).filter(|q| !wants(q) && g.is_member(me)).map(|q| (g.clone(), q.replicas.clone()))
-                })
-                .collect(),
-        };
-        settled &= to_stop.is_empty() && moved.is_empty();
+        Work { to_start, to_stop, to_steer, more }
+    }
+
+    /// Hosted groups whose queue no longer wants a replica here while our
+    /// own view still has this node a member; with the replicas that stay.
+    fn moved_away(&self, state: &MetaState) -> Vec<(Arc<QueueGroup>, Vec<NodeId>)> {
+        let me = self.id();
+        let wants = |q: &QueueMeta| q.replicas.contains(&me);
+        self.inner
+            .groups
+            .read()
+            .expect("poisoned")
+            .values()
+            .filter_map(|g| {
+                queue_of(state, g).filter(|q| !wants(q) && g.is_member(me)).map(|q| (g.clone(), q.replicas.clone()))
+            })
+            .collect()
+    }
+
+    /// Drop each replica in `moved` once a replica that stays says the
+    /// membership excludes this node.
+    async fn drop_moved(&self, moved: Vec<(Arc<QueueGroup>, Vec<NodeId>)>, failed: &mut Vec<(GroupId, ServerError)>) {
         for (g, stay) in moved {
             if !self.excluded_by_peers(g.meta.group, g.epoch, &stay).await {
                 continue;
@@ -253,27 +315,24 @@ impl Node {
                 }
             }
         }
-        // What the queue's policy and arguments ask of its publishes holds
-        // from the next publish on, so it is set at every change (the
-        // failure watch runs less often); a replica started since got it
-        // at its start.
-        if *touched != Touched::None {
-            let set_limits = |g: &QueueGroup| {
-                if let Some(q) = queue_of(g).filter(|_| touched.contains(&g.meta.name)) {
-                    g.proposer.set_min_synchronised(failover::ha_of(state, q).min_synchronised.unwrap_or(0));
-                    g.proposer.set_limits(deadletter::limits_of(state, q));
-                }
-            };
-            match &concerned {
-                Some(concerned) => concerned.iter().for_each(|g| set_limits(g)),
-                None => self.inner.groups.read().expect("poisoned").values().for_each(|g| set_limits(g)),
+    }
+
+    /// The touched queues' publish limits, on their replicas here (of
+    /// `concerned`, else of all).
+    fn set_publish_limits(&self, state: &MetaState, touched: &Touched, concerned: Option<&[Arc<QueueGroup>]>) {
+        let set_limits = |g: &QueueGroup| {
+            if let Some(q) = queue_of(state, g).filter(|_| touched.contains(&g.meta.name)) {
+                g.proposer.set_min_synchronised(failover::ha_of(state, q).min_synchronised.unwrap_or(0));
+                g.proposer.set_limits(deadletter::limits_of(state, q));
             }
+        };
+        match concerned {
+            Some(concerned) => concerned.iter().for_each(|g| set_limits(g)),
+            None => self.inner.groups.read().expect("poisoned").values().for_each(|g| set_limits(g)),
         }
-        for g in to_steer {
-            if let Some(q) = queue_of(&g) {
-                self.steer_membership(g.clone(), q, state);
-            }
-        }
+    }
+
+    async fn stop_replicas(&self, to_stop: Vec<Arc<QueueGroup>>, failed: &mut Vec<(GroupId, ServerError)>) {
         for g in to_stop {
             let Some(_busy) = Busy::take(&self.inner.busy, g.meta.group) else { continue };
             if !self.inner.take_out(&g) {
@@ -286,6 +345,17 @@ impl Node {
                 Err(e) => failed.push((g.meta.group, e.into())),
             }
         }
+    }
+
+    /// Start the replicas of `to_start`; whether any started. One that
+    /// fails leaves the round unsettled.
+    async fn start_replicas(
+        &self,
+        to_start: Vec<QueueMeta>,
+        state: &MetaState,
+        failed: &mut Vec<(GroupId, ServerError)>,
+        settled: &mut bool,
+    ) -> bool {
         // Started side by side: each start waits on its own group's tasks
         // and on sled, and a burst of declares (or a restart) brings many.
         let starts = to_start.into_iter().map(|q| async move {
@@ -301,15 +371,13 @@ impl Node {
         while let Some(r) = starting.next().await {
             match r {
                 Some(left) => {
-                    settled = false;
+                    *settled = false;
                     failed.extend(left);
                 }
                 None => started_any = true,
             }
         }
-        // Replicas that cannot start wait for the next tick, not spin.
-        *sweep = Sweep { settled, removals, more: more && started_any, full: names.is_none(), last: sweep.last.take() };
-        failed
+        started_any
     }
 
     /// Does a replica of `group` in our `epoch` on one of `peers` say the
@@ -497,46 +565,9 @@ impl Node {
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?
             .applying_durable(log.durability());
         let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
-        // A new queue's group is founded already led: its designated master
-        // writes the membership and the blank entry of term 1, then a
-        // committed vote for itself in term 1, which is what winning the
-        // first election would have left, and starts as leader. Its mirrors
-        // start blank and take that log (and the vote with it) from its
-        // first append, so they know no members, and cannot stand, before
-        // the master has reached them. An election per queue (a vote synced
-        // on every node, then a blank entry) cost a third of a declare.
-        // Never twice: `found` leaves a replica that ever held anything
-        // alone, and `initial` is emptied once the founder leaves the
-        // replicas (which deletes its replica), so a master moved away and
-        // back starts blank and is filled by the group's leader.
-        let me = self.id();
-        let mut founding = epoch == Epoch::default() && q.initial.first() == Some(&me);
-        if founding && !self.founds_freely(q.group) && log.is_blank().map_err(|e| ServerError::Raft(e.to_string()))? {
-            founding = !self.founded_before(&q).await?;
-        }
-        let founded = founding
-            && log
-                .found(&Vote::new_committed(FOUNDING_TERM, me), founding_log(&q, state, me))
-                .await
-                .map_err(|e| ServerError::Raft(e.to_string()))?;
+        let founded = self.found_if_first(&q, state, epoch, &mut log).await?;
         let catching = confirm_gate::CatchingUp::default();
-        let raft = Raft::new(
-            self.id(),
-            self.inner.queue_raft_config.clone(),
-            NetworkFactory {
-                group: q.group,
-                epoch,
-                me: self.id(),
-                news: self.inner.news.clone(),
-                transport: self.inner.transport.clone(),
-                catching: Some(catching.clone()),
-            },
-            log,
-            sm.clone(),
-        )
-        .await
-        .map_err(|e| ServerError::Raft(e.to_string()))?;
-        sm.enable_snapshot_transfer();
+        let raft = self.new_queue_raft(q.group, epoch, log, &sm, &catching).await?;
         let stop = self.inner.stop.child_token();
         let leading = Arc::new(AtomicBool::new(false));
         let sync = confirm_gate::spawn(
@@ -579,22 +610,7 @@ impl Node {
             used: std::sync::Mutex::new(std::time::Instant::now()),
             stop,
         });
-        // A node that stops (its table emptied) or a replica started by
-        // someone else meanwhile: this one must not run unseen beside it.
-        let taken = {
-            let mut groups = self.inner.groups.write().expect("poisoned");
-            let taken = self.inner.stop.is_cancelled() || groups.contains_key(&q.group);
-            if !taken {
-                groups.insert(q.group, group.clone());
-            }
-            taken
-        };
-        if taken {
-            group.stop.cancel();
-            group.shut_down().await;
-            return Err(ServerError::Raft("the node is stopping, or the replica was started meanwhile".into()));
-        }
-        self.inner.group_started.notify_waiters();
+        self.register(&group).await?;
 
         // A mirror added after the declare starts blank and is filled by
         // its master; one that joined a re-formed epoch waits for that
@@ -614,6 +630,90 @@ impl Node {
         self.spawn_catch_up(group.clone());
         self.spawn_expiry(group);
         tracing::info!(queue = %q.name, group = q.group, %epoch, founded, elapsed_ms = started.elapsed().as_millis() as u64, "queue replica started");
+        Ok(())
+    }
+
+    /// Whether this replica founded its group, on `log`, just now.
+    async fn found_if_first(
+        &self,
+        q: &QueueMeta,
+        state: &MetaState,
+        epoch: Epoch,
+        log: &mut LogStore,
+    ) -> Result<bool, ServerError> {
+        // A new queue's group is founded already led: its designated master
+        // writes the membership and the blank entry of term 1, then a
+        // committed vote for itself in term 1, which is what winning the
+        // first election would have left, and starts as leader. Its mirrors
+        // start blank and take that log (and the vote with it) from its
+        // first append, so they know no members, and cannot stand, before
+        // the master has reached them. An election per queue (a vote synced
+        // on every node, then a blank entry) cost a third of a declare.
+        // Never twice: `found` leaves a replica that ever held anything
+        // alone, and `initial` is emptied once the founder leaves the
+        // replicas (which deletes its replica), so a master moved away and
+        // back starts blank and is filled by the group's leader.
+        let me = self.id();
+        let mut founding = epoch == Epoch::default() && q.initial.first() == Some(&me);
+        if founding && !self.founds_freely(q.group) && log.is_blank().map_err(|e| ServerError::Raft(e.to_string()))? {
+            founding = !self.founded_before(q).await?;
+        }
+        let founded = founding
+            && log
+                .found(&Vote::new_committed(FOUNDING_TERM, me), founding_log(q, state, me))
+                .await
+                .map_err(|e| ServerError::Raft(e.to_string()))?;
+        Ok(founded)
+    }
+
+    /// The Raft of a queue replica on its stored `log` and `sm`.
+    async fn new_queue_raft(
+        &self,
+        group: GroupId,
+        epoch: Epoch,
+        log: LogStore,
+        sm: &StateMachine<QueueMachine>,
+        catching: &confirm_gate::CatchingUp,
+    ) -> Result<Raft, ServerError> {
+        let raft = Raft::new(
+            self.id(),
+            self.inner.queue_raft_config.clone(),
+            NetworkFactory {
+                group,
+                epoch,
+                me: self.id(),
+                news: self.inner.news.clone(),
+                transport: self.inner.transport.clone(),
+                catching: Some(catching.clone()),
+            },
+            log,
+            sm.clone(),
+        )
+        .await
+        .map_err(|e| ServerError::Raft(e.to_string()))?;
+        sm.enable_snapshot_transfer();
+        Ok(raft)
+    }
+
+    /// Put a started replica in the table; an error, with the replica shut
+    /// down again, if it may not run.
+    async fn register(&self, group: &Arc<QueueGroup>) -> Result<(), ServerError> {
+        // A node that stops (its table emptied) or a replica started by
+        // someone else meanwhile: this one must not run unseen beside it.
+        let taken = {
+            let mut groups = self.inner.groups.write().expect("poisoned");
+            let taken = self.inner.stop.is_cancelled() || groups.contains_key(&group.meta.group);
+            if !taken {
+                groups.insert(group.meta.group, group.clone());
+            }
+            taken
+        };
+        if taken {
+            group.stop.cancel();
+            group.shut_down().await;
+            return Err(ServerError::Raft("the node is stopping, or the replica was started meanwhile".into()));
+        }
+        self.inner.group_started.notify_waiters();
         Ok(())
     }
 }

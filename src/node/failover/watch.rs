@@ -117,16 +117,7 @@ impl Node {
             let ha = ha_of(state, q);
             let m = g.watch.metrics.lock().expect("poisoned").borrow_and_update().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
-            // A learner that is a wanted replica may have every confirmed
-            // message too (confirms wait for caught-up learners), so it may
-            // carry the queue on when no voter is left.
-            let members: BTreeSet<NodeId> = m
-                .membership_config
-                .membership()
-                .nodes()
-                .map(|(id, _)| *id)
-                .filter(|id| voters.contains(id) || q.replicas.contains(id))
-                .collect();
+            let members = carriers(&m, &voters, q);
             if !members.contains(&self.id()) {
                 continue;
             }
@@ -148,13 +139,7 @@ impl Node {
             };
             let held = hold.is_some();
             if held {
-                // A quiet group's master answers for it: its node answers
-                // pings and announces the group in our term. Its timers
-                // have nothing to do until then.
-                g.raft.runtime_config().elect(false);
-                g.raft.runtime_config().tick(false);
-                *g.watch.leaderless_since.lock().expect("poisoned") = None;
-                *g.watch.master_lost_since.lock().expect("poisoned") = None;
+                rest_while_held(&g);
             }
 
             // Seniority: while the master is away, only the most senior
@@ -184,23 +169,35 @@ impl Node {
                 && g.plan.borrow().is_none()
                 && self.reform_due(q, &m, &voters, &reach, &alive, now.duration_since(seen))
             {
-                match self.reform(g, q.clone(), state).await {
-                    Ok(false) => {}
-                    Ok(true) => {
-                        tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-formed it");
-                        self.inner.metrics.queue_reforms.inc();
-                        self.inner.told.cleared(q.group, "re-form");
-                    }
-                    Err(e) => {
-                        if self.inner.repeated(q.group, "re-form", &e.to_string()) {
-                            tracing::error!(queue = %q.name, error = %e, "re-forming the queue failed; retrying (told once until it changes)");
-                        }
-                    }
-                }
+                self.reform_and_tell(g, q, state, &voters, &alive).await;
                 // A re-form may take seconds: the groups after it are judged
                 // on fresh pings, not on this round's.
                 reach = self.reachable(state).await;
                 present = self.present(state);
+            }
+        }
+    }
+
+    /// Re-form `g`, and say how that went.
+    async fn reform_and_tell(
+        &self,
+        g: Arc<QueueGroup>,
+        q: &QueueMeta,
+        state: &MetaState,
+        voters: &BTreeSet<NodeId>,
+        alive: &BTreeSet<NodeId>,
+    ) {
+        match self.reform(g, q.clone(), state).await {
+            Ok(false) => {}
+            Ok(true) => {
+                tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-formed it");
+                self.inner.metrics.queue_reforms.inc();
+                self.inner.told.cleared(q.group, "re-form");
+            }
+            Err(e) => {
+                if self.inner.repeated(q.group, "re-form", &e.to_string()) {
+                    tracing::error!(queue = %q.name, error = %e, "re-forming the queue failed; retrying (told once until it changes)");
+                }
             }
         }
     }
@@ -465,4 +462,27 @@ impl Node {
             *g.watch.elect_at.lock().expect("poisoned") = None;
         });
     }
+}
+
+/// A quiet group's master answers for it: its node answers pings and
+/// announces the group in our term. The replica's timers have nothing to
+/// do until then.
+fn rest_while_held(g: &QueueGroup) {
+    g.raft.runtime_config().elect(false);
+    g.raft.runtime_config().tick(false);
+    *g.watch.leaderless_since.lock().expect("poisoned") = None;
+    *g.watch.master_lost_since.lock().expect("poisoned") = None;
+}
+
+/// The members of `m`'s membership that may carry the queue on: its
+/// `voters`, and the learners that are wanted replicas (`q`), which may
+/// have every confirmed message too (confirms wait for caught-up
+/// learners), so may carry it on when no voter is left.
+fn carriers(m: &Metrics, voters: &BTreeSet<NodeId>, q: &QueueMeta) -> BTreeSet<NodeId> {
+    m.membership_config
+        .membership()
+        .nodes()
+        .map(|(id, _)| *id)
+        .filter(|id| voters.contains(id) || q.replicas.contains(id))
+        .collect()
 }

@@ -74,6 +74,19 @@ pub(in crate::node) async fn snapshot_and_purge(raft: &Raft, queue: &str) {
     }
 }
 
+/// A catch-up's fetching, from one chunk to the next.
+struct Fetching {
+    /// When progress was last logged.
+    last_log: Instant,
+    /// When the master last heard how this replica stands.
+    last_report: Option<Instant>,
+    /// The master's applied index after each read: applying that far
+    /// makes every body it lacked gone here too.
+    must_apply: Option<u64>,
+    /// Wait between asks that bring nothing.
+    stalled: Duration,
+}
+
 impl Node {
     /// Run the catch-up of one hosted replica until its group stops.
     pub(in crate::node) fn spawn_catch_up(&self, g: Arc<QueueGroup>) {
@@ -99,13 +112,8 @@ impl Node {
         // re-elected in a new term has forgotten the reports of the old one.
         let mut told: Option<(NodeId, u64)> = None;
         let began = Instant::now();
-        let mut last_log = Instant::now();
-        let mut last_report: Option<Instant> = None;
-        // The master's applied index after each read: applying that far
-        // makes every body it lacked gone here too.
-        let mut must_apply: Option<u64> = None;
-        // Wait between asks that bring nothing.
-        let mut stalled = Duration::ZERO;
+        let mut fetch =
+            Fetching { last_log: Instant::now(), last_report: None, must_apply: None, stalled: Duration::ZERO };
         loop {
             let Some(plan) = plan_rx.borrow_and_update().clone() else {
                 // Complete: say so to each new master, which counts this
@@ -140,82 +148,92 @@ impl Node {
             told = None;
             g.raft.runtime_config().elect(false);
             if plan.is_done() {
-                match Box::pin(self.finish_catch_up(&g, must_apply)).await {
-                    Ok(()) => {
-                        self.inner.told.cleared(g.meta.group, "finish catch-up");
-                        self.inner.told.cleared(g.meta.group, "store bodies");
-                        tracing::info!(queue = %g.meta.name, messages = plan.msgs_done, bytes = plan.bytes_done,
-                            elapsed_ms = began.elapsed().as_millis() as u64, "mirror synchronised");
-                        let _ = g.sync_run.send(false);
-                        continue;
-                    }
-                    Err(e) => {
-                        if self.inner.repeated(g.meta.group, "finish catch-up", &e.to_string()) {
-                            tracing::warn!(queue = %g.meta.name, error = %e, "cannot finish the catch-up yet (told once until it changes)");
-                        }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        continue;
-                    }
-                }
+                self.try_finish_catch_up(&g, &plan, fetch.must_apply, began).await;
+                continue;
             }
             let running = *run_rx.borrow_and_update() || !self.waits_for_sync(&g);
             if !running {
-                if last_report.is_none_or(|t| t.elapsed() >= REPORT_EVERY)
+                if fetch.last_report.is_none_or(|t| t.elapsed() >= REPORT_EVERY)
                     && Box::pin(self.report(&g, false)).await.is_ok()
                 {
-                    last_report = Some(Instant::now());
+                    fetch.last_report = Some(Instant::now());
                 }
                 tokio::select! {
                     _ = plan_rx.changed() => {}
                     _ = run_rx.changed() => {}
-                    _ = metrics.changed() => last_report = None,
+                    _ = metrics.changed() => fetch.last_report = None,
                     _ = tokio::time::sleep(REPORT_EVERY) => {}
                 }
                 continue;
             }
-            let chunk = self.inner.catch_up_bytes as u32;
-            match Box::pin(self.ask_bodies(&g, &plan, chunk, plan.bytes_total.is_none())).await {
-                Ok(c) => {
-                    last_report = Some(Instant::now());
-                    must_apply = must_apply.max(c.applied);
-                    let upto = c.next.unwrap_or_else(|| head(&plan).last().map_or(0, |r| r.1));
-                    let bodies: Vec<(u64, Vec<u8>)> = c.bodies.into_iter().map(|b| (b.seq, b.data)).collect();
-                    let r = Box::pin(g.sm.with_mut(|m, space| m.fill(space, &bodies, upto, c.bytes_total))).await;
-                    if let Err(e) = r {
-                        if self.inner.repeated(g.meta.group, "store bodies", &e.to_string()) {
-                            tracing::error!(queue = %g.meta.name, error = %e, "cannot store fetched bodies (told once until it changes)");
-                        }
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    } else if g.plan.borrow().as_ref().is_some_and(|p| p.missing == plan.missing) {
-                        // The master sent nothing this replica still lacks.
-                        // Once this replica has applied as far as the master
-                        // had when it read, what stays is lacking there too:
-                        // say so, and keep asking (a new master may have it).
-                        let applied = g.raft.metrics().borrow().last_applied.map(|l| l.index);
-                        if applied >= must_apply {
-                            let held = plan.missing.iter().map(|(s, e)| e - s).sum::<u64>();
-                            let why = format!("the master has no body for {held} held messages");
-                            if self.inner.repeated(g.meta.group, "store bodies", &why) {
-                                tracing::warn!(queue = %g.meta.name, messages = held, "the master has no body for messages this replica holds: not synchronised until one does (told once until it changes)");
-                            }
-                        }
-                        stalled = (stalled * 2).clamp(STALL_MIN, STALL_MAX);
-                        tokio::time::sleep(stalled).await;
-                    } else {
-                        stalled = Duration::ZERO;
+            self.fetch_chunk(&g, &plan, &mut fetch).await;
+        }
+    }
+
+    /// Finish a catch-up whose `plan` has everything; on an error, wait a
+    /// little before the caller looks again.
+    async fn try_finish_catch_up(&self, g: &QueueGroup, plan: &Plan, must_apply: Option<u64>, began: Instant) {
+        match Box::pin(self.finish_catch_up(g, must_apply)).await {
+            Ok(()) => {
+                self.inner.told.cleared(g.meta.group, "finish catch-up");
+                self.inner.told.cleared(g.meta.group, "store bodies");
+                tracing::info!(queue = %g.meta.name, messages = plan.msgs_done, bytes = plan.bytes_done,
+                    elapsed_ms = began.elapsed().as_millis() as u64, "mirror synchronised");
+                let _ = g.sync_run.send(false);
+            }
+            Err(e) => {
+                if self.inner.repeated(g.meta.group, "finish catch-up", &e.to_string()) {
+                    tracing::warn!(queue = %g.meta.name, error = %e, "cannot finish the catch-up yet (told once until it changes)");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+
+    /// Fetch and store the next chunk of `plan`'s bodies.
+    async fn fetch_chunk(&self, g: &QueueGroup, plan: &Plan, f: &mut Fetching) {
+        let chunk = self.inner.catch_up_bytes as u32;
+        match Box::pin(self.ask_bodies(g, plan, chunk, plan.bytes_total.is_none())).await {
+            Ok(c) => {
+                f.last_report = Some(Instant::now());
+                f.must_apply = f.must_apply.max(c.applied);
+                let upto = c.next.unwrap_or_else(|| head(plan).last().map_or(0, |r| r.1));
+                let bodies: Vec<(u64, Vec<u8>)> = c.bodies.into_iter().map(|b| (b.seq, b.data)).collect();
+                let r = Box::pin(g.sm.with_mut(|m, space| m.fill(space, &bodies, upto, c.bytes_total))).await;
+                if let Err(e) = r {
+                    if self.inner.repeated(g.meta.group, "store bodies", &e.to_string()) {
+                        tracing::error!(queue = %g.meta.name, error = %e, "cannot store fetched bodies (told once until it changes)");
                     }
-                    if last_log.elapsed() >= LOG_EVERY {
-                        last_log = Instant::now();
-                        if let Some(p) = g.plan.borrow().as_ref() {
-                            tracing::info!(queue = %g.meta.name, messages_done = p.msgs_done, messages_total = p.msgs_total,
-                                bytes_done = p.bytes_done, bytes_total = ?p.bytes_total, "mirror synchronising");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                } else if g.plan.borrow().as_ref().is_some_and(|p| p.missing == plan.missing) {
+                    // The master sent nothing this replica still lacks.
+                    // Once this replica has applied as far as the master
+                    // had when it read, what stays is lacking there too:
+                    // say so, and keep asking (a new master may have it).
+                    let applied = g.raft.metrics().borrow().last_applied.map(|l| l.index);
+                    if applied >= f.must_apply {
+                        let held = plan.missing.iter().map(|(s, e)| e - s).sum::<u64>();
+                        let why = format!("the master has no body for {held} held messages");
+                        if self.inner.repeated(g.meta.group, "store bodies", &why) {
+                            tracing::warn!(queue = %g.meta.name, messages = held, "the master has no body for messages this replica holds: not synchronised until one does (told once until it changes)");
                         }
+                    }
+                    f.stalled = (f.stalled * 2).clamp(STALL_MIN, STALL_MAX);
+                    tokio::time::sleep(f.stalled).await;
+                } else {
+                    f.stalled = Duration::ZERO;
+                }
+                if f.last_log.elapsed() >= LOG_EVERY {
+                    f.last_log = Instant::now();
+                    if let Some(p) = g.plan.borrow().as_ref() {
+                        tracing::info!(queue = %g.meta.name, messages_done = p.msgs_done, messages_total = p.msgs_total,
+                            bytes_done = p.bytes_done, bytes_total = ?p.bytes_total, "mirror synchronising");
                     }
                 }
-                Err(e) => {
-                    tracing::debug!(queue = %g.meta.name, error = %e, "no bodies from the master yet");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
+            }
+            Err(e) => {
+                tracing::debug!(queue = %g.meta.name, error = %e, "no bodies from the master yet");
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
     }
@@ -332,7 +350,7 @@ impl Inner {
         }
     }
 
-    /// Master side of [`RpcRequest::Bodies`].
+    /// Master side of [`ask::Bodies`].
     pub(in crate::node) async fn serve_bodies(
         &self,
         group: GroupId,
