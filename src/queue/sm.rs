@@ -57,7 +57,7 @@ const MAX_IN_LOG_BYTES: u64 = 16 << 20;
 /// every body published in the last stretch before a snapshot twice, 2.0
 /// MB of extra disk writes per 1,000 4 KiB messages where a 4 MiB floor
 /// leaves 0.9, and the sled flush of each snapshot slowed the log syncs of
-/// every node after it (p95 69-81 -> 44-47 ms, `docs/benchmarks.md`).
+/// every node after it (p95 69-81 -> 44-47 ms, `benches/results/HISTORY.md`).
 const SNAPSHOT_COPY_BYTES: u64 = 4 << 20;
 
 /// A snapshot copies what is left in the log at once, holding the queue's
