@@ -29,8 +29,9 @@
 //! - [`owners`]: who holds a queue's unacknowledged messages.
 //! - [`wire`]: what nodes say to each other over the link (Raft's messages
 //!   by group and epoch, forwarded operations, pings, the API's
-//!   cluster-wide questions), each group's openraft network in those words,
-//!   and a client for tools and tests.
+//!   cluster-wide questions; each request a type of [`wire::ask`] paired
+//!   with the answer it expects), each group's openraft network in those
+//!   words, and a client for tools and tests.
 //! - [`node`]: a running node, its groups and the library API (declare,
 //!   publish, get, ack, nack, purge, delete, shutdown); liveness, failover,
 //!   quiet groups, catch-up and the background sweeps.
