@@ -37,6 +37,11 @@ pub(super) enum AskError {
     Other(Box<RpcResponse>),
 }
 
+/// The answer `A` expects, or [`AskError::Other`] with the one that came.
+fn typed<A: Ask>(answer: RpcResponse) -> Result<A::Reply, AskError> {
+    A::reply(answer).map_err(|other| AskError::Other(Box::new(other)))
+}
+
 impl From<AskError> for NodeError {
     fn from(e: AskError) -> Self {
         match e {
@@ -226,9 +231,9 @@ impl Node {
             let first = match started {
                 Some(Started::Here(answer)) => Attempt::answered(answer.await.unwrap_or(Err(NodeError::Stopped))),
                 Some(Started::There(addr, rx)) => match tokio::time::timeout(timeout, rx.reply()).await {
-                    Ok(Ok(answer)) => match ask::Queue::reply(answer) {
+                    Ok(Ok(answer)) => match typed::<ask::Queue>(answer) {
                         Ok(r) => Attempt::answered(r),
-                        Err(other) => Attempt::not_answered(AskError::Other(Box::new(other))),
+                        Err(e) => Attempt::not_answered(e),
                     },
                     Ok(Err(e)) => Attempt::Unanswered(e.to_string()),
                     Err(_) => Attempt::Unanswered(format!("no answer from {addr} in time")),
@@ -431,7 +436,7 @@ impl Inner {
         let addr = self.link_addr(target)?;
         let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         let answer = self.transport.call(&addr, &req.into(), wait).await?;
-        A::reply(answer).map_err(|other| AskError::Other(Box::new(other)))
+        typed::<A>(answer)
     }
 
     /// Where to reach `target` on the node link, unless a test cut it off.
@@ -451,7 +456,7 @@ impl Inner {
     ) -> Result<ask::Alive, AskError> {
         let addr = self.link_addr(target)?;
         let answer = self.transport.ping(&addr, RpcRequest::from(req), limit).await?;
-        ask::Liveness::reply(answer).map_err(|other| AskError::Other(Box::new(other)))
+        typed::<ask::Liveness>(answer)
     }
 
     pub(super) async fn local_meta_write(&self, cmd: MetaCmd) -> Result<(MetaReply, u64), NodeError> {
