@@ -162,8 +162,7 @@ impl Inner {
         match self.raft_in_epoch(group, epoch, from) {
             Ok(r) => {
                 if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
-                    *g.watch.master_heard.lock().expect("poisoned") = Some(Instant::now());
-                    g.watch.appends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    g.heard.append_received();
                 }
                 self.metrics.appends_received.inc();
                 self.refill_heard(group, req.leader_commit.map(|l| l.index));

@@ -50,7 +50,6 @@ mod quiescence;
 mod rebalance;
 mod reconcile;
 mod refill;
-mod split;
 mod sweeps;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
@@ -163,8 +162,12 @@ struct QueueGroup {
     /// The epoch this replica is in; fixed for the life of this Raft instance
     /// (re-forming and healing restart the group).
     epoch: Epoch,
-    /// What failover watches about this replica (`failover/`).
+    /// What this replica hears from its master (the inbound path writes it).
+    heard: failover::Heard,
+    /// What the failure watch keeps about this replica (its task writes it).
     watch: failover::GroupWatch,
+    /// What heals learn of newer epochs of the group (they write it).
+    split: failover::SplitMemory,
     raft: Raft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,
@@ -431,10 +434,7 @@ impl Inner {
     /// queue was deleted).
     fn drop_replica(&self, group: GroupId) -> Result<(), mirrorq_storage::StorageError> {
         self.db.drop_group(group)?;
-        self.db.remove_node_value(&failover::term_floor_key(group))?;
-        self.db.remove_node_value(&split::formed_key(group))?;
-        self.db.remove_node_value(&split::formed_record_key(group))?;
-        self.db.remove_node_value(&split::defeated_key(group))?;
+        failover::forget(&self.db, group)?;
         self.db.remove_node_value(&body_fetch::new_mirror_key(group))
     }
 

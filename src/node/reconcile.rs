@@ -594,7 +594,9 @@ impl Node {
         let group = Arc::new(QueueGroup {
             meta: q.clone(),
             epoch,
+            heard: failover::Heard::new(),
             watch: failover::GroupWatch::new(raft.metrics()),
+            split: failover::SplitMemory::default(),
             raft: raft.clone(),
             changing: AtomicBool::new(false),
             leading,

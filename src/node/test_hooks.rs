@@ -35,7 +35,7 @@ impl Node {
     pub fn appends_received_by(&self, queue: &str) -> Option<u64> {
         let q = self.metadata().queues.get(queue).cloned()?;
         let g = self.inner.groups.read().expect("poisoned").get(&q.group).cloned()?;
-        Some(g.watch.appends.load(std::sync::atomic::Ordering::Relaxed))
+        Some(g.heard.appends())
     }
 
     /// The first step of a graceful stop alone: the node is leaving (its

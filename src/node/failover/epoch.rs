@@ -1,15 +1,13 @@
 //! The epoch each replica is in, kept beside its log, and what this node
 //! reports of it; news of a newer epoch starts a heal (`heal.rs`).
 
-use std::time::Instant;
-
 use openraft::storage::RaftLogStorage;
 use openraft::{ServerState, Vote};
 use tokio::sync::mpsc;
 
+use super::split::formed_record;
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
-use crate::node::split::formed_record;
 use crate::node::{Inner, Node};
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
 use crate::queue::QueueMachine;
@@ -25,7 +23,7 @@ pub(super) fn heal_key(group: GroupId) -> String {
     format!("healing/{group}")
 }
 
-pub(in crate::node) fn term_floor_key(group: GroupId) -> String {
+pub(super) fn term_floor_key(group: GroupId) -> String {
     format!("term-floor/{group}")
 }
 
@@ -110,7 +108,7 @@ impl Inner {
         // other side would wait for a record no one has, both serving.
         let record = record.filter(|r| r.epoch == g.epoch).or_else(|| formed_record(&self.db, group, g.epoch));
         let m = g.raft.metrics().borrow().clone();
-        let heard = *g.watch.master_heard.lock().expect("poisoned");
+        let heard = g.heard.master_at();
         let master = match m.state {
             ServerState::Leader => Some(self.id),
             _ => m.current_leader.filter(|_| heard.is_some_and(|t| t.elapsed() < self.timing.failure_timeout)),
@@ -130,7 +128,7 @@ impl Node {
                 };
                 let stale = match node.inner.groups.read().expect("poisoned").get(&news.group) {
                     Some(g) if g.epoch < news.epoch => {
-                        g.watch.in_newer.lock().expect("poisoned").insert(news.from, Instant::now());
+                        g.split.newer_seen(news.from);
                         true
                     }
                     _ => false,

@@ -9,11 +9,11 @@ use openraft::storage::RaftLogStorage;
 use openraft::{Entry, EntryPayload, RaftLogReader};
 
 use super::epoch::{heal_key, load_epoch};
+use super::split::{add_defeated, defeated, left_through_own_forks, Formed, Undecided, Verdict};
 use super::Busy;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::QueueMeta;
-use crate::node::split::{add_defeated, defeated, left_through_own_forks, Formed, Undecided, Verdict};
 use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{divergence, Epoch, EpochReport, ForkRecord};
 use crate::queue::types::Origin;
@@ -65,11 +65,9 @@ impl Node {
             .read()
             .expect("poisoned")
             .get(&group)
-            .map(|g| *g.watch.undecided.lock().expect("poisoned"));
-        if let Some(Some((epoch, at))) = asked {
-            if epoch == news.epoch && at.elapsed() < self.inner.timing.failure_timeout {
-                return;
-            }
+            .is_some_and(|g| g.split.undecided_lately(news.epoch, self.inner.timing.failure_timeout));
+        if asked {
+            return;
         }
         let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
         let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
@@ -97,7 +95,7 @@ impl Node {
         match verdict {
             Verdict::Defer => return,
             Verdict::Undecided(why) => {
-                *g.watch.undecided.lock().expect("poisoned") = Some((news.epoch, Instant::now()));
+                g.split.undecided(news.epoch);
                 let what = format!("epoch {} formed by node {}: {why:?}", news.epoch, news.epoch.node);
                 if self.inner.repeated(group, "split-undecided", &what) {
                     match why {

@@ -9,78 +9,71 @@ mod handover;
 mod heal;
 mod reform;
 mod rules;
+mod split;
 mod watch;
 
-pub(super) use epoch::{load_epoch, term_floor_key};
+pub(super) use epoch::load_epoch;
+pub(super) use split::SplitMemory;
+pub(super) use watch::GroupWatch;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
-use std::time::Instant;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-use crate::ids::{GroupId, NodeId};
+use crate::ids::GroupId;
 use crate::metadata::{policy, MetaState, QueueMeta};
-use crate::node::split::MajorityStretch;
-use crate::queue::epoch::Epoch;
+use mirrorq_storage::{NodeDb, StorageError};
 
-/// What failover watches about one replica of a group, kept with it.
-pub(super) struct GroupWatch {
-    /// When a majority of the group's voters last answered pings, and
-    /// since when without a break.
-    pub(super) majority: Mutex<MajorityStretch>,
-    /// When a master of this replica's epoch last sent it entries or a
-    /// heartbeat.
-    pub(super) master_heard: Mutex<Option<Instant>>,
-    /// AppendEntries calls (entries or heartbeats) received.
-    pub(super) appends: std::sync::atomic::AtomicU64,
-    /// Since when this replica has known no master.
-    pub(super) leaderless_since: Mutex<Option<Instant>>,
-    /// Since when the master this replica follows has not answered pings.
-    pub(super) master_lost_since: Mutex<Option<Instant>>,
-    /// An election is timed to start when the lost master's lease is out.
-    pub(super) elect_at: Mutex<Option<Instant>>,
-    /// The newer epoch this replica, as master, last could not decide a
-    /// split against (its node could not be asked), and when.
-    pub(super) undecided: Mutex<Option<(Epoch, Instant)>>,
+/// What a replica hears from its group's master: written by the inbound
+/// path alone, as appends arrive; read by the failure watch, the split
+/// verdict and the epoch report.
+pub(super) struct Heard {
     /// When this replica started.
-    pub(super) started: Instant,
-    /// Replicas that answered from a newer epoch of the group, and when
-    /// last: they follow no master of ours, however well they answer pings.
-    pub(super) in_newer: Mutex<HashMap<NodeId, Instant>>,
-    /// As master: since when the group has been settled at (term, last
-    /// log index), for `quiescence`.
-    pub(super) settled: Mutex<Option<(Instant, super::quiescence::Mark)>>,
-    /// As follower: the quiet master last seen in reach, its term, and
-    /// when (its node's pings are the group's heartbeats).
-    pub(super) quiet_master: Mutex<Option<(NodeId, u64, Instant)>>,
-    /// The group's Raft metrics, as the watch last looked at them.
-    metrics: Mutex<tokio::sync::watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>>,
-    /// Quiet at the watch's last full look, and as of which
-    /// `Quiescence::world_of` the group, with whether a majority of voters
-    /// was in reach: while neither that nor the group's metrics changed,
-    /// the next rounds only extend the majority stretch.
-    passed: Mutex<Option<((u64, u64), bool)>>,
+    started: Instant,
+    /// When a master of this replica's epoch last sent it entries or a
+    /// heartbeat: nanoseconds after `started`, plus one (0: never).
+    master_at: AtomicU64,
+    /// AppendEntries calls (entries or heartbeats) received.
+    appends: AtomicU64,
 }
 
-impl GroupWatch {
-    pub(super) fn new(
-        metrics: tokio::sync::watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>,
-    ) -> Self {
-        GroupWatch {
-            majority: Mutex::new(MajorityStretch::new(Instant::now())),
-            master_heard: Mutex::new(None),
-            appends: std::sync::atomic::AtomicU64::new(0),
-            leaderless_since: Mutex::new(None),
-            master_lost_since: Mutex::new(None),
-            elect_at: Mutex::new(None),
-            undecided: Mutex::new(None),
-            started: Instant::now(),
-            in_newer: Mutex::new(HashMap::new()),
-            settled: Mutex::new(None),
-            quiet_master: Mutex::new(None),
-            metrics: Mutex::new(metrics),
-            passed: Mutex::new(None),
+impl Heard {
+    pub(super) fn new() -> Self {
+        Heard { started: Instant::now(), master_at: AtomicU64::new(0), appends: AtomicU64::new(0) }
+    }
+
+    /// An append (entries or a heartbeat) came from the master.
+    pub(super) fn append_received(&self) {
+        let nanos = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX - 1);
+        self.master_at.store(nanos + 1, Ordering::Release);
+        self.appends.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// When the master was last heard, if ever in this replica's life.
+    pub(super) fn master_at(&self) -> Option<Instant> {
+        match self.master_at.load(Ordering::Acquire) {
+            0 => None,
+            n => Some(self.started + Duration::from_nanos(n - 1)),
         }
     }
+
+    /// When the master was last heard, or else when this replica started.
+    pub(super) fn master_or_start(&self) -> Instant {
+        self.master_at().unwrap_or(self.started)
+    }
+
+    pub(super) fn appends(&self) -> u64 {
+        self.appends.load(Ordering::Relaxed)
+    }
+}
+
+/// Forget what failover kept on disk about this node's replica of `group`
+/// (it left the group, or the queue was deleted).
+pub(super) fn forget(db: &NodeDb, group: GroupId) -> Result<(), StorageError> {
+    db.remove_node_value(&epoch::term_floor_key(group))?;
+    db.remove_node_value(&split::formed_key(group))?;
+    db.remove_node_value(&split::formed_record_key(group))?;
+    db.remove_node_value(&split::defeated_key(group))
 }
 
 /// The mirroring settings in force for a queue.

@@ -9,11 +9,11 @@ use openraft::storage::RaftLogStorage;
 use openraft::{BasicNode, CommittedLeaderId, Entry, EntryPayload, LogId, Membership, RaftLogReader, Vote};
 
 use super::epoch::epoch_key;
+use super::split::{add_formed, formed_record_key, wall_ms, Formed};
 use super::Busy;
 use crate::error::ServerError;
 use crate::ids::NodeId;
 use crate::metadata::{MetaState, QueueMeta};
-use crate::node::split::{add_formed, formed_record_key, wall_ms, Formed};
 use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{Epoch, ForkRecord};
 use crate::queue::{QueueCmd, QueueMachine};

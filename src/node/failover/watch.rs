@@ -2,19 +2,21 @@
 //! hosted group, who may stand for election, when the lost master's lease
 //! is out, and whether to re-form a group that lost its majority.
 
+mod quiet;
+
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 
 use super::epoch::step_down;
 use super::rules::{by_seniority, core_quit, reform_voters, reformer, still_leads};
+use super::split::{quorum, wall_ms, MajorityStretch};
 use super::{ha_of, Busy};
 use crate::ids::NodeId;
 use crate::metadata::{MetaState, QueueMeta};
-use crate::node::split::{quorum, wall_ms};
 use crate::node::{Node, QueueGroup};
 use crate::wire::ask;
 
@@ -24,6 +26,56 @@ use crate::wire::ask;
 const LEASE_MARGIN: Duration = Duration::from_millis(50);
 
 type Metrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
+
+/// What the failure watch keeps about one replica of a group. Only the
+/// watch writes it (its rounds, and the election timer a round starts):
+/// the fields are private to this module. The split verdict reads how
+/// long a majority has been kept ([`GroupWatch::kept_since`]).
+pub(in crate::node) struct GroupWatch {
+    /// When a majority of the group's voters last answered pings, and
+    /// since when without a break.
+    majority: Mutex<MajorityStretch>,
+    /// Since when this replica has known no master.
+    leaderless_since: Mutex<Option<Instant>>,
+    /// Since when the master this replica follows has not answered pings.
+    master_lost_since: Mutex<Option<Instant>>,
+    /// An election is timed to start when the lost master's lease is out.
+    elect_at: Mutex<Option<Instant>>,
+    /// As master: since when the group has been settled at (term, last
+    /// log index), for quiescence.
+    settled: Mutex<Option<(Instant, quiet::Mark)>>,
+    /// As follower: the quiet master last seen in reach, its term, and
+    /// when (its node's pings are the group's heartbeats).
+    quiet_master: Mutex<Option<(NodeId, u64, Instant)>>,
+    /// The group's Raft metrics, as the watch last looked at them.
+    metrics: Mutex<tokio::sync::watch::Receiver<Metrics>>,
+    /// Quiet at the watch's last full look, and as of which
+    /// `Quiescence::world_of` the group, with whether a majority of voters
+    /// was in reach: while neither that nor the group's metrics changed,
+    /// the next rounds only extend the majority stretch.
+    passed: Mutex<Option<((u64, u64), bool)>>,
+}
+
+impl GroupWatch {
+    pub(in crate::node) fn new(metrics: tokio::sync::watch::Receiver<Metrics>) -> Self {
+        GroupWatch {
+            majority: Mutex::new(MajorityStretch::new(Instant::now())),
+            leaderless_since: Mutex::new(None),
+            master_lost_since: Mutex::new(None),
+            elect_at: Mutex::new(None),
+            settled: Mutex::new(None),
+            quiet_master: Mutex::new(None),
+            metrics: Mutex::new(metrics),
+            passed: Mutex::new(None),
+        }
+    }
+
+    /// Since when (wall clock, ms) a majority of the group's voters has
+    /// answered without a break, while one still does.
+    pub(super) fn kept_since(&self, now: Instant, failure_timeout: Duration) -> Option<u64> {
+        self.majority.lock().expect("poisoned").kept_since(now, failure_timeout)
+    }
+}
 
 impl Node {
     /// Peers answering pings, by a round at most a few hundred
@@ -251,12 +303,7 @@ impl Node {
             // A leader sends at least a heartbeat per interval;
             // an election timeout without one is a master that
             // no longer leads, as openraft's own timer counts it.
-            let heard = g
-                .watch
-                .master_heard
-                .lock()
-                .expect("poisoned")
-                .is_some_and(|t| now.duration_since(t) < timing.election_max);
+            let heard = g.heard.master_at().is_some_and(|t| now.duration_since(t) < timing.election_max);
             match m.current_leader.filter(|l| still_leads(*l, self.id(), reach, voters, heard)) {
                 Some(_) => *l = None,
                 None => {

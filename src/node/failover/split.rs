@@ -9,17 +9,49 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use openraft::ServerState;
 
-use super::{Node, QueueGroup};
 use crate::ids::{GroupId, NodeId};
+use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{Epoch, ForkRecord};
 use crate::wire::ask;
 use crate::wire::raft_net::EpochNews;
 use mirrorq_storage::{NodeDb, StorageError};
+
+/// What the heals learn of newer epochs of one replica's group: which
+/// voters answered from one (the epoch news task writes it) and which
+/// epoch this replica, as master, last could not decide a split against
+/// (the heal writes it).
+#[derive(Default)]
+pub(in crate::node) struct SplitMemory {
+    /// Replicas that answered from a newer epoch of the group, and when
+    /// last: they follow no master of ours, however well they answer pings.
+    in_newer: Mutex<HashMap<NodeId, Instant>>,
+    /// The newer epoch last undecided (its node could not be asked), and when.
+    undecided: Mutex<Option<(Epoch, Instant)>>,
+}
+
+impl SplitMemory {
+    /// `from` answered from a newer epoch of the group.
+    pub(super) fn newer_seen(&self, from: NodeId) {
+        self.in_newer.lock().expect("poisoned").insert(from, Instant::now());
+    }
+
+    /// A split against `epoch` could not be decided just now.
+    pub(super) fn undecided(&self, epoch: Epoch) {
+        *self.undecided.lock().expect("poisoned") = Some((epoch, Instant::now()));
+    }
+
+    /// Whether a split against `epoch` was undecided within `lately`:
+    /// every message of the fork brings news of it, and asking again at
+    /// each would hold the group busy all along.
+    pub(super) fn undecided_lately(&self, epoch: Epoch, lately: Duration) -> bool {
+        matches!(*self.undecided.lock().expect("poisoned"), Some((e, at)) if e == epoch && at.elapsed() < lately)
+    }
+}
 
 /// The epochs of the group this node formed, each from the one before
 /// ([`Formed`]).
@@ -268,7 +300,7 @@ impl Node {
         if m.state != ServerState::Leader {
             // In reach and still sending us appends: a master restored
             // from a vote on disk that has left our epoch sends none.
-            let heard = *g.watch.master_heard.lock().expect("poisoned");
+            let heard = g.heard.master_at();
             let master_alive = m.current_leader.is_some_and(|l| l != me)
                 && heard.is_some_and(|t| t.elapsed() < timing.failure_timeout);
             if master_alive {
@@ -279,7 +311,7 @@ impl Node {
             // restarts takes a group that kept its majority into a
             // minority's fork, one replica at a time (seed 743, whose
             // cluster was restarted node by node after the heal).
-            if heard.unwrap_or(g.watch.started).elapsed() < timing.failure_timeout {
+            if g.heard.master_or_start().elapsed() < timing.failure_timeout {
                 return Verdict::Defer;
             }
             return match self.fetch_fork_news(news).await {
@@ -287,11 +319,8 @@ impl Node {
                 _ => Verdict::Heal,
             };
         }
-        let kept_since = if self.majority_still_ours(g) {
-            g.watch.majority.lock().expect("poisoned").kept_since(Instant::now(), timing.failure_timeout)
-        } else {
-            None
-        };
+        let kept_since =
+            if self.majority_still_ours(g) { g.watch.kept_since(Instant::now(), timing.failure_timeout) } else { None };
         let fork = self.fetch_fork_news(news).await;
         master_verdict(kept_since, fork, timing.failure_timeout)
     }
@@ -304,7 +333,7 @@ impl Node {
     pub(super) fn majority_still_ours(&self, g: &QueueGroup) -> bool {
         let m = g.raft.metrics().borrow().clone();
         let configs = m.membership_config.membership().get_joint_config();
-        let in_newer = g.watch.in_newer.lock().expect("poisoned");
+        let in_newer = g.split.in_newer.lock().expect("poisoned");
         majority_in_our_epoch(configs, &in_newer, Instant::now(), self.inner.timing.failure_timeout)
     }
 
