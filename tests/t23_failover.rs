@@ -318,6 +318,47 @@ async fn an_unanswered_get_does_not_consume_across_re_formation() {
     c.shutdown().await;
 }
 
+/// The master delivers a message (committed with one mirror) that the other
+/// mirror never hears of; then the master and that mirror die, and the
+/// last replica re-forms the queue. The message comes back `redelivered`
+/// (the re-former cannot know it was not delivered), under a tag the old
+/// epoch never gave: the consumer's ack of the old delivery settles
+/// nothing of the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_before_a_re_form_comes_back_redelivered_and_its_old_tag_settles_nothing() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    for body in ["a", "b"] {
+        publish_retrying(c.node(1), "q", body.as_bytes().to_vec()).await;
+    }
+    assert_eq!(c.master_of("q").await, 1);
+    wait_until(Duration::from_secs(10), "node 3 has both", || c.node(3).queue_info("q").unwrap().ready == 2).await;
+    c.node(1).transport().control.block(3);
+    c.node(3).transport().control.block(1);
+    let old = c.node(1).get("q", 7, 1, false).await.unwrap();
+    assert_eq!((old.len(), old[0].redelivered), (1, false));
+    c.crash(1).await;
+    c.crash(2).await;
+    let n3 = c.node(3).clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let again = loop {
+        let got = tokio::time::timeout(Duration::from_millis(500), n3.get("q", 7, 1, false)).await;
+        match got {
+            Ok(Ok(d)) if !d.is_empty() => break d,
+            _ if std::time::Instant::now() > deadline => panic!("node 3 does not serve alone: {got:?}"),
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    assert_eq!(n3.queue_members("q").unwrap(), BTreeSet::from([3]), "re-formed alone");
+    assert_eq!(again[0].message.body, old[0].message.body);
+    assert!(again[0].redelivered, "a message the lost master delivered came back as never delivered");
+    assert_ne!(again[0].tag, old[0].tag, "the new epoch gave the old delivery's tag to another delivery");
+    n3.ack("q", vec![old[0].tag]).await.unwrap();
+    assert_eq!(n3.queue_info("q").unwrap().unacked, 1, "the old epoch's tag settled the new delivery");
+    c.shutdown().await;
+}
+
 /// `ha-min-synchronised: 3`: with a mirror gone, a publish waits, then is
 /// refused (a nack for AMQP); with the mirror back, publishes confirm again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -34,7 +34,7 @@ use super::bodies::{self, Chunk, ChunkWriter, LogRef};
 use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
 use super::runs::Runs;
-use super::state::{Change, Counters, QueueState, HANDBACK_SEQ, TAG_PART};
+use super::state::{Change, Counters, QueueState, HANDBACK_SEQ, ORDER_PART};
 use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply, Registration};
 use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
 use crate::raft::types::{Request, Response};
@@ -407,12 +407,13 @@ impl QueueMachine {
     }
 
     /// Live messages stored since the counters were at `next_seq` and
-    /// `next_tag`: published since (seqs from `next_seq`), or handed back
-    /// since (their seqs take a tag number).
-    pub fn stored_since(space: &SmSpace, next_seq: u64, next_tag: u64) -> Result<Vec<Message>, StorageError> {
+    /// `next_order` (`Counters::next_requeue`): published since (seqs from
+    /// `next_seq`), or handed back or prioritized since (their seqs take an
+    /// order number).
+    pub fn stored_since(space: &SmSpace, next_seq: u64, next_order: u64) -> Result<Vec<Message>, StorageError> {
         let since = |seq: u64| match seq & HANDBACK_SEQ {
             0 => seq >= next_seq,
-            _ => seq & TAG_PART >= next_tag,
+            _ => seq & ORDER_PART >= next_order,
         };
         Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| since(*seq)).map(|(_, m)| m).collect())
     }

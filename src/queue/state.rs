@@ -30,12 +30,23 @@ use super::types::{
 
 /// Seqs of messages outside the never-delivered range (handed back, or of
 /// a priority above 0) have this bit set. Below it: the message's priority
-/// from [`PRIORITY_SHIFT`], and a number taken from the tag counter.
+/// from [`PRIORITY_SHIFT`], and a number taken from the order counter
+/// (`next_requeue`), which only grows.
 pub const HANDBACK_SEQ: u64 = 1 << 63;
 /// Where a tracked seq keeps its message's priority (8 bits).
 const PRIORITY_SHIFT: u32 = 48;
-/// The part of a tracked seq taken from the tag counter.
-pub const TAG_PART: u64 = (1 << PRIORITY_SHIFT) - 1;
+/// The part of a tracked seq taken from the order counter.
+pub const ORDER_PART: u64 = (1 << PRIORITY_SHIFT) - 1;
+
+/// Where a new epoch's delivery tags start, past its parent's: far enough
+/// that the parent lineage, still serving on the other side of a split,
+/// would have to deliver 2^40 messages to reach them, and offset by the
+/// forming node's id so that two nodes forking from the same point (a
+/// split three ways) number apart too. A channel holding a tag of one
+/// epoch must not see another epoch give that tag to another message: its
+/// ack would settle that one.
+const FORK_TAG_JUMP: u64 = 1 << 40;
+const FORK_TAG_NODE_SHIFT: u32 = 32;
 
 /// The priority a message's seq records (0 for a plain seq).
 pub fn priority_of_seq(seq: u64) -> u8 {
@@ -122,8 +133,15 @@ pub struct Counters {
     /// First never-delivered message.
     pub ready_head: u64,
     pub next_seq: u64,
+    /// The next delivery tag.
     pub next_tag: u64,
+    /// The next place in the requeued order (also numbers tracked seqs).
     pub next_requeue: u64,
+    /// Messages of the never-delivered range below this seq were in the
+    /// queue when the group was re-formed on a replica that may not have
+    /// seen every get the lost master made: they count as delivered
+    /// before (`redelivered`).
+    pub maybe_delivered_below: u64,
 }
 
 /// The message [`QueueState::take_head`] took.
@@ -348,7 +366,7 @@ impl QueueState {
             QueueCmd::Delete => self.delete(changes),
             QueueCmd::Status => QueueReply::Status { ready: self.ready_count(), unacked: self.unacked_count() },
             QueueCmd::Handback { origin, msgs } => self.handback(*origin, msgs.len(), changes),
-            QueueCmd::Fork(_) => QueueReply::Enqueued { count: 0 },
+            QueueCmd::Fork(record) => self.fork(record.epoch.node, changes),
             QueueCmd::Stamp { now_ms, limits } => {
                 self.now_ms = *now_ms;
                 self.limits = *limits;
@@ -441,17 +459,39 @@ impl QueueState {
         }
         for i in 0..count {
             // Outside the never-delivered range, which must stay
-            // contiguous: a seq space of its own, unique by the tag
-            // counter it borrows.
-            let seq = HANDBACK_SEQ | self.counters.next_tag;
-            self.counters.next_tag += 1;
-            changes.push(Change::Insert { seq, batch_index: i });
+            // contiguous: a seq space of its own, unique by the order
+            // it borrows.
             let order = self.counters.next_requeue;
             self.counters.next_requeue += 1;
+            let seq = HANDBACK_SEQ | order;
+            changes.push(Change::Insert { seq, batch_index: i });
             self.requeued.insert(order, seq);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         }
         QueueReply::Enqueued { count: count as u32 }
+    }
+
+    /// The group was re-formed on this replica's lineage by `node`, from a
+    /// log that may lack gets the lost master made and answered: every
+    /// message in the queue may have been delivered, so each comes back
+    /// `redelivered`; and deliveries from now on take tags no other epoch
+    /// of the group gives ([`FORK_TAG_JUMP`]).
+    fn fork(&mut self, node: u64, changes: &mut Vec<Change>) -> QueueReply {
+        self.counters.maybe_delivered_below = self.counters.next_seq;
+        let fresh: Vec<(Reverse<u8>, u64, u64)> = self
+            .prioritized
+            .iter()
+            .filter(|((_, fresh, _), _)| *fresh)
+            .map(|((p, _, o), seq)| (*p, *o, *seq))
+            .collect();
+        for (p, order, seq) in fresh {
+            self.prioritized.remove(&(p, true, order));
+            self.prioritized.insert((p, false, order), seq);
+            changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
+        }
+        let jump = FORK_TAG_JUMP + ((node & 0xff) << FORK_TAG_NODE_SHIFT);
+        self.counters.next_tag = self.counters.next_tag.saturating_add(jump);
+        QueueReply::Enqueued { count: 0 }
     }
 
     /// Register a consumer (once: a repeated consume keeps its place).
@@ -495,11 +535,10 @@ impl QueueState {
                 changes.push(Change::Insert { seq, batch_index: i });
                 seq
             } else {
-                let seq = HANDBACK_SEQ | u64::from(priority) << PRIORITY_SHIFT | self.counters.next_tag;
-                self.counters.next_tag += 1;
-                changes.push(Change::Insert { seq, batch_index: i });
                 let order = self.counters.next_requeue;
                 self.counters.next_requeue += 1;
+                let seq = HANDBACK_SEQ | u64::from(priority) << PRIORITY_SHIFT | order;
+                changes.push(Change::Insert { seq, batch_index: i });
                 self.prioritized.insert((Reverse(priority), true, order), seq);
                 changes.push(Change::SetState { seq, state: MsgState::Queued { order } });
                 seq
@@ -577,8 +616,9 @@ impl QueueState {
         } else if let Some((_, seq)) = self.requeued.pop_first() {
             Some(Head { seq, redelivered: true, tracked: true })
         } else if self.fresh_count() > 0 {
+            let seq = self.counters.ready_head;
             self.counters.ready_head += 1;
-            Some(Head { seq: self.counters.ready_head - 1, redelivered: false, tracked: false })
+            Some(Head { seq, redelivered: seq < self.counters.maybe_delivered_below, tracked: false })
         } else {
             None
         }
@@ -876,7 +916,81 @@ mod tests {
         assert_eq!(s.ready_count(), 3);
         assert!(!s.is_fresh(seq));
         let (d, _) = get(&mut s, 1, 3, false);
-        assert_eq!(d, vec![(seq, 1, true), (0, 2, false), (1, 3, false)]);
+        assert_eq!(d, vec![(seq, 0, true), (0, 1, false), (1, 2, false)]);
+    }
+
+    fn fork(s: &mut QueueState, node: u64) -> Vec<Change> {
+        let record = crate::queue::epoch::ForkRecord {
+            epoch: crate::queue::epoch::Epoch { term: 5, node },
+            ..Default::default()
+        };
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Fork(record), &mut c);
+        c
+    }
+
+    #[test]
+    fn a_fork_gives_tags_its_parent_never_gives_so_a_stale_ack_settles_nothing() {
+        let mut parent = QueueState::default();
+        enqueue(&mut parent, 3);
+        // The re-forming replica never applied the get below.
+        let mut forked = parent.clone();
+        let (d, _) = get(&mut parent, 7, 1, false);
+        let (x_seq, x_tag, _) = d[0];
+        fork(&mut forked, 3);
+        let (d, _) = get(&mut forked, 7, 1, false);
+        let (y_seq, y_tag, _) = d[0];
+        assert_eq!(y_seq, x_seq, "the same message, delivered again in the new epoch");
+        assert_ne!(y_tag, x_tag, "the new epoch gave a tag its parent gave");
+        // The channel acks what the old epoch delivered under x_tag: in the
+        // new epoch that names nothing, and the delivery y stays unacked.
+        let mut c = Vec::new();
+        let r = forked.apply(&QueueCmd::AckOf { owner: 7, tags: vec![x_tag] }, &mut c);
+        assert_eq!(r, QueueReply::Settled { count: 0, unknown: vec![x_tag] });
+        assert_eq!(forked.unacked_count(), 1);
+        // Two nodes forking from the same point number apart too.
+        let mut other = parent.clone();
+        fork(&mut other, 2);
+        let mut third = parent.clone();
+        fork(&mut third, 4);
+        let (a, _) = get(&mut other, 7, 1, false);
+        let (b, _) = get(&mut third, 7, 1, false);
+        assert_ne!(a[0].1, b[0].1);
+    }
+
+    #[test]
+    fn after_a_fork_every_message_in_the_queue_comes_back_redelivered() {
+        let mut s = QueueState::default();
+        let seqs = publish_prioritized(&mut s, 5, &[None, Some(3), None]);
+        let c = fork(&mut s, 2);
+        let prioritized = seqs.iter().find(|(_, i)| **i == 1).map(|(seq, _)| *seq).unwrap();
+        assert!(
+            c.iter().any(
+                |ch| matches!(ch, Change::SetState { seq, state: MsgState::Requeued { .. } } if *seq == prioritized)
+            ),
+            "the prioritized message's flag is stored: {c:?}"
+        );
+        // Published after the fork: never delivered.
+        s.apply(&QueueCmd::Enqueue { msgs: vec![msg("new")] }, &mut Vec::new());
+        let (d, _) = get(&mut s, 1, 10, false);
+        let flags: Vec<bool> = d.iter().map(|(_, _, redelivered)| *redelivered).collect();
+        assert_eq!(flags, vec![true, true, true, false]);
+        // A restart keeps it.
+        let mut again = QueueState::default();
+        let seqs = publish_prioritized(&mut again, 5, &[None, Some(3)]);
+        let _ = seqs;
+        fork(&mut again, 2);
+        let mut c = Vec::new();
+        let states: Vec<(u64, MsgState)> = again
+            .prioritized
+            .iter()
+            .map(|((_, fresh, order), seq)| {
+                (*seq, if *fresh { MsgState::Queued { order: *order } } else { MsgState::Requeued { order: *order } })
+            })
+            .collect();
+        let mut restored = QueueState::restore(again.counters().clone(), states);
+        restored.apply(&QueueCmd::Get { owner: 1, max: 10, auto_ack: true, consumer: None }, &mut c);
+        assert!(c.iter().all(|ch| !matches!(ch, Change::Deliver { redelivered: false, .. })), "{c:?}");
     }
 
     #[test]

@@ -217,7 +217,7 @@ impl Node {
         let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
         let db = self.inner.db.clone();
         let space = SmSpace::new(db.clone(), group);
-        let mut out = vec![(None, QueueMachine::stored_since(&space, f.next_seq, f.next_tag).map_err(|e| io(&e))?)];
+        let mut out = vec![(None, QueueMachine::stored_since(&space, f.next_seq, f.next_order).map_err(|e| io(&e))?)];
         let start = stored_applied(&space).map_err(|e| io(&e))?.map_or(0, |l| l.index + 1);
         let mut log = LogStore::new(db, group);
         let mut reader = log.get_log_reader().await;

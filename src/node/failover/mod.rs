@@ -62,6 +62,7 @@ impl Heard {
         self.master_at().unwrap_or(self.started)
     }
 
+    #[cfg(feature = "test-hooks")]
     pub(super) fn appends(&self) -> u64 {
         self.appends.load(Ordering::Relaxed)
     }

@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use openraft::storage::RaftLogStorage;
 use openraft::{BasicNode, CommittedLeaderId, Entry, EntryPayload, LogId, Membership, RaftLogReader, Vote};
@@ -77,10 +76,21 @@ impl Node {
             }
         }
         entries.push(entry);
+        // The epoch's first entry after its membership, before any client's:
+        // it marks what the queue held as maybe delivered and moves the
+        // delivery tags past the old epoch's, which no get may precede.
+        entries.push(Entry {
+            log_id: LogId::new(CommittedLeaderId::new(term, me), index + 1),
+            payload: EntryPayload::Normal(Request::Queue(Arc::new(vec![QueueCmd::Fork(record.clone())]))),
+        });
         // Before the epoch itself: a replica of the old group that kept its
         // majority across this moment keeps the queue when the two meet.
         let c = QueueMachine::stored_counters(&SmSpace::new(self.inner.db.clone(), group))?;
-        add_formed(&self.inner.db, group, Formed { epoch, from: g.epoch, next_seq: c.next_seq, next_tag: c.next_tag })?;
+        add_formed(
+            &self.inner.db,
+            group,
+            Formed { epoch, from: g.epoch, next_seq: c.next_seq, next_order: c.next_requeue },
+        )?;
         self.inner
             .db
             .put_node_value(&formed_record_key(group), &mirrorq_storage::keys::encode(&record, "formed record")?)?;
@@ -91,15 +101,6 @@ impl Node {
         self.start_group(q.clone(), state).await?;
         tracing::warn!(queue = %q.name, %epoch, from_index = index, "queue re-formed on this replica alone; other replicas rejoin when they return");
 
-        // Record where the new epoch forked, for the replicas that return.
-        let raft = self.inner.raft_of(group).ok_or(ServerError::Raft("re-formed group vanished".into()))?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match raft.client_write(Request::Queue(std::sync::Arc::new(vec![QueueCmd::Fork(record.clone())]))).await {
-                Ok(_) => return Ok(true),
-                Err(e) if Instant::now() > deadline => return Err(ServerError::Raft(e.to_string())),
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
+        Ok(true)
     }
 }

@@ -138,7 +138,9 @@ pub(super) struct Formed {
     /// since is what only this epoch has (its log's older entries were
     /// committed in the old group).
     pub(super) next_seq: u64,
-    pub(super) next_tag: u64,
+    /// `Counters::next_requeue`, which numbers handed-back and prioritized
+    /// messages' seqs.
+    pub(super) next_order: u64,
 }
 
 fn formed_chain(db: &NodeDb, group: GroupId) -> Result<Vec<Formed>, StorageError> {
@@ -543,7 +545,7 @@ mod tests {
     }
 
     fn formed(term: u64, node: NodeId, from: Epoch, next_seq: u64) -> Formed {
-        Formed { epoch: Epoch { term, node }, from, next_seq, next_tag: 0 }
+        Formed { epoch: Epoch { term, node }, from, next_seq, next_order: 0 }
     }
 
     #[test]
