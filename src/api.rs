@@ -56,7 +56,9 @@ pub struct QueueInfo {
     /// elected may not have applied its predecessor's last entries yet).
     #[serde(default)]
     pub settled: bool,
-    /// Synchronised members (only when this node is the master).
+    /// Synchronised voters (only when this node is the master): members
+    /// with every confirmed message that count in the group's majority. A
+    /// learner caught up is not listed until it is a voter.
     pub synchronised: Vec<NodeId>,
     /// Members still fetching message bodies, as they last reported (only
     /// when this node is the master).

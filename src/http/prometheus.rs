@@ -174,7 +174,7 @@ fn storage(r: &mut Registry, node: &Node) {
 fn replicas(r: &mut Registry, node: &Node) {
     let ready = labelled(r, "rabbitmq_queue_messages_ready", "Messages ready to be delivered (queues mastered here)");
     let unacked = labelled(r, "rabbitmq_queue_messages_unacked", "Messages delivered, not yet acknowledged");
-    let synced = labelled(r, "mirrorq_queue_synchronised_replicas", "Replicas a confirm waits for, master included");
+    let synced = labelled(r, "mirrorq_queue_synchronised_replicas", "Synchronised voters, master included: replicas with every confirmed message that count in the queue's majority");
     let term = labelled(r, "rabbitmq_raft_term", "Current Raft term of the replica here");
     let commit = labelled(r, "rabbitmq_raft_log_commit_index", "Raft commit index of the replica here");
     let leader = labelled(r, "mirrorq_raft_leader_node", "Node id of the group's leader as known here (0: none)");

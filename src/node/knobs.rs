@@ -30,6 +30,9 @@ pub struct TestKnobs {
     /// report until the token is cancelled, as a replica whose fetch is
     /// slow to get going after a snapshot.
     pub bodies_held: Option<CancellationToken>,
+    /// As master, this node makes no learner a voter until the token is
+    /// cancelled, as a master whose membership change is slow to come.
+    pub promotions_held: Option<CancellationToken>,
 }
 
 /// The knobs of a running node.
@@ -38,6 +41,7 @@ pub(super) struct Knobs {
     watch_from: Instant,
     start_held: Option<(String, Arc<tokio::sync::Notify>)>,
     bodies_held: Option<CancellationToken>,
+    promotions_held: Option<CancellationToken>,
 }
 
 #[cfg(feature = "test-hooks")]
@@ -47,6 +51,7 @@ impl Knobs {
             watch_from: Instant::now() + knobs.watch_after,
             start_held: knobs.start_held.clone(),
             bodies_held: knobs.bodies_held.clone(),
+            promotions_held: knobs.promotions_held.clone(),
         }
     }
 }
@@ -66,6 +71,14 @@ impl Inner {
         if let Some((_, release)) = self.knobs.start_held.as_ref().filter(|(name, _)| name == _queue) {
             release.notified().await;
         }
+    }
+
+    /// Whether a test keeps this node, as master, from making learners voters.
+    pub(super) fn promotions_held(&self) -> bool {
+        #[cfg(feature = "test-hooks")]
+        return self.knobs.promotions_held.as_ref().is_some_and(|t| !t.is_cancelled());
+        #[cfg(not(feature = "test-hooks"))]
+        false
     }
 
     /// Wait until a test lets this node's replicas fetch bodies.

@@ -420,6 +420,7 @@ impl Node {
         }
         let addrs: BTreeMap<NodeId, String> = state.nodes.values().map(|n| (n.id, n.raft_addr.clone())).collect();
         let manual = !failover::ha_of(state, &q).sync_automatic;
+        let held = self.inner.promotions_held();
         let inner = self.inner.clone();
         tokio::spawn(async move {
             let result: Result<(), String> = async {
@@ -440,7 +441,9 @@ impl Node {
                 let next: BTreeSet<NodeId> = wanted
                     .iter()
                     .copied()
-                    .filter(|id| voters.contains(id) || matched(id).is_some_and(|i| i + CATCH_UP_SLACK >= last))
+                    .filter(|id| {
+                        voters.contains(id) || (!held && matched(id).is_some_and(|i| i + CATCH_UP_SLACK >= last))
+                    })
                     .collect();
                 // No voter leaves while a replica that stays lacks bodies
                 // (a new mirror fetching what its snapshot left out): the

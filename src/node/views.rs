@@ -228,7 +228,12 @@ impl Node {
             let s = *g.stats.borrow();
             (info.ready, info.unacked) = (s.ready, s.unacked);
             info.active_consumer = s.active_consumer;
-            info.synchronised = g.sync.borrow().synchronised.iter().copied().collect();
+            // Those Raft counts too: a learner caught up has every confirmed
+            // message (confirms wait for it) but is no voter yet, so the
+            // group re-forms without it when a majority of its voters is
+            // lost. Listed, it would promise a failover that cannot happen.
+            let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
+            info.synchronised = g.sync.borrow().synchronised.iter().copied().filter(|id| voters.contains(id)).collect();
             if g.is_leader(self.id()) {
                 info.catching_up = confirm_gate::catching_up(&g.catching).into_iter().collect();
                 let now = super::sweeps::flows::queue_tally(&s.flow);
