@@ -443,6 +443,76 @@ async fn both_sides_of_a_partition_re_form_and_lose_nothing_when_it_heals() {
     c.shutdown().await;
 }
 
+/// As above, but each side stores enough entries during the split that its
+/// log is compacted past the point where the two histories part, so the
+/// logs can no longer tell what the other side shares. The side that heals
+/// still hands back only what it stored after the split: what both sides
+/// inherited (by the numbers the fork records keep) stays where it is,
+/// delivered once, not once per side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heal_past_a_compacted_split_hands_back_only_what_came_after_it() {
+    init_tracing();
+    let c = Cluster::start(4, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3, 4]).await.unwrap();
+    let before: Vec<String> = (0..200).map(|i| format!("before{i}")).collect();
+    c.node(1).publish("q", before.iter().map(|b| common::msg(b.clone().into_bytes())).collect()).await.unwrap();
+    // Applied everywhere: what a replica had not applied when it re-formed
+    // is counted as its own (the numbers its former gave are not known).
+    wait_until(Duration::from_secs(10), "every replica applied them", || {
+        (1..=4).all(|id| c.node(id).queue_info("q").unwrap().ready == 200)
+    })
+    .await;
+    let (left, right) = ([1u64, 2], [3u64, 4]);
+    for a in left {
+        for b in right {
+            c.node(a).transport().control.block(b);
+            c.node(b).transport().control.block(a);
+        }
+    }
+    // More than a snapshot's worth of entries on each side (compaction
+    // keeps 256 entries behind a snapshot taken every 1024).
+    const DURING: usize = 1400;
+    let (n1, n3) = (c.node(1).clone(), c.node(3).clone());
+    tokio::join!(
+        async {
+            for i in 0..DURING {
+                publish_retrying(&n1, "q", format!("left{i}").into_bytes()).await;
+            }
+        },
+        async {
+            for i in 0..DURING {
+                publish_retrying(&n3, "q", format!("right{i}").into_bytes()).await;
+            }
+        }
+    );
+    for n in [&n1, &n3] {
+        let raft = n.queue_raft("q").unwrap();
+        assert!(raft.metrics().borrow().purged.is_some(), "node {}'s log was not compacted", n.id());
+    }
+    for a in left {
+        for b in right {
+            c.node(a).transport().control.unblock(b);
+            c.node(b).transport().control.unblock(a);
+        }
+    }
+    wait_until(Duration::from_secs(60), "one group of four again", || {
+        (1..=4).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3, 4])))
+    })
+    .await;
+    let got = drain(c.node(2), "q").await;
+    let mut count: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for m in &got {
+        *count.entry(m.as_str()).or_default() += 1;
+    }
+    let want: BTreeSet<String> =
+        before.iter().cloned().chain((0..DURING).flat_map(|i| [format!("left{i}"), format!("right{i}")])).collect();
+    let distinct: BTreeSet<String> = count.keys().map(|s| s.to_string()).collect();
+    assert_eq!(distinct, want, "every message confirmed on either side is delivered");
+    let twice: Vec<&&str> = count.keys().filter(|m| m.starts_with("before") && count[**m] > 1).collect();
+    assert!(twice.is_empty(), "{} of the messages both sides inherited were handed back: {twice:?}", twice.len());
+    c.shutdown().await;
+}
+
 /// A replica that re-formed a queue alone and then crashed comes back in its
 /// epoch, as the queue's master, with its messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

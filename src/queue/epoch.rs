@@ -63,6 +63,58 @@ pub struct ForkRecord {
     /// epoch can answer the split rule's question, not only the node that
     /// formed it, which may have moved on to another epoch since.
     pub formed_ms: u64,
+    /// What the epoch took over from the one it was formed from, then what
+    /// that one took over from its own, and so on (nearest first, at most
+    /// [`ANCESTRY`]; empty in a record of a live log's history).
+    pub inherited: Vec<Inherited>,
+}
+
+/// How many epochs back a fork record traces its ancestry: two epochs
+/// whose nearest common ancestor is further back share nothing known.
+pub const ANCESTRY: usize = 32;
+
+/// The epoch a re-formed one came from, and the queue's counters as the
+/// forming replica had applied them: messages with lower numbers were
+/// stored by entries committed in that epoch, which number them alike on
+/// every replica of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inherited {
+    pub from: Epoch,
+    /// `Counters::next_seq`: plain messages below it were inherited.
+    pub next_seq: u64,
+    /// `Counters::next_requeue`: tracked (handed-back, prioritized)
+    /// messages numbered below it were inherited.
+    pub next_order: u64,
+}
+
+/// Which messages of ours (in epoch `ours`, with the ancestry `our_line`
+/// of its fork record) the epoch `theirs` (ancestry `their_line`) holds
+/// already, or had and consumed, when the logs cannot tell where the
+/// histories part (a log compacted past that point): those numbered
+/// below the bounds returned. Known when one epoch descends from the
+/// other (up to where its line left it), or both from a common ancestor
+/// (up to the lower of the points where their lines left it: below both,
+/// a number was given by that ancestor's committed entries). `None`:
+/// nothing is known to be shared.
+pub fn shared_numbers(
+    ours: Epoch,
+    our_line: &[Inherited],
+    theirs: Epoch,
+    their_line: &[Inherited],
+) -> Option<(u64, u64)> {
+    let bounds = |i: &Inherited| (i.next_seq, i.next_order);
+    if let Some(t) = their_line.iter().find(|t| t.from == ours) {
+        return Some(bounds(t));
+    }
+    if let Some(o) = our_line.iter().find(|o| o.from == theirs) {
+        return Some(bounds(o));
+    }
+    our_line.iter().find_map(|o| {
+        their_line
+            .iter()
+            .find(|t| t.from == o.from)
+            .map(|t| (o.next_seq.min(t.next_seq), o.next_order.min(t.next_order)))
+    })
 }
 
 /// What a replica tells of the epoch it is in.
@@ -91,7 +143,7 @@ impl ForkRecord {
         }
         let purged = purged.map(|p| (p.index, leader_of(&p)));
         let known_from = known_from.unwrap_or_else(|| purged.map_or(0, |p| p.0 + 1));
-        Self { epoch, runs, known_from, purged, formed_ms: 0 }
+        Self { epoch, runs, known_from, purged, formed_ms: 0, inherited: Vec::new() }
     }
 
     /// Is the entry with this id part of the re-formed epoch's history?
@@ -133,6 +185,32 @@ mod tests {
 
     fn log(spec: &[(u64, NodeId, std::ops::RangeInclusive<u64>)]) -> Vec<LogId<NodeId>> {
         spec.iter().flat_map(|(t, n, r)| r.clone().map(move |i| id(*t, *n, i))).collect()
+    }
+
+    #[test]
+    fn numbers_are_shared_with_a_parent_a_child_or_a_sibling_only() {
+        let e = |term, node| Epoch { term, node };
+        let fork = |from, next_seq, next_order| Inherited { from, next_seq, next_order };
+        let (parent, left, right) = (e(1, 1), e(3, 1), e(4, 3));
+        let l = [fork(parent, 100, 7)];
+        let r = [fork(parent, 80, 9)];
+        // They formed from us: below their starting point.
+        assert_eq!(shared_numbers(parent, &[], right, &r), Some((80, 9)));
+        // We formed from them.
+        assert_eq!(shared_numbers(left, &l, parent, &[]), Some((100, 7)));
+        // Siblings: the lower of the two.
+        assert_eq!(shared_numbers(left, &l, right, &r), Some((80, 7)));
+        // Cousins: where their lines left the common ancestor, not where
+        // the nearer epochs left their parents.
+        let (uncle, nephew) = (e(2, 2), e(6, 3));
+        let nephew_line = [fork(uncle, 500, 40), fork(parent, 90, 8)];
+        assert_eq!(shared_numbers(left, &l, nephew, &nephew_line), Some((90, 7)));
+        // A grandchild of ours.
+        assert_eq!(shared_numbers(parent, &[], nephew, &nephew_line), Some((90, 8)));
+        // No ancestor in common, or no records: nothing known.
+        let stranger = [fork(e(9, 9), 50, 5)];
+        assert_eq!(shared_numbers(left, &l, e(10, 2), &stranger), None);
+        assert_eq!(shared_numbers(left, &[], right, &[]), None);
     }
 
     #[test]

@@ -988,6 +988,9 @@ def publisher(spec, node, queue, watch):
 def consumer(spec, node, queue):
     import pika
     t0 = spec["t0"]
+    # Slower than the publishers: the queues grow deep, so a split's
+    # hand-backs show what they cost.
+    gap = 1.0 / spec["consume_rate"] if spec.get("consume_rate", 0) > 0 else 0
     log = open(os.path.join(spec["out"], f"cons-n{node}-{queue}.log"), "a", buffering=1)
     while not flag(spec, "stop-cons"):
         held = None  # last delivery tag left unacked while hold-n<node> exists
@@ -1001,6 +1004,8 @@ def consumer(spec, node, queue):
                     # Recorded on receipt, before the ack.
                     log.write(f"D {time.time() - t0:.3f} {body.decode(errors='replace')} {int(method.redelivered)}\n")
                     held = method.delivery_tag
+                    if gap and not flag(spec, "stop-pub"):
+                        time.sleep(gap)
                 if held is not None and not holding:
                     ch.basic_ack(held, multiple=True)
                     held = None
@@ -1146,7 +1151,7 @@ def run_one(args, seed, root):
         setup_broker(c)
 
         spec = {"addrs": {str(i): net.addr(i) for i in c.nodes}, "out": out, "ctl": ctl, "t0": T0,
-                "run": run, "rate": args.rate}
+                "run": run, "rate": args.rate, "consume_rate": args.consume_rate}
         with open(os.path.join(root, "spec.json"), "w") as f:
             json.dump(spec, f)
         with open(os.path.join(root, "clients.log"), "ab") as log:
@@ -1538,6 +1543,8 @@ def main():
     ap.add_argument("--workdir", help="default: a new directory under /tmp")
     ap.add_argument("--keep", action="store_true", help="keep every run's workdir, not only failing ones")
     ap.add_argument("--rate", type=float, default=50, help="messages/s per publisher (0: unthrottled)")
+    ap.add_argument("--consume-rate", type=float, default=0,
+                    help="messages/s per consumer until the publishers stop (0: as fast as they come)")
     ap.add_argument("--drain-timeout", type=float, default=120, help="bound on draining, seconds")
     ap.add_argument("--drain-idle", type=float, default=30,
                     help="stop draining when no delivery came for this long, even if queues count messages")

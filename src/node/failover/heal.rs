@@ -9,13 +9,13 @@ use openraft::storage::RaftLogStorage;
 use openraft::{Entry, EntryPayload, RaftLogReader};
 
 use super::epoch::{heal_key, load_epoch};
-use super::split::{add_defeated, defeated, left_through_own_forks, Formed, Undecided, Verdict};
+use super::split::{add_defeated, defeated, formed_record, left_through_own_forks, Formed, Undecided, Verdict};
 use super::Busy;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::QueueMeta;
 use crate::node::{Node, QueueGroup};
-use crate::queue::epoch::{divergence, Epoch, EpochReport, ForkRecord};
+use crate::queue::epoch::{divergence, shared_numbers, Epoch, EpochReport, ForkRecord};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::raft::state_machine::stored_applied;
@@ -167,7 +167,8 @@ impl Node {
                             self.fetch_fork(group, news).await
                         };
                         tracing::info!(queue = %q.name, epoch = %news.epoch, found = record.is_some(), "history of the epoch to join");
-                        self.handback_set(group, record.as_ref()).await?
+                        let shared = self.shared_numbers(&g, news, record.as_ref());
+                        self.handback_set(group, record.as_ref(), shared).await?
                     }
                 };
                 let count: usize = batches.iter().map(|b| b.1.len()).sum();
@@ -231,6 +232,21 @@ impl Node {
         Ok(out)
     }
 
+    /// Which of our replica's messages the epoch we join holds or consumed
+    /// already, by their numbers (`queue::epoch::shared_numbers`), from its
+    /// fork record and ours.
+    fn shared_numbers(&self, g: &QueueGroup, news: EpochNews, record: Option<&ForkRecord>) -> Option<(u64, u64)> {
+        let space = SmSpace::new(self.inner.db.clone(), g.meta.group);
+        let ours = QueueMachine::fork_record(&space)
+            .ok()
+            .flatten()
+            .filter(|r| r.epoch == g.epoch)
+            .or_else(|| formed_record(&self.inner.db, g.meta.group, g.epoch));
+        let theirs = record.map_or(news.epoch, |r| r.epoch);
+        let our_line = ours.map(|r| r.inherited).unwrap_or_default();
+        shared_numbers(g.epoch, &our_line, theirs, record.map_or(&[][..], |r| &r.inherited))
+    }
+
     /// Whom to ask about the newer epoch of `news`, in order: the node that
     /// told us, the epoch's former, then the queue's other replicas.
     pub(in crate::node) fn asked_about(&self, q: &QueueMeta, news: EpochNews) -> Vec<NodeId> {
@@ -287,11 +303,15 @@ impl Node {
     /// Every message this (stopped) replica holds that the epoch described
     /// by `record` may lack, grouped by the log entry that published it:
     /// live messages published after the point where the histories part,
-    /// and every publish in log entries not applied here.
+    /// and every publish in log entries not applied here. Where the logs
+    /// cannot tell that point (ours compacted past it), `inherited` (message
+    /// numbers below which that epoch holds ours already) keeps the
+    /// inherited messages here; without it, everything live goes back.
     pub(super) async fn handback_set(
         &self,
         group: GroupId,
         record: Option<&ForkRecord>,
+        inherited: Option<(u64, u64)>,
     ) -> Result<Vec<Batch>, NodeError> {
         let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
         let db = self.inner.db.clone();
@@ -335,8 +355,15 @@ impl Node {
                         }
                     }
                 }
-                // The entries are gone: everything live goes back.
-                _ => out.push((None, QueueMachine::stored_from(&space, 0).map_err(|e| io(&e))?)),
+                // The entries are gone: what the other epoch did not
+                // inherit goes back, or else everything live.
+                _ => {
+                    let live = match inherited {
+                        Some((seq, order)) => QueueMachine::stored_since(&space, seq, order),
+                        None => QueueMachine::stored_from(&space, 0),
+                    };
+                    out.push((None, live.map_err(|e| io(&e))?))
+                }
             }
         }
         // Not applied here (not known to be committed, maybe confirmed):

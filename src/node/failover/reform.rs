@@ -8,13 +8,13 @@ use openraft::storage::RaftLogStorage;
 use openraft::{BasicNode, CommittedLeaderId, Entry, EntryPayload, LogId, Membership, RaftLogReader, Vote};
 
 use super::epoch::epoch_key;
-use super::split::{add_formed, formed_record_key, wall_ms, Formed};
+use super::split::{add_formed, formed_record, formed_record_key, wall_ms, Formed};
 use super::Busy;
 use crate::error::ServerError;
 use crate::ids::NodeId;
 use crate::metadata::{MetaState, QueueMeta};
 use crate::node::{Node, QueueGroup};
-use crate::queue::epoch::{Epoch, ForkRecord};
+use crate::queue::epoch::{Epoch, ForkRecord, Inherited, ANCESTRY};
 use crate::queue::{QueueCmd, QueueMachine};
 use crate::raft::state_machine::stored_applied;
 use crate::raft::types::{LogStore, Request, TypeConfig};
@@ -48,6 +48,14 @@ impl Node {
         let epoch = Epoch { term, node: me };
         let mut record = ForkRecord::from_log(epoch, log_state.last_purged_log_id, ids);
         record.formed_ms = wall_ms();
+        let c = QueueMachine::stored_counters(&SmSpace::new(self.inner.db.clone(), group))?;
+        let parent = Inherited { from: g.epoch, next_seq: c.next_seq, next_order: c.next_requeue };
+        let line = QueueMachine::fork_record(&SmSpace::new(self.inner.db.clone(), group))?
+            .filter(|r| r.epoch == g.epoch)
+            .or_else(|| formed_record(&self.inner.db, group, g.epoch))
+            .map(|r| r.inherited)
+            .unwrap_or_default();
+        record.inherited = std::iter::once(parent).chain(line).take(ANCESTRY).collect();
         let index = log_state.last_log_id.map_or(0, |l| l.index + 1);
         let members = Membership::new(
             vec![BTreeSet::from([me])],
@@ -85,7 +93,6 @@ impl Node {
         });
         // Before the epoch itself: a replica of the old group that kept its
         // majority across this moment keeps the queue when the two meet.
-        let c = QueueMachine::stored_counters(&SmSpace::new(self.inner.db.clone(), group))?;
         add_formed(
             &self.inner.db,
             group,
