@@ -89,13 +89,20 @@ pub(super) async fn step_down(db: NodeDb, group: GroupId, me: NodeId) -> Result<
 }
 
 impl Inner {
-    /// Our replica's log of `group` as a record of its history.
+    /// Our replica's log of `group` as a record of its history, with the
+    /// ancestry of its epoch if that was re-formed (a fork yielding to it
+    /// tells by it what both inherited).
     pub(in crate::node) async fn history(&self, group: GroupId) -> Option<ForkRecord> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
         let mut log = LogStore::new(self.db.clone(), group);
         let state = log.get_log_state().await.ok()?;
         let ids = log.log_ids().ok()?;
-        Some(ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids))
+        let mut record = ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids);
+        let own = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok().flatten();
+        if let Some(own) = own.filter(|r| r.epoch == g.epoch).or_else(|| formed_record(&self.db, group, g.epoch)) {
+            record.inherited = own.inherited;
+        }
+        Some(record)
     }
 
     /// Our replica's epoch of `group`, with its fork record if the replica
