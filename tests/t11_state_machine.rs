@@ -160,6 +160,44 @@ async fn consumer_registrations_and_priorities_survive_reopen() {
     assert_eq!(delivered(&out[4]), vec![(b"low".to_vec(), false)], "its owner released: 8 again");
 }
 
+/// What a re-formed epoch's fork record marks as maybe delivered (plain
+/// and prioritized messages alike) stays marked across a reopen; what is
+/// published after the fork does not.
+#[tokio::test]
+async fn messages_held_at_a_fork_stay_redelivered_after_a_reopen() {
+    use mirrorq::queue::epoch::{Epoch, ForkRecord};
+    use mirrorq::queue::types::Limits;
+    let dir = tempfile::tempdir().unwrap();
+    let prio = |b: &str, p: u8| {
+        let props = amq_protocol::protocol::basic::AMQPProperties::default().with_priority(p);
+        Message { properties: mirrorq::message::encode_properties(&props), ..msg(b) }
+    };
+    let stamp = || QueueCmd::Stamp { now_ms: 1, limits: Limits { max_priority: Some(9), ..Limits::default() } };
+    {
+        let (db, _space, mut sm) = open_queue(dir.path());
+        let fork = ForkRecord { epoch: Epoch { term: 3, node: 1 }, ..ForkRecord::default() };
+        sm.apply(logged(
+            &db,
+            5,
+            vec![
+                entry(1, vec![stamp(), QueueCmd::Enqueue { msgs: vec![msg("plain"), prio("high", 5)] }]),
+                entry(2, vec![QueueCmd::Fork(fork)]),
+                entry(3, vec![stamp(), QueueCmd::Enqueue { msgs: vec![msg("after")] }]),
+            ],
+        ))
+        .await
+        .unwrap();
+        db.flusher().sync().await.unwrap();
+    }
+    let (db, _space, mut sm) = open_queue(dir.path());
+    let get = vec![entry(4, vec![QueueCmd::Get { owner: 2, max: 10, auto_ack: false, consumer: None }])];
+    let out = sm.apply(logged(&db, 5, get)).await.unwrap();
+    assert_eq!(
+        delivered(&out[0]),
+        vec![(b"high".to_vec(), true), (b"plain".to_vec(), true), (b"after".to_vec(), false)]
+    );
+}
+
 /// A mirror does not read bodies for deliveries: only the node that
 /// proposed an entry answers it. So a mirror lacking a body (one still
 /// catching up) applies a get of that message instead of failing with a

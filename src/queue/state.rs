@@ -38,15 +38,21 @@ const PRIORITY_SHIFT: u32 = 48;
 /// The part of a tracked seq taken from the order counter.
 pub const ORDER_PART: u64 = (1 << PRIORITY_SHIFT) - 1;
 
-/// Where a new epoch's delivery tags start, past its parent's: far enough
-/// that the parent lineage, still serving on the other side of a split,
-/// would have to deliver 2^40 messages to reach them, and offset by the
-/// forming node's id so that two nodes forking from the same point (a
-/// split three ways) number apart too. A channel holding a tag of one
+/// Where a new epoch's delivery tags start: from its epoch `(term, node)`,
+/// which no other epoch of the group shares, `term << 40 | node << 32`.
+/// An epoch's term is above every term its parent lineage had, so the
+/// parent, still serving on the other side of a split, would have to
+/// deliver 2^40 messages to reach it, and another epoch of the same term
+/// was formed by another node, 2^32 apart. A channel holding a tag of one
 /// epoch must not see another epoch give that tag to another message: its
 /// ack would settle that one.
-const FORK_TAG_JUMP: u64 = 1 << 40;
+const FORK_TAG_TERM_SHIFT: u32 = 40;
 const FORK_TAG_NODE_SHIFT: u32 = 32;
+
+/// The first delivery tag of epoch `(term, node)` (see above).
+fn epoch_tag_base(term: u64, node: u64) -> u64 {
+    (term.min((1 << (64 - FORK_TAG_TERM_SHIFT)) - 1) << FORK_TAG_TERM_SHIFT) | (node & 0xff) << FORK_TAG_NODE_SHIFT
+}
 
 /// The priority a message's seq records (0 for a plain seq).
 pub fn priority_of_seq(seq: u64) -> u8 {
@@ -366,7 +372,7 @@ impl QueueState {
             QueueCmd::Delete => self.delete(changes),
             QueueCmd::Status => QueueReply::Status { ready: self.ready_count(), unacked: self.unacked_count() },
             QueueCmd::Handback { origin, msgs } => self.handback(*origin, msgs.len(), changes),
-            QueueCmd::Fork(record) => self.fork(record.epoch.node, changes),
+            QueueCmd::Fork(record) => self.fork(record.epoch.term, record.epoch.node, changes),
             QueueCmd::Stamp { now_ms, limits } => {
                 self.now_ms = *now_ms;
                 self.limits = *limits;
@@ -475,8 +481,8 @@ impl QueueState {
     /// log that may lack gets the lost master made and answered: every
     /// message in the queue may have been delivered, so each comes back
     /// `redelivered`; and deliveries from now on take tags no other epoch
-    /// of the group gives ([`FORK_TAG_JUMP`]).
-    fn fork(&mut self, node: u64, changes: &mut Vec<Change>) -> QueueReply {
+    /// of the group gives ([`epoch_tag_base`]).
+    fn fork(&mut self, term: u64, node: u64, changes: &mut Vec<Change>) -> QueueReply {
         self.counters.maybe_delivered_below = self.counters.next_seq;
         let fresh: Vec<(Reverse<u8>, u64, u64)> = self
             .prioritized
@@ -489,8 +495,7 @@ impl QueueState {
             self.prioritized.insert((p, false, order), seq);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         }
-        let jump = FORK_TAG_JUMP + ((node & 0xff) << FORK_TAG_NODE_SHIFT);
-        self.counters.next_tag = self.counters.next_tag.saturating_add(jump);
+        self.counters.next_tag = self.counters.next_tag.max(epoch_tag_base(term, node));
         QueueReply::Enqueued { count: 0 }
     }
 
@@ -920,10 +925,12 @@ mod tests {
     }
 
     fn fork(s: &mut QueueState, node: u64) -> Vec<Change> {
-        let record = crate::queue::epoch::ForkRecord {
-            epoch: crate::queue::epoch::Epoch { term: 5, node },
-            ..Default::default()
-        };
+        fork_at(s, 5, node)
+    }
+
+    fn fork_at(s: &mut QueueState, term: u64, node: u64) -> Vec<Change> {
+        let record =
+            crate::queue::epoch::ForkRecord { epoch: crate::queue::epoch::Epoch { term, node }, ..Default::default() };
         let mut c = Vec::new();
         s.apply(&QueueCmd::Fork(record), &mut c);
         c
@@ -956,6 +963,16 @@ mod tests {
         let (a, _) = get(&mut other, 7, 1, false);
         let (b, _) = get(&mut third, 7, 1, false);
         assert_ne!(a[0].1, b[0].1);
+        // Cousins: node 1 forks and node 4 forks that; node 2 forks and
+        // node 3 forks that. Each epoch numbers apart, whatever the path.
+        let (mut one, mut two) = (parent.clone(), parent.clone());
+        fork_at(&mut one, 6, 1);
+        fork_at(&mut two, 6, 2);
+        fork_at(&mut one, 8, 4);
+        fork_at(&mut two, 8, 3);
+        let (a, _) = get(&mut one, 7, 1, false);
+        let (b, _) = get(&mut two, 7, 1, false);
+        assert_ne!(a[0].1, b[0].1, "two cousin epochs gave the same tag");
     }
 
     #[test]

@@ -60,8 +60,8 @@ UNACKED_BACK_SECS = 15  # the issue's 10 s for a lost consumer's unacked, plus a
 # After a heal the minority's fork still serves until it learns that it
 # yields; what it confirms or delivers meanwhile counts as "during" the split.
 HEAL_GRACE_SECS = 10
-FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "restart", "move", "classic", "pause-heal",
-               "powercut", "powercut-all", "corrupt", "fsync-eio", "slow-disk", "disk-full")
+FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "partition-reject", "restart", "move", "classic",
+               "pause-heal", "powercut", "powercut-all", "corrupt", "fsync-eio", "slow-disk", "disk-full")
 # Faults of the disk itself: only with --faultfs, which puts every node's
 # data dir on a filesystem that forgets what was not synced.
 DISK_FAULTS = ("powercut", "powercut-all", "corrupt", "fsync-eio", "slow-disk", "disk-full")
@@ -163,7 +163,7 @@ class Net:
         self.ns = {i: f"{TAG}-n{i}" for i in range(1, n + 1)}
         self.ns["cl"] = f"{TAG}-cl"
         self.br = f"{TAG}-br"
-        self.cuts = set()
+        self.cuts = {}  # (from, to) -> the route kind
 
     def addr(self, i):
         return f"10.213.{self.k}.{CLIENT_HOST if i == 'cl' else i}"
@@ -184,21 +184,25 @@ class Net:
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
 
-    def cut(self, a, b):
+    def cut(self, a, b, route="blackhole"):
+        """`route`: blackhole drops what `a` and `b` send each other;
+        unreachable rejects it at once, as a firewall that answers with an
+        ICMP host-unreachable (a dial fails with EHOSTUNREACH, not a
+        refusal: the peer is not dead)."""
         for x, y in ((a, b), (b, a)):
             if (x, y) not in self.cuts:
-                sh("ip", "-n", self.ns[x], "route", "add", "blackhole", f"{self.addr(y)}/32")
-                self.cuts.add((x, y))
+                sh("ip", "-n", self.ns[x], "route", "add", route, f"{self.addr(y)}/32")
+                self.cuts[(x, y)] = route
 
     def cut_from(self, a, b):
         """`a` can no longer send to `b` (one way: `b` still sends to `a`)."""
         if (a, b) not in self.cuts:
             sh("ip", "-n", self.ns[a], "route", "add", "blackhole", f"{self.addr(b)}/32")
-            self.cuts.add((a, b))
+            self.cuts[(a, b)] = "blackhole"
 
     def heal(self):
-        for x, y in sorted(self.cuts):
-            sh("ip", "-n", self.ns[x], "route", "del", "blackhole", f"{self.addr(y)}/32", check=False)
+        for (x, y), route in sorted(self.cuts.items()):
+            sh("ip", "-n", self.ns[x], "route", "del", route, f"{self.addr(y)}/32", check=False)
         self.cuts.clear()
 
 
@@ -675,6 +679,14 @@ def plan(seed, args):
             f["nodes"] = rng.sample(ids, len(ids))
             f["hold"] = max(f["hold"], 12.0)  # the paused wake past the failure timeout
             kinds.pop("pause-heal")
+        elif kind == "partition-reject":
+            # Only when asked for (--faults): in the default mix it would
+            # change every seed's schedule.
+            shape = rng.choice(["halves", "isolate"])
+            order = rng.sample(ids, len(ids))
+            cut = len(ids) // 2 if shape == "halves" else 1
+            f.update(kind="partition", shape=f"reject-{shape}", route="unreachable", bridge=None,
+                     sides=[sorted(order[:cut]), sorted(order[cut:])])
         else:
             shape = rng.choice(["halves", "isolate", "bridge", "oneway"])
             order = rng.sample(ids, len(ids))
@@ -913,7 +925,7 @@ def run_fault(f, c, net, ctl):
                 if f["shape"] == "oneway":
                     net.cut_from(y, x)
                 else:
-                    net.cut(x, y)
+                    net.cut(x, y, f.get("route", "blackhole"))
         for i in c.nodes:
             c.nodes[i].note(f"partition {describe(f)}")
         f["cut_at"] = now()

@@ -34,7 +34,13 @@ impl Node {
             let m = g.raft.metrics().borrow().clone();
             let voters: BTreeSet<NodeId> =
                 m.membership_config.membership().voter_ids().filter(|id| *id != me).collect();
-            let eligible = if ha_of(&state, q).promote_on_shutdown_always { voters } else { synced };
+            // A learner cannot be elected: with `when-synced`, a synchronised
+            // voter.
+            let eligible = if ha_of(&state, q).promote_on_shutdown_always {
+                voters
+            } else {
+                synced.intersection(&voters).copied().collect()
+            };
             // A mirror whose node is gone or stopping too (an idle queue
             // still counts it synchronised) cannot take over.
             let eligible: BTreeSet<NodeId> =

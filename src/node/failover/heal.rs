@@ -166,6 +166,12 @@ impl Node {
                         } else {
                             self.fetch_fork(group, news).await
                         };
+                        // A replica answered from a newer epoch: what we
+                        // hand back is judged against its history, so it
+                        // goes there, and we join that one.
+                        if let Some(r) = record.as_ref().filter(|r| r.epoch > news.epoch) {
+                            news.epoch = r.epoch;
+                        }
                         tracing::info!(queue = %q.name, epoch = %news.epoch, found = record.is_some(), "history of the epoch to join");
                         let shared = self.shared_numbers(&g, news, record.as_ref());
                         self.handback_set(group, record.as_ref(), shared).await?
@@ -242,9 +248,12 @@ impl Node {
             .flatten()
             .filter(|r| r.epoch == g.epoch)
             .or_else(|| formed_record(&self.inner.db, g.meta.group, g.epoch));
-        let theirs = record.map_or(news.epoch, |r| r.epoch);
+        // The hand-back goes to `news.epoch`: a record of another epoch (a
+        // newer one that a replica answered from) tells nothing of what
+        // that one holds.
+        let their_line = record.filter(|r| r.epoch == news.epoch).map_or(&[][..], |r| &r.inherited);
         let our_line = ours.map(|r| r.inherited).unwrap_or_default();
-        shared_numbers(g.epoch, &our_line, theirs, record.map_or(&[][..], |r| &r.inherited))
+        shared_numbers(g.epoch, &our_line, news.epoch, their_line)
     }
 
     /// Whom to ask about the newer epoch of `news`, in order: the node that
