@@ -407,9 +407,8 @@ impl QueueMachine {
     }
 
     /// Live messages stored since the counters were at `next_seq` and
-    /// `next_order` (`Counters::next_requeue`): published since (seqs from
-    /// `next_seq`), or handed back or prioritized since (their seqs take an
-    /// order number).
+    /// `next_order` (`Counters::next_requeue`): published, or handed back
+    /// or prioritized (their seqs take an order number), since then.
     pub fn stored_since(space: &SmSpace, next_seq: u64, next_order: u64) -> Result<Vec<Message>, StorageError> {
         let since = |seq: u64| match seq & HANDBACK_SEQ {
             0 => seq >= next_seq,
