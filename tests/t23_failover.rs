@@ -21,6 +21,22 @@ async fn drain(node: &mirrorq::Node, queue: &str) -> Vec<String> {
     }
 }
 
+/// Cut (`true`) or mend every link between the nodes of `left` and `right`.
+fn split(c: &Cluster, left: &[u64], right: &[u64], cut: bool) {
+    for a in left {
+        for b in right {
+            for (x, y) in [(*a, *b), (*b, *a)] {
+                let control = &c.node(x).transport().control;
+                if cut {
+                    control.block(y)
+                } else {
+                    control.unblock(y)
+                }
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn last_replica_standing_serves_and_the_others_heal_into_its_epoch() {
     init_tracing();
@@ -402,12 +418,7 @@ async fn both_sides_of_a_partition_re_form_and_lose_nothing_when_it_heals() {
     }
     let (left, right) = ([1u64, 2], [3u64, 4]);
     tracing::info!("--- partition {{1,2}} | {{3,4}}");
-    for a in left {
-        for b in right {
-            c.node(a).transport().control.block(b);
-            c.node(b).transport().control.block(a);
-        }
-    }
+    split(&c, &left, &right, true);
     let (n1, n3) = (c.node(1).clone(), c.node(3).clone());
     let (l, r) = tokio::join!(
         async {
@@ -425,12 +436,7 @@ async fn both_sides_of_a_partition_re_form_and_lose_nothing_when_it_heals() {
     assert_ne!(n1.queue_members("q"), n3.queue_members("q"), "each side runs its own epoch");
 
     tracing::info!("--- heal");
-    for a in left {
-        for b in right {
-            c.node(a).transport().control.unblock(b);
-            c.node(b).transport().control.unblock(a);
-        }
-    }
+    split(&c, &left, &right, false);
     wait_until(Duration::from_secs(60), "one group of four again", || {
         (1..=4).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3, 4])))
     })
@@ -463,12 +469,7 @@ async fn a_heal_past_a_compacted_split_hands_back_only_what_came_after_it() {
     })
     .await;
     let (left, right) = ([1u64, 2], [3u64, 4]);
-    for a in left {
-        for b in right {
-            c.node(a).transport().control.block(b);
-            c.node(b).transport().control.block(a);
-        }
-    }
+    split(&c, &left, &right, true);
     // More than a snapshot's worth of entries on each side (compaction
     // keeps 256 entries behind a snapshot taken every 1024).
     const DURING: usize = 1400;
@@ -489,12 +490,7 @@ async fn a_heal_past_a_compacted_split_hands_back_only_what_came_after_it() {
         let raft = n.queue_raft("q").unwrap();
         assert!(raft.metrics().borrow().purged.is_some(), "node {}'s log was not compacted", n.id());
     }
-    for a in left {
-        for b in right {
-            c.node(a).transport().control.unblock(b);
-            c.node(b).transport().control.unblock(a);
-        }
-    }
+    split(&c, &left, &right, false);
     wait_until(Duration::from_secs(60), "one group of four again", || {
         (1..=4).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3, 4])))
     })
