@@ -5,15 +5,14 @@ use openraft::storage::RaftLogStorage;
 use openraft::{ServerState, Vote};
 use tokio::sync::mpsc;
 
-use super::split::formed_record;
+use super::split::own_record;
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
 use crate::node::{Inner, Node};
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
-use crate::queue::QueueMachine;
 use crate::raft::types::LogStore;
 use crate::wire::raft_net::EpochNews;
-use mirrorq_storage::{NodeDb, SmSpace, StorageError};
+use mirrorq_storage::{NodeDb, StorageError};
 
 pub(super) fn epoch_key(group: GroupId) -> String {
     format!("epoch/{group}")
@@ -98,8 +97,7 @@ impl Inner {
         let state = log.get_log_state().await.ok()?;
         let ids = log.log_ids().ok()?;
         let mut record = ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids);
-        let own = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok().flatten();
-        if let Some(own) = own.filter(|r| r.epoch == g.epoch).or_else(|| formed_record(&self.db, group, g.epoch)) {
+        if let Some(own) = own_record(&self.db, group, g.epoch).ok().flatten() {
             record.inherited = own.inherited;
         }
         Some(record)
@@ -109,11 +107,9 @@ impl Inner {
     /// has it, and the master of that epoch in reach as our replica knows it.
     pub(in crate::node) fn epoch_report(&self, group: GroupId) -> Option<EpochReport> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
-        let record = QueueMachine::fork_record(&SmSpace::new(self.db.clone(), group)).ok()?;
-        // Formed here: the record as kept beside the log, if its entry was
-        // never committed (a stop right after the re-form); without it the
-        // other side would wait for a record no one has, both serving.
-        let record = record.filter(|r| r.epoch == g.epoch).or_else(|| formed_record(&self.db, group, g.epoch));
+        // Formed here, the record kept beside the log counts too: without
+        // it the other side would wait for a record no one has, both serving.
+        let record = own_record(&self.db, group, g.epoch).ok()?;
         let m = g.raft.metrics().borrow().clone();
         let heard = g.heard.master_at();
         let master = match m.state {

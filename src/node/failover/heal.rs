@@ -9,7 +9,7 @@ use openraft::storage::RaftLogStorage;
 use openraft::{Entry, EntryPayload, RaftLogReader};
 
 use super::epoch::{heal_key, load_epoch};
-use super::split::{add_defeated, defeated, formed_record, left_through_own_forks, Formed, Undecided, Verdict};
+use super::split::{add_defeated, defeated, left_through_own_forks, own_record, Formed, Undecided, Verdict};
 use super::Busy;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
@@ -242,12 +242,7 @@ impl Node {
     /// already, by their numbers (`queue::epoch::shared_numbers`), from its
     /// fork record and ours.
     fn shared_numbers(&self, g: &QueueGroup, news: EpochNews, record: Option<&ForkRecord>) -> Option<(u64, u64)> {
-        let space = SmSpace::new(self.inner.db.clone(), g.meta.group);
-        let ours = QueueMachine::fork_record(&space)
-            .ok()
-            .flatten()
-            .filter(|r| r.epoch == g.epoch)
-            .or_else(|| formed_record(&self.inner.db, g.meta.group, g.epoch));
+        let ours = own_record(&self.inner.db, g.meta.group, g.epoch).ok().flatten();
         // The hand-back goes to `news.epoch`: a record of another epoch (a
         // newer one that a replica answered from) tells nothing of what
         // that one holds.
@@ -367,11 +362,8 @@ impl Node {
                 // The entries are gone: what the other epoch did not
                 // inherit goes back, or else everything live.
                 _ => {
-                    let live = match inherited {
-                        Some((seq, order)) => QueueMachine::stored_since(&space, seq, order),
-                        None => QueueMachine::stored_from(&space, 0),
-                    };
-                    out.push((None, live.map_err(|e| io(&e))?))
+                    let (seq, order) = inherited.unwrap_or((0, 0));
+                    out.push((None, QueueMachine::stored_since(&space, seq, order).map_err(|e| io(&e))?))
                 }
             }
         }

@@ -8,7 +8,7 @@ use openraft::storage::RaftLogStorage;
 use openraft::{BasicNode, CommittedLeaderId, Entry, EntryPayload, LogId, Membership, RaftLogReader, Vote};
 
 use super::epoch::epoch_key;
-use super::split::{add_formed, formed_record, formed_record_key, wall_ms, Formed};
+use super::split::{add_formed, formed_record_key, own_record, wall_ms, Formed};
 use super::Busy;
 use crate::error::ServerError;
 use crate::ids::NodeId;
@@ -50,11 +50,7 @@ impl Node {
         record.formed_ms = wall_ms();
         let c = QueueMachine::stored_counters(&SmSpace::new(self.inner.db.clone(), group))?;
         let parent = Inherited { from: g.epoch, next_seq: c.next_seq, next_order: c.next_requeue };
-        let line = QueueMachine::fork_record(&SmSpace::new(self.inner.db.clone(), group))?
-            .filter(|r| r.epoch == g.epoch)
-            .or_else(|| formed_record(&self.inner.db, group, g.epoch))
-            .map(|r| r.inherited)
-            .unwrap_or_default();
+        let line = own_record(&self.inner.db, group, g.epoch)?.map(|r| r.inherited).unwrap_or_default();
         record.inherited = std::iter::once(parent).chain(line).take(ANCESTRY).collect();
         let index = log_state.last_log_id.map_or(0, |l| l.index + 1);
         let members = Membership::new(

@@ -17,9 +17,10 @@ use openraft::ServerState;
 use crate::ids::{GroupId, NodeId};
 use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{Epoch, ForkRecord};
+use crate::queue::QueueMachine;
 use crate::wire::ask;
 use crate::wire::raft_net::EpochNews;
-use mirrorq_storage::{NodeDb, StorageError};
+use mirrorq_storage::{NodeDb, SmSpace, StorageError};
 
 /// What the heals learn of newer epochs of one replica's group: which
 /// voters answered from one (the epoch news task writes it) and which
@@ -70,6 +71,14 @@ pub(super) fn formed_record(db: &NodeDb, group: GroupId, epoch: Epoch) -> Option
     let b = db.get_node_value(&formed_record_key(group)).ok()??;
     let rec: ForkRecord = mirrorq_storage::keys::decode(&b, "formed record").ok()?;
     (rec.epoch == epoch).then_some(rec)
+}
+
+/// The fork record of this node's replica of `group` in `epoch`: its state
+/// machine's, or, formed here and its entry never committed (a stop right
+/// after the re-form), the one kept beside the log.
+pub(super) fn own_record(db: &NodeDb, group: GroupId, epoch: Epoch) -> Result<Option<ForkRecord>, StorageError> {
+    let applied = QueueMachine::fork_record(&SmSpace::new(db.clone(), group))?;
+    Ok(applied.filter(|r| r.epoch == epoch).or_else(|| formed_record(db, group, epoch)))
 }
 
 /// Epochs of the group formed by a minority while our group kept its
