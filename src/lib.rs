@@ -9,16 +9,23 @@
 //!
 //! Leaves, imported by everything above them:
 //! - [`ids`]: node and group identities; [`message`]: a message as stored,
-//!   and its AMQP properties; [`api`]: value types of the library API that
-//!   also travel between nodes; [`error`]: the API's errors.
+//!   and its AMQP properties; [`error`]: the API's errors.
+//!
+//! Not a leaf: [`api`], value types of the library API that also travel
+//! between nodes, names [`queue`]'s sync progress and epoch, [`metadata`]'s
+//! queue arguments and [`rates`]' flows, so it sits above those three and
+//! below [`wire`], [`node`] and the front ends.
 //!
 //! The data and control planes:
 //! - [`link`]: the node link (one multiplexed TCP connection per peer, its
 //!   frames, the server that answers it, liveness pings on their own
 //!   beacon); it carries requests and replies of any serde type and knows
 //!   nothing of what they say.
-//! - [`raft`]: what every group shares: the type config and the
-//!   state-machine adapter.
+//! - [`raft`]: what every group shares, generic over what its entries
+//!   carry: the type configuration and the state-machine adapter. It
+//!   knows no queue or metadata type; [`queue::QueueTypes`] and
+//!   [`metadata::MetaTypes`] instantiate it, so a queue's log cannot hold
+//!   a metadata command.
 //! - [`queue`]: the queue state machine (pure [`queue::state`], on disk
 //!   [`queue::sm`]), batching into entries ([`queue::proposer`]) and the
 //!   synchronised-replica tracking behind confirms ([`queue::confirm_gate`]).

@@ -4,14 +4,14 @@
 use mirrorq::ids::NodeId;
 use mirrorq::queue::QueueMachine;
 use mirrorq::raft::state_machine::StateMachine;
-use mirrorq::raft::types::{LogStore, TypeConfig};
+use mirrorq::queue::{QueueLog as LogStore, QueueTypes};
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 use openraft::testing::{StoreBuilder, Suite};
 use openraft::StorageError;
 
 struct Builder;
 
-impl StoreBuilder<TypeConfig, LogStore, StateMachine<QueueMachine>, tempfile::TempDir> for Builder {
+impl StoreBuilder<QueueTypes, LogStore, StateMachine<QueueMachine>, tempfile::TempDir> for Builder {
     async fn build(&self) -> Result<(tempfile::TempDir, LogStore, StateMachine<QueueMachine>), StorageError<NodeId>> {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = NodeDb::open(dir.path(), &DbOptions::default()).expect("open db");
@@ -43,7 +43,7 @@ async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves
     use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, Vote};
     let dir = tempfile::tempdir().expect("tempdir");
     let db = NodeDb::open(dir.path(), &DbOptions::default()).expect("open db");
-    let first = || -> Vec<Entry<TypeConfig>> {
+    let first = || -> Vec<Entry<QueueTypes>> {
         vec![
             Entry { log_id: LogId::default(), payload: EntryPayload::Blank },
             Entry { log_id: LogId::new(CommittedLeaderId::new(1, 1), 1), payload: EntryPayload::Blank },
@@ -96,7 +96,7 @@ async fn founding_runs_on_a_blank_replica_finishes_an_interrupted_one_and_leaves
 
     // Entries other than the founding ones: not founded either.
     let mut other = LogStore::new(db.clone(), 4);
-    let e = Entry::<TypeConfig> { log_id: LogId::new(CommittedLeaderId::new(2, 3), 0), payload: EntryPayload::Blank };
+    let e = Entry::<QueueTypes> { log_id: LogId::new(CommittedLeaderId::new(2, 3), 0), payload: EntryPayload::Blank };
     db.wal().append(4, &[(0, mirrorq_storage::keys::encode(&e, "entry").unwrap())]).unwrap();
     assert!(!other.found(&vote, first()).await.unwrap());
     assert_eq!(other.read_vote().await.unwrap(), None);
@@ -159,7 +159,7 @@ async fn a_commit_index_past_the_log_is_read_back_at_the_log_end() {
             (
                 i,
                 mirrorq_storage::keys::encode(
-                    &Entry::<TypeConfig> { log_id: id(i), payload: EntryPayload::Blank },
+                    &Entry::<QueueTypes> { log_id: id(i), payload: EntryPayload::Blank },
                     "e",
                 )
                 .unwrap(),

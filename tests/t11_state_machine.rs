@@ -3,7 +3,7 @@
 
 use mirrorq::queue::{Message, QueueCmd, QueueMachine, QueueReply};
 use mirrorq::raft::state_machine::StateMachine;
-use mirrorq::raft::types::{Request, Response, TypeConfig};
+use mirrorq::queue::QueueTypes;
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 use openraft::storage::RaftStateMachine;
 use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
@@ -17,16 +17,16 @@ fn open_queue(dir: &std::path::Path) -> (NodeDb, SmSpace, StateMachine<QueueMach
     (db, space, sm)
 }
 
-fn entry(index: u64, cmds: Vec<QueueCmd>) -> Entry<TypeConfig> {
+fn entry(index: u64, cmds: Vec<QueueCmd>) -> Entry<QueueTypes> {
     Entry {
         log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-        payload: EntryPayload::Normal(Request::Queue(std::sync::Arc::new(cmds))),
+        payload: EntryPayload::Normal(std::sync::Arc::new(cmds)),
     }
 }
 
 /// Append `entries` to group `group`'s log, as Raft does before it applies
 /// them: the machine leaves published bodies there until a snapshot.
-fn logged(db: &NodeDb, group: u64, entries: Vec<Entry<TypeConfig>>) -> Vec<Entry<TypeConfig>> {
+fn logged(db: &NodeDb, group: u64, entries: Vec<Entry<QueueTypes>>) -> Vec<Entry<QueueTypes>> {
     let raw: Vec<(u64, Vec<u8>)> =
         entries.iter().map(|e| (e.log_id.index, mirrorq_storage::keys::encode(e, "entry").unwrap())).collect();
     db.wal().append(group, &raw).unwrap();
@@ -37,8 +37,7 @@ fn msg(b: &str) -> Message {
     Message { exchange: "x".into(), routing_key: "rk".into(), properties: vec![9], body: b.as_bytes().to_vec() }
 }
 
-fn delivered(r: &Response) -> Vec<(Vec<u8>, bool)> {
-    let Response::Queue(replies) = r else { panic!("not a queue reply: {r:?}") };
+fn delivered(replies: &[QueueReply]) -> Vec<(Vec<u8>, bool)> {
     replies
         .iter()
         .flat_map(|q| match q {
@@ -101,7 +100,7 @@ async fn state_survives_reopen() {
         vec![(b"b".to_vec(), true), (b"a".to_vec(), true), (b"c".to_vec(), false)],
         "requeued first, in requeue order, then the rest"
     );
-    let Response::Queue(r) = &out[0] else { panic!() };
+    let r = &out[0];
     let QueueReply::Got { msgs, .. } = &r[0] else { panic!() };
     assert_eq!(msgs[0].message, msg("b"));
     assert_eq!(msgs.iter().map(|d| d.tag).collect::<Vec<_>>(), vec![2, 3, 4], "tags keep counting after restart");
@@ -214,7 +213,7 @@ async fn only_the_answering_node_reads_delivered_bodies() {
     let mut mirror = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 7), 2).unwrap();
     mirror.apply(vec![publish.clone()]).await.unwrap();
     let out = mirror.apply(vec![get.clone()]).await.expect("a mirror applies a get of a body it lacks");
-    let Response::Queue(r) = &out[0] else { panic!() };
+    let r = &out[0];
     assert!(matches!(&r[0], QueueReply::Got { msgs, remaining: 1 } if msgs.is_empty()), "{r:?}");
 
     // Node 1, which proposed them, answers with the body.
@@ -299,7 +298,7 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
                 }
             }
             let out = sm.apply(logged(&db, 9, vec![entry(index, cmds)])).await.unwrap();
-            let Response::Queue(replies) = &out[0] else { panic!() };
+            let replies = &out[0];
             let got: Vec<_> = replies
                 .iter()
                 .flat_map(|r| match r {
@@ -457,7 +456,7 @@ async fn bodies_stay_in_the_log_until_a_snapshot_copies_them() {
     let get = vec![entry(3, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false, consumer: None }])];
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(delivered(&out[0]), vec![(b"b".to_vec(), false)]);
-    let Response::Queue(r) = &out[0] else { panic!() };
+    let r = &out[0];
     let QueueReply::Got { msgs, .. } = &r[0] else { panic!("{r:?}") };
     let tag_b = msgs[0].tag;
 

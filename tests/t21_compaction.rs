@@ -49,7 +49,7 @@ async fn an_idle_queue_log_is_compacted_and_its_messages_stay() {
     }
     tracing::info!("--- another queue writes on, segment after segment (256 KiB each)");
     let rafts: Vec<_> = (1..=3).map(|id| c.node(id).queue_raft("idle").unwrap()).collect();
-    let compacted = |raft: &mirrorq::raft::types::Raft| {
+    let compacted = |raft: &mirrorq::queue::QueueRaft| {
         let m = raft.metrics().borrow().clone();
         m.purged.is_some() && m.purged.map(|p| p.index) == m.last_log_index
     };

@@ -150,12 +150,12 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
         group: q.group,
         epoch: Default::default(),
         from: 9,
-        req: openraft::raft::AppendEntriesRequest {
+        req: mirrorq::wire::Appends::Queue(openraft::raft::AppendEntriesRequest {
             vote: openraft::Vote::new_committed(term_before + 5, 9),
             prev_log_id: None,
             entries: vec![],
             leader_commit: None,
-        },
+        }),
     };
     let handback = RpcRequest::from(ask::Handback {
         group: q.group,

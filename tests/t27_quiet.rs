@@ -41,7 +41,7 @@ async fn quiet_queue_moved_off_its_master(name: &str) -> (Cluster, u64, u64) {
 
 /// Whether every member of the master's group `raft` has its whole log,
 /// all of it applied at the master.
-fn holds_all_applied(raft: &mirrorq::raft::types::Raft) -> bool {
+fn holds_all_applied(raft: &mirrorq::queue::QueueRaft) -> bool {
     let m = raft.metrics().borrow().clone();
     let all = m.replication.as_ref().is_some_and(|r| r.values().all(|l| l.map(|l| l.index) == m.last_log_index));
     all && m.last_applied.map(|l| l.index) == m.last_log_index

@@ -5,9 +5,8 @@ use tokio::sync::watch;
 
 use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 
-use super::state::{MetaCmd, MetaState, QueueMeta};
+use super::state::{MetaCmd, MetaReply, MetaState, QueueMeta};
 use crate::raft::state_machine::Machine;
-use crate::raft::types::{Request, Response};
 
 const STATE: &[u8] = b"state";
 /// Prefix of one key per queue, followed by the queue's name.
@@ -152,6 +151,9 @@ impl MetaMachine {
 }
 
 impl Machine for MetaMachine {
+    type Cmd = MetaCmd;
+    type Reply = MetaReply;
+
     fn load(space: &SmSpace) -> Result<Self, StorageError> {
         let mut state: MetaState = match space.get(STATE)? {
             Some(b) => keys::decode(&b, "metadata")?,
@@ -174,16 +176,13 @@ impl Machine for MetaMachine {
         &mut self,
         _space: &SmSpace,
         _index: u64,
-        req: &Request,
+        cmd: &MetaCmd,
         _batch: &mut Batch,
         _answering: bool,
-    ) -> Result<Response, StorageError> {
-        let Request::Meta(cmd) = req else {
-            return Ok(Response::None);
-        };
+    ) -> Result<MetaReply, StorageError> {
         self.dirty = true;
         self.touched.add(cmd);
-        Ok(Response::Meta(self.state.apply(cmd)))
+        Ok(self.state.apply(cmd))
     }
 
     fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError> {
@@ -257,7 +256,7 @@ mod tests {
     fn apply_all(m: &mut MetaMachine, space: &SmSpace, cmds: Vec<MetaCmd>) {
         let mut batch = Batch::default();
         for cmd in cmds {
-            m.apply(space, 0, &Request::Meta(cmd), &mut batch, false).unwrap();
+            m.apply(space, 0, &cmd, &mut batch, false).unwrap();
         }
         m.commit(space, &mut batch).unwrap();
         space.apply(batch).unwrap();

@@ -16,3 +16,8 @@ pub use policy::{ApplyTo, Policy};
 pub use queue_args::QueueArgs;
 pub use routing::{ArgValue, Args, Binding, ExchangeKind, ExchangeMeta};
 pub use state::{MetaCmd, MetaReply, MetaState, NodeInfo, QueueMeta};
+
+/// openraft's types for the metadata group: an entry is one command.
+pub type MetaTypes = crate::raft::types::Group<MetaCmd, MetaReply>;
+pub type MetaRaft = openraft::Raft<MetaTypes>;
+pub type MetaLog = mirrorq_storage::LogStore<MetaTypes>;

@@ -212,8 +212,10 @@ pub enum MetaCmd {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// The default is what blank and membership entries answer, read by nobody.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MetaReply {
+    #[default]
     Ok,
     /// A new object was made (HTTP answers 201 rather than 204).
     Created,

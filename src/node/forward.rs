@@ -15,14 +15,13 @@ use std::time::{Duration, Instant};
 
 use openraft::error::{ClientWriteError, RaftError};
 
-use super::{Inner, Node, Submitted};
+use super::{Inner, Node, RaftMetrics, Submitted};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::link::transport::CallError;
 use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
 use crate::queue::proposer::{Answer, Lane};
 use crate::queue::{QueueCmd, QueueReply};
-use crate::raft::types::{Raft, Request, Response};
 use crate::wire::ask::{self, Ask};
 use crate::wire::{RpcRequest, RpcResponse};
 
@@ -123,8 +122,7 @@ impl<T> Attempt<T> {
 }
 
 /// The leader `raft` knows once it is another than `not`, within `wait`.
-async fn leader_other_than(raft: &Raft, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
-    let mut metrics = raft.metrics();
+async fn leader_other_than(mut metrics: RaftMetrics, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
     let found = tokio::time::timeout(wait, async {
         metrics.wait_for(|m| m.current_leader.is_some_and(|l| Some(l) != not)).await.ok().and_then(|m| m.current_leader)
     })
@@ -334,13 +332,13 @@ impl Node {
             // one of its replicas): likewise, once it starts.
             None => (self.inner.replica_started(group, until).await?, None),
         };
-        leader_other_than(&g.raft, not, until.saturating_duration_since(Instant::now())).await
+        leader_other_than(g.raft.metrics(), not, until.saturating_duration_since(Instant::now())).await
     }
 
     /// The metadata leader once it is another than `not`, or whichever this
     /// node knows of after `wait`.
     async fn new_meta_leader(&self, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
-        let found = leader_other_than(&self.inner.meta_raft, not, wait).await;
+        let found = leader_other_than(self.inner.meta_raft.metrics(), not, wait).await;
         found.or_else(|| self.inner.meta_raft.metrics().borrow().current_leader)
     }
 
@@ -460,11 +458,8 @@ impl Inner {
     }
 
     pub(super) async fn local_meta_write(&self, cmd: MetaCmd) -> Result<(MetaReply, u64), NodeError> {
-        match self.meta_raft.client_write(Request::Meta(cmd)).await {
-            Ok(resp) => match resp.data {
-                Response::Meta(r) => Ok((r, resp.log_id.index)),
-                other => Err(NodeError::Invalid(format!("metadata group answered {other:?}"))),
-            },
+        match self.meta_raft.client_write(cmd).await {
+            Ok(resp) => Ok((resp.data, resp.log_id.index)),
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
                 Err(NodeError::NotLeader { leader: f.leader_id })
             }

@@ -17,13 +17,11 @@ use crate::metadata::MetaCmd;
 use crate::queue::epoch::Epoch;
 use crate::queue::proposer::Lane;
 use crate::queue::QueueCmd;
-use crate::raft::types::Raft;
+use crate::queue::QueueRaft;
 use crate::wire::ask;
 use crate::wire::raft_net::EpochNews;
-use crate::wire::{ClientReply, ClientRequest, RpcRequest, RpcResponse};
+use crate::wire::{Appends, ClientReply, ClientRequest, Installs, RpcRequest, RpcResponse};
 
-type AppendRequest = openraft::raft::AppendEntriesRequest<crate::raft::types::TypeConfig>;
-type SnapshotRequest = openraft::raft::InstallSnapshotRequest<crate::raft::types::TypeConfig>;
 type HandbackBatch = (Option<crate::queue::types::Origin>, Vec<crate::queue::Message>);
 
 /// How long a request for a replica about to start waits for it.
@@ -70,10 +68,7 @@ impl Inner {
     /// The local Raft of `group` if the sender is in the same epoch. A
     /// sender in an older epoch is told ours; one in a newer epoch means
     /// this replica must heal before it takes part again.
-    pub(super) fn raft_in_epoch(&self, group: GroupId, epoch: Epoch, from: NodeId) -> Result<Raft, RpcResponse> {
-        if group == METADATA_GROUP {
-            return Ok(self.meta_raft.clone());
-        }
+    pub(super) fn raft_in_epoch(&self, group: GroupId, epoch: Epoch, from: NodeId) -> Result<QueueRaft, RpcResponse> {
         let g = self.groups.read().expect("poisoned").get(&group).cloned();
         match g {
             None => Err(RpcResponse::UnknownGroup(group)),
@@ -158,27 +153,40 @@ impl Inner {
         }
     }
 
-    async fn on_append(&self, group: GroupId, epoch: Epoch, from: NodeId, req: AppendRequest) -> RpcResponse {
-        match self.raft_in_epoch(group, epoch, from) {
-            Ok(r) => {
-                if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
-                    g.heard.append_received();
-                }
+    async fn on_append(&self, group: GroupId, epoch: Epoch, from: NodeId, req: Appends) -> RpcResponse {
+        match req {
+            Appends::Meta(req) if group == METADATA_GROUP => {
                 self.metrics.appends_received.inc();
                 self.refill_heard(group, req.leader_commit.map(|l| l.index));
-                RpcResponse::Append(r.append_entries(req).await)
+                RpcResponse::Append(self.meta_raft.append_entries(req).await)
             }
-            Err(refusal) => refusal,
+            Appends::Queue(req) if group != METADATA_GROUP => match self.raft_in_epoch(group, epoch, from) {
+                Ok(r) => {
+                    if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
+                        g.heard.append_received();
+                    }
+                    self.metrics.appends_received.inc();
+                    self.refill_heard(group, req.leader_commit.map(|l| l.index));
+                    RpcResponse::Append(r.append_entries(req).await)
+                }
+                Err(refusal) => refusal,
+            },
+            // Entries of the other kind of group: no replica here takes them.
+            _ => RpcResponse::UnknownGroup(group),
         }
     }
 
     async fn on_vote(&self, group: GroupId, epoch: Epoch, from: NodeId, req: VoteRequest<NodeId>) -> RpcResponse {
+        if group == METADATA_GROUP {
+            if let Some(refusal) = self.refill_refusal(group, &self.meta_raft.metrics(), &req) {
+                return RpcResponse::Vote(Ok(refusal));
+            }
+            return RpcResponse::Vote(self.meta_raft.vote(req).await);
+        }
         match self.raft_in_epoch(group, epoch, from) {
             Ok(r) => {
-                if group != METADATA_GROUP {
-                    self.metrics.queue_vote_requests.inc();
-                }
-                if let Some(refusal) = self.refill_refusal(group, &r, &req) {
+                self.metrics.queue_vote_requests.inc();
+                if let Some(refusal) = self.refill_refusal(group, &r.metrics(), &req) {
                     return RpcResponse::Vote(Ok(refusal));
                 }
                 RpcResponse::Vote(r.vote(req).await)
@@ -192,8 +200,15 @@ impl Inner {
         group: GroupId,
         epoch: Epoch,
         from: NodeId,
-        req: SnapshotRequest,
+        req: Installs,
     ) -> RpcResponse {
+        let req = match req {
+            Installs::Meta(req) if group == METADATA_GROUP => {
+                return RpcResponse::Snapshot(self.meta_raft.install_snapshot(req).await, None);
+            }
+            Installs::Queue(req) if group != METADATA_GROUP => req,
+            _ => return RpcResponse::UnknownGroup(group),
+        };
         match self.raft_in_epoch(group, epoch, from) {
             Ok(r) => {
                 // The last chunk installs the snapshot: the answer then
@@ -313,12 +328,12 @@ impl Inner {
     /// complete copy of the queue.
     fn on_members(&self, group: GroupId, epoch: Option<Epoch>) -> RpcResponse {
         let same_epoch = |e| self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.epoch == e);
-        let raft = match epoch {
+        let metrics = match epoch {
             Some(e) if !same_epoch(e) => None,
-            _ => self.raft_of(group),
+            _ => self.metrics_of(group),
         };
-        RpcResponse::Members(raft.and_then(|r| {
-            let m = r.metrics().borrow().membership_config.clone();
+        RpcResponse::Members(metrics.and_then(|r| {
+            let m = r.borrow().membership_config.clone();
             m.log_id().is_some().then(|| m.membership().nodes().map(|(id, _)| *id).collect())
         }))
     }

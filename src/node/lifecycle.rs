@@ -24,7 +24,7 @@ use crate::metrics::Metrics;
 use crate::owners::Owners;
 use crate::queue::epoch::Epoch;
 use crate::raft::state_machine::StateMachine;
-use crate::raft::types::{LogStore, Raft};
+use crate::metadata::{MetaLog, MetaRaft};
 use crate::wire::raft_net::{EpochNews, NetworkFactory};
 
 /// Open the data dir; one a power cut or a failing disk has damaged is set
@@ -323,7 +323,9 @@ fn open_storage(cfg: &NodeConfig, started: Instant) -> Result<(NodeDb, bool), Se
 fn step_down_after_crash(db: &NodeDb, me: NodeId) -> Result<(), ServerError> {
     if !db.started_clean() {
         // Before any group starts: see `LogStore::step_down_after_crash`.
-        let led = LogStore::step_down_after_crash(db, me).map_err(|e| ServerError::Raft(e.to_string()))?;
+        // It goes over every group's vote, queue or metadata, whose
+        // format is the same in both.
+        let led = MetaLog::step_down_after_crash(db, me).map_err(|e| ServerError::Raft(e.to_string()))?;
         if !led.is_empty() {
             tracing::warn!(
                 groups = led.len(),
@@ -422,12 +424,12 @@ async fn start_metadata(
     raft_config: Arc<openraft::Config>,
     news: &mpsc::UnboundedSender<EpochNews>,
     transport: &Arc<Transport>,
-) -> Result<(Raft, watch::Receiver<Arc<MetaState>>, ChangeFeed), ServerError> {
-    let meta_log = LogStore::new(db.clone(), METADATA_GROUP);
+) -> Result<(MetaRaft, watch::Receiver<Arc<MetaState>>, ChangeFeed), ServerError> {
+    let meta_log = MetaLog::new(db.clone(), METADATA_GROUP);
     let meta_sm = StateMachine::<MetaMachine>::open(SmSpace::new(db.clone(), METADATA_GROUP), cfg.node_id)?
         .applying_durable(meta_log.durability());
     let (meta, feed) = meta_sm.with(|m| (m.subscribe(), m.feed())).await;
-    let meta_raft = Raft::new(
+    let meta_raft = MetaRaft::new(
         cfg.node_id,
         raft_config,
         NetworkFactory {
@@ -462,7 +464,7 @@ fn serve_link(inner: &Arc<Inner>, listener: TcpListener, beacon: &Beacon, cfg: &
 /// On a data dir that holds no cluster yet: found one (every listed node
 /// does so alike), or wait to be refilled; whether the node joins one
 /// instead.
-async fn bootstrap_metadata(cfg: &NodeConfig, meta_raft: &Raft, refill: bool, addr: &str) -> Result<bool, ServerError> {
+async fn bootstrap_metadata(cfg: &NodeConfig, meta_raft: &MetaRaft, refill: bool, addr: &str) -> Result<bool, ServerError> {
     let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
     let joining = pristine && cfg.join.is_some();
     if pristine && refill {

@@ -34,7 +34,8 @@ use crate::queue::hush::Hush;
 use crate::queue::proposer::Proposer;
 use crate::queue::{QueueMachine, QueueReply, QueueStats};
 use crate::raft::state_machine::StateMachine;
-use crate::raft::types::Raft;
+use crate::metadata::MetaRaft;
+use crate::queue::QueueRaft;
 use crate::wire::raft_net::EpochNews;
 
 mod failover;
@@ -157,6 +158,9 @@ impl NodeConfig {
 pub type Submitted = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<QueueReply>, NodeError>> + Send>>;
 
 /// One hosted queue replica.
+/// What a group's Raft reports, whatever kind of group it is.
+type RaftMetrics = watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>;
+
 struct QueueGroup {
     meta: QueueMeta,
     /// The epoch this replica is in; fixed for the life of this Raft instance
@@ -168,7 +172,7 @@ struct QueueGroup {
     watch: failover::GroupWatch,
     /// What heals learn of newer epochs of the group (they write it).
     split: failover::SplitMemory,
-    raft: Raft,
+    raft: QueueRaft,
     /// A membership change towards the metadata's replicas is under way.
     changing: AtomicBool,
     /// Whether this replica leads, as its confirm gate last saw the metrics:
@@ -204,7 +208,7 @@ struct Inner {
     queue_raft_config: Arc<openraft::Config>,
     timing: Timing,
     catch_up_bytes: usize,
-    meta_raft: Raft,
+    meta_raft: MetaRaft,
     meta: watch::Receiver<Arc<MetaState>>,
     groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
     /// See `NodeConfig::test`.
@@ -359,7 +363,7 @@ impl Node {
     }
 
     /// The local replica's Raft handle of a queue, if this node hosts one.
-    pub fn queue_raft(&self, name: &str) -> Option<Raft> {
+    pub fn queue_raft(&self, name: &str) -> Option<QueueRaft> {
         let q = self.metadata().queues.get(name)?.group;
         self.inner.groups.read().expect("poisoned").get(&q).map(|g| g.raft.clone())
     }
@@ -465,11 +469,12 @@ impl Inner {
         self.groups.read().expect("poisoned").get(&g.meta.group).is_some_and(|c| Arc::ptr_eq(c, g))
     }
 
-    fn raft_of(&self, group: GroupId) -> Option<Raft> {
+    /// What the Raft of `group` here reports, whatever kind of group it is.
+    fn metrics_of(&self, group: GroupId) -> Option<RaftMetrics> {
         if group == METADATA_GROUP {
-            return Some(self.meta_raft.clone());
+            return Some(self.meta_raft.metrics());
         }
-        self.groups.read().expect("poisoned").get(&group).map(|g| g.raft.clone())
+        self.groups.read().expect("poisoned").get(&group).map(|g| g.raft.metrics())
     }
 }
 

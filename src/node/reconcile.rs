@@ -22,7 +22,7 @@ use crate::queue::hush::Hush;
 use crate::queue::proposer::Proposer;
 use crate::queue::{confirm_gate, QueueMachine};
 use crate::raft::state_machine::StateMachine;
-use crate::raft::types::{LogStore, Raft, TypeConfig};
+use crate::queue::{QueueLog as LogStore, QueueRaft as Raft, QueueTypes};
 use crate::wire::ask;
 use crate::wire::raft_net::NetworkFactory;
 
@@ -382,9 +382,9 @@ impl Node {
 
     /// Does a replica of `group` in our `epoch` on one of `peers` say the
     /// membership excludes this node? Replicas of another epoch are not
-    /// asked about ours: a minority's fork that dropped this node from its
-    /// own membership made a replica of the majority's epoch delete itself,
-    /// and a message its epoch had confirmed was lost (campaign seed 1168).
+    /// asked about ours: else a minority's fork that dropped this node from
+    /// its own membership would make a replica of the majority's epoch
+    /// delete itself, and lose what that epoch had confirmed.
     pub(super) async fn excluded_by_peers(&self, group: GroupId, epoch: Epoch, peers: &[NodeId]) -> bool {
         let deadline = Instant::now() + Duration::from_secs(1);
         for peer in peers.iter().filter(|p| **p != self.id()) {
@@ -728,7 +728,7 @@ impl Node {
 /// where openraft's `initialize` puts it, then the blank entry a leader
 /// appends on winning term 1, already there so that the master starts with
 /// nothing of its own to write.
-fn founding_log(q: &QueueMeta, state: &MetaState, master: NodeId) -> Vec<Entry<TypeConfig>> {
+fn founding_log(q: &QueueMeta, state: &MetaState, master: NodeId) -> Vec<Entry<QueueTypes>> {
     let nodes: BTreeMap<NodeId, BasicNode> = q
         .replicas
         .iter()

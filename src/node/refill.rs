@@ -14,9 +14,8 @@ use std::time::Duration;
 
 use openraft::raft::{VoteRequest, VoteResponse};
 
-use super::{Inner, Node, REFILL_KEY};
+use super::{Inner, Node, RaftMetrics, REFILL_KEY};
 use crate::ids::{NodeId, METADATA_GROUP};
-use crate::raft::types::Raft;
 use mirrorq_storage::GroupId;
 
 /// Per group, the commit index its leader announced in the first append
@@ -34,12 +33,12 @@ impl Inner {
 
     /// Whether `raft`, the replica of `group` here, is still unfilled on a
     /// refilled node (and so must not vote).
-    fn unfilled(&self, group: GroupId, raft: &Raft) -> bool {
+    fn unfilled(&self, group: GroupId, metrics: &RaftMetrics) -> bool {
         let target = match self.refill.lock().expect("poisoned").as_ref() {
             None => return false,
             Some(targets) => targets.get(&group).copied(),
         };
-        let applied = raft.metrics().borrow().last_applied.map(|l| l.index);
+        let applied = metrics.borrow().last_applied.map(|l| l.index);
         match target {
             None => true,
             Some(t) => applied.unwrap_or(0) < t,
@@ -52,10 +51,10 @@ impl Inner {
     pub(super) fn refill_refusal(
         &self,
         group: GroupId,
-        raft: &Raft,
+        metrics: &RaftMetrics,
         req: &VoteRequest<NodeId>,
     ) -> Option<VoteResponse<NodeId>> {
-        self.unfilled(group, raft).then_some(VoteResponse { vote: req.vote, vote_granted: false, last_log_id: None })
+        self.unfilled(group, metrics).then_some(VoteResponse { vote: req.vote, vote_granted: false, last_log_id: None })
     }
 }
 
@@ -94,10 +93,10 @@ impl Node {
 
     fn all_filled(&self) -> bool {
         let inner = &self.inner;
-        if inner.unfilled(METADATA_GROUP, &inner.meta_raft) {
+        if inner.unfilled(METADATA_GROUP, &inner.meta_raft.metrics()) {
             return false;
         }
-        let groups: Vec<_> = inner.groups.read().expect("poisoned").iter().map(|(g, q)| (*g, q.raft.clone())).collect();
-        groups.iter().all(|(g, raft)| !inner.unfilled(*g, raft))
+        let groups: Vec<_> = inner.groups.read().expect("poisoned").iter().map(|(g, q)| (*g, q.raft.metrics())).collect();
+        groups.iter().all(|(g, metrics)| !inner.unfilled(*g, metrics))
     }
 }

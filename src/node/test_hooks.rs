@@ -10,7 +10,7 @@ use crate::error::NodeError;
 use crate::ids::NodeId;
 use crate::message::Message;
 use crate::queue::{QueueCmd, QueueMachine};
-use crate::raft::types::{LogStore, Raft, Request};
+use crate::queue::{QueueLog as LogStore};
 
 /// A queue's replica as a failure watch saw it when it listed the groups:
 /// kept by a test to run a watch that began before something changed.
@@ -107,7 +107,7 @@ impl Node {
     }
 
     /// The metadata group's Raft handle.
-    pub fn metadata_raft(&self) -> &Raft {
+    pub fn metadata_raft(&self) -> &crate::metadata::MetaRaft {
         &self.inner.meta_raft
     }
 
@@ -142,7 +142,7 @@ impl Node {
         let mut reader = log.get_log_reader().await;
         let entries = reader.try_get_log_entries(..).await.map_err(|e| NodeError::Unavailable(e.to_string()))?;
         for e in entries {
-            if let openraft::EntryPayload::Normal(Request::Queue(cmds)) = e.payload {
+            if let openraft::EntryPayload::Normal(cmds) = e.payload {
                 for c in std::sync::Arc::unwrap_or_clone(cmds) {
                     if let QueueCmd::Enqueue { msgs } | QueueCmd::EnqueueExpiring { msgs, .. } = c {
                         out.extend(msgs);

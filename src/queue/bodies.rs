@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use mirrorq_storage::{keys, SmSpace, StorageError};
 
 use super::types::Message;
-use crate::raft::types::{Request, TypeConfig};
+use super::QueueTypes;
 
 const PREFIX: u8 = b'B';
 const REF_PREFIX: u8 = b'R';
@@ -306,8 +306,8 @@ impl LogRef {
     /// snapshot meanwhile: its plan fetches them).
     pub fn resolve(&self, space: &SmSpace, first: u64) -> Result<Option<Chunk>, StorageError> {
         let Some(bytes) = space.log_entry(self.index)? else { return Ok(None) };
-        let entry: openraft::Entry<TypeConfig> = keys::decode(&bytes, "log entry")?;
-        let EntryPayload::Normal(Request::Queue(cmds)) = &entry.payload else {
+        let entry: openraft::Entry<QueueTypes> = keys::decode(&bytes, "log entry")?;
+        let EntryPayload::Normal(cmds) = &entry.payload else {
             return Err(corrupt("referenced log entry holds no queue commands"));
         };
         let mut w = ChunkWriter::new(first);

@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use super::catchup::SyncProgress;
 use crate::ids::NodeId;
 use crate::peers::PeerNews;
-use crate::raft::types::Raft;
+use super::QueueRaft as Raft;
 
 /// Published after every change of the group's metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -458,7 +458,7 @@ impl Gate {
             self.last_kick = now;
             let raft = self.raft.clone();
             tokio::spawn(async move {
-                let _ = raft.client_write(crate::raft::types::Request::Queue(Default::default())).await;
+                let _ = raft.client_write(Default::default()).await;
             });
         }
     }

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use crate::raft::types::Raft;
+use super::QueueRaft as Raft;
 
 pub struct Hush {
     raft: Raft,

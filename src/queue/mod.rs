@@ -22,3 +22,15 @@ pub mod types;
 
 pub use sm::{QueueMachine, QueueStats};
 pub use types::{Delivery, Message, MsgState, QueueCmd, QueueReply};
+
+/// What one entry of a queue group's log carries: every operation that
+/// arrived while the previous entry was in flight. Shared: an entry is read
+/// back to apply it and once per mirror to replicate it (from the log
+/// store's recent entries), and a copy of its messages each time would cost
+/// what decoding did.
+pub type Cmds = std::sync::Arc<Vec<QueueCmd>>;
+/// openraft's types for queue groups: an entry is [`Cmds`], applying it
+/// answers one reply per operation.
+pub type QueueTypes = crate::raft::types::Group<Cmds, Vec<QueueReply>>;
+pub type QueueRaft = openraft::Raft<QueueTypes>;
+pub type QueueLog = mirrorq_storage::LogStore<QueueTypes>;

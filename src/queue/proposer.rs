@@ -28,7 +28,7 @@ use super::sm::QueueStats;
 use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
 use crate::error::NodeError;
 use crate::ids::NodeId;
-use crate::raft::types::{Raft, Request, Response, TypeConfig};
+use super::{QueueRaft as Raft, QueueTypes};
 
 /// Entries of one group in flight at once. Two keeps one appending while the
 /// previous one replicates; more only makes entries smaller.
@@ -328,7 +328,7 @@ impl Proposing {
         // the heartbeats that follow it.
         self.hush.wake();
         // Boxed: the idle proposer task need not hold room for it.
-        match Box::pin(self.raft.client_write_ff(Request::Queue(Arc::new(cmds)))).await {
+        match Box::pin(self.raft.client_write_ff(Arc::new(cmds))).await {
             Ok(rx) => {
                 let sync = self.sync.clone();
                 let min = (needs_confirm, self.min_sync.load(Ordering::Relaxed), self.min_sync_wait);
@@ -430,7 +430,7 @@ fn fail(waiters: Waiters, e: NodeError) {
 }
 
 type WriteAnswer = oneshot::Receiver<
-    Result<openraft::raft::ClientWriteResponse<TypeConfig>, ClientWriteError<NodeId, openraft::BasicNode>>,
+    Result<openraft::raft::ClientWriteResponse<QueueTypes>, ClientWriteError<NodeId, openraft::BasicNode>>,
 >;
 
 /// Wait for commit and, for publishes, the confirm; answer the waiters.
@@ -446,44 +446,42 @@ async fn finish(
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let result = match rx.await {
-        Ok(Ok(resp)) => match resp.data {
-            Response::Queue(replies) => {
-                let (term, index) = (resp.log_id.leader_id.term, resp.log_id.index);
-                if needs_confirm {
-                    let slow = tokio::time::timeout(
-                        Duration::from_secs(3),
-                        sync.wait_for(|s| s.confirms(term, index).is_some()),
-                    )
-                    .await
-                    .is_err();
-                    if slow {
-                        // Normal while a mirror is being dropped from the
-                        // synchronised set; worth seeing when it is not.
-                        tracing::info!(term, index, sync = ?*sync.borrow(), "confirm waiting over 3 s");
-                    }
-                    let mut confirmed = match sync.wait_for(|s| s.confirms(term, index).is_some()).await {
-                        Ok(s) if s.confirms(term, index) == Some(Ok(())) => Ok(()),
+        Ok(Ok(resp)) => {
+            let replies = resp.data;
+            let (term, index) = (resp.log_id.leader_id.term, resp.log_id.index);
+            if needs_confirm {
+                let slow = tokio::time::timeout(
+                    Duration::from_secs(3),
+                    sync.wait_for(|s| s.confirms(term, index).is_some()),
+                )
+                .await
+                .is_err();
+                if slow {
+                    // Normal while a mirror is being dropped from the
+                    // synchronised set; worth seeing when it is not.
+                    tracing::info!(term, index, sync = ?*sync.borrow(), "confirm waiting over 3 s");
+                }
+                let mut confirmed = match sync.wait_for(|s| s.confirms(term, index).is_some()).await {
+                    Ok(s) if s.confirms(term, index) == Some(Ok(())) => Ok(()),
+                    _ => Err(NodeError::Unconfirmed(format!(
+                        "leadership of term {term} ended before every replica had entry {index}"
+                    ))),
+                };
+                drop(permit);
+                if confirmed.is_ok() && min_sync > 1 {
+                    let enough = |s: &SyncState| s.term > term || s.synchronised.len() >= min_sync;
+                    confirmed = match tokio::time::timeout(wait, sync.wait_for(enough)).await {
+                        Ok(Ok(s)) if s.term == term => Ok(()),
                         _ => Err(NodeError::Unconfirmed(format!(
-                            "leadership of term {term} ended before every replica had entry {index}"
+                            "fewer than ha-min-synchronised = {min_sync} replicas are synchronised"
                         ))),
                     };
-                    drop(permit);
-                    if confirmed.is_ok() && min_sync > 1 {
-                        let enough = |s: &SyncState| s.term > term || s.synchronised.len() >= min_sync;
-                        confirmed = match tokio::time::timeout(wait, sync.wait_for(enough)).await {
-                            Ok(Ok(s)) if s.term == term => Ok(()),
-                            _ => Err(NodeError::Unconfirmed(format!(
-                                "fewer than ha-min-synchronised = {min_sync} replicas are synchronised"
-                            ))),
-                        };
-                    }
-                    Ok((replies, confirmed))
-                } else {
-                    Ok((replies, Ok(())))
                 }
+                Ok((replies, confirmed))
+            } else {
+                Ok((replies, Ok(())))
             }
-            other => Err(NodeError::Invalid(format!("queue group answered {other:?}"))),
-        },
+        }
         Ok(Err(ClientWriteError::ForwardToLeader(f))) => Err(NodeError::NotLeader { leader: f.leader_id }),
         Ok(Err(e)) => Err(NodeError::Unavailable(e.to_string())),
         Err(_) => Err(NodeError::Stopped),

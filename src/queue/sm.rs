@@ -37,7 +37,6 @@ use super::runs::Runs;
 use super::state::{Change, Counters, QueueState, HANDBACK_SEQ, ORDER_PART};
 use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply, Registration};
 use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
-use crate::raft::types::{Request, Response};
 
 const COUNTERS: &[u8] = b"c";
 const FORK: &[u8] = b"e";
@@ -725,6 +724,9 @@ struct Dump {
 }
 
 impl Machine for QueueMachine {
+    type Cmd = super::Cmds;
+    type Reply = Vec<QueueReply>;
+
     fn load(space: &SmSpace) -> Result<Self, StorageError> {
         let counters = Self::stored_counters(space)?;
         let (runs, mut stored) = Runs::load(space)?;
@@ -767,13 +769,10 @@ impl Machine for QueueMachine {
         &mut self,
         space: &SmSpace,
         index: u64,
-        req: &Request,
+        cmds: &super::Cmds,
         batch: &mut Batch,
         answering: bool,
-    ) -> Result<Response, StorageError> {
-        let Request::Queue(cmds) = req else {
-            return Ok(Response::None);
-        };
+    ) -> Result<Vec<QueueReply>, StorageError> {
         let mut replies = Vec::with_capacity(cmds.len());
         let mut changes = Vec::new();
         let mut entry = EntryEffects { answering, ..EntryEffects::default() };
@@ -795,7 +794,7 @@ impl Machine for QueueMachine {
         if let Some(QueueReply::DeadLetters { msgs }) = replies.first_mut() {
             *msgs = entry.dead;
         }
-        Ok(Response::Queue(replies))
+        Ok(replies)
     }
 
     fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError> {

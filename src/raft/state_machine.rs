@@ -23,12 +23,17 @@ use mirrorq_storage::{keys, Batch, Durability, SmSpace, StorageError};
 
 use crate::ids::NodeId;
 
-use super::types::{Request, Response, TypeConfig};
+use super::types::Group;
 
 type RaftStorageError = openraft::StorageError<NodeId>;
 
 /// A deterministic state machine whose state lives in a group's [`SmSpace`].
 pub trait Machine: Send + Sync + Sized + 'static {
+    /// What one entry of the group's log carries.
+    type Cmd: openraft::AppData;
+    /// What applying one answers; the default for entries without a
+    /// command (blank and membership ones), whose answers nobody reads.
+    type Reply: openraft::AppDataResponse + Default;
     /// Load the state written by earlier applies (empty space: initial state).
     fn load(space: &SmSpace) -> Result<Self, StorageError>;
     /// Apply one request, the entry at `index` of the group's log; writes
@@ -39,10 +44,10 @@ pub trait Machine: Send + Sync + Sized + 'static {
         &mut self,
         space: &SmSpace,
         index: u64,
-        req: &Request,
+        req: &Self::Cmd,
         batch: &mut Batch,
         answering: bool,
-    ) -> Result<Response, StorageError>;
+    ) -> Result<Self::Reply, StorageError>;
     /// Add aggregate state to the batch that ends an apply call; announce the
     /// new state to watchers.
     fn commit(&mut self, space: &SmSpace, batch: &mut Batch) -> Result<(), StorageError>;
@@ -61,6 +66,9 @@ pub trait Machine: Send + Sync + Sized + 'static {
     /// but for [`Machine::KEEP_ON_INSTALL`]). In place, so watchers of the machine stay subscribed.
     fn restore(&mut self, space: &SmSpace, dump: &[u8]) -> Result<(), StorageError>;
 }
+
+/// The type configuration of the groups machine `M` runs.
+pub type TypesOf<M> = Group<<M as Machine>::Cmd, <M as Machine>::Reply>;
 
 /// openraft builds a snapshot every this many entries (`SnapshotPolicy`).
 pub const SNAPSHOT_EVERY: u64 = 1024;
@@ -232,8 +240,8 @@ impl<M: Machine> Inner<M> {
     }
 }
 
-impl<M: Machine> RaftSnapshotBuilder<TypeConfig> for StateMachine<M> {
-    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, RaftStorageError> {
+impl<M: Machine> RaftSnapshotBuilder<TypesOf<M>> for StateMachine<M> {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypesOf<M>>, RaftStorageError> {
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
         let err = |e| sto(ErrorSubject::StateMachine, ErrorVerb::Write, e);
@@ -256,7 +264,7 @@ impl<M: Machine> RaftSnapshotBuilder<TypeConfig> for StateMachine<M> {
     }
 }
 
-impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
+impl<M: Machine> RaftStateMachine<TypesOf<M>> for StateMachine<M> {
     type SnapshotBuilder = Self;
 
     async fn applied_state(
@@ -266,12 +274,12 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
         Ok((inner.applied.last_applied, inner.applied.membership.clone()))
     }
 
-    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, RaftStorageError>
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<M::Reply>, RaftStorageError>
     where
-        I: IntoIterator<Item = openraft::Entry<TypeConfig>> + OptionalSend,
+        I: IntoIterator<Item = openraft::Entry<TypesOf<M>>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let entries: Vec<openraft::Entry<TypeConfig>> = entries.into_iter().collect();
+        let entries: Vec<openraft::Entry<TypesOf<M>>> = entries.into_iter().collect();
         if let (Some(log), Some(last)) = (&self.log, entries.last()) {
             // Not under the lock: reads of the machine go on meanwhile.
             log.wait(last.log_id.index)
@@ -290,7 +298,7 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
         for entry in entries {
             let mut batch = Batch::default();
             let resp = match &entry.payload {
-                EntryPayload::Blank => Response::None,
+                EntryPayload::Blank => M::Reply::default(),
                 EntryPayload::Normal(req) => inner
                     .machine
                     .apply(
@@ -303,7 +311,7 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
                     .map_err(|e| sto(ErrorSubject::Apply(entry.log_id), ErrorVerb::Write, e))?,
                 EntryPayload::Membership(m) => {
                     inner.applied.membership = StoredMembership::new(Some(entry.log_id), m.clone());
-                    Response::None
+                    M::Reply::default()
                 }
             };
             inner.applied.last_applied = Some(entry.log_id);
@@ -363,7 +371,7 @@ impl<M: Machine> RaftStateMachine<TypeConfig> for StateMachine<M> {
         Ok(())
     }
 
-    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, RaftStorageError> {
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypesOf<M>>>, RaftStorageError> {
         let mut guard = self.inner.lock().await;
         let inner = &mut *guard;
         let err = |e| sto(ErrorSubject::Snapshot(None), ErrorVerb::Read, e);

@@ -1,47 +1,63 @@
-//! The one Raft type configuration shared by every group on a node.
+//! openraft's type configuration for one kind of group, generic over what
+//! its entries carry and what applying one answers. Queue groups and the
+//! metadata group each have their own (`queue::QueueTypes`,
+//! `metadata::MetaTypes`): a queue's log cannot hold a metadata command,
+//! and this module names neither.
 
+use std::cmp::Ordering;
+use std::fmt;
 use std::io::Cursor;
-use std::sync::Arc;
+use std::marker::PhantomData;
 
-use serde::{Deserialize, Serialize};
-
-use crate::metadata::{MetaCmd, MetaReply};
-use crate::queue::{QueueCmd, QueueReply};
+use openraft::{AppData, AppDataResponse, RaftTypeConfig};
 
 use crate::ids::NodeId;
 
-/// What a Raft entry carries. Queue groups only see `Queue`, the metadata
-/// group only `Meta`; sharing one type lets one network and one router carry
-/// every group.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Request {
-    Meta(MetaCmd),
-    /// A batch: every operation that arrived while the previous entry was in
-    /// flight. Shared: an entry is read back to apply it and once per mirror
-    /// to replicate it (from the log store's recent entries), and a copy of
-    /// its messages each time would cost what decoding did.
-    Queue(Arc<Vec<QueueCmd>>),
+/// The types of a group whose entries carry `D` and whose applies answer
+/// `R`. Only a marker: openraft wants it copyable, comparable and
+/// defaultable whatever `D` and `R` are, hence the impls by hand.
+pub struct Group<D, R>(PhantomData<fn() -> (D, R)>);
+
+impl<D, R> Clone for Group<D, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<D, R> Copy for Group<D, R> {}
+impl<D, R> Default for Group<D, R> {
+    fn default() -> Self {
+        Self(PhantomData)
+    }
+}
+impl<D, R> fmt::Debug for Group<D, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Group")
+    }
+}
+impl<D, R> PartialEq for Group<D, R> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl<D, R> Eq for Group<D, R> {}
+impl<D, R> PartialOrd for Group<D, R> {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl<D, R> Ord for Group<D, R> {
+    fn cmp(&self, _: &Self) -> Ordering {
+        Ordering::Equal
+    }
 }
 
-// One per applied entry, handed straight to the waiting caller; the metadata
-// replies are rare and boxing them would only move the size to the heap.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Response {
-    Meta(MetaReply),
-    Queue(Vec<QueueReply>),
-    /// Blank and membership entries, and requests sent to the wrong kind of group.
-    None,
+impl<D: AppData, R: AppDataResponse> RaftTypeConfig for Group<D, R> {
+    type D = D;
+    type R = R;
+    type NodeId = NodeId;
+    type Node = openraft::BasicNode;
+    type Entry = openraft::impls::Entry<Self>;
+    type SnapshotData = Cursor<Vec<u8>>;
+    type Responder = openraft::impls::OneshotResponder<Self>;
+    type AsyncRuntime = openraft::impls::TokioRuntime;
 }
-
-openraft::declare_raft_types!(
-    pub TypeConfig:
-        D = Request,
-        R = Response,
-        NodeId = NodeId,
-        Node = openraft::BasicNode,
-        SnapshotData = Cursor<Vec<u8>>,
-);
-
-pub type Raft = openraft::Raft<TypeConfig>;
-pub type LogStore = mirrorq_storage::LogStore<TypeConfig>;

@@ -20,11 +20,10 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{GroupId, NodeId};
 
 use crate::error::NodeError;
-use crate::metadata::MetaReply;
+use crate::metadata::{MetaReply, MetaTypes};
 use crate::queue::confirm_gate::Standing;
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
-use crate::queue::{QueueCmd, QueueReply};
-use crate::raft::types::TypeConfig;
+use crate::queue::{QueueCmd, QueueReply, QueueTypes};
 
 /// A node's list of the groups it leads quietly, (group, term), at a
 /// generation of one life of the node.
@@ -46,7 +45,7 @@ pub enum RpcRequest {
         group: GroupId,
         epoch: Epoch,
         from: NodeId,
-        req: AppendEntriesRequest<TypeConfig>,
+        req: Appends,
     },
     Vote {
         group: GroupId,
@@ -58,7 +57,7 @@ pub enum RpcRequest {
         group: GroupId,
         epoch: Epoch,
         from: NodeId,
-        req: InstallSnapshotRequest<TypeConfig>,
+        req: Installs,
     },
     Queue(ask::Queue),
     Members(ask::Members),
@@ -85,6 +84,21 @@ pub enum RpcRequest {
     MoveMaster(ask::MoveMaster),
     /// Last, so the other requests keep their tags.
     Flows(ask::Flows),
+}
+
+/// Entries for a queue group or for the metadata group: each kind's log
+/// holds its own commands only.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Appends {
+    Queue(AppendEntriesRequest<QueueTypes>),
+    Meta(AppendEntriesRequest<MetaTypes>),
+}
+
+/// A snapshot chunk for a queue group or for the metadata group.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Installs {
+    Queue(InstallSnapshotRequest<QueueTypes>),
+    Meta(InstallSnapshotRequest<MetaTypes>),
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -1,6 +1,7 @@
 //! The openraft network of one group: its Raft messages, stamped with the
 //! replica's epoch, over the node link's shared connections.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,15 +11,41 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
     VoteResponse,
 };
-use openraft::BasicNode;
+use openraft::{BasicNode, RaftTypeConfig};
 use tokio::sync::mpsc;
 
 use crate::ids::{GroupId, NodeId};
 use crate::link::transport::{CallError, Transport};
 use crate::queue::confirm_gate::CatchingUp;
+use crate::metadata::MetaTypes;
 use crate::queue::epoch::Epoch;
-use crate::raft::types::TypeConfig;
-use crate::wire::{RpcRequest, RpcResponse};
+use crate::queue::QueueTypes;
+use crate::wire::{Appends, Installs, RpcRequest, RpcResponse};
+
+/// A kind of group whose Raft messages go over the link: says which of
+/// the wire's variants carries them.
+pub trait Carried: RaftTypeConfig<NodeId = NodeId, Node = BasicNode> {
+    fn appends(req: AppendEntriesRequest<Self>) -> Appends;
+    fn installs(req: InstallSnapshotRequest<Self>) -> Installs;
+}
+
+impl Carried for QueueTypes {
+    fn appends(req: AppendEntriesRequest<Self>) -> Appends {
+        Appends::Queue(req)
+    }
+    fn installs(req: InstallSnapshotRequest<Self>) -> Installs {
+        Installs::Queue(req)
+    }
+}
+
+impl Carried for MetaTypes {
+    fn appends(req: AppendEntriesRequest<Self>) -> Appends {
+        Appends::Meta(req)
+    }
+    fn installs(req: InstallSnapshotRequest<Self>) -> Installs {
+        Installs::Meta(req)
+    }
+}
 
 /// A peer told us a group has moved on to a newer epoch than ours.
 #[derive(Debug, Clone, Copy)]
@@ -43,8 +70,8 @@ pub struct NetworkFactory {
     pub catching: Option<CatchingUp>,
 }
 
-impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
-    type Network = GroupNetwork;
+impl<C: Carried> RaftNetworkFactory<C> for NetworkFactory {
+    type Network = GroupNetwork<C>;
 
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Self::Network {
         GroupNetwork {
@@ -56,12 +83,13 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
             addr: node.addr.clone(),
             transport: self.transport.clone(),
             catching: self.catching.clone(),
+            kind: PhantomData,
         }
     }
 }
 
 /// One group's link to one target node.
-pub struct GroupNetwork {
+pub struct GroupNetwork<C> {
     group: GroupId,
     epoch: Epoch,
     me: NodeId,
@@ -70,11 +98,12 @@ pub struct GroupNetwork {
     addr: String,
     transport: Arc<Transport>,
     catching: Option<CatchingUp>,
+    kind: PhantomData<fn() -> C>,
 }
 
 type RpcErr<E = openraft::error::Infallible> = RPCError<NodeId, BasicNode, RaftError<NodeId, E>>;
 
-impl GroupNetwork {
+impl<C: Carried> GroupNetwork<C> {
     async fn send<E: std::error::Error>(&self, req: RpcRequest, ttl: Duration) -> Result<RpcResponse, RpcErr<E>> {
         if self.transport.control.is_blocked(self.target) {
             let e = CallError::Unreachable(self.addr.clone(), "blocked by test hook".into());
@@ -102,14 +131,14 @@ impl GroupNetwork {
     }
 }
 
-impl RaftNetwork<TypeConfig> for GroupNetwork {
+impl<C: Carried> RaftNetwork<C> for GroupNetwork<C> {
     async fn append_entries(
         &mut self,
-        req: AppendEntriesRequest<TypeConfig>,
+        req: AppendEntriesRequest<C>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RpcErr> {
         match self
-            .send(RpcRequest::Append { group: self.group, epoch: self.epoch, from: self.me, req }, option.hard_ttl())
+            .send(RpcRequest::Append { group: self.group, epoch: self.epoch, from: self.me, req: C::appends(req) }, option.hard_ttl())
             .await?
         {
             RpcResponse::Append(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
@@ -119,12 +148,12 @@ impl RaftNetwork<TypeConfig> for GroupNetwork {
 
     async fn install_snapshot(
         &mut self,
-        req: InstallSnapshotRequest<TypeConfig>,
+        req: InstallSnapshotRequest<C>,
         option: RPCOption,
     ) -> Result<InstallSnapshotResponse<NodeId>, RpcErr<InstallSnapshotError>> {
         let term = req.vote.leader_id().term;
         match self
-            .send(RpcRequest::Snapshot { group: self.group, epoch: self.epoch, from: self.me, req }, option.hard_ttl())
+            .send(RpcRequest::Snapshot { group: self.group, epoch: self.epoch, from: self.me, req: C::installs(req) }, option.hard_ttl())
             .await?
         {
             RpcResponse::Snapshot(r, standing) => {

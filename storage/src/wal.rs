@@ -39,7 +39,7 @@
 //! journal, shared with every other file's metadata (other nodes' new and
 //! removed segments, sled): with three writers of 32 KiB entries, sync p99
 //! 0.80 against 0.44 ms and 257 against 349 MB/s (`cargo bench --bench
-//! disk_floor`; `docs/benchmarks.md`). A recycled file still holds its old
+//! disk_floor`; `benches/results/HISTORY.md`). A recycled file still holds its old
 //! records, salted with its old id: under the new id their CRCs fail, so
 //! they read as the end of the segment, as zeros do.
 //!

@@ -10,7 +10,7 @@ use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
 use crate::node::{Inner, Node};
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
-use crate::raft::types::LogStore;
+use crate::queue::QueueLog as LogStore;
 use crate::wire::raft_net::EpochNews;
 use mirrorq_storage::{NodeDb, StorageError};
 
@@ -148,7 +148,7 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::raft::types::TypeConfig;
+    use crate::queue::QueueTypes;
     use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
 
     /// A replica that led terms up to 7 heals into another epoch: wiped, it
@@ -160,7 +160,7 @@ mod tests {
         let db = NodeDb::open(dir.path(), &mirrorq_storage::DbOptions::default()).unwrap();
         let group = 5;
         let mut log = LogStore::new(db.clone(), group);
-        let entries: Vec<Entry<TypeConfig>> = (1..=3)
+        let entries: Vec<Entry<QueueTypes>> = (1..=3)
             .map(|i| Entry { log_id: LogId::new(CommittedLeaderId::new(7, 1), i), payload: EntryPayload::Blank })
             .collect();
         let epoch = (epoch_key(group), mirrorq_storage::keys::encode(&Epoch::default(), "e").unwrap());

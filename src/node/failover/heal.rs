@@ -19,7 +19,7 @@ use crate::queue::epoch::{divergence, shared_numbers, Epoch, EpochReport, ForkRe
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::raft::state_machine::stored_applied;
-use crate::raft::types::{LogStore, Request, TypeConfig};
+use crate::queue::{QueueLog as LogStore, QueueTypes};
 use crate::wire::ask::{self, Handed};
 use crate::wire::raft_net::EpochNews;
 use mirrorq_storage::{SmSpace, StorageError};
@@ -32,10 +32,10 @@ pub(super) type Batch = (Option<Origin>, Vec<Message>);
 
 /// What a log entry published: its origin and its messages, each marked
 /// if it was a hand-back (stored outside the seq range) rather than a publish.
-pub(super) fn publishes(e: &Entry<TypeConfig>) -> (Origin, Vec<(&Message, bool)>) {
+pub(super) fn publishes(e: &Entry<QueueTypes>) -> (Origin, Vec<(&Message, bool)>) {
     let origin = (e.log_id.leader_id.term, e.log_id.leader_id.node_id, e.log_id.index);
     let mut msgs = Vec::new();
-    if let EntryPayload::Normal(Request::Queue(cmds)) = &e.payload {
+    if let EntryPayload::Normal(cmds) = &e.payload {
         for c in cmds.iter() {
             match c {
                 QueueCmd::Enqueue { msgs: m } | QueueCmd::EnqueueExpiring { msgs: m, .. } => {
@@ -377,7 +377,7 @@ impl Node {
         let cmds: Vec<Vec<QueueCmd>> = unapplied
             .iter()
             .map(|e| match &e.payload {
-                EntryPayload::Normal(Request::Queue(c)) => c.to_vec(),
+                EntryPayload::Normal(c) => c.to_vec(),
                 _ => Vec::new(),
             })
             .collect();

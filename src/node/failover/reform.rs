@@ -17,7 +17,7 @@ use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{Epoch, ForkRecord, Inherited, ANCESTRY};
 use crate::queue::{QueueCmd, QueueMachine};
 use crate::raft::state_machine::stored_applied;
-use crate::raft::types::{LogStore, Request, TypeConfig};
+use crate::queue::{QueueLog as LogStore, QueueTypes};
 use mirrorq_storage::SmSpace;
 
 impl Node {
@@ -57,7 +57,7 @@ impl Node {
             vec![BTreeSet::from([me])],
             BTreeMap::from([(me, BasicNode { addr: self.inner.addr.clone() })]),
         );
-        let entry: Entry<TypeConfig> = Entry {
+        let entry: Entry<QueueTypes> = Entry {
             log_id: LogId::new(CommittedLeaderId::new(term, me), index),
             payload: EntryPayload::Membership(members),
         };
@@ -68,9 +68,9 @@ impl Node {
         // for commit.)
         let applied = stored_applied(&SmSpace::new(self.inner.db.clone(), group))?.map_or(0, |l| l.index + 1);
         let mut reader = log.get_log_reader().await;
-        let mut entries: Vec<Entry<TypeConfig>> = Vec::new();
+        let mut entries: Vec<Entry<QueueTypes>> = Vec::new();
         for mut e in reader.try_get_log_entries(applied..).await.map_err(raft_err)? {
-            if let EntryPayload::Normal(Request::Queue(cmds)) = &mut e.payload {
+            if let EntryPayload::Normal(cmds) = &mut e.payload {
                 let before = cmds.len();
                 let cmds = std::sync::Arc::make_mut(cmds);
                 cmds.retain(|c| c.publishes() || matches!(c, QueueCmd::Fork(_)));
@@ -85,7 +85,7 @@ impl Node {
         // delivery tags past the old epoch's, which no get may precede.
         entries.push(Entry {
             log_id: LogId::new(CommittedLeaderId::new(term, me), index + 1),
-            payload: EntryPayload::Normal(Request::Queue(Arc::new(vec![QueueCmd::Fork(record.clone())]))),
+            payload: EntryPayload::Normal(Arc::new(vec![QueueCmd::Fork(record.clone())])),
         });
         // Before the epoch itself: a replica of the old group that kept its
         // majority across this moment keeps the queue when the two meet.

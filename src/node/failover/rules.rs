@@ -18,10 +18,10 @@ pub(super) fn by_seniority(q: &QueueMeta, ids: &BTreeSet<NodeId>) -> Vec<NodeId>
 
 /// Who re-forms a group that lost its majority: the most senior voter
 /// left, else the most senior wanted replica left. A voter has the group's
-/// log up to its last commit; a learner may still be catching up. Campaign
-/// seed 745: a voter of a two-voter group restarted, and a learner that had
-/// joined 40 ms before, senior by the queue's order, re-formed the queue
-/// over the live master.
+/// log up to its last commit; a learner may still be catching up. So when
+/// a voter of a two-voter group restarts, a learner that joined a moment
+/// ago must not re-form the queue over the live master merely because the
+/// queue's order ranks it senior.
 pub(super) fn reformer(
     replicas: &[NodeId],
     alive_voters: &BTreeSet<NodeId>,
@@ -48,9 +48,9 @@ pub(super) fn reform_voters(configs: &[BTreeSet<NodeId>], reach: &BTreeSet<NodeI
 /// announcement holds its followers before this is asked), and still a
 /// voter. A master that moved the queue away from itself and stepped down
 /// answers pings but leads no one; counting it would keep every voter but
-/// the most senior from standing while the senior cannot win (a 5-node
-/// campaign run waited on it for good). So does a master back from a crash
-/// that is not leading until an election says so
+/// the most senior from standing while the senior cannot win, and the
+/// queue would wait without a master for good. So does a master back from
+/// a crash that is not leading until an election says so
 /// (`LogStore::step_down_after_crash`), when its log is behind the
 /// mirrors' and it cannot win.
 pub(super) fn still_leads(
@@ -98,7 +98,7 @@ mod tests {
     fn a_live_voter_re_forms_before_a_more_senior_learner() {
         let set = |ids: &[NodeId]| ids.iter().copied().collect::<BTreeSet<NodeId>>();
         let replicas = [1, 2, 3, 4, 5];
-        // Seed 745: voters {1, 4}, 1 restarting; 2 joined as a learner.
+        // Voters {1, 4}, 1 restarting; 2 joined as a learner.
         assert_eq!(reformer(&replicas, &set(&[4]), &set(&[2, 3, 4, 5])), Some(4));
         // No voter left: the most senior wanted replica carries on.
         assert_eq!(reformer(&replicas, &set(&[]), &set(&[3, 5])), Some(3));

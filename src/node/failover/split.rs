@@ -161,9 +161,9 @@ fn formed_chain(db: &NodeDb, group: GroupId) -> Result<Vec<Formed>, StorageError
 
 /// Remember that this node formed `f.epoch`. A chain of forks is kept
 /// whole: a minority of two re-forms the queue, one of them stops and the
-/// other re-forms it again alone (campaign seed 743). When that fork
-/// yields, what it must hand back is everything stored since it left the
-/// winning group, in both of its epochs.
+/// other re-forms it again alone. When that fork yields, what it must
+/// hand back is everything stored since it left the winning group, in
+/// both of its epochs.
 pub(super) fn add_formed(db: &NodeDb, group: GroupId, f: Formed) -> Result<(), StorageError> {
     let mut chain = formed_chain(db, group)?;
     if chain.last().is_none_or(|last| last.epoch != f.from) {
@@ -259,14 +259,14 @@ fn master_verdict(kept_since: Option<u64>, fork: Option<ForkNews>, failure_timeo
         // Formed while our group had no majority (the classic demo), but
         // that epoch has lost its master since and ours serves: healing
         // would hand a serving queue to a group that cannot elect one. Its
-        // replicas give back what they hold instead. Campaign seed 743:
-        // the fork's former had moved on to a newer fork of its own.
+        // replicas give back what they hold instead. A fork loses its
+        // master this way when its former moves on to a newer fork.
         (Some(_), Some(ForkNews { master: None, formed_ms: Some(_), .. })) => Verdict::Keep,
         // When it formed is not known either: no replica that answered has
-        // its record. Seed 1211: the former had yielded, and the one
-        // replica left had joined the fork without ever hearing from its
-        // master. That a replica knows no master proves little (it may not
-        // have heard from a live one yet); that the former left does.
+        // its record, as when the former has yielded and the one replica
+        // left joined the fork without ever hearing from its master. That
+        // a replica knows no master proves little (it may not have heard
+        // from a live one yet); that the former left does.
         (Some(_), Some(ForkNews { master: None, formed_ms: None, former_left: true })) => Verdict::Keep,
         (Some(_), Some(ForkNews { formed_ms: Some(_), .. })) => Verdict::Heal,
         (Some(_), Some(ForkNews { formed_ms: None, .. }) | None) => Verdict::Undecided(Undecided::CannotAsk),
@@ -320,8 +320,8 @@ impl Node {
             // Just (re)started: our group may be about to elect a master,
             // which decides for it. A mirror healing alone the moment it
             // restarts takes a group that kept its majority into a
-            // minority's fork, one replica at a time (seed 743, whose
-            // cluster was restarted node by node after the heal).
+            // minority's fork, one replica at a time (a cluster restarted
+            // node by node after a heal would do just that).
             if g.heard.master_or_start().elapsed() < timing.failure_timeout {
                 return Verdict::Defer;
             }
@@ -447,9 +447,9 @@ mod tests {
 
     #[test]
     fn a_stretch_broken_by_a_pause_starts_again() {
-        // Campaign seed 648: the master was SIGSTOPped for 19 s while a
-        // fork formed. Nothing watched meanwhile, so the majority it sees
-        // on waking is no evidence it kept one while the fork formed.
+        // A master paused (SIGSTOP) while a fork formed watched nothing
+        // meanwhile, so the majority it sees on waking is no evidence it
+        // kept one while the fork formed.
         let t0 = Instant::now();
         let mut s = MajorityStretch::new(t0);
         s.observe(true, t0, 1_000, TIMEOUT);
@@ -486,8 +486,8 @@ mod tests {
 
     #[test]
     fn a_serving_group_does_not_heal_into_an_epoch_without_a_master() {
-        // Seed 743: the master that meets the fork was elected after it
-        // formed, and the fork's last replica cannot elect.
+        // The master that meets the fork was elected after it formed,
+        // and the fork's last replica cannot elect.
         assert_eq!(master_verdict(Some(20_000), fork(10_000, None), TIMEOUT), Verdict::Keep);
         // Neither side can serve: wait.
         assert_eq!(master_verdict(None, fork(10_000, None), TIMEOUT), Verdict::Undecided(Undecided::NoMaster));
@@ -495,8 +495,8 @@ mod tests {
 
     #[test]
     fn a_fork_whose_only_replica_has_no_record_and_no_master_yields_to_a_serving_group() {
-        // Seed 1211: the fork's former yielded; the replica left in it had
-        // joined without ever hearing from the fork's master.
+        // The fork's former yielded; the replica left in it joined
+        // without ever hearing from the fork's master.
         assert_eq!(master_verdict(Some(1_000), unrecorded(None, true), TIMEOUT), Verdict::Keep);
         assert_eq!(master_verdict(None, unrecorded(None, true), TIMEOUT), Verdict::Undecided(Undecided::NoMaster));
         // The former did not say it left: the replica may just not have

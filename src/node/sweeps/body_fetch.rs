@@ -20,7 +20,7 @@ use crate::queue::catchup::Plan;
 use crate::queue::confirm_gate::Standing;
 use crate::queue::QueueMachine;
 use crate::raft::state_machine::stored_applied;
-use crate::raft::types::Raft;
+use crate::queue::QueueRaft;
 use crate::wire::ask;
 use crate::wire::{Body, BodyChunk};
 
@@ -54,7 +54,7 @@ pub(in crate::node) fn new_mirror_key(group: GroupId) -> String {
 /// what is published from now on, as in RabbitMQ. If the purge does not
 /// happen in time the mirror replicates the log instead and so ends up
 /// synchronised by itself.
-pub(in crate::node) async fn snapshot_and_purge(raft: &Raft, queue: &str) {
+pub(in crate::node) async fn snapshot_and_purge(raft: &QueueRaft, queue: &str) {
     let applied = raft.metrics().borrow().last_applied.map(|l| l.index);
     let Some(applied) = applied else { return };
     let limit = Some(Duration::from_secs(5));

@@ -20,9 +20,8 @@
 use std::time::Duration;
 
 use super::Clock;
-use crate::ids::METADATA_GROUP;
+use crate::ids::{NodeId, METADATA_GROUP};
 use crate::node::Node;
-use crate::raft::types::Raft;
 
 /// How often the log is asked which groups pin its oldest segment.
 const EVERY: Duration = Duration::from_secs(1);
@@ -42,13 +41,13 @@ impl Node {
             let mut clock = Clock::new(&node, EVERY);
             while clock.next().await {
                 for group in node.inner.db.wal().pinning_oldest() {
-                    let raft = if group == METADATA_GROUP {
-                        Some(node.inner.meta_raft.clone())
+                    if group == METADATA_GROUP {
+                        compact(&node.inner.meta_raft).await;
                     } else {
-                        node.inner.groups.read().expect("poisoned").get(&group).map(|g| g.raft.clone())
-                    };
-                    if let Some(raft) = raft {
-                        compact(&raft).await;
+                        let raft = node.inner.groups.read().expect("poisoned").get(&group).map(|g| g.raft.clone());
+                        if let Some(raft) = raft {
+                            compact(&raft).await;
+                        }
                     }
                 }
             }
@@ -56,7 +55,7 @@ impl Node {
     }
 }
 
-async fn compact(raft: &Raft) {
+async fn compact<C: openraft::RaftTypeConfig<NodeId = NodeId>>(raft: &openraft::Raft<C>) {
     let step = {
         let m = raft.metrics().borrow().clone();
         let matched = m.replication.as_ref().map(|r| r.values().map(|l| l.map(|l| l.index)).min().flatten());
