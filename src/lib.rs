@@ -28,7 +28,9 @@
 //!   a metadata command.
 //! - [`queue`]: the queue state machine (pure [`queue::state`], on disk
 //!   [`queue::sm`]), batching into entries ([`queue::proposer`]) and the
-//!   synchronised-replica tracking behind confirms ([`queue::confirm_gate`]).
+//!   synchronised-replica tracking behind confirms ([`queue::confirm_gate`]),
+//!   one hosted replica with all of that ([`queue::replica`]) and a node's
+//!   table of them ([`queue::replicas`]).
 //! - [`metadata`]: the cluster metadata state machine (exchanges, queues,
 //!   bindings, policies, users) and its routing.
 //! - [`peers`]: whether each peer is alive (pings, refused dials, notices

@@ -3,8 +3,8 @@
 
 use mirrorq::ids::NodeId;
 use mirrorq::queue::QueueMachine;
-use mirrorq::raft::state_machine::StateMachine;
 use mirrorq::queue::{QueueLog as LogStore, QueueTypes};
+use mirrorq::raft::state_machine::StateMachine;
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 use openraft::testing::{StoreBuilder, Suite};
 use openraft::StorageError;

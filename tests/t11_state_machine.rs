@@ -1,9 +1,9 @@
 //! The on-disk queue state machine through openraft's trait, as a follower
 //! catching up applies it: many entries per call, and restarts in between.
 
+use mirrorq::queue::QueueTypes;
 use mirrorq::queue::{Message, QueueCmd, QueueMachine, QueueReply};
 use mirrorq::raft::state_machine::StateMachine;
-use mirrorq::queue::QueueTypes;
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
 use openraft::storage::RaftStateMachine;
 use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};

@@ -321,7 +321,7 @@ impl Node {
     /// not at its next retry). `None` after `wait` or without a replica here.
     pub(super) async fn new_leader(&self, group: GroupId, not: Option<NodeId>, wait: Duration) -> Option<NodeId> {
         let until = Instant::now() + wait;
-        let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
+        let g = self.inner.groups.get(group);
         let (g, not) = match g {
             // A replica that knows no master yet (a group electing its
             // first): whoever it learns of is news, the node just tried
@@ -343,7 +343,7 @@ impl Node {
     }
 
     pub(super) fn leader_guess(&self, q: &QueueMeta) -> NodeId {
-        if let Some(g) = self.inner.groups.read().expect("poisoned").get(&q.group) {
+        if let Some(g) = self.inner.groups.get(q.group) {
             if let Some(l) = g.raft.metrics().borrow().current_leader {
                 return l;
             }

@@ -33,7 +33,7 @@ impl RpcHandler for Inner {
 
     async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion<RpcResponse> {
         if let RpcRequest::Queue(ask::Queue { group, cmds, lane }) = req {
-            let ranked = || self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.stats.borrow().ranked);
+            let ranked = || self.groups.any(group, |g| g.stats.borrow().ranked);
             if matches!(cmds.as_slice(), [QueueCmd::Get { consumer: Some(_), .. }]) && ranked() {
                 // A consumer's get of a queue with registered consumers may
                 // wait for its turn (`queue::ranking`): not in the
@@ -69,7 +69,7 @@ impl Inner {
     /// sender in an older epoch is told ours; one in a newer epoch means
     /// this replica must heal before it takes part again.
     pub(super) fn raft_in_epoch(&self, group: GroupId, epoch: Epoch, from: NodeId) -> Result<QueueRaft, RpcResponse> {
-        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        let g = self.groups.get(group);
         match g {
             None => Err(RpcResponse::UnknownGroup(group)),
             Some(g) if g.epoch == epoch => Ok(g.raft.clone()),
@@ -83,7 +83,7 @@ impl Inner {
 
     /// The hosted replica of queue group `group` if it is in `epoch`.
     fn group_in_epoch(&self, group: GroupId, epoch: Epoch) -> Option<Arc<QueueGroup>> {
-        self.groups.read().expect("poisoned").get(&group).filter(|g| g.epoch == epoch).cloned()
+        self.groups.get(group).filter(|g| g.epoch == epoch)
     }
 
     /// A master's first messages to a replica of a queue declared a moment
@@ -91,7 +91,7 @@ impl Inner {
     /// the replica: wait for it briefly rather than answer that the group
     /// is unknown, which holds replication back for openraft's backoff.
     async fn replica_soon(&self, group: GroupId) {
-        if group == METADATA_GROUP || self.groups.read().expect("poisoned").contains_key(&group) {
+        if group == METADATA_GROUP || self.groups.contains(group) {
             return;
         }
         let expected = {
@@ -162,8 +162,8 @@ impl Inner {
             }
             Appends::Queue(req) if group != METADATA_GROUP => match self.raft_in_epoch(group, epoch, from) {
                 Ok(r) => {
-                    if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
-                        g.heard.append_received();
+                    if let Some(g) = self.groups.get(group) {
+                        g.ext.heard.append_received();
                     }
                     self.metrics.appends_received.inc();
                     self.refill_heard(group, req.leader_commit.map(|l| l.index));
@@ -195,13 +195,7 @@ impl Inner {
         }
     }
 
-    async fn on_snapshot(
-        self: &Arc<Self>,
-        group: GroupId,
-        epoch: Epoch,
-        from: NodeId,
-        req: Installs,
-    ) -> RpcResponse {
+    async fn on_snapshot(self: &Arc<Self>, group: GroupId, epoch: Epoch, from: NodeId, req: Installs) -> RpcResponse {
         let req = match req {
             Installs::Meta(req) if group == METADATA_GROUP => {
                 return RpcResponse::Snapshot(self.meta_raft.install_snapshot(req).await, None);
@@ -235,7 +229,7 @@ impl Inner {
     }
 
     async fn on_handback(&self, group: GroupId, epoch: Epoch, batches: Vec<HandbackBatch>) -> RpcResponse {
-        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        let g = self.groups.get(group);
         match g {
             Some(g) if g.epoch == epoch => {
                 let cmds = batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
@@ -256,7 +250,7 @@ impl Inner {
         if leaving {
             self.peers.stepping_down(from);
         }
-        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        let g = self.groups.get(group);
         // A replica still fetching bodies never stands, asked or not:
         // as master it would answer gets without those bodies. Nor
         // does one on a node that is stopping itself (two stopping
@@ -291,7 +285,7 @@ impl Inner {
     fn on_departing(&self, from: NodeId, incarnation: u64) -> RpcResponse {
         // Unless a later life of it was heard already (a late notice).
         if self.peers.departs(from, incarnation) {
-            for g in self.groups.read().expect("poisoned").values() {
+            for g in self.groups.read().values() {
                 g.catching.write().expect("poisoned").forget(from, incarnation);
             }
         }
@@ -327,7 +321,7 @@ impl Inner {
     /// that excludes the asker, which would then drop what may be the only
     /// complete copy of the queue.
     fn on_members(&self, group: GroupId, epoch: Option<Epoch>) -> RpcResponse {
-        let same_epoch = |e| self.groups.read().expect("poisoned").get(&group).is_some_and(|g| g.epoch == e);
+        let same_epoch = |e| self.groups.any(group, |g| g.epoch == e);
         let metrics = match epoch {
             Some(e) if !same_epoch(e) => None,
             _ => self.metrics_of(group),

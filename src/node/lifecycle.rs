@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace, StorageError};
@@ -20,11 +20,11 @@ use crate::link::beacon::Beacon;
 use crate::link::server;
 use crate::link::transport::Transport;
 use crate::metadata::{ChangeFeed, MetaCmd, MetaMachine, MetaState, NodeInfo};
+use crate::metadata::{MetaLog, MetaRaft};
 use crate::metrics::Metrics;
 use crate::owners::Owners;
 use crate::queue::epoch::Epoch;
 use crate::raft::state_machine::StateMachine;
-use crate::metadata::{MetaLog, MetaRaft};
 use crate::wire::raft_net::{EpochNews, NetworkFactory};
 
 /// Open the data dir; one a power cut or a failing disk has damaged is set
@@ -114,12 +114,10 @@ impl Node {
             catch_up_bytes: cfg.sync_batch_bytes.max(1),
             meta_raft: meta_raft.clone(),
             meta,
-            groups: RwLock::new(HashMap::new()),
-            removals: Default::default(),
+            groups: Default::default(),
             #[cfg(feature = "test-hooks")]
             knobs: super::knobs::Knobs::new(&cfg.test),
             standings: Default::default(),
-            group_started: tokio::sync::Notify::new(),
             hints: Mutex::new(HashMap::new()),
             clients: Arc::new(crate::clients::Clients::with_limit(cfg.max_connections)),
             owners: Arc::new(Owners::new(cfg.node_id, incarnation)),
@@ -192,7 +190,7 @@ impl Node {
         // is handed over the slow way below, after the groups stop.
         let successors = self.move_masters_away(successors).await;
         self.inner.stop.cancel();
-        let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
+        let groups: Vec<_> = self.inner.groups.drain();
         // All at once: one after another, thousands of groups took minutes.
         futures::future::join_all(groups.iter().map(|g| {
             g.stop.cancel();
@@ -464,7 +462,12 @@ fn serve_link(inner: &Arc<Inner>, listener: TcpListener, beacon: &Beacon, cfg: &
 /// On a data dir that holds no cluster yet: found one (every listed node
 /// does so alike), or wait to be refilled; whether the node joins one
 /// instead.
-async fn bootstrap_metadata(cfg: &NodeConfig, meta_raft: &MetaRaft, refill: bool, addr: &str) -> Result<bool, ServerError> {
+async fn bootstrap_metadata(
+    cfg: &NodeConfig,
+    meta_raft: &MetaRaft,
+    refill: bool,
+    addr: &str,
+) -> Result<bool, ServerError> {
     let pristine = !meta_raft.is_initialized().await.map_err(|e| ServerError::Raft(e.to_string()))?;
     let joining = pristine && cfg.join.is_some();
     if pristine && refill {

@@ -88,7 +88,7 @@ impl Node {
     /// Followers here of `id`'s leaderships forget its lease, so they grant
     /// a vote at once.
     pub(super) async fn forget_leases_of(&self, id: NodeId) {
-        let groups: Vec<_> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        let groups: Vec<_> = self.inner.groups.all();
         for g in groups {
             let m = g.raft.metrics().borrow().clone();
             if m.current_leader == Some(id) && m.state != ServerState::Leader {

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use openraft::ServerState;
@@ -24,18 +24,13 @@ use crate::clients::Clients;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::link::transport::Transport;
-use crate::metadata::{MetaState, QueueMeta};
+use crate::metadata::MetaRaft;
+use crate::metadata::MetaState;
 use crate::metrics::Metrics;
 use crate::owners::Owners;
-use crate::queue::catchup::Plan;
-use crate::queue::confirm_gate::{self, SyncState};
-use crate::queue::epoch::Epoch;
-use crate::queue::hush::Hush;
-use crate::queue::proposer::Proposer;
-use crate::queue::{QueueMachine, QueueReply, QueueStats};
-use crate::raft::state_machine::StateMachine;
-use crate::metadata::MetaRaft;
+use crate::queue::replicas::Replicas;
 use crate::queue::QueueRaft;
+use crate::queue::QueueReply;
 use crate::wire::raft_net::EpochNews;
 
 mod failover;
@@ -157,46 +152,11 @@ impl NodeConfig {
 /// The wait for the replies of operations started with [`Node::submit`].
 pub type Submitted = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<QueueReply>, NodeError>> + Send>>;
 
-/// One hosted queue replica.
 /// What a group's Raft reports, whatever kind of group it is.
 type RaftMetrics = watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>;
 
-struct QueueGroup {
-    meta: QueueMeta,
-    /// The epoch this replica is in; fixed for the life of this Raft instance
-    /// (re-forming and healing restart the group).
-    epoch: Epoch,
-    /// What this replica hears from its master (the inbound path writes it).
-    heard: failover::Heard,
-    /// What the failure watch keeps about this replica (its task writes it).
-    watch: failover::GroupWatch,
-    /// What heals learn of newer epochs of the group (they write it).
-    split: failover::SplitMemory,
-    raft: QueueRaft,
-    /// A membership change towards the metadata's replicas is under way.
-    changing: AtomicBool,
-    /// Whether this replica leads, as its confirm gate last saw the metrics:
-    /// lets a scan over every group skip the followers without a look at
-    /// each one's metrics ([`QueueGroup::is_leader`]).
-    leading: Arc<AtomicBool>,
-    /// Its heartbeats, off while it is quiet (`quiescence.rs`).
-    hush: Arc<Hush>,
-    proposer: Proposer,
-    sync: watch::Receiver<SyncState>,
-    stats: watch::Receiver<QueueStats>,
-    sm: StateMachine<QueueMachine>,
-    /// Bodies this replica still lacks (`None`: it has them all).
-    plan: watch::Receiver<Option<Plan>>,
-    /// A `sync` action asked this replica to fetch what it lacks.
-    sync_run: watch::Sender<bool>,
-    /// As master: members fetching bodies, by their reports.
-    catching: confirm_gate::CatchingUp,
-    /// As master: which registered consumers are asking, by priority.
-    ranking: crate::queue::ranking::Ranking,
-    /// As master: when the queue was last used (`expiry.rs`).
-    used: std::sync::Mutex<Instant>,
-    stop: CancellationToken,
-}
+/// One hosted queue replica, with what failover keeps about it.
+type QueueGroup = crate::queue::replica::Replica<failover::Tracked>;
 
 struct Inner {
     id: NodeId,
@@ -210,19 +170,13 @@ struct Inner {
     catch_up_bytes: usize,
     meta_raft: MetaRaft,
     meta: watch::Receiver<Arc<MetaState>>,
-    groups: RwLock<HashMap<GroupId, Arc<QueueGroup>>>,
+    /// The replicas hosted here.
+    groups: Replicas<failover::Tracked>,
     /// See `NodeConfig::test`.
     #[cfg(feature = "test-hooks")]
     knobs: knobs::Knobs,
     /// Orders the standings this node's replicas give ([`confirm_gate::Standing::seq`]).
     standings: std::sync::atomic::AtomicU64,
-    /// Replicas taken out of `groups` so far: the reconciler looks over
-    /// every queue again after one went (it may have to start it again).
-    removals: std::sync::atomic::AtomicU64,
-    /// Woken whenever a replica is added to `groups`: an operation on a
-    /// queue declared a moment ago waits for its replica here to start,
-    /// not for a fixed pause.
-    group_started: tokio::sync::Notify,
     /// Last master seen per group, so forwarding starts at the right node.
     hints: Mutex<HashMap<GroupId, NodeId>>,
     /// AMQP clients connected here.
@@ -365,7 +319,7 @@ impl Node {
     /// The local replica's Raft handle of a queue, if this node hosts one.
     pub fn queue_raft(&self, name: &str) -> Option<QueueRaft> {
         let q = self.metadata().queues.get(name)?.group;
-        self.inner.groups.read().expect("poisoned").get(&q).map(|g| g.raft.clone())
+        self.inner.groups.get(q).map(|g| g.raft.clone())
     }
 
     /// This node's AMQP client registry.
@@ -389,42 +343,10 @@ impl Node {
     }
 }
 
-impl QueueGroup {
-    /// Stop the group's Raft and close its state machine, so no write of
-    /// the old instance lands after this (see [`StateMachine::close`]).
-    async fn shut_down(&self) {
-        let _ = self.raft.shutdown().await;
-        self.sm.close().await;
-    }
-
-    fn is_member(&self, id: NodeId) -> bool {
-        self.raft.metrics().borrow().membership_config.membership().get_node(&id).is_some()
-    }
-    fn is_leader(&self, id: NodeId) -> bool {
-        // Set a moment after the metrics show a new leadership, and cleared
-        // a moment after they show its end: the metrics decide whenever it
-        // is set.
-        if !self.leading.load(std::sync::atomic::Ordering::Acquire) {
-            return false;
-        }
-        let rx = self.raft.metrics();
-        let m = rx.borrow();
-        m.state == ServerState::Leader && m.current_leader == Some(id)
-    }
-}
-
 impl Inner {
     /// This node's replica of `group` once it has started, until `until`.
     pub(super) async fn replica_started(&self, group: GroupId, until: Instant) -> Option<Arc<QueueGroup>> {
-        loop {
-            let started = self.group_started.notified();
-            if let Some(g) = self.groups.read().expect("poisoned").get(&group).cloned() {
-                return Some(g);
-            }
-            if tokio::time::timeout_at(until.into(), started).await.is_err() {
-                return None;
-            }
-        }
+        self.groups.started(group, until).await
     }
 
     /// `what` failed again for `group` with `text`: counted; true if it is
@@ -449,24 +371,14 @@ impl Inner {
     /// out the newer replica would leave it running unseen, writing to the
     /// log that the caller then rewrites.
     fn take_out(&self, g: &Arc<QueueGroup>) -> bool {
-        let mut groups = self.groups.write().expect("poisoned");
-        match groups.get(&g.meta.group) {
-            Some(current) if Arc::ptr_eq(current, g) => {
-                groups.remove(&g.meta.group);
-                self.removals.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                // Its followers must not stay held by a master no longer
-                // here: the watch that would withdraw it looks only at the
-                // hosted groups.
-                self.quiescence.withdraw(g.meta.group);
-                true
-            }
-            _ => false,
+        let out = self.groups.take_out(g);
+        if out {
+            // Its followers must not stay held by a master no longer
+            // here: the watch that would withdraw it looks only at the
+            // hosted groups.
+            self.quiescence.withdraw(g.meta.group);
         }
-    }
-
-    /// Is `g` the replica hosted now (not one a newer one replaced)?
-    fn is_current(&self, g: &Arc<QueueGroup>) -> bool {
-        self.groups.read().expect("poisoned").get(&g.meta.group).is_some_and(|c| Arc::ptr_eq(c, g))
+        out
     }
 
     /// What the Raft of `group` here reports, whatever kind of group it is.
@@ -474,7 +386,7 @@ impl Inner {
         if group == METADATA_GROUP {
             return Some(self.meta_raft.metrics());
         }
-        self.groups.read().expect("poisoned").get(&group).map(|g| g.raft.metrics())
+        self.groups.get(group).map(|g| g.raft.metrics())
     }
 }
 

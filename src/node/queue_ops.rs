@@ -9,7 +9,7 @@ use crate::api::DeclareOpts;
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
-use crate::queue::proposer::{Answer, Lane, PARK_MAX};
+use crate::queue::proposer::{Answer, Lane};
 use crate::queue::types::ConsumerRef;
 use crate::queue::{Delivery, Message, QueueCmd, QueueReply};
 
@@ -259,14 +259,14 @@ impl Node {
     /// where this node masters it, a little behind elsewhere).
     pub fn ready_hint(&self, queue: &str) -> Option<u64> {
         let group = self.metadata().queues.get(queue)?.group;
-        self.inner.groups.read().expect("poisoned").get(&group).map(|g| g.stats.borrow().ready)
+        self.inner.groups.get(group).map(|g| g.stats.borrow().ready)
     }
 
     /// Wait until the local replica of `queue` shows ready messages, at most
     /// `limit` (just `limit` when this node hosts no replica).
     pub async fn wait_for_messages(&self, queue: &str, limit: Duration) {
         let group = self.metadata().queues.get(queue).map(|q| q.group);
-        let stats = group.and_then(|g| self.inner.groups.read().expect("poisoned").get(&g).map(|g| g.stats.clone()));
+        let stats = group.and_then(|g| self.inner.groups.get(g).map(|g| g.stats.clone()));
         match stats {
             Some(mut rx) => {
                 let _ = tokio::time::timeout(limit, rx.wait_for(|s| s.ready > 0)).await;
@@ -284,51 +284,7 @@ impl Inner {
         cmds: Vec<QueueCmd>,
         lane: Lane,
     ) -> Result<Vec<QueueReply>, NodeError> {
-        let g = self.hosted(group)?;
-        let lane = match cmds.as_slice() {
-            [QueueCmd::Get { owner, consumer: Some(c), .. }] if g.stats.borrow().ranked => {
-                match self.ranked_get(&g, (*owner, c.number), c.priority, lane).await {
-                    Some(lane) => lane,
-                    None => return Ok(vec![QueueReply::Got { msgs: Vec::new(), remaining: 0 }]),
-                }
-            }
-            _ => lane,
-        };
-        Self::enqueue_to(&g, cmds, lane).await?.await.unwrap_or(Err(NodeError::Stopped))
-    }
-
-    /// A consumer's get of a queue with registered consumers
-    /// (`queue::ranking`), before it is proposed: `None` when it is not
-    /// this consumer's turn (another is the single active one, or one of a
-    /// higher priority is asking), answered empty without an entry; else
-    /// the lane to propose it in.
-    async fn ranked_get(&self, g: &QueueGroup, who: (u64, u64), priority: i32, lane: Lane) -> Option<Lane> {
-        let _asking = g.ranking.begin(who, priority);
-        let mut stats = g.stats.clone();
-        if stats.borrow().active_consumer.is_some_and(|active| active != who) {
-            // Waits for the registrations to change rather than asking again at once.
-            let _ = tokio::time::timeout(PARK_MAX, stats.changed()).await;
-            return None;
-        }
-        let lane = if lane == Lane::Parked {
-            // Parked in the proposer, it would be served by the next
-            // publish even if a consumer of a higher priority asked
-            // meanwhile: it waits for messages here instead.
-            let ready = tokio::time::timeout(PARK_MAX, stats.wait_for(|s| s.ready > 0)).await;
-            if !ready.is_ok_and(|r| r.is_ok()) {
-                return None;
-            }
-            Lane::Consumer
-        } else {
-            lane
-        };
-        if g.ranking.outranked(priority) {
-            tokio::time::sleep(crate::queue::ranking::RECENT).await;
-            if g.ranking.outranked(priority) {
-                return None;
-            }
-        }
-        Some(lane)
+        self.hosted(group)?.run(cmds, lane).await
     }
 
     /// Put operations in this node's proposer for `group`, in call order
@@ -339,18 +295,10 @@ impl Inner {
         cmds: Vec<QueueCmd>,
         lane: Lane,
     ) -> Result<Answer, NodeError> {
-        let g = self.hosted(group)?;
-        Self::enqueue_to(&g, cmds, lane).await
+        self.hosted(group)?.enqueue(cmds, lane).await
     }
 
     fn hosted(&self, group: GroupId) -> Result<Arc<QueueGroup>, NodeError> {
-        self.groups.read().expect("poisoned").get(&group).cloned().ok_or(NodeError::NotLeader { leader: None })
-    }
-
-    async fn enqueue_to(g: &QueueGroup, cmds: Vec<QueueCmd>, lane: Lane) -> Result<Answer, NodeError> {
-        if cmds.iter().any(super::sweeps::expiry::is_use) {
-            *g.used.lock().expect("poisoned") = Instant::now();
-        }
-        g.proposer.enqueue(cmds, lane).await
+        self.groups.get(group).ok_or(NodeError::NotLeader { leader: None })
     }
 }

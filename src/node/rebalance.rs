@@ -176,7 +176,7 @@ impl Node {
     /// this node is stopping, so the new master need not wait for it.
     pub(super) async fn move_master(&self, group: GroupId, to: NodeId, leaving: bool) -> Result<(), NodeError> {
         let me = self.id();
-        let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
+        let g = self.inner.groups.get(group);
         let Some(g) = g.filter(|g| g.is_leader(me)) else {
             return Err(NodeError::NotLeader { leader: None });
         };

@@ -3,14 +3,13 @@
 //! toward the wanted replicas, then watch for failures.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use mirrorq_storage::SmSpace;
 use openraft::{BasicNode, ChangeMembers, CommittedLeaderId, Entry, EntryPayload, LogId, Membership, Vote};
-use tokio::sync::watch;
 
 use super::failover::Busy;
 use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK, FOUNDING_TERM};
@@ -18,11 +17,10 @@ use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::{ChangeFeed, MetaState, QueueMeta, Touched};
 use crate::queue::epoch::Epoch;
-use crate::queue::hush::Hush;
-use crate::queue::proposer::Proposer;
+use crate::queue::replica::{Parts, Replica};
 use crate::queue::{confirm_gate, QueueMachine};
-use crate::raft::state_machine::StateMachine;
 use crate::queue::{QueueLog as LogStore, QueueRaft as Raft, QueueTypes};
+use crate::raft::state_machine::StateMachine;
 use crate::wire::ask;
 use crate::wire::raft_net::NetworkFactory;
 
@@ -44,7 +42,7 @@ const WATCH_AT_MOST_EVERY: Duration = Duration::from_millis(500);
 #[derive(Debug, Default)]
 pub(super) struct Sweep {
     settled: bool,
-    /// `Inner::removals` when the look began.
+    /// `Replicas::removals` when the look began.
     removals: u64,
     /// Replicas are left to start and this round started some: the next
     /// round comes at once.
@@ -152,7 +150,7 @@ impl Node {
         sweep: &mut Sweep,
     ) -> Vec<(GroupId, ServerError)> {
         let mut failed = Vec::new();
-        let removals = self.inner.removals.load(Ordering::Acquire);
+        let removals = self.inner.groups.removals();
         // A declare or a delete looks at its own queues only; a tick, or a
         // change to policies or nodes, at every one.
         let nothing = BTreeSet::new();
@@ -213,7 +211,7 @@ impl Node {
     ) -> Option<Vec<Arc<QueueGroup>>> {
         match touched {
             Touched::Some(names) => {
-                let groups = self.inner.groups.read().expect("poisoned");
+                let groups = self.inner.groups.read();
                 let mut found = BTreeMap::new();
                 let mut unknown = false;
                 for name in names {
@@ -245,7 +243,7 @@ impl Node {
     ) -> Work {
         let me = self.id();
         let wants = |q: &QueueMeta| q.replicas.contains(&me);
-        let groups = self.inner.groups.read().expect("poisoned");
+        let groups = self.inner.groups.read();
         let startable = |q: &&QueueMeta| wants(q) && !groups.contains_key(&q.group);
         let mut to_start: Vec<QueueMeta> = match names {
             Some(names) => names.iter().filter_map(|n| state.queues.get(n)).filter(startable).cloned().collect(),
@@ -289,7 +287,6 @@ impl Node {
         self.inner
             .groups
             .read()
-            .expect("poisoned")
             .values()
             .filter_map(|g| {
                 queue_of(state, g).filter(|q| !wants(q) && g.is_member(me)).map(|q| (g.clone(), q.replicas.clone()))
@@ -328,7 +325,7 @@ impl Node {
         };
         match concerned {
             Some(concerned) => concerned.iter().for_each(|g| set_limits(g)),
-            None => self.inner.groups.read().expect("poisoned").values().for_each(|g| set_limits(g)),
+            None => self.inner.groups.read().values().for_each(|g| set_limits(g)),
         }
     }
 
@@ -567,54 +564,29 @@ impl Node {
         let mut log = LogStore::new(db.clone(), q.group);
         let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), q.group), self.id())?
             .applying_durable(log.durability());
-        let (stats, plan) = sm.with(|m| (m.stats(), m.plan())).await;
         let founded = self.found_if_first(&q, state, epoch, &mut log).await?;
         let catching = confirm_gate::CatchingUp::default();
         let raft = self.new_queue_raft(q.group, epoch, log, &sm, &catching).await?;
-        let stop = self.inner.stop.child_token();
-        let leading = Arc::new(AtomicBool::new(false));
-        let sync = confirm_gate::spawn(
-            q.group,
-            raft.clone(),
-            self.inner.timing.sync_timeout,
-            self.inner.peers.subscribe(),
-            catching.clone(),
-            confirm_gate::Leadership { taken: self.inner.metrics.queue_leaderships.clone(), now: leading.clone() },
-            stop.clone(),
-        );
-        let hush = Arc::new(Hush::new(raft.clone()));
-        let proposer = Proposer::spawn(
-            raft.clone(),
-            hush.clone(),
-            sync.clone(),
-            self.inner.timing.sync_timeout,
-            deadletter::sink(Arc::downgrade(&self.inner), q.name.clone()),
-            stats.clone(),
-            stop.clone(),
-        );
-        proposer.set_min_synchronised(failover::ha_of(state, &q).min_synchronised.unwrap_or(0));
-        proposer.set_limits(deadletter::limits_of(state, &q));
-        let group = Arc::new(QueueGroup {
+        let parts = Parts {
             meta: q.clone(),
             epoch,
+            raft: raft.clone(),
+            sm,
+            catching,
+            sync_timeout: self.inner.timing.sync_timeout,
+            peers: self.inner.peers.subscribe(),
+            leaderships: self.inner.metrics.queue_leaderships.clone(),
+            dead_letters: deadletter::sink(Arc::downgrade(&self.inner), q.name.clone()),
+            stop: self.inner.stop.child_token(),
+        };
+        let tracked = failover::Tracked {
             heard: failover::Heard::new(),
             watch: failover::GroupWatch::new(raft.metrics()),
             split: failover::SplitMemory::default(),
-            raft: raft.clone(),
-            changing: AtomicBool::new(false),
-            leading,
-            hush,
-            proposer,
-            sync,
-            stats,
-            sm,
-            plan,
-            sync_run: watch::channel(false).0,
-            catching,
-            ranking: Default::default(),
-            used: std::sync::Mutex::new(std::time::Instant::now()),
-            stop,
-        });
+        };
+        let group = Arc::new(Replica::start(parts, tracked).await);
+        group.proposer.set_min_synchronised(failover::ha_of(state, &q).min_synchronised.unwrap_or(0));
+        group.proposer.set_limits(deadletter::limits_of(state, &q));
         self.register(&group).await?;
 
         // A mirror added after the declare starts blank and is filled by
@@ -705,20 +677,11 @@ impl Node {
     async fn register(&self, group: &Arc<QueueGroup>) -> Result<(), ServerError> {
         // A node that stops (its table emptied) or a replica started by
         // someone else meanwhile: this one must not run unseen beside it.
-        let taken = {
-            let mut groups = self.inner.groups.write().expect("poisoned");
-            let taken = self.inner.stop.is_cancelled() || groups.contains_key(&group.meta.group);
-            if !taken {
-                groups.insert(group.meta.group, group.clone());
-            }
-            taken
-        };
-        if taken {
+        if !self.inner.groups.add(group, || self.inner.stop.is_cancelled()) {
             group.stop.cancel();
             group.shut_down().await;
             return Err(ServerError::Raft("the node is stopping, or the replica was started meanwhile".into()));
         }
-        self.inner.group_started.notify_waiters();
         Ok(())
     }
 }

@@ -96,7 +96,7 @@ impl Node {
         if inner.unfilled(METADATA_GROUP, &inner.meta_raft.metrics()) {
             return false;
         }
-        let groups: Vec<_> = inner.groups.read().expect("poisoned").iter().map(|(g, q)| (*g, q.raft.metrics())).collect();
+        let groups: Vec<_> = inner.groups.read().iter().map(|(g, q)| (*g, q.raft.metrics())).collect();
         groups.iter().all(|(g, metrics)| !inner.unfilled(*g, metrics))
     }
 }

@@ -9,8 +9,8 @@ use super::{Node, QueueGroup};
 use crate::error::NodeError;
 use crate::ids::NodeId;
 use crate::message::Message;
+use crate::queue::QueueLog as LogStore;
 use crate::queue::{QueueCmd, QueueMachine};
-use crate::queue::{QueueLog as LogStore};
 
 /// A queue's replica as a failure watch saw it when it listed the groups:
 /// kept by a test to run a watch that began before something changed.
@@ -20,7 +20,7 @@ impl Node {
     /// This node's replica of `queue` as hosted now.
     pub fn replica_view(&self, queue: &str) -> Option<ReplicaView> {
         let q = self.metadata().queues.get(queue).cloned()?;
-        self.inner.groups.read().expect("poisoned").get(&q.group).cloned().map(ReplicaView)
+        self.inner.groups.get(q.group).map(ReplicaView)
     }
 
     /// Run the failure watch over replicas seen earlier, as a watch that
@@ -34,8 +34,8 @@ impl Node {
     /// `queue` has received.
     pub fn appends_received_by(&self, queue: &str) -> Option<u64> {
         let q = self.metadata().queues.get(queue).cloned()?;
-        let g = self.inner.groups.read().expect("poisoned").get(&q.group).cloned()?;
-        Some(g.heard.appends())
+        let g = self.inner.groups.get(q.group)?;
+        Some(g.ext.heard.appends())
     }
 
     /// The first step of a graceful stop alone: the node is leaving (its
@@ -64,7 +64,7 @@ impl Node {
     /// Whether this node's replica of `queue` has its heartbeats off.
     pub fn is_quiet_here(&self, queue: &str) -> bool {
         let Some(q) = self.metadata().queues.get(queue).cloned() else { return false };
-        self.inner.groups.read().expect("poisoned").get(&q.group).is_some_and(|g| g.hush.is_quiet())
+        self.inner.groups.any(q.group, |g| g.hush.is_quiet())
     }
 
     /// The last queue group id declared before this node's life, once
@@ -88,7 +88,7 @@ impl Node {
     /// The epoch this node's replica of `queue` is in, if it hosts one.
     pub fn replica_epoch(&self, queue: &str) -> Option<crate::queue::epoch::Epoch> {
         let q = self.metadata().queues.get(queue).cloned()?;
-        self.inner.groups.read().expect("poisoned").get(&q.group).map(|g| g.epoch)
+        self.inner.groups.get(q.group).map(|g| g.epoch)
     }
 
     /// Forget this replica's fork record of its epoch of `queue`, as if the
@@ -161,7 +161,7 @@ impl Node {
     /// node would leave it).
     pub async fn wipe_replica(&self, queue: &str) -> Result<(), NodeError> {
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
-        let g = self.inner.groups.read().expect("poisoned").get(&q.group).cloned();
+        let g = self.inner.groups.get(q.group);
         let g = g.ok_or_else(|| NodeError::Unavailable(format!("no replica of {queue} here")))?;
         let busy = super::failover::Busy::take(&self.inner.busy, q.group);
         let _busy = busy.ok_or_else(|| NodeError::Unavailable(format!("replica of {queue} is busy")))?;
@@ -180,7 +180,7 @@ impl Node {
     /// one whose core quit by itself.
     pub async fn fail_replica_storage(&self, queue: &str) -> Result<(), NodeError> {
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
-        let g = self.inner.groups.read().expect("poisoned").get(&q.group).cloned();
+        let g = self.inner.groups.get(q.group);
         let g = g.ok_or_else(|| NodeError::Unavailable(format!("no replica of {queue} here")))?;
         g.sm.close().await;
         // The snapshot's own error is the core's to meet, not the caller's.
@@ -200,7 +200,7 @@ impl Node {
         if let Err(e) = self.inner.db.crash_for_tests() {
             tracing::error!(error = %e, "crash of the storage failed");
         }
-        let groups: Vec<_> = self.inner.groups.write().expect("poisoned").drain().map(|(_, g)| g).collect();
+        let groups: Vec<_> = self.inner.groups.drain();
         for g in groups {
             let _ = g.raft.shutdown().await;
         }

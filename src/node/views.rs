@@ -90,7 +90,7 @@ impl Node {
     pub fn local_raft_metrics(&self) -> Vec<GroupRaftMetrics> {
         let by_group: HashMap<GroupId, String> =
             self.metadata().queues.values().map(|q| (q.group, q.name.clone())).collect();
-        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.all();
         groups
             .iter()
             .filter_map(|g| {
@@ -191,7 +191,7 @@ impl Node {
 
     /// Hosted queue groups whose heartbeats are off (`quiescence.rs`).
     pub fn quiet_groups(&self) -> usize {
-        self.inner.groups.read().expect("poisoned").values().filter(|g| g.hush.is_quiet()).count()
+        self.inner.groups.read().values().filter(|g| g.hush.is_quiet()).count()
     }
 
     /// Voters of the queue's group as this node's replica sees them.
@@ -203,7 +203,7 @@ impl Node {
     pub fn queue_info(&self, name: &str) -> Result<QueueInfo, NodeError> {
         let meta = self.metadata();
         let q = meta.queues.get(name).ok_or_else(|| NodeError::NoSuchQueue(name.to_string()))?;
-        let group = self.inner.groups.read().expect("poisoned").get(&q.group).cloned();
+        let group = self.inner.groups.get(q.group);
         let mut info = QueueInfo {
             name: q.name.clone(),
             group: q.group,

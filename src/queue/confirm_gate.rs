@@ -26,9 +26,9 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::catchup::SyncProgress;
+use super::QueueRaft as Raft;
 use crate::ids::NodeId;
 use crate::peers::PeerNews;
-use super::QueueRaft as Raft;
 
 /// Published after every change of the group's metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -6,7 +6,9 @@
 //! the bodies a replica still has to fetch after a snapshot ([`catchup`]);
 //! how bodies and deliveries are laid out on disk ([`bodies`], [`runs`]);
 //! a quiet group's heartbeats, off until its next entry ([`hush`]); which
-//! consumers a master serves first by their priorities ([`ranking`]).
+//! consumers a master serves first by their priorities ([`ranking`]); one
+//! hosted replica with all of that ([`replica`]) and a node's table of them
+//! ([`replicas`]).
 
 mod bodies;
 pub mod catchup;
@@ -15,6 +17,8 @@ pub mod epoch;
 pub mod hush;
 pub mod proposer;
 pub mod ranking;
+pub mod replica;
+pub mod replicas;
 mod runs;
 pub mod sm;
 pub mod state;

@@ -26,9 +26,9 @@ use super::confirm_gate::SyncState;
 use super::hush::Hush;
 use super::sm::QueueStats;
 use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
+use super::{QueueRaft as Raft, QueueTypes};
 use crate::error::NodeError;
 use crate::ids::NodeId;
-use super::{QueueRaft as Raft, QueueTypes};
 
 /// Entries of one group in flight at once. Two keeps one appending while the
 /// previous one replicates; more only makes entries smaller.
@@ -450,12 +450,10 @@ async fn finish(
             let replies = resp.data;
             let (term, index) = (resp.log_id.leader_id.term, resp.log_id.index);
             if needs_confirm {
-                let slow = tokio::time::timeout(
-                    Duration::from_secs(3),
-                    sync.wait_for(|s| s.confirms(term, index).is_some()),
-                )
-                .await
-                .is_err();
+                let slow =
+                    tokio::time::timeout(Duration::from_secs(3), sync.wait_for(|s| s.confirms(term, index).is_some()))
+                        .await
+                        .is_err();
                 if slow {
                     // Normal while a mirror is being dropped from the
                     // synchronised set; worth seeing when it is not.

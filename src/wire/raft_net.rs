@@ -16,8 +16,8 @@ use tokio::sync::mpsc;
 
 use crate::ids::{GroupId, NodeId};
 use crate::link::transport::{CallError, Transport};
-use crate::queue::confirm_gate::CatchingUp;
 use crate::metadata::MetaTypes;
+use crate::queue::confirm_gate::CatchingUp;
 use crate::queue::epoch::Epoch;
 use crate::queue::QueueTypes;
 use crate::wire::{Appends, Installs, RpcRequest, RpcResponse};
@@ -138,7 +138,10 @@ impl<C: Carried> RaftNetwork<C> for GroupNetwork<C> {
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RpcErr> {
         match self
-            .send(RpcRequest::Append { group: self.group, epoch: self.epoch, from: self.me, req: C::appends(req) }, option.hard_ttl())
+            .send(
+                RpcRequest::Append { group: self.group, epoch: self.epoch, from: self.me, req: C::appends(req) },
+                option.hard_ttl(),
+            )
             .await?
         {
             RpcResponse::Append(r) => r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e))),
@@ -153,7 +156,10 @@ impl<C: Carried> RaftNetwork<C> for GroupNetwork<C> {
     ) -> Result<InstallSnapshotResponse<NodeId>, RpcErr<InstallSnapshotError>> {
         let term = req.vote.leader_id().term;
         match self
-            .send(RpcRequest::Snapshot { group: self.group, epoch: self.epoch, from: self.me, req: C::installs(req) }, option.hard_ttl())
+            .send(
+                RpcRequest::Snapshot { group: self.group, epoch: self.epoch, from: self.me, req: C::installs(req) },
+                option.hard_ttl(),
+            )
             .await?
         {
             RpcResponse::Snapshot(r, standing) => {

@@ -92,7 +92,7 @@ impl Inner {
     /// ancestry of its epoch if that was re-formed (a fork yielding to it
     /// tells by it what both inherited).
     pub(in crate::node) async fn history(&self, group: GroupId) -> Option<ForkRecord> {
-        let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
+        let g = self.groups.get(group)?;
         let mut log = LogStore::new(self.db.clone(), group);
         let state = log.get_log_state().await.ok()?;
         let ids = log.log_ids().ok()?;
@@ -106,12 +106,12 @@ impl Inner {
     /// Our replica's epoch of `group`, with its fork record if the replica
     /// has it, and the master of that epoch in reach as our replica knows it.
     pub(in crate::node) fn epoch_report(&self, group: GroupId) -> Option<EpochReport> {
-        let g = self.groups.read().expect("poisoned").get(&group).cloned()?;
+        let g = self.groups.get(group)?;
         // Formed here, the record kept beside the log counts too: without
         // it the other side would wait for a record no one has, both serving.
         let record = own_record(&self.db, group, g.epoch).ok()?;
         let m = g.raft.metrics().borrow().clone();
-        let heard = g.heard.master_at();
+        let heard = g.ext.heard.master_at();
         let master = match m.state {
             ServerState::Leader => Some(self.id),
             _ => m.current_leader.filter(|_| heard.is_some_and(|t| t.elapsed() < self.timing.failure_timeout)),
@@ -129,9 +129,9 @@ impl Node {
                     _ = node.inner.stop.cancelled() => return,
                     n = rx.recv() => match n { Some(n) => n, None => return },
                 };
-                let stale = match node.inner.groups.read().expect("poisoned").get(&news.group) {
+                let stale = match node.inner.groups.read().get(&news.group) {
                     Some(g) if g.epoch < news.epoch => {
-                        g.split.newer_seen(news.from);
+                        g.ext.split.newer_seen(news.from);
                         true
                     }
                     _ => false,

@@ -18,7 +18,7 @@ impl Node {
     /// take over (`ha-promote-on-shutdown`).
     pub(super) fn successors(&self) -> Vec<(GroupId, NodeId)> {
         let state = self.metadata();
-        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.all();
         let by_group: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
         let departed = self.inner.peers.departed();
         let mut out = Vec::new();
@@ -64,7 +64,7 @@ impl Node {
     /// pick, for each queue we master, the mirror that should take over.
     pub(in crate::node) fn prepare_hand_over(&self) -> Vec<(GroupId, NodeId)> {
         self.inner.leaving.store(true, Ordering::Release);
-        for g in self.inner.groups.read().expect("poisoned").values() {
+        for g in self.inner.groups.read().values() {
             g.raft.runtime_config().elect(false);
         }
         self.successors()

@@ -18,8 +18,8 @@ use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{divergence, shared_numbers, Epoch, EpochReport, ForkRecord};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
-use crate::raft::state_machine::stored_applied;
 use crate::queue::{QueueLog as LogStore, QueueTypes};
+use crate::raft::state_machine::stored_applied;
 use crate::wire::ask::{self, Handed};
 use crate::wire::raft_net::EpochNews;
 use mirrorq_storage::{SmSpace, StorageError};
@@ -59,18 +59,13 @@ impl Node {
         // Undecided a moment ago about this epoch: every message of the
         // fork brings news of it, and asking again at each would hold the
         // group busy (no master move, no graceful hand-over) all along.
-        let asked = self
-            .inner
-            .groups
-            .read()
-            .expect("poisoned")
-            .get(&group)
-            .is_some_and(|g| g.split.undecided_lately(news.epoch, self.inner.timing.failure_timeout));
+        let lately = |g: &QueueGroup| g.ext.split.undecided_lately(news.epoch, self.inner.timing.failure_timeout);
+        let asked = self.inner.groups.any(group, lately);
         if asked {
             return;
         }
         let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
-        let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
+        let Some(g) = self.inner.groups.get(group) else { return };
         if g.epoch >= news.epoch {
             return;
         }
@@ -89,13 +84,13 @@ impl Node {
         let verdict = self.split_verdict(&g, news).await;
         // Asking took a while: the replica may have been removed meanwhile
         // (the queue deleted or moved away), and a verdict must not outlive it.
-        if !self.inner.is_current(&g) {
+        if !self.inner.groups.is_current(&g) {
             return;
         }
         match verdict {
             Verdict::Defer => return,
             Verdict::Undecided(why) => {
-                g.split.undecided(news.epoch);
+                g.ext.split.undecided(news.epoch);
                 let what = format!("epoch {} formed by node {}: {why:?}", news.epoch, news.epoch.node);
                 if self.inner.repeated(group, "split-undecided", &what) {
                     match why {
@@ -128,7 +123,7 @@ impl Node {
     /// back to it what it may lack and rejoin it.
     pub(in crate::node) async fn yield_to(&self, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) {
         let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
-        let Some(g) = self.inner.groups.read().expect("poisoned").get(&group).cloned() else { return };
+        let Some(g) = self.inner.groups.get(group) else { return };
         if g.epoch != defeated {
             return;
         }

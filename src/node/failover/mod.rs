@@ -24,6 +24,17 @@ use crate::ids::GroupId;
 use crate::metadata::{policy, MetaState, QueueMeta};
 use mirrorq_storage::{NodeDb, StorageError};
 
+/// What failover keeps about one instance of a replica, beside it in the
+/// replica table (`queue::Replica::ext`), each part written by one party.
+pub(super) struct Tracked {
+    /// What it hears from its master (the inbound path writes it).
+    pub(super) heard: Heard,
+    /// What the failure watch keeps about it (its task writes it).
+    pub(super) watch: GroupWatch,
+    /// What heals learn of newer epochs of the group (they write it).
+    pub(super) split: SplitMemory,
+}
+
 /// What a replica hears from its group's master: written by the inbound
 /// path alone, as appends arrive; read by the failure watch, the split
 /// verdict and the epoch report.

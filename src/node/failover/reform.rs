@@ -16,8 +16,8 @@ use crate::metadata::{MetaState, QueueMeta};
 use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{Epoch, ForkRecord, Inherited, ANCESTRY};
 use crate::queue::{QueueCmd, QueueMachine};
-use crate::raft::state_machine::stored_applied;
 use crate::queue::{QueueLog as LogStore, QueueTypes};
+use crate::raft::state_machine::stored_applied;
 use mirrorq_storage::SmSpace;
 
 impl Node {

@@ -311,7 +311,7 @@ impl Node {
         if m.state != ServerState::Leader {
             // In reach and still sending us appends: a master restored
             // from a vote on disk that has left our epoch sends none.
-            let heard = g.heard.master_at();
+            let heard = g.ext.heard.master_at();
             let master_alive = m.current_leader.is_some_and(|l| l != me)
                 && heard.is_some_and(|t| t.elapsed() < timing.failure_timeout);
             if master_alive {
@@ -322,7 +322,7 @@ impl Node {
             // restarts takes a group that kept its majority into a
             // minority's fork, one replica at a time (a cluster restarted
             // node by node after a heal would do just that).
-            if g.heard.master_or_start().elapsed() < timing.failure_timeout {
+            if g.ext.heard.master_or_start().elapsed() < timing.failure_timeout {
                 return Verdict::Defer;
             }
             return match self.fetch_fork_news(news).await {
@@ -330,8 +330,11 @@ impl Node {
                 _ => Verdict::Heal,
             };
         }
-        let kept_since =
-            if self.majority_still_ours(g) { g.watch.kept_since(Instant::now(), timing.failure_timeout) } else { None };
+        let kept_since = if self.majority_still_ours(g) {
+            g.ext.watch.kept_since(Instant::now(), timing.failure_timeout)
+        } else {
+            None
+        };
         let fork = self.fetch_fork_news(news).await;
         master_verdict(kept_since, fork, timing.failure_timeout)
     }
@@ -344,7 +347,7 @@ impl Node {
     pub(super) fn majority_still_ours(&self, g: &QueueGroup) -> bool {
         let m = g.raft.metrics().borrow().clone();
         let configs = m.membership_config.membership().get_joint_config();
-        let in_newer = g.split.in_newer.lock().expect("poisoned");
+        let in_newer = g.ext.split.in_newer.lock().expect("poisoned");
         majority_in_our_epoch(configs, &in_newer, Instant::now(), self.inner.timing.failure_timeout)
     }
 

@@ -122,8 +122,8 @@ impl Node {
     /// Decide, per hosted group, who may stand for election, and whether
     /// to re-form a group that lost its majority.
     async fn watch_failures(&self, state: &MetaState) {
-        let listed_at = self.inner.removals.load(Ordering::Acquire);
-        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.read().expect("poisoned").values().cloned().collect();
+        let listed_at = self.inner.groups.removals();
+        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.all();
         self.watch_groups(state, groups, Some(listed_at)).await
     }
 
@@ -131,7 +131,7 @@ impl Node {
     /// (news of a newer epoch) and the reconciler change the table while a
     /// run goes on, so a group re-formed, rejoined or stopped meanwhile is
     /// skipped here and refused by `take_out` further on. `listed_at`:
-    /// `Inner::removals` read before the list was taken; a group in it
+    /// `Replicas::removals` read before the list was taken; a group in it
     /// stops being current only when one is taken out of the table (or the
     /// node stops), so until then the table need not be looked up for each
     /// group (`None`: look each up).
@@ -152,14 +152,14 @@ impl Node {
             if self.inner.stop.is_cancelled() {
                 return;
             }
-            if listed_at != Some(self.inner.removals.load(Ordering::Acquire)) && !self.inner.is_current(&g) {
+            if listed_at != Some(self.inner.groups.removals()) && !self.inner.groups.is_current(&g) {
                 continue;
             }
             let world = self.inner.quiescence.world_of(g.meta.group);
             if self.passed_over(&g, world) {
                 continue;
             }
-            let quit = core_quit(&g.watch.metrics.lock().expect("poisoned"));
+            let quit = core_quit(&g.ext.watch.metrics.lock().expect("poisoned"));
             if let Some(why) = quit {
                 self.fail_replica(g, why, &reach).await;
                 continue;
@@ -167,7 +167,7 @@ impl Node {
             // By name: no table of every queue built at every round.
             let Some(q) = state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group) else { continue };
             let ha = ha_of(state, q);
-            let m = g.watch.metrics.lock().expect("poisoned").borrow_and_update().clone();
+            let m = g.ext.watch.metrics.lock().expect("poisoned").borrow_and_update().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
             let members = carriers(&m, &voters, q);
             if !members.contains(&self.id()) {
@@ -177,7 +177,7 @@ impl Node {
             let alive: BTreeSet<NodeId> = members.intersection(&reach).copied().collect();
             let now = Instant::now();
             let seen = {
-                let mut stretch = g.watch.majority.lock().expect("poisoned");
+                let mut stretch = g.ext.watch.majority.lock().expect("poisoned");
                 stretch.observe(majority, now, wall_ms(), timing.failure_timeout);
                 stretch.seen()
             };
@@ -211,7 +211,7 @@ impl Node {
             // while nothing changes.
             let quiet = (m.state == ServerState::Leader && g.hush.is_quiet()) || hold == Some(true);
             if quiet && majority {
-                *g.watch.passed.lock().expect("poisoned") = Some((world, majority));
+                *g.ext.watch.passed.lock().expect("poisoned") = Some((world, majority));
             }
 
             // Re-form: no majority reachable for the failure timeout, the
@@ -258,10 +258,10 @@ impl Node {
     /// as at the last full look, with nothing else to do: its majority
     /// stretch is extended, and it is passed over.
     fn passed_over(&self, g: &QueueGroup, world: (u64, u64)) -> bool {
-        let passed = g.watch.passed.lock().expect("poisoned").take();
+        let passed = g.ext.watch.passed.lock().expect("poisoned").take();
         let Some((was, majority)) = passed else { return false };
         let (metrics_changed, state_now) = {
-            let m = g.watch.metrics.lock().expect("poisoned");
+            let m = g.ext.watch.metrics.lock().expect("poisoned");
             let state_now = m.borrow().state;
             (m.has_changed().unwrap_or(true), state_now)
         };
@@ -271,10 +271,10 @@ impl Node {
             return false;
         }
         // Watched without a gap, as the split rule needs.
-        let mut stretch = g.watch.majority.lock().expect("poisoned");
+        let mut stretch = g.ext.watch.majority.lock().expect("poisoned");
         stretch.observe(majority, Instant::now(), wall_ms(), self.inner.timing.failure_timeout);
         drop(stretch);
-        *g.watch.passed.lock().expect("poisoned") = Some((was, majority));
+        *g.ext.watch.passed.lock().expect("poisoned") = Some((was, majority));
         true
     }
 
@@ -299,11 +299,11 @@ impl Node {
         // deferring to it would leave the queue without a master
         // until the old one came back.
         let leaderless_since = {
-            let mut l = g.watch.leaderless_since.lock().expect("poisoned");
+            let mut l = g.ext.watch.leaderless_since.lock().expect("poisoned");
             // A leader sends at least a heartbeat per interval;
             // an election timeout without one is a master that
             // no longer leads, as openraft's own timer counts it.
-            let heard = g.heard.master_at().is_some_and(|t| now.duration_since(t) < timing.election_max);
+            let heard = g.ext.heard.master_at().is_some_and(|t| now.duration_since(t) < timing.election_max);
             match m.current_leader.filter(|l| still_leads(*l, self.id(), reach, voters, heard)) {
                 Some(_) => *l = None,
                 None => {
@@ -329,7 +329,7 @@ impl Node {
         // ping (a killed process's sockets close at once), that
         // moment bounds its death, else the moment the pings failed.
         let lost_since = {
-            let mut l = g.watch.master_lost_since.lock().expect("poisoned");
+            let mut l = g.ext.watch.master_lost_since.lock().expect("poisoned");
             match m.current_leader.filter(|leader| !reach.contains(leader)) {
                 Some(leader) => Some(*l.get_or_insert_with(|| {
                     let seen = self.inner.peers.last_seen(leader);
@@ -413,7 +413,7 @@ impl Node {
             tracing::error!(queue = %g.meta.name, error = %why, "the queue replica's Raft core quit: the replica stops, starts again as a follower and stands for no election for a while (told once until it changes)");
         }
         self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
-        let m = g.watch.metrics.lock().expect("poisoned").borrow().clone();
+        let m = g.ext.watch.metrics.lock().expect("poisoned").borrow().clone();
         g.stop.cancel();
         g.shut_down().await;
         if let Err(e) = step_down(self.inner.db.clone(), group, me).await {
@@ -441,7 +441,7 @@ impl Node {
     /// refuses.
     pub(super) fn elect_after_lease(&self, g: &Arc<QueueGroup>, lost_leader: NodeId, at: Instant) {
         {
-            let mut slot = g.watch.elect_at.lock().expect("poisoned");
+            let mut slot = g.ext.watch.elect_at.lock().expect("poisoned");
             match *slot {
                 Some(t) if t <= at => return,
                 Some(_) => {
@@ -456,7 +456,7 @@ impl Node {
         tokio::spawn(async move {
             let stop = node.inner.stop.clone();
             loop {
-                let Some(at) = *g.watch.elect_at.lock().expect("poisoned") else { return };
+                let Some(at) = *g.ext.watch.elect_at.lock().expect("poisoned") else { return };
                 let now = Instant::now();
                 if now >= at {
                     break;
@@ -479,7 +479,7 @@ impl Node {
                 // counting the master as lost by the next ask: a later ask
                 // goes on the death alone.
                 let lost = if ask == 1 {
-                    g.watch.master_lost_since.lock().expect("poisoned").is_some()
+                    g.ext.watch.master_lost_since.lock().expect("poisoned").is_some()
                 } else {
                     node.is_dead(lost_leader)
                 };
@@ -506,7 +506,7 @@ impl Node {
                     _ = tokio::time::sleep(crate::node::liveness::ELECT_RETRY * ask.min(3)) => {}
                 }
             }
-            *g.watch.elect_at.lock().expect("poisoned") = None;
+            *g.ext.watch.elect_at.lock().expect("poisoned") = None;
         });
     }
 }
@@ -517,8 +517,8 @@ impl Node {
 fn rest_while_held(g: &QueueGroup) {
     g.raft.runtime_config().elect(false);
     g.raft.runtime_config().tick(false);
-    *g.watch.leaderless_since.lock().expect("poisoned") = None;
-    *g.watch.master_lost_since.lock().expect("poisoned") = None;
+    *g.ext.watch.leaderless_since.lock().expect("poisoned") = None;
+    *g.ext.watch.master_lost_since.lock().expect("poisoned") = None;
 }
 
 /// The members of `m`'s membership that may carry the queue on: its

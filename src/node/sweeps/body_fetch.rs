@@ -19,8 +19,8 @@ use crate::node::{Inner, Node, QueueGroup};
 use crate::queue::catchup::Plan;
 use crate::queue::confirm_gate::Standing;
 use crate::queue::QueueMachine;
-use crate::raft::state_machine::stored_applied;
 use crate::queue::QueueRaft;
+use crate::raft::state_machine::stored_applied;
 use crate::wire::ask;
 use crate::wire::{Body, BodyChunk};
 
@@ -345,7 +345,7 @@ impl Inner {
     }
 
     pub(in crate::node) fn sync_control(&self, group: GroupId, run: bool) {
-        if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
+        if let Some(g) = self.groups.get(group) {
             g.sync_run.send_replace(run);
         }
     }
@@ -359,7 +359,7 @@ impl Inner {
         max_bytes: u32,
         totals: bool,
     ) -> Result<BodyChunk, NodeError> {
-        let g = self.groups.read().expect("poisoned").get(&group).cloned();
+        let g = self.groups.get(group);
         let Some(g) = g else { return Err(NodeError::NotLeader { leader: None }) };
         if !g.is_leader(self.id) {
             return Err(NodeError::NotLeader { leader: g.raft.metrics().borrow().current_leader });

@@ -44,7 +44,7 @@ impl Node {
                     if group == METADATA_GROUP {
                         compact(&node.inner.meta_raft).await;
                     } else {
-                        let raft = node.inner.groups.read().expect("poisoned").get(&group).map(|g| g.raft.clone());
+                        let raft = node.inner.groups.get(group).map(|g| g.raft.clone());
                         if let Some(raft) = raft {
                             compact(&raft).await;
                         }

@@ -21,23 +21,8 @@ use super::Clock;
 use crate::error::NodeError;
 use crate::ids::GroupId;
 use crate::node::{Inner, Node};
-use crate::queue::QueueCmd;
 
 const EVERY: Duration = Duration::from_secs(1);
-
-/// Does this command count as using the queue?
-pub(in crate::node) fn is_use(cmd: &QueueCmd) -> bool {
-    matches!(
-        cmd,
-        QueueCmd::Get { .. }
-            | QueueCmd::Consume { .. }
-            | QueueCmd::Status
-            | QueueCmd::Ack { .. }
-            | QueueCmd::AckOf { .. }
-            | QueueCmd::Nack { .. }
-            | QueueCmd::NackOf { .. }
-    )
-}
 
 impl Node {
     pub(in crate::node) fn spawn_expirer(&self) {
@@ -58,15 +43,8 @@ impl Node {
         // Matching policies per queue every second is what a cluster of
         // many queues must not pay when no policy sets an expiry.
         let by_policy = meta.policies.values().any(|p| p.definition.contains("\"expires\""));
-        let groups: Vec<_> = self
-            .inner
-            .groups
-            .read()
-            .expect("poisoned")
-            .values()
-            .filter(|g| by_policy || g.meta.args.expires.is_some())
-            .cloned()
-            .collect();
+        let groups: Vec<_> =
+            self.inner.groups.read().values().filter(|g| by_policy || g.meta.args.expires.is_some()).cloned().collect();
         let now = Instant::now();
         let mut due = Vec::new();
         let mut leading = Vec::new();
@@ -96,7 +74,7 @@ impl Node {
             }
             // Asking took time: still the same queue, still led here, and
             // still unused (a re-declare meanwhile keeps it)?
-            let g = self.inner.groups.read().expect("poisoned").get(&group).cloned();
+            let g = self.inner.groups.get(group);
             let still = g.is_some_and(|g| {
                 g.raft.metrics().borrow().state == ServerState::Leader
                     && g.used.lock().expect("poisoned").elapsed() >= Duration::from_millis(expires)
@@ -126,7 +104,7 @@ impl Inner {
     /// is (RabbitMQ: a redeclare renews the lease).
     pub(in crate::node) fn declared_here(&self, queue: &str) {
         let Some(group) = self.meta.borrow().queues.get(queue).map(|q| q.group) else { return };
-        if let Some(g) = self.groups.read().expect("poisoned").get(&group) {
+        if let Some(g) = self.groups.get(group) {
             *g.used.lock().expect("poisoned") = Instant::now();
         }
     }

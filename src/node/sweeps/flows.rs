@@ -32,7 +32,7 @@ impl Node {
 
     fn sample_flows(&self, at: Instant) {
         let led: Vec<_> = {
-            let groups = self.inner.groups.read().expect("poisoned");
+            let groups = self.inner.groups.read();
             groups
                 .values()
                 .filter(|g| g.is_leader(self.id()))

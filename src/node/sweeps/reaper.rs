@@ -79,7 +79,6 @@ impl Node {
             .inner
             .groups
             .read()
-            .expect("poisoned")
             .values()
             .filter(|g| g.raft.metrics().borrow().state == ServerState::Leader)
             .cloned()

@@ -97,7 +97,7 @@ impl Node {
         now: Instant,
     ) -> Option<bool> {
         let q = &self.inner.quiescence;
-        let mut last = g.watch.quiet_master.lock().expect("poisoned");
+        let mut last = g.ext.watch.quiet_master.lock().expect("poisoned");
         if let Some(master) = q.quiet_master(g.meta.group, m.current_term, self.id(), voters, reach) {
             *last = Some((master, m.current_term, now));
             return Some(true);
@@ -141,7 +141,7 @@ impl Node {
         let now_settled = leading && settled(g, m, me, present, refilling);
         let mark = (m.current_term, m.last_log_index);
         let since = {
-            let mut s = g.watch.settled.lock().expect("poisoned");
+            let mut s = g.ext.watch.settled.lock().expect("poisoned");
             match *s {
                 Some((at, was)) if now_settled && was == mark => Some(at),
                 _ => {
