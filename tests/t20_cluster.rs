@@ -175,7 +175,7 @@ async fn confirm_waits_for_the_slowest_replica() {
     let (slow, fast) = (mirrors[0], mirrors[1]);
 
     tracing::info!(master, slow, "--- hold the master's traffic to one mirror");
-    c.node(master).transport().control.block(slow);
+    c.node(master).block(slow);
     let publisher = {
         let node = c.node(master).clone();
         tokio::spawn(async move { node.publish("q3", vec![msg("held")]).await })
@@ -189,7 +189,7 @@ async fn confirm_waits_for_the_slowest_replica() {
     assert!(!bodies(&c.node(slow).local_messages("q3").await.unwrap()).contains(b"held".as_slice()));
 
     tracing::info!("--- release: the confirm follows the slow mirror's fsync");
-    c.node(master).transport().control.unblock(slow);
+    c.node(master).unblock(slow);
     tokio::time::timeout(Duration::from_secs(10), publisher).await.expect("confirm after release").unwrap().unwrap();
     assert!(bodies(&c.node(slow).local_messages("q3").await.unwrap()).contains(b"held".as_slice()));
     c.shutdown().await;
@@ -370,7 +370,7 @@ async fn unreachable_mirror_leaves_and_rejoins_the_synchronised_set() {
     c.node(1).publish("q4", vec![msg("a")]).await.unwrap();
     let master = c.master_of("q4").await;
     let slow = (1..=3).find(|id| *id != master).unwrap();
-    c.node(master).transport().control.block(slow);
+    c.node(master).block(slow);
     tracing::info!("--- publishes complete once the blocked mirror times out");
     tokio::time::timeout(Duration::from_secs(10), c.node(master).publish("q4", vec![msg("b")]))
         .await
@@ -380,7 +380,7 @@ async fn unreachable_mirror_leaves_and_rejoins_the_synchronised_set() {
     assert!(!info.synchronised.contains(&slow), "blocked mirror still counted: {info:?}");
     assert_eq!(info.synchronised.len(), 2);
 
-    c.node(master).transport().control.unblock(slow);
+    c.node(master).unblock(slow);
     let m = c.node(master).clone();
     wait_until(Duration::from_secs(10), "mirror synchronised again", || {
         m.queue_info("q4").unwrap().synchronised.contains(&slow)

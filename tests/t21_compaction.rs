@@ -123,8 +123,8 @@ async fn a_write_left_on_a_deposed_master_is_answered_when_a_snapshot_covers_it(
     common::publish_retrying(c.node(1), "q", b"first".to_vec()).await;
     assert_eq!(c.master_of("q").await, 1);
     for id in [2, 3] {
-        c.node(1).transport().control.block(id);
-        c.node(id).transport().control.block(1);
+        c.node(1).block(id);
+        c.node(id).block(1);
     }
     let stranded = {
         let node = c.node(1).clone();
@@ -146,8 +146,8 @@ async fn a_write_left_on_a_deposed_master_is_answered_when_a_snapshot_covers_it(
         panic!("the cut-off master answered a publish it could not commit: {:?}", stranded.await);
     }
     for id in [2, 3] {
-        c.node(1).transport().control.unblock(id);
-        c.node(id).transport().control.unblock(1);
+        c.node(1).unblock(id);
+        c.node(id).unblock(1);
     }
     wait_until(Duration::from_secs(20), "the old master installed the snapshot", || {
         c.node(1).queue_raft("q").is_some_and(|r| r.metrics().borrow().purged.is_some_and(|p| p.index >= 1100))

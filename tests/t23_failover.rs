@@ -26,11 +26,11 @@ fn split(c: &Cluster, left: &[u64], right: &[u64], cut: bool) {
     for a in left {
         for b in right {
             for (x, y) in [(*a, *b), (*b, *a)] {
-                let control = &c.node(x).transport().control;
+                let n = c.node(x);
                 if cut {
-                    control.block(y)
+                    n.block(y)
                 } else {
-                    control.unblock(y)
+                    n.unblock(y)
                 }
             }
         }
@@ -150,8 +150,8 @@ async fn messages_only_the_old_epoch_has_are_handed_back() {
 
     tracing::info!("--- node 3 is cut off; 1 and 2 go on with more messages");
     for id in [1, 2] {
-        c.node(id).transport().control.block(3);
-        c.node(3).transport().control.block(id);
+        c.node(id).block(3);
+        c.node(3).block(id);
     }
     for i in 0..4 {
         publish_retrying(c.node(1), "q", format!("b{i}").into_bytes()).await;
@@ -163,8 +163,8 @@ async fn messages_only_the_old_epoch_has_are_handed_back() {
 
     tracing::info!("--- the partition heals");
     for id in [1, 2] {
-        c.node(id).transport().control.unblock(3);
-        c.node(3).transport().control.unblock(id);
+        c.node(id).unblock(3);
+        c.node(3).unblock(id);
     }
     wait_until(Duration::from_secs(40), "one group again", || {
         (1..=3).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3])))
@@ -197,8 +197,8 @@ async fn the_minoritys_fork_yields_to_a_majority_that_kept_serving() {
 
     tracing::info!("--- node 3 is cut off; 1 and 2 consume half the queue and take more");
     for id in [1, 2] {
-        c.node(id).transport().control.block(3);
-        c.node(3).transport().control.block(id);
+        c.node(id).block(3);
+        c.node(3).block(id);
     }
     let n1 = c.node(1).clone();
     let taken: Vec<String> = n1
@@ -220,8 +220,8 @@ async fn the_minoritys_fork_yields_to_a_majority_that_kept_serving() {
 
     tracing::info!("--- the partition heals");
     for id in [1, 2] {
-        c.node(id).transport().control.unblock(3);
-        c.node(3).transport().control.unblock(id);
+        c.node(id).unblock(3);
+        c.node(3).unblock(id);
     }
     wait_until(Duration::from_secs(40), "one group again, with c0 handed back", || {
         (1..=3).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3])))
@@ -320,7 +320,7 @@ async fn an_unanswered_get_does_not_consume_across_re_formation() {
     // and waits out the failure timeout before re-forming (a death it can
     // see, it re-forms at once, before the get below would be sent).
     for id in [2, 3] {
-        c.node(1).transport().control.block(id);
+        c.node(1).block(id);
     }
     c.crash(2).await;
     c.crash(3).await;
@@ -350,8 +350,8 @@ async fn a_delivery_before_a_re_form_comes_back_redelivered_and_its_old_tag_sett
     }
     assert_eq!(c.master_of("q").await, 1);
     wait_until(Duration::from_secs(10), "node 3 has both", || c.node(3).queue_info("q").unwrap().ready == 2).await;
-    c.node(1).transport().control.block(3);
-    c.node(3).transport().control.block(1);
+    c.node(1).block(3);
+    c.node(3).block(1);
     let old = c.node(1).get("q", 7, 1, false).await.unwrap();
     assert_eq!((old.len(), old[0].redelivered), (1, false));
     c.crash(1).await;
@@ -550,7 +550,7 @@ async fn the_first_node_back_after_a_whole_cluster_stop_does_not_fork_the_queue(
     // ports refuse and rightly re-form before its own turn came.
     for id in 1..=3 {
         for peer in (1..=3).filter(|p| *p != id) {
-            c.node(id).transport().control.block(peer);
+            c.node(id).block(peer);
         }
     }
     c.crash(1).await;
@@ -662,8 +662,8 @@ async fn refused_publishes_do_not_shift_what_a_healing_replica_hands_back() {
 
     tracing::info!("--- node 3 is cut off; 1 and 2 fill the queue past its limit and take a1");
     for id in [1, 2] {
-        c.node(id).transport().control.block(3);
-        c.node(3).transport().control.block(id);
+        c.node(id).block(3);
+        c.node(3).block(id);
     }
     let n1 = c.node(1).clone();
     publish_retrying(&n1, "lim", b"b1".to_vec()).await;
@@ -690,8 +690,8 @@ async fn refused_publishes_do_not_shift_what_a_healing_replica_hands_back() {
     c.restart(1).await;
     c.restart(2).await;
     for id in [1, 2] {
-        c.node(id).transport().control.unblock(3);
-        n3.transport().control.unblock(id);
+        c.node(id).unblock(3);
+        n3.unblock(id);
     }
     wait_until(Duration::from_secs(40), "one group again", || {
         (1..=3).all(|id| c.node(id).queue_members("lim") == Some(BTreeSet::from([1, 2, 3])))
@@ -732,7 +732,7 @@ async fn a_one_way_cut_does_not_unseat_a_healthy_master() {
     let won_before = [won(1), won(3)];
 
     for id in [1, 3] {
-        c.node(id).transport().control.block(2);
+        c.node(id).block(2);
         c.node(2).transport().deafen(&c.configs[id as usize - 1].raft_listen, true);
     }
     // Several election timeouts and the failure timeout, with publishes.
@@ -757,7 +757,7 @@ async fn a_one_way_cut_does_not_unseat_a_healthy_master() {
     assert_eq!(m.current_term, meta_term, "the metadata leader was disturbed (term moved)");
     assert_eq!([won(1), won(3)], won_before, "an election was won during the cut");
     for id in [1, 3] {
-        c.node(id).transport().control.unblock(2);
+        c.node(id).unblock(2);
         c.node(2).transport().deafen(&c.configs[id as usize - 1].raft_listen, false);
     }
     // Healed: node 2 (which re-formed the queue alone, hearing no one)
@@ -805,8 +805,8 @@ async fn five_messages_everywhere(n: u64) -> Cluster {
 async fn node_3_forks_alone(c: &Cluster, queue: &str, via: u64) -> mirrorq::Node {
     tracing::info!("--- node 3 is cut off and re-forms alone");
     for id in [1, 2] {
-        c.node(id).transport().control.block(3);
-        c.node(3).transport().control.block(id);
+        c.node(id).block(3);
+        c.node(3).block(id);
     }
     publish_retrying(c.node(via), queue, b"b0".to_vec()).await;
     let n3 = c.node(3).clone();
@@ -833,8 +833,8 @@ async fn a_fork_of_a_fork_yields_too(restart_master: bool) {
     let (majority, minority) = ([1u64, 2, 3], [4u64, 5]);
     for a in majority {
         for b in minority {
-            c.node(a).transport().control.block(b);
-            c.node(b).transport().control.block(a);
+            c.node(a).block(b);
+            c.node(b).block(a);
         }
     }
     for i in 0..3 {
@@ -864,8 +864,8 @@ async fn a_fork_of_a_fork_yields_too(restart_master: bool) {
 
     tracing::info!("--- the former's cut heals: its epoch yields");
     for a in majority {
-        c.node(a).transport().control.unblock(former);
-        f.transport().control.unblock(a);
+        c.node(a).unblock(former);
+        f.unblock(a);
     }
     wait_until(Duration::from_secs(40), "the former follows the majority's master", || {
         f.queue_info("q").ok().and_then(|i| i.leader).is_some_and(|l| majority.contains(&l))
@@ -884,7 +884,7 @@ async fn a_fork_of_a_fork_yields_too(restart_master: bool) {
 
     tracing::info!("--- the stopped one returns in its old epoch");
     for a in majority {
-        c.node(a).transport().control.unblock(other);
+        c.node(a).unblock(other);
     }
     c.restart(other).await;
     wait_until(Duration::from_secs(60), "one group of five, serving", || {
@@ -923,15 +923,15 @@ async fn a_restarted_mirror_does_not_heal_alone_into_a_minoritys_fork() {
     publish_retrying(&n3, "q", b"c0".to_vec()).await;
 
     tracing::info!("--- node 2 restarts hearing the fork, not yet its master");
-    c.node(1).transport().control.block(2);
+    c.node(1).block(2);
     c.crash(2).await;
-    n3.transport().control.unblock(2);
+    n3.unblock(2);
     c.restart(2).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     tracing::info!("--- everything heals");
-    c.node(1).transport().control.unblock(2);
-    c.node(1).transport().control.unblock(3);
-    n3.transport().control.unblock(1);
+    c.node(1).unblock(2);
+    c.node(1).unblock(3);
+    n3.unblock(1);
     wait_until(Duration::from_secs(40), "one group again under master 1", || {
         (1..=3).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3])))
             && (1..=3).all(|id| c.node(id).queue_info("q").ok().and_then(|i| i.leader) == Some(1))
@@ -975,7 +975,7 @@ async fn a_replica_moved_away_is_not_told_so_by_a_minoritys_fork() {
         c.node(1).metadata().queues.get("mv.q").is_some_and(|q| !q.replicas.contains(&1))
     })
     .await;
-    c.node(1).transport().control.unblock(3);
+    c.node(1).unblock(3);
     // Many reconciler rounds, each asking the replicas that stay.
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert!(
@@ -1001,11 +1001,11 @@ async fn a_replica_left_alone_in_a_yielded_fork_without_its_record_yields_too() 
     tracing::info!("--- partition {{1,2,3}} | {{4,5}}; node 4 cannot reach node 5 either");
     for a in majority {
         for b in [4, 5] {
-            c.node(a).transport().control.block(b);
-            c.node(b).transport().control.block(a);
+            c.node(a).block(b);
+            c.node(b).block(a);
         }
     }
-    c.node(4).transport().control.block(5);
+    c.node(4).block(5);
     publish_retrying(c.node(1), "q", b"b0".to_vec()).await;
     let (n4, n5) = (c.node(4).clone(), c.node(5).clone());
     wait_until(Duration::from_secs(30), "node 4 re-formed alone", || {
@@ -1020,8 +1020,8 @@ async fn a_replica_left_alone_in_a_yielded_fork_without_its_record_yields_too() 
 
     tracing::info!("--- node 4's cut heals: its epoch yields");
     for a in majority {
-        c.node(a).transport().control.unblock(4);
-        n4.transport().control.unblock(a);
+        c.node(a).unblock(4);
+        n4.unblock(a);
     }
     wait_until(Duration::from_secs(40), "node 4 follows the majority's master", || {
         n4.replica_epoch("q") != Some(fork)
@@ -1051,15 +1051,15 @@ async fn a_replica_left_alone_in_a_yielded_fork_without_its_record_yields_too() 
 
     tracing::info!("--- node 5's cut heals");
     for a in &others {
-        c.node(*a).transport().control.unblock(5);
-        n5.transport().control.unblock(*a);
+        c.node(*a).unblock(5);
+        n5.unblock(*a);
     }
     wait_until(Duration::from_secs(40), "node 5 left the fork and follows the group's master", || {
         n5.replica_epoch("q") != Some(fork)
             && n5.queue_info("q").ok().and_then(|i| i.leader).is_some_and(|l| others.contains(&l))
     })
     .await;
-    n5.transport().control.unblock(judge);
+    n5.unblock(judge);
     c.restart(judge).await;
     wait_until(Duration::from_secs(60), "one group of five, serving", || {
         (1..=5).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3, 4, 5])))
@@ -1091,8 +1091,8 @@ async fn a_fork_whose_record_entry_never_committed_still_yields() {
 
     tracing::info!("--- the cut heals");
     for id in [1, 2] {
-        c.node(id).transport().control.unblock(3);
-        n3.transport().control.unblock(id);
+        c.node(id).unblock(3);
+        n3.unblock(id);
     }
     wait_until(Duration::from_secs(40), "node 3 left its fork and follows the majority's master", || {
         n3.replica_epoch("q") != Some(fork)

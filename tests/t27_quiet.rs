@@ -315,8 +315,8 @@ async fn a_quiet_group_whose_master_is_cut_off_fails_over() {
     init_tracing();
     let (c, master, mirrors) = quiet_queue("q").await;
     for m in &mirrors {
-        c.node(*m).transport().control.block(master);
-        c.node(master).transport().control.block(*m);
+        c.node(*m).block(master);
+        c.node(master).block(*m);
     }
     let n = c.node(mirrors[0]).clone();
     wait_until(Duration::from_secs(20), "a mirror becomes master", || {

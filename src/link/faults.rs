@@ -1,6 +1,7 @@
 //! The link's test seams, in one place: a peer cut off from this node
 //! (every call to it fails as if it were unreachable, and a probe proves
-//! nothing, as in a partition), and links that lose every reply. Without
+//! nothing, as in a partition), and links that lose every reply. The
+//! transport applies them itself, so no caller checks for them. Without
 //! the `test-hooks` feature they hold nothing and every check is a
 //! constant `false`: a release binary carries no test checks on its paths.
 
@@ -11,36 +12,34 @@ use std::sync::atomic::{AtomicBool, Ordering};
 #[cfg(feature = "test-hooks")]
 use std::sync::{Arc, RwLock};
 
-use crate::ids::NodeId;
-
-/// Peers this node's calls are cut off from.
+/// Peers (by address) this node's calls are cut off from.
 #[derive(Default)]
-pub struct NetControl {
+pub(super) struct NetControl {
     #[cfg(feature = "test-hooks")]
-    blocked: RwLock<HashSet<NodeId>>,
+    blocked: RwLock<HashSet<String>>,
 }
 
 impl NetControl {
-    /// Hold back every call to `peer` (a test's one-way cut).
+    /// Hold back every call to `addr` (a test's one-way cut).
     #[cfg(feature = "test-hooks")]
-    pub fn block(&self, peer: NodeId) {
-        self.blocked.write().expect("poisoned").insert(peer);
+    pub(super) fn block(&self, addr: &str) {
+        self.blocked.write().expect("poisoned").insert(addr.to_string());
     }
 
     #[cfg(feature = "test-hooks")]
-    pub fn unblock(&self, peer: NodeId) {
-        self.blocked.write().expect("poisoned").remove(&peer);
+    pub(super) fn unblock(&self, addr: &str) {
+        self.blocked.write().expect("poisoned").remove(addr);
     }
 
     #[inline]
-    pub fn is_blocked(&self, peer: NodeId) -> bool {
+    pub(super) fn is_blocked(&self, addr: &str) -> bool {
         #[cfg(feature = "test-hooks")]
         {
-            self.blocked.read().expect("poisoned").contains(&peer)
+            self.blocked.read().expect("poisoned").contains(addr)
         }
         #[cfg(not(feature = "test-hooks"))]
         {
-            let _ = peer;
+            let _ = addr;
             false
         }
     }

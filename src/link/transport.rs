@@ -22,8 +22,7 @@ use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
 use super::auth::{self, ClusterSecret};
 use super::beacon::{self, Beacon};
-use super::faults::Deafness;
-pub use super::faults::NetControl;
+use super::faults::{Deafness, NetControl};
 use super::frame::{self, MAX_FRAME};
 use crate::tls::{LinkIo, LinkTls};
 
@@ -55,7 +54,8 @@ pub struct Transport {
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     /// Where pings go out (`beacon.rs`); without one they share the link.
     beacon: Option<Arc<Beacon>>,
-    pub control: NetControl,
+    /// Peers a test cut this node off from.
+    control: NetControl,
     /// The address of each peer whose connection broke by itself, as it breaks.
     losses: broadcast::Sender<String>,
     /// Proved on every connection dialled (`auth.rs`), when the cluster has one.
@@ -122,6 +122,7 @@ impl Transport {
         req: &Req,
         timeout: Duration,
     ) -> Result<Resp, CallError> {
+        self.reachable(addr)?;
         let peer = self.peer(addr);
         match tokio::time::timeout(timeout, peer.call(req)).await {
             Ok(r) => r,
@@ -137,6 +138,7 @@ impl Transport {
         Req: Serialize + Send + Sync + 'static,
         Resp: DeserializeOwned + Send + 'static,
     {
+        self.reachable(addr)?;
         let Some(beacon) = &self.beacon else { return self.call(addr, &req, timeout).await };
         let peer = self.peer(addr);
         let timed_out = CallError::Timeout(addr.to_string());
@@ -159,6 +161,7 @@ impl Transport {
         addr: &str,
         req: &Req,
     ) -> Result<Pending<Resp>, CallError> {
+        self.reachable(addr)?;
         let rx = self.peer(addr).start_call(req).await?;
         Ok(Pending { rx, addr: addr.to_string(), reply: std::marker::PhantomData })
     }
@@ -171,6 +174,32 @@ impl Transport {
         let peer = self.peers.lock().expect("poisoned").get(addr).cloned()?;
         let lost = *peer.lost_at.lock().expect("poisoned");
         lost
+    }
+
+    /// An error for a call to a peer a test cut this node off from.
+    #[inline]
+    fn reachable(&self, addr: &str) -> Result<(), CallError> {
+        if self.control.is_blocked(addr) {
+            return Err(CallError::Unreachable(addr.to_string(), "blocked by test hook".into()));
+        }
+        Ok(())
+    }
+
+    /// Whether a test cut this node off from `addr`: a dial there stands
+    /// for one into a partition, which proves nothing.
+    pub fn is_cut_off(&self, addr: &str) -> bool {
+        self.control.is_blocked(addr)
+    }
+
+    /// Fail every call to `addr` as unreachable (a test's one-way cut).
+    #[cfg(feature = "test-hooks")]
+    pub fn block(&self, addr: &str) {
+        self.control.block(addr);
+    }
+
+    #[cfg(feature = "test-hooks")]
+    pub fn unblock(&self, addr: &str) {
+        self.control.unblock(addr);
     }
 
     /// Let requests to the node at `addr` go out but lose every reply (a
@@ -499,5 +528,26 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(lost.is_some_and(|at| at >= before), "the closed link was not noticed");
+    }
+
+    /// A test's cut holds in the link itself: every kind of call to the
+    /// peer fails as unreachable without a dial, whoever calls.
+    #[cfg(feature = "test-hooks")]
+    #[tokio::test]
+    async fn a_peer_cut_off_is_unreachable_to_every_call_and_never_dialled() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let t = Transport::new();
+        t.block(&addr);
+        assert!(t.is_cut_off(&addr));
+        let wait = Duration::from_millis(200);
+        assert!(matches!(t.start_call::<_, ()>(&addr, "x").await, Err(CallError::Unreachable(..))));
+        assert!(matches!(t.call::<_, ()>(&addr, "x", wait).await, Err(CallError::Unreachable(..))));
+        assert!(matches!(t.ping::<_, ()>(&addr, "x".to_string(), wait).await, Err(CallError::Unreachable(..))));
+        assert!(tokio::time::timeout(wait, listener.accept()).await.is_err(), "a peer cut off was dialled");
+        t.unblock(&addr);
+        assert!(!t.is_cut_off(&addr));
+        let _reply: Pending<()> = t.start_call(&addr, "x").await.unwrap();
+        assert!(tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.is_ok(), "mended: not dialled");
     }
 }

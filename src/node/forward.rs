@@ -255,8 +255,7 @@ impl Node {
         cmds: Vec<QueueCmd>,
         lane: Lane,
     ) -> (Option<Started>, Vec<QueueCmd>) {
-        let addr = if self.inner.transport.control.is_blocked(target) { None } else { self.inner.addr_of(target) };
-        let Some(addr) = addr else { return (None, cmds) };
+        let Some(addr) = self.inner.addr_of(target) else { return (None, cmds) };
         let req = RpcRequest::from(ask::Queue { group, cmds, lane });
         let started = self.inner.transport.start_call(&addr, &req).await;
         let RpcRequest::Queue(ask::Queue { cmds, .. }) = req else { unreachable!() };
@@ -424,11 +423,6 @@ impl Inner {
         self.meta_raft.metrics().borrow().membership_config.membership().get_node(&id).map(|n| n.addr.clone())
     }
 
-    /// When the link to `id` broke by itself, if it is broken now.
-    pub(super) fn link_lost_at(&self, id: NodeId) -> Option<Instant> {
-        self.transport.link_lost_at(&self.addr_of(id)?)
-    }
-
     /// Ask `target` and wait for the answer `req` expects.
     pub(super) async fn ask<A: Ask>(&self, target: NodeId, req: A, deadline: Instant) -> Result<A::Reply, AskError> {
         let addr = self.link_addr(target)?;
@@ -437,11 +431,8 @@ impl Inner {
         typed::<A>(answer)
     }
 
-    /// Where to reach `target` on the node link, unless a test cut it off.
+    /// Where to reach `target` on the node link.
     fn link_addr(&self, target: NodeId) -> Result<String, CallError> {
-        if self.transport.control.is_blocked(target) {
-            return Err(CallError::Unreachable(format!("node {target}"), "blocked by test hook".into()));
-        }
         self.addr_of(target).ok_or_else(|| CallError::Unreachable(format!("node {target}"), "address unknown".into()))
     }
 

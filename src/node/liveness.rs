@@ -10,7 +10,7 @@
 //! Whether a peer is alive is decided in `peers`; this is how the node
 //! feeds it (link losses, pings through [`Prober`]) and acts on a death.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use openraft::ServerState;
 use tokio::sync::broadcast::error::RecvError;
@@ -31,11 +31,11 @@ impl Prober for Node {
     }
 
     fn probe_addr(&self, id: NodeId) -> Option<String> {
-        // A link a test cut stands for a partition, where dials go unanswered.
-        if self.inner.transport.control.is_blocked(id) {
-            return None;
-        }
-        self.inner.addr_of(id)
+        self.inner.addr_of(id).filter(|addr| !self.inner.transport.is_cut_off(addr))
+    }
+
+    fn link_lost_at(&self, id: NodeId) -> Option<Instant> {
+        self.inner.transport.link_lost_at(&self.inner.addr_of(id)?)
     }
 }
 

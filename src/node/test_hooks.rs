@@ -106,6 +106,18 @@ impl Node {
         self.inner.refill.lock().expect("poisoned").is_some()
     }
 
+    /// Fail every call from this node to `peer` as unreachable, and make
+    /// its dials prove nothing (a test's one-way cut; `unblock` mends it).
+    pub fn block(&self, peer: NodeId) {
+        let addr = self.inner.addr_of(peer).expect("the peer's address is known");
+        self.inner.transport.block(&addr);
+    }
+
+    pub fn unblock(&self, peer: NodeId) {
+        let addr = self.inner.addr_of(peer).expect("the peer's address is known");
+        self.inner.transport.unblock(&addr);
+    }
+
     /// The metadata group's Raft handle.
     pub fn metadata_raft(&self) -> &crate::metadata::MetaRaft {
         &self.inner.meta_raft

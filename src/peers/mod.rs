@@ -1,6 +1,6 @@
 //! Whether each peer is alive: the one place that decides it.
 //!
-//! Evidence comes in three kinds, each recorded here and nowhere else:
+//! Evidence comes in four kinds, weighed here and nowhere else:
 //!
 //! - a **round of pings** (`Peers::round`): the peers that answer are in
 //!   reach, and seen at the round's start;
@@ -10,7 +10,10 @@
 //!   (SIGSTOP) does not refuse, and stays judged by the pings and Raft's
 //!   timers, so a partition cannot unseat a master faster than they do;
 //! - a **notice of departure**: a peer that said, in one of its lives, that
-//!   it is stopping, counts as stopping until it is heard in another life.
+//!   it is stopping, counts as stopping until it is heard in another life;
+//! - a **link that broke by itself** (read through the [`Prober`] from
+//!   the node link's record): the peer was up until then, and a killed
+//!   process's sockets close at once, so it bounds when the peer died.
 //!
 //! Readers get one view, [`PeerNews`], as a `watch` ([`Peers::subscribe`]):
 //! the confirm gates judge members by it, and the failure watch, the
@@ -64,6 +67,8 @@ pub trait Prober: Sync {
     /// can prove anything (address unknown, or the link cut by a test,
     /// which stands for a partition where dials go unanswered).
     fn probe_addr(&self, id: NodeId) -> Option<String>;
+    /// When this node's link to `id` broke by itself, if it is broken now.
+    fn link_lost_at(&self, id: NodeId) -> Option<Instant>;
 }
 
 /// What a round of pings found.
@@ -127,15 +132,26 @@ impl Peers {
 
     /// Whether `id`'s death is proof that it went, not that it has yet to
     /// come: its port refuses, and it was up during this node's life (it
-    /// answered a ping or pinged us, or `link_broke`: a link to it was up),
+    /// answered a ping or pinged us, or a link to it was up and broke),
     /// or this node has been up for `settle` (a peer that takes longer to
     /// come back is treated as gone). A peer not heard from since this
     /// node started may just not be up yet: every node coming back from a
     /// whole-cluster power cut refuses the others' first dials.
-    pub fn gone_for_sure(&self, id: NodeId, link_broke: bool, settle: Duration) -> bool {
+    pub fn gone_for_sure(&self, prober: &impl Prober, id: NodeId, settle: Duration) -> bool {
+        let link_broke = prober.link_lost_at(id).is_some();
         let s = self.state();
         s.dead.contains_key(&id)
             && (link_broke || self.born.elapsed() >= settle || s.seen.contains_key(&id) || s.lives.contains_key(&id))
+    }
+
+    /// The latest moment `id`, out of reach now, can have died: when its
+    /// link broke by itself after it last answered a ping (a killed
+    /// process's sockets close at once), else `now`.
+    pub fn died_by(&self, prober: &impl Prober, id: NodeId, now: Instant) -> Instant {
+        match (prober.link_lost_at(id), self.last_seen(id)) {
+            (Some(lost), Some(seen)) if lost > seen => lost.min(now),
+            _ => now,
+        }
     }
 
     /// The peers in reach by a round of pings no older than a few hundred
@@ -309,6 +325,7 @@ mod tests {
     struct Scripted {
         answers: BTreeSet<NodeId>,
         addrs: HashMap<NodeId, String>,
+        lost: HashMap<NodeId, Instant>,
     }
 
     impl Prober for Scripted {
@@ -317,6 +334,9 @@ mod tests {
         }
         fn probe_addr(&self, id: NodeId) -> Option<String> {
             self.addrs.get(&id).cloned()
+        }
+        fn link_lost_at(&self, id: NodeId) -> Option<Instant> {
+            self.lost.get(&id).copied()
         }
     }
 
@@ -337,6 +357,7 @@ mod tests {
         let mut prober = Scripted {
             answers: BTreeSet::from([2]),
             addrs: HashMap::from([(3, closed_port()), (4, listening.local_addr().unwrap().to_string())]),
+            lost: HashMap::new(),
         };
         let p = Peers::new(1);
         let r = p.round(&prober, &[2, 3, 4]).await;
@@ -363,16 +384,38 @@ mod tests {
     /// power cut, every peer refuses only because it is not up yet.
     #[tokio::test]
     async fn a_peer_never_heard_in_this_life_is_not_gone_for_sure_until_this_node_settles() {
-        let prober =
-            Scripted { answers: BTreeSet::new(), addrs: HashMap::from([(2, closed_port()), (3, closed_port())]) };
+        let mut prober = Scripted {
+            answers: BTreeSet::new(),
+            addrs: HashMap::from([(2, closed_port()), (3, closed_port())]),
+            lost: HashMap::new(),
+        };
         let p = Peers::new(1);
         p.heard_life(3, 4);
         assert!(p.probe(&prober, 2).await && p.probe(&prober, 3).await);
         let settle = Duration::from_secs(3600);
-        assert!(!p.gone_for_sure(2, false, settle), "never heard: may just not be up yet");
-        assert!(p.gone_for_sure(2, true, settle), "a link to it was up and broke");
-        assert!(p.gone_for_sure(3, false, settle), "it pinged this node in this life");
-        assert!(p.gone_for_sure(2, false, Duration::ZERO), "this node has been up for the settle time");
-        assert!(!p.gone_for_sure(4, true, Duration::ZERO), "not dead at all");
+        assert!(!p.gone_for_sure(&prober, 2, settle), "never heard: may just not be up yet");
+        assert!(p.gone_for_sure(&prober, 3, settle), "it pinged this node in this life");
+        assert!(p.gone_for_sure(&prober, 2, Duration::ZERO), "this node has been up for the settle time");
+        prober.lost = HashMap::from([(2, Instant::now()), (4, Instant::now())]);
+        assert!(p.gone_for_sure(&prober, 2, settle), "a link to it was up and broke");
+        assert!(!p.gone_for_sure(&prober, 4, Duration::ZERO), "not dead at all");
+    }
+
+    /// A peer out of reach died no later than its link broke, if that was
+    /// after it last answered; otherwise all that is known is "by now".
+    #[tokio::test]
+    async fn a_link_that_broke_after_the_last_answer_bounds_the_death() {
+        let mut prober = Scripted { answers: BTreeSet::from([2]), addrs: HashMap::new(), lost: HashMap::new() };
+        let p = Peers::new(1);
+        let before = Instant::now();
+        p.round(&prober, &[2]).await;
+        let now = Instant::now() + Duration::from_secs(5);
+        assert_eq!(p.died_by(&prober, 2, now), now, "no broken link: only now");
+        prober.lost.insert(2, before);
+        assert_eq!(p.died_by(&prober, 2, now), now, "it broke before the last answer: it proves nothing");
+        let broke = Instant::now() + Duration::from_secs(1);
+        prober.lost.insert(2, broke);
+        assert_eq!(p.died_by(&prober, 2, now), broke, "it broke after the last answer");
+        assert_eq!(p.died_by(&prober, 2, broke - Duration::from_millis(1)), broke - Duration::from_millis(1));
     }
 }

@@ -105,10 +105,6 @@ type RpcErr<E = openraft::error::Infallible> = RPCError<NodeId, BasicNode, RaftE
 
 impl<C: Carried> GroupNetwork<C> {
     async fn send<E: std::error::Error>(&self, req: RpcRequest, ttl: Duration) -> Result<RpcResponse, RpcErr<E>> {
-        if self.transport.control.is_blocked(self.target) {
-            let e = CallError::Unreachable(self.addr.clone(), "blocked by test hook".into());
-            return Err(RPCError::Unreachable(Unreachable::new(&e)));
-        }
         match self.transport.call(&self.addr, &req, ttl).await {
             Ok(RpcResponse::UnknownGroup(g)) => {
                 let e = CallError::Unreachable(self.addr.clone(), format!("group {g} not hosted (yet)"));

@@ -465,6 +465,8 @@ class Cluster:
     def __init__(self, args, net, root, secret):
         self.net = net
         self.rabbit = args.broker == "rabbitmq"
+        # The mirroring policy's keys besides the mode (ha-promote-on-failure).
+        self.ha = {"ha-promote-on-failure": args.promote_on_failure} if args.promote_on_failure else {}
         kind = RabbitNode if self.rabbit else Node
         self.nodes = {i: kind(i, args, net, root, secret) for i in range(1, args.nodes + 1)}
         self.anomalies = []
@@ -570,7 +572,7 @@ def setup_broker(c):
                                                    "arguments": {"x-queue-type": "quorum"}}) for q in QUEUES]
     else:
         calls += [("PUT", "/api/policies/%2F/ha",
-                   {"pattern": ".*", "definition": {"ha-mode": "all"}, "apply-to": "queues"})]
+                   {"pattern": ".*", "definition": {"ha-mode": "all", **c.ha}, "apply-to": "queues"})]
         calls += [("PUT", f"/api/queues/%2F/{q}", {"durable": True, "auto_delete": False, "arguments": {}})
                   for q in QUEUES]
     for method, path, body in calls:
@@ -911,7 +913,7 @@ def run_fault(f, c, net, ctl):
         c.sleep(f["hold"])
     elif kind == "move":
         names = [f"mirrorq@{i}" for i in nodes]
-        body = {"pattern": "^fq1$", "definition": {"ha-mode": "nodes", "ha-params": names},
+        body = {"pattern": "^fq1$", "definition": {"ha-mode": "nodes", "ha-params": names, **c.ha},
                 "priority": 10, "apply-to": "queues"}
         status, _ = c.api("PUT", "/api/policies/%2F/mqf-move", body)
         say(f"  fq1 to {names}: {status}")
@@ -1163,7 +1165,8 @@ def run_one(args, seed, root):
         setup_broker(c)
 
         spec = {"addrs": {str(i): net.addr(i) for i in c.nodes}, "out": out, "ctl": ctl, "t0": T0,
-                "run": run, "rate": args.rate, "consume_rate": args.consume_rate}
+                "run": run, "rate": args.rate, "consume_rate": args.consume_rate,
+                "promote_on_failure": args.promote_on_failure}
         with open(os.path.join(root, "spec.json"), "w") as f:
             json.dump(spec, f)
         with open(os.path.join(root, "clients.log"), "ab") as log:
@@ -1564,6 +1567,9 @@ def main():
                     help="never kill all nodes but one (the classic demo)")
     ap.add_argument("--faults", type=lambda s: s.split(","), default=None,
                     help=f"only these fault kinds, comma-separated, of {','.join(FAULT_KINDS)}")
+    ap.add_argument("--promote-on-failure", choices=["always", "when-synced"], default=None,
+                    help="the policy's ha-promote-on-failure (mirrorq; default: the policy's default, always): "
+                         "when-synced keeps a minority from re-forming a queue, as a quorum queue's does")
     ap.add_argument("--faultfs", help="the faultfs binary: every data dir on it, and disk faults in the schedule")
     ap.add_argument("--faultfs-mode", choices=["strict", "ordered"], default="strict",
                     help="strict: a new or renamed name is durable only once its directory is synced; "

@@ -331,13 +331,7 @@ impl Node {
         let lost_since = {
             let mut l = g.ext.watch.master_lost_since.lock().expect("poisoned");
             match m.current_leader.filter(|leader| !reach.contains(leader)) {
-                Some(leader) => Some(*l.get_or_insert_with(|| {
-                    let seen = self.inner.peers.last_seen(leader);
-                    match (self.inner.link_lost_at(leader), seen) {
-                        (Some(lost), Some(seen)) if lost > seen => lost.min(now),
-                        _ => now,
-                    }
-                })),
+                Some(leader) => Some(*l.get_or_insert_with(|| self.inner.peers.died_by(self, leader, now))),
                 None => {
                     *l = None;
                     None
@@ -380,10 +374,10 @@ impl Node {
         // came up first, which a damaged dir set aside can strand. It
         // was up if it answered a ping or a link to it broke; after a
         // failure timeout here, a refusing port is a death either way.
-        let all_dead = voters.iter().filter(|v| !reach.contains(v)).all(|v| {
-            let link_broke = self.inner.link_lost_at(*v).is_some();
-            self.inner.peers.gone_for_sure(*v, link_broke, timing.failure_timeout)
-        });
+        let all_dead = voters
+            .iter()
+            .filter(|v| !reach.contains(v))
+            .all(|v| self.inner.peers.gone_for_sure(self, *v, timing.failure_timeout));
         let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
         without_majority >= wait
             && reformer(&q.replicas, &reform_voters(m.membership_config.membership().get_joint_config(), reach), alive)
