@@ -9,7 +9,9 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 
 use super::access::Caller;
-use super::users::{permission_from, permission_json, user_from, user_json, vhost_from};
+use super::permissions::{permission_from, permission_json};
+use super::users::{user_from, user_json};
+use super::vhosts::vhost_from;
 use super::{parse_body, ApiError};
 use crate::metadata::names::{self, key};
 use crate::metadata::{policy, routing, ApplyTo, Binding, ExchangeKind, ExchangeMeta, MetaCmd, Policy};

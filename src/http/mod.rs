@@ -9,12 +9,15 @@ mod clients;
 mod definitions;
 mod error;
 mod exchanges;
+mod nodes;
 mod overview;
+mod permissions;
 mod policies;
 mod prometheus;
 mod props;
 mod queues;
 mod users;
+mod vhosts;
 
 use std::net::SocketAddr;
 
@@ -62,8 +65,8 @@ pub fn router(node: Node) -> Router {
     Router::new()
         .route("/api/overview", get(overview::overview))
         .route("/api/health/checks/alarms", get(overview::health))
-        .route("/api/nodes", get(overview::nodes))
-        .route("/api/nodes/{name}", delete(overview::forget_node))
+        .route("/api/nodes", get(nodes::nodes))
+        .route("/api/nodes/{name}", delete(nodes::forget_node))
         .route("/api/policies", get(policies::list_policies))
         .route("/api/policies/{vhost}", get(policies::list_policies_in))
         .route(
@@ -102,17 +105,17 @@ pub fn router(node: Node) -> Router {
         .route("/api/whoami", get(users::whoami))
         .route("/api/users", get(users::list_users))
         .route("/api/users/{name}", get(users::get_user).put(users::put_user).delete(users::delete_user))
-        .route("/api/users/{name}/permissions", get(users::user_permissions))
-        .route("/api/vhosts", get(users::list_vhosts))
-        .route("/api/vhosts/{name}", get(users::get_vhost).put(users::put_vhost).delete(users::delete_vhost))
-        .route("/api/vhosts/{name}/permissions", get(users::vhost_permissions))
-        .route("/api/vhost-limits", get(users::list_vhost_limits))
-        .route("/api/vhost-limits/{name}", get(users::vhost_limits))
-        .route("/api/vhost-limits/{name}/{limit}", put(users::put_vhost_limit).delete(users::delete_vhost_limit))
-        .route("/api/permissions", get(users::list_permissions))
+        .route("/api/users/{name}/permissions", get(permissions::user_permissions))
+        .route("/api/vhosts", get(vhosts::list_vhosts))
+        .route("/api/vhosts/{name}", get(vhosts::get_vhost).put(vhosts::put_vhost).delete(vhosts::delete_vhost))
+        .route("/api/vhosts/{name}/permissions", get(permissions::vhost_permissions))
+        .route("/api/vhost-limits", get(vhosts::list_vhost_limits))
+        .route("/api/vhost-limits/{name}", get(vhosts::vhost_limits))
+        .route("/api/vhost-limits/{name}/{limit}", put(vhosts::put_vhost_limit).delete(vhosts::delete_vhost_limit))
+        .route("/api/permissions", get(permissions::list_permissions))
         .route(
             "/api/permissions/{vhost}/{user}",
-            get(users::get_permission).put(users::put_permission).delete(users::delete_permission),
+            get(permissions::get_permission).put(permissions::put_permission).delete(permissions::delete_permission),
         )
         .route("/api/definitions", get(definitions::export).post(definitions::import))
         .route("/api/connections", get(clients::list_connections))

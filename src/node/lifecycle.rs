@@ -33,28 +33,10 @@ use crate::wire::raft_net::{EpochNews, NetworkFactory};
 /// would otherwise go on as if it had never held anything.
 fn open_or_set_aside(cfg: &NodeConfig) -> Result<NodeDb, ServerError> {
     let opts = DbOptions { cache_bytes: cfg.cache_bytes, wal_segment_bytes: cfg.wal_segment_bytes };
-    let err = match NodeDb::open(&cfg.data_dir, &opts) {
-        Ok(db) if db.get_node_value(NODE_ID_KEY)?.is_some() || db.get_node_value(REFILL_KEY)?.is_some() => {
-            return Ok(db);
-        }
-        Ok(db) => {
-            // Every start writes the node's id to sled, durably, before any
-            // group writes to the log: a log beside a sled without it is a
-            // sled that lost what it held (sled 0.34 can open a damaged
-            // file as empty, without an error), votes given included.
-            let groups = db.wal().groups();
-            if groups.is_empty() {
-                // New beside a dir set aside: the power went between the
-                // two (or the mark's write failed), and this is the
-                // refill's dir.
-                if mirrorq_storage::was_set_aside(&cfg.data_dir) {
-                    db.put_node_value(REFILL_KEY, &[])?;
-                }
-                return Ok(db);
-            }
-            drop(db);
-            StorageError::SledEmptied { path: cfg.data_dir.join("sled"), groups }
-        }
+    // Damage found by the first reads (sled reads its file lazily) is
+    // damage found at open.
+    let err = match NodeDb::open(&cfg.data_dir, &opts).and_then(|db| first_look(db, &cfg.data_dir)) {
+        Ok(db) => return Ok(db),
         Err(e) => e,
     };
     let has_peers = cfg.join.is_some() || cfg.cluster.keys().any(|id| *id != cfg.node_id);
@@ -70,6 +52,27 @@ fn open_or_set_aside(cfg: &NodeConfig) -> Result<NodeDb, ServerError> {
     let db = NodeDb::open(&cfg.data_dir, &opts)?;
     db.put_node_value(REFILL_KEY, &[])?;
     Ok(db)
+}
+
+/// The opened dir as this node left it, or the damage that shows.
+fn first_look(db: NodeDb, data_dir: &std::path::Path) -> Result<NodeDb, StorageError> {
+    if db.get_node_value(NODE_ID_KEY)?.is_some() || db.get_node_value(REFILL_KEY)?.is_some() {
+        return Ok(db);
+    }
+    // Every start writes the node's id to sled, durably, before any group
+    // writes to the log: a log beside a sled without it is a sled that lost
+    // what it held (sled 0.34 can open a damaged file as empty, without an
+    // error), votes given included.
+    let groups = db.wal().groups();
+    if groups.is_empty() {
+        // New beside a dir set aside: the power went between the two (or
+        // the mark's write failed), and this is the refill's dir.
+        if mirrorq_storage::was_set_aside(data_dir) {
+            db.put_node_value(REFILL_KEY, &[])?;
+        }
+        return Ok(db);
+    }
+    Err(StorageError::SledEmptied { path: data_dir.join("sled"), groups })
 }
 
 impl Node {

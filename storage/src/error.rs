@@ -75,10 +75,13 @@ impl StorageError {
     /// match), rather than because of how the node was started (a lock
     /// held, a permission, a full disk) or a format this build does not
     /// read (an upgrade or downgrade, which must never set a dir aside).
+    /// sled reads its file lazily: a damaged one may open and fail at its
+    /// first read, which is damage too.
     pub fn is_damage(&self) -> bool {
         matches!(
             self,
             StorageError::Corrupt { source: sled::Error::Corruption { .. }, .. }
+                | StorageError::Sled(sled::Error::Corruption { .. })
                 | StorageError::Redo(_)
                 | StorageError::Missing { .. }
                 | StorageError::SledPanicked { .. }
@@ -87,5 +90,27 @@ impl StorageError {
                 | StorageError::Wal(crate::wal::WalError::Corrupt { .. })
                 | StorageError::Wal(crate::wal::WalError::Shorter { .. })
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// sled reads its file lazily: a file cut short beside a snapshot of
+    /// its page table that points past the cut opens, and the first read
+    /// of a page beyond the cut fails (a campaign's torn sled file did
+    /// this at the node's first read). That read's error is damage, as the
+    /// same error at open is, so the dir is set aside and refilled rather
+    /// than a node that fails at every start.
+    #[test]
+    fn corrupt_data_met_by_a_read_is_damage() {
+        let read = StorageError::from(sled::Error::Corruption { at: None, bt: () });
+        assert!(read.is_damage(), "{read}");
+        let at_open =
+            StorageError::Corrupt { path: "sled".into(), source: sled::Error::Corruption { at: None, bt: () } };
+        assert!(at_open.is_damage(), "{at_open}");
+        let unsupported = StorageError::from(sled::Error::Unsupported("a later format".into()));
+        assert!(!unsupported.is_damage(), "a format this build does not read is not damage");
     }
 }

@@ -6,7 +6,7 @@ mod quiet;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use openraft::ServerState;
@@ -29,51 +29,61 @@ type Metrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
 
 /// What the failure watch keeps about one replica of a group. Only the
 /// watch writes it (its rounds, and the election timer a round starts):
-/// the fields are private to this module. The split verdict reads how
+/// the state is private to this module, behind one lock taken briefly
+/// and never across a wait or a call out. The split verdict reads how
 /// long a majority has been kept ([`GroupWatch::kept_since`]).
 pub(in crate::node) struct GroupWatch {
+    state: Mutex<State>,
+}
+
+struct State {
     /// When a majority of the group's voters last answered pings, and
     /// since when without a break.
-    majority: Mutex<MajorityStretch>,
+    majority: MajorityStretch,
     /// Since when this replica has known no master.
-    leaderless_since: Mutex<Option<Instant>>,
+    leaderless_since: Option<Instant>,
     /// Since when the master this replica follows has not answered pings.
-    master_lost_since: Mutex<Option<Instant>>,
+    master_lost_since: Option<Instant>,
     /// An election is timed to start when the lost master's lease is out.
-    elect_at: Mutex<Option<Instant>>,
+    elect_at: Option<Instant>,
     /// As master: since when the group has been settled at (term, last
     /// log index), for quiescence.
-    settled: Mutex<Option<(Instant, quiet::Mark)>>,
+    settled: Option<(Instant, quiet::Mark)>,
     /// As follower: the quiet master last seen in reach, its term, and
     /// when (its node's pings are the group's heartbeats).
-    quiet_master: Mutex<Option<(NodeId, u64, Instant)>>,
+    quiet_master: Option<(NodeId, u64, Instant)>,
     /// The group's Raft metrics, as the watch last looked at them.
-    metrics: Mutex<tokio::sync::watch::Receiver<Metrics>>,
+    metrics: tokio::sync::watch::Receiver<Metrics>,
     /// Quiet at the watch's last full look, and as of which
     /// `Quiescence::world_of` the group, with whether a majority of voters
     /// was in reach: while neither that nor the group's metrics changed,
     /// the next rounds only extend the majority stretch.
-    passed: Mutex<Option<((u64, u64), bool)>>,
+    passed: Option<((u64, u64), bool)>,
 }
 
 impl GroupWatch {
     pub(in crate::node) fn new(metrics: tokio::sync::watch::Receiver<Metrics>) -> Self {
-        GroupWatch {
-            majority: Mutex::new(MajorityStretch::new(Instant::now())),
-            leaderless_since: Mutex::new(None),
-            master_lost_since: Mutex::new(None),
-            elect_at: Mutex::new(None),
-            settled: Mutex::new(None),
-            quiet_master: Mutex::new(None),
-            metrics: Mutex::new(metrics),
-            passed: Mutex::new(None),
-        }
+        let state = State {
+            majority: MajorityStretch::new(Instant::now()),
+            leaderless_since: None,
+            master_lost_since: None,
+            elect_at: None,
+            settled: None,
+            quiet_master: None,
+            metrics,
+            passed: None,
+        };
+        GroupWatch { state: Mutex::new(state) }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("poisoned")
     }
 
     /// Since when (wall clock, ms) a majority of the group's voters has
     /// answered without a break, while one still does.
     pub(super) fn kept_since(&self, now: Instant, failure_timeout: Duration) -> Option<u64> {
-        self.majority.lock().expect("poisoned").kept_since(now, failure_timeout)
+        self.state().majority.kept_since(now, failure_timeout)
     }
 }
 
@@ -159,7 +169,7 @@ impl Node {
             if self.passed_over(&g, world) {
                 continue;
             }
-            let quit = core_quit(&g.ext.watch.metrics.lock().expect("poisoned"));
+            let quit = core_quit(&g.ext.watch.state().metrics);
             if let Some(why) = quit {
                 self.fail_replica(g, why, &reach).await;
                 continue;
@@ -167,7 +177,7 @@ impl Node {
             // By name: no table of every queue built at every round.
             let Some(q) = state.queues.get(&g.meta.name).filter(|q| q.group == g.meta.group) else { continue };
             let ha = ha_of(state, q);
-            let m = g.ext.watch.metrics.lock().expect("poisoned").borrow_and_update().clone();
+            let m = g.ext.watch.state().metrics.borrow_and_update().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
             let members = carriers(&m, &voters, q);
             if !members.contains(&self.id()) {
@@ -177,9 +187,9 @@ impl Node {
             let alive: BTreeSet<NodeId> = members.intersection(&reach).copied().collect();
             let now = Instant::now();
             let seen = {
-                let mut stretch = g.ext.watch.majority.lock().expect("poisoned");
-                stretch.observe(majority, now, wall_ms(), timing.failure_timeout);
-                stretch.seen()
+                let mut s = g.ext.watch.state();
+                s.majority.observe(majority, now, wall_ms(), timing.failure_timeout);
+                s.majority.seen()
             };
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
             let senior_voter = by_seniority(q, &alive_voter_set).first().copied();
@@ -211,7 +221,7 @@ impl Node {
             // while nothing changes.
             let quiet = (m.state == ServerState::Leader && g.hush.is_quiet()) || hold == Some(true);
             if quiet && majority {
-                *g.ext.watch.passed.lock().expect("poisoned") = Some((world, majority));
+                g.ext.watch.state().passed = Some((world, majority));
             }
 
             // Re-form: no majority reachable for the failure timeout, the
@@ -258,10 +268,11 @@ impl Node {
     /// as at the last full look, with nothing else to do: its majority
     /// stretch is extended, and it is passed over.
     fn passed_over(&self, g: &QueueGroup, world: (u64, u64)) -> bool {
-        let passed = g.ext.watch.passed.lock().expect("poisoned").take();
+        let passed = g.ext.watch.state().passed.take();
         let Some((was, majority)) = passed else { return false };
         let (metrics_changed, state_now) = {
-            let m = g.ext.watch.metrics.lock().expect("poisoned");
+            let s = g.ext.watch.state();
+            let m = &s.metrics;
             let state_now = m.borrow().state;
             (m.has_changed().unwrap_or(true), state_now)
         };
@@ -271,10 +282,9 @@ impl Node {
             return false;
         }
         // Watched without a gap, as the split rule needs.
-        let mut stretch = g.ext.watch.majority.lock().expect("poisoned");
-        stretch.observe(majority, Instant::now(), wall_ms(), self.inner.timing.failure_timeout);
-        drop(stretch);
-        *g.ext.watch.passed.lock().expect("poisoned") = Some((was, majority));
+        let mut s = g.ext.watch.state();
+        s.majority.observe(majority, Instant::now(), wall_ms(), self.inner.timing.failure_timeout);
+        s.passed = Some((was, majority));
         true
     }
 
@@ -299,7 +309,8 @@ impl Node {
         // deferring to it would leave the queue without a master
         // until the old one came back.
         let leaderless_since = {
-            let mut l = g.ext.watch.leaderless_since.lock().expect("poisoned");
+            let mut s = g.ext.watch.state();
+            let l = &mut s.leaderless_since;
             // A leader sends at least a heartbeat per interval;
             // an election timeout without one is a master that
             // no longer leads, as openraft's own timer counts it.
@@ -329,7 +340,8 @@ impl Node {
         // ping (a killed process's sockets close at once), that
         // moment bounds its death, else the moment the pings failed.
         let lost_since = {
-            let mut l = g.ext.watch.master_lost_since.lock().expect("poisoned");
+            let mut s = g.ext.watch.state();
+            let l = &mut s.master_lost_since;
             match m.current_leader.filter(|leader| !reach.contains(leader)) {
                 Some(leader) => Some(*l.get_or_insert_with(|| self.inner.peers.died_by(self, leader, now))),
                 None => {
@@ -407,7 +419,7 @@ impl Node {
             tracing::error!(queue = %g.meta.name, error = %why, "the queue replica's Raft core quit: the replica stops, starts again as a follower and stands for no election for a while (told once until it changes)");
         }
         self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
-        let m = g.ext.watch.metrics.lock().expect("poisoned").borrow().clone();
+        let m = g.ext.watch.state().metrics.borrow().clone();
         g.stop.cancel();
         g.shut_down().await;
         if let Err(e) = step_down(self.inner.db.clone(), group, me).await {
@@ -435,7 +447,8 @@ impl Node {
     /// refuses.
     pub(super) fn elect_after_lease(&self, g: &Arc<QueueGroup>, lost_leader: NodeId, at: Instant) {
         {
-            let mut slot = g.ext.watch.elect_at.lock().expect("poisoned");
+            let mut s = g.ext.watch.state();
+            let slot = &mut s.elect_at;
             match *slot {
                 Some(t) if t <= at => return,
                 Some(_) => {
@@ -450,7 +463,7 @@ impl Node {
         tokio::spawn(async move {
             let stop = node.inner.stop.clone();
             loop {
-                let Some(at) = *g.ext.watch.elect_at.lock().expect("poisoned") else { return };
+                let Some(at) = g.ext.watch.state().elect_at else { return };
                 let now = Instant::now();
                 if now >= at {
                     break;
@@ -472,11 +485,8 @@ impl Node {
                 // A candidate knows no leader, so the reconcile has stopped
                 // counting the master as lost by the next ask: a later ask
                 // goes on the death alone.
-                let lost = if ask == 1 {
-                    g.ext.watch.master_lost_since.lock().expect("poisoned").is_some()
-                } else {
-                    node.is_dead(lost_leader)
-                };
+                let lost =
+                    if ask == 1 { g.ext.watch.state().master_lost_since.is_some() } else { node.is_dead(lost_leader) };
                 if stop.is_cancelled() || !lost {
                     break;
                 }
@@ -500,7 +510,7 @@ impl Node {
                     _ = tokio::time::sleep(crate::node::liveness::ELECT_RETRY * ask.min(3)) => {}
                 }
             }
-            *g.ext.watch.elect_at.lock().expect("poisoned") = None;
+            g.ext.watch.state().elect_at = None;
         });
     }
 }
@@ -511,8 +521,9 @@ impl Node {
 fn rest_while_held(g: &QueueGroup) {
     g.raft.runtime_config().elect(false);
     g.raft.runtime_config().tick(false);
-    *g.ext.watch.leaderless_since.lock().expect("poisoned") = None;
-    *g.ext.watch.master_lost_since.lock().expect("poisoned") = None;
+    let mut s = g.ext.watch.state();
+    s.leaderless_since = None;
+    s.master_lost_since = None;
 }
 
 /// The members of `m`'s membership that may carry the queue on: its

@@ -97,7 +97,8 @@ impl Node {
         now: Instant,
     ) -> Option<bool> {
         let q = &self.inner.quiescence;
-        let mut last = g.ext.watch.quiet_master.lock().expect("poisoned");
+        let mut s = g.ext.watch.state();
+        let last = &mut s.quiet_master;
         if let Some(master) = q.quiet_master(g.meta.group, m.current_term, self.id(), voters, reach) {
             *last = Some((master, m.current_term, now));
             return Some(true);
@@ -141,11 +142,11 @@ impl Node {
         let now_settled = leading && settled(g, m, me, present, refilling);
         let mark = (m.current_term, m.last_log_index);
         let since = {
-            let mut s = g.ext.watch.settled.lock().expect("poisoned");
-            match *s {
+            let mut s = g.ext.watch.state();
+            match s.settled {
                 Some((at, was)) if now_settled && was == mark => Some(at),
                 _ => {
-                    *s = now_settled.then(|| (Instant::now(), mark));
+                    s.settled = now_settled.then(|| (Instant::now(), mark));
                     None
                 }
             }
