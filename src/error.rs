@@ -45,6 +45,11 @@ pub enum ServerError {
         "data dir {path} belongs to node {found}, not node {configured}; use --node-id {found} or another --data-dir"
     )]
     WrongNode { path: std::path::PathBuf, found: NodeId, configured: NodeId },
+    #[error(
+        "data dir {path} was written in format {} and this build reads format {reads}; start the build that wrote it (or another --data-dir)",
+        found.map_or("1 (unmarked)".to_string(), |f| f.to_string())
+    )]
+    Format { path: std::path::PathBuf, found: Option<u32>, reads: u32 },
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: String,

@@ -239,3 +239,27 @@ async fn a_data_dir_in_a_format_it_does_not_read_is_refused_not_set_aside() {
     assert!(set_aside_dirs(&dir).is_empty(), "a dir in another format was set aside");
     c.shutdown().await;
 }
+
+/// A data dir of another format (here: one an earlier build wrote, which
+/// has no format mark) is refused with a clear error and left as it is:
+/// read as this build's format, its entries could decode as other
+/// commands, and setting it aside would throw away what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_dir_of_an_earlier_format_is_refused_not_read_nor_set_aside() {
+    init_tracing();
+    let mut c = cluster_with_a_queue().await;
+    c.crash(1).await;
+    let dir = c.dirs[0].path().to_path_buf();
+    {
+        let db = mirrorq_storage::NodeDb::open(&dir, &Default::default()).unwrap();
+        db.remove_node_value("format").unwrap();
+    }
+    let cfg = c.configs[0].clone();
+    let err = match Node::start(cfg).await {
+        Ok(_) => panic!("a node started on a dir of an earlier format"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("format 1 (unmarked)") && err.contains("reads format 2"), "unclear refusal: {err}");
+    assert!(set_aside_dirs(&dir).is_empty(), "a dir of another format was set aside");
+    c.shutdown().await;
+}

@@ -1,7 +1,8 @@
 //! The link's test seams, in one place: a peer cut off from this node
 //! (every call to it fails as if it were unreachable, and a probe proves
 //! nothing, as in a partition), and links that lose every reply. The
-//! transport applies them itself, so no caller checks for them. Without
+//! transport applies them itself, so no caller checks for them (but the
+//! liveness probe, whose dial into a cut must prove nothing). Without
 //! the `test-hooks` feature they hold nothing and every check is a
 //! constant `false`: a release binary carries no test checks on its paths.
 

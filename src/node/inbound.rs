@@ -68,7 +68,7 @@ impl Inner {
     /// The local Raft of `group` if the sender is in the same epoch. A
     /// sender in an older epoch is told ours; one in a newer epoch means
     /// this replica must heal before it takes part again.
-    pub(super) fn raft_in_epoch(&self, group: GroupId, epoch: Epoch, from: NodeId) -> Result<QueueRaft, RpcResponse> {
+    fn raft_in_epoch(&self, group: GroupId, epoch: Epoch, from: NodeId) -> Result<QueueRaft, RpcResponse> {
         let g = self.groups.get(group);
         match g {
             None => Err(RpcResponse::UnknownGroup(group)),

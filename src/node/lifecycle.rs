@@ -12,7 +12,10 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::{told, Inner, Node, NodeConfig, Timing, FOUNDING_FLOOR_KEY, INCARNATION_KEY, NODE_ID_KEY, REFILL_KEY};
+use super::{
+    told, Inner, Node, NodeConfig, Timing, FORMAT, FORMAT_KEY, FOUNDING_FLOOR_KEY, INCARNATION_KEY, NODE_ID_KEY,
+    REFILL_KEY,
+};
 use crate::alarms::Alarms;
 use crate::error::ServerError;
 use crate::ids::{NodeId, METADATA_GROUP};
@@ -315,8 +318,18 @@ fn open_storage(cfg: &NodeConfig, started: Instant) -> Result<(NodeDb, bool), Se
             if found != cfg.node_id {
                 return Err(ServerError::WrongNode { path: cfg.data_dir.clone(), found, configured: cfg.node_id });
             }
+            let format = db.get_node_value(FORMAT_KEY)?;
+            if format.as_deref() != Some(&FORMAT.to_be_bytes()[..]) {
+                let found = format.and_then(|b| b.try_into().ok()).map(u32::from_be_bytes);
+                return Err(ServerError::Format { path: cfg.data_dir.clone(), found, reads: FORMAT });
+            }
         }
-        None => db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?,
+        None => {
+            // The format first: a start cut short between the two leaves a
+            // dir without a node id, which the next start takes for new.
+            db.put_node_value(FORMAT_KEY, &FORMAT.to_be_bytes())?;
+            db.put_node_value(NODE_ID_KEY, &cfg.node_id.to_be_bytes())?;
+        }
     }
     Ok((db, refill))
 }

@@ -249,6 +249,11 @@ pub struct Node {
 pub const DEFAULT_MAX_CONNECTIONS: usize = 65_535;
 
 const NODE_ID_KEY: &str = "node_id";
+/// What a data dir holds is in this format (log entries, state machines):
+/// a dir written in another is refused, never read as this one, whose
+/// decoding could take an entry of one format for a command of the other.
+const FORMAT: u32 = 2;
+const FORMAT_KEY: &str = "format";
 /// The term a new queue's group starts in, led by its designated master
 /// (`reconcile.rs`, founding).
 const FOUNDING_TERM: u64 = 1;
@@ -371,14 +376,11 @@ impl Inner {
     /// out the newer replica would leave it running unseen, writing to the
     /// log that the caller then rewrites.
     fn take_out(&self, g: &Arc<QueueGroup>) -> bool {
-        let out = self.groups.take_out(g);
-        if out {
-            // Its followers must not stay held by a master no longer
-            // here: the watch that would withdraw it looks only at the
-            // hosted groups.
+        // Its followers must not stay held by a master no longer here: the
+        // watch that would withdraw it looks only at the hosted groups.
+        self.groups.take_out(g, || {
             self.quiescence.withdraw(g.meta.group);
-        }
-        out
+        })
     }
 
     /// What the Raft of `group` here reports, whatever kind of group it is.

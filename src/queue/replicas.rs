@@ -73,13 +73,15 @@ impl<X> Replicas<X> {
 
     /// Take `r` out so its holder can stop it, if it is still the replica
     /// hosted: a caller whose view is older gets `false` and must leave
-    /// the group alone.
-    pub fn take_out(&self, r: &Arc<Replica<X>>) -> bool {
+    /// the group alone. `then` runs under the table's lock once it is out,
+    /// before a new instance of the group can be added.
+    pub fn take_out(&self, r: &Arc<Replica<X>>, then: impl FnOnce()) -> bool {
         let mut table = self.table.write().expect("poisoned");
         match table.get(&r.meta.group) {
             Some(current) if Arc::ptr_eq(current, r) => {
                 table.remove(&r.meta.group);
                 self.removals.fetch_add(1, Ordering::AcqRel);
+                then();
                 true
             }
             _ => false,

@@ -68,7 +68,7 @@ pub trait Machine: Send + Sync + Sized + 'static {
 }
 
 /// The type configuration of the groups machine `M` runs.
-pub type TypesOf<M> = Group<<M as Machine>::Cmd, <M as Machine>::Reply>;
+type TypesOf<M> = Group<<M as Machine>::Cmd, <M as Machine>::Reply>;
 
 /// openraft builds a snapshot every this many entries (`SnapshotPolicy`).
 pub const SNAPSHOT_EVERY: u64 = 1024;

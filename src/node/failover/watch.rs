@@ -29,8 +29,10 @@ type Metrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
 
 /// What the failure watch keeps about one replica of a group. Only the
 /// watch writes it (its rounds, and the election timer a round starts):
-/// the state is private to this module, behind one lock taken briefly
-/// and never across a wait or a call out. The split verdict reads how
+/// the state is private to this module, behind one lock, never held
+/// across an await; while it is held only quiescence's lists, the peers'
+/// records and the link's record of lost links are read, and none of
+/// them reaches back here. The split verdict reads how
 /// long a majority has been kept ([`GroupWatch::kept_since`]).
 pub(in crate::node) struct GroupWatch {
     state: Mutex<State>,
