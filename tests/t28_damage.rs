@@ -226,18 +226,8 @@ async fn a_lone_node_with_a_damaged_data_dir_refuses_to_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_dir_in_a_format_it_does_not_read_is_refused_not_set_aside() {
     init_tracing();
-    let mut c = cluster_with_a_queue().await;
-    c.crash(1).await;
-    let dir = c.dirs[0].path().to_path_buf();
-    std::fs::write(dir.join("sled").join("conf"), [0xff_u8; 64]).unwrap();
-    let cfg = c.configs[0].clone();
-    let err = match Node::start(cfg).await {
-        Ok(_) => panic!("a node started on a dir it cannot read"),
-        Err(e) => e.to_string(),
-    };
+    let err = a_member_refused_after(|dir| std::fs::write(dir.join("sled").join("conf"), [0xff_u8; 64]).unwrap()).await;
     assert!(err.contains("corrupt"), "unclear refusal: {err}");
-    assert!(set_aside_dirs(&dir).is_empty(), "a dir in another format was set aside");
-    c.shutdown().await;
 }
 
 /// A data dir of another format (here: one an earlier build wrote, which
@@ -247,19 +237,27 @@ async fn a_data_dir_in_a_format_it_does_not_read_is_refused_not_set_aside() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_dir_of_an_earlier_format_is_refused_not_read_nor_set_aside() {
     init_tracing();
+    let err = a_member_refused_after(|dir| {
+        let db = mirrorq_storage::NodeDb::open(dir, &Default::default()).unwrap();
+        db.remove_node_value("format").unwrap();
+    })
+    .await;
+    assert!(err.contains("format 1 (unmarked)") && err.contains("reads format 2"), "unclear refusal: {err}");
+}
+
+/// Node 1 of a cluster, crashed, its dir changed by `change`, started
+/// again: the refusal it must give, once it is checked that the dir was
+/// not set aside.
+async fn a_member_refused_after(change: impl FnOnce(&Path)) -> String {
     let mut c = cluster_with_a_queue().await;
     c.crash(1).await;
     let dir = c.dirs[0].path().to_path_buf();
-    {
-        let db = mirrorq_storage::NodeDb::open(&dir, &Default::default()).unwrap();
-        db.remove_node_value("format").unwrap();
-    }
-    let cfg = c.configs[0].clone();
-    let err = match Node::start(cfg).await {
-        Ok(_) => panic!("a node started on a dir of an earlier format"),
+    change(&dir);
+    let err = match Node::start(c.configs[0].clone()).await {
+        Ok(_) => panic!("a node started on a dir it must refuse"),
         Err(e) => e.to_string(),
     };
-    assert!(err.contains("format 1 (unmarked)") && err.contains("reads format 2"), "unclear refusal: {err}");
-    assert!(set_aside_dirs(&dir).is_empty(), "a dir of another format was set aside");
+    assert!(set_aside_dirs(&dir).is_empty(), "a refused dir was set aside: {err}");
     c.shutdown().await;
+    err
 }

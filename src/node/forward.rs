@@ -329,7 +329,7 @@ impl Node {
             Some(g) => (g, not),
             // No replica here yet (a queue declared a moment ago, this node
             // one of its replicas): likewise, once it starts.
-            None => (self.inner.replica_started(group, until).await?, None),
+            None => (self.inner.groups.started(group, until).await?, None),
         };
         leader_other_than(g.raft.metrics(), not, until.saturating_duration_since(Instant::now())).await
     }

@@ -99,7 +99,7 @@ impl Inner {
             group > meta.next_group || meta.queue_by_group(group).is_some_and(|q| q.replicas.contains(&self.id))
         };
         if expected {
-            self.replica_started(group, Instant::now() + REPLICA_START_WAIT).await;
+            self.groups.started(group, Instant::now() + REPLICA_START_WAIT).await;
         }
     }
 

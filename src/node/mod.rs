@@ -349,11 +349,6 @@ impl Node {
 }
 
 impl Inner {
-    /// This node's replica of `group` once it has started, until `until`.
-    pub(super) async fn replica_started(&self, group: GroupId, until: Instant) -> Option<Arc<QueueGroup>> {
-        self.groups.started(group, until).await
-    }
-
     /// `what` failed again for `group` with `text`: counted; true if it is
     /// news (first time, or another text), which the caller logs.
     fn repeated(&self, group: GroupId, what: &'static str, text: &str) -> bool {

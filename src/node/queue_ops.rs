@@ -94,7 +94,7 @@ impl Node {
         let until = Instant::now() + self.inner.timing.op_timeout;
         let led_here = *created
             && meta.replicas.contains(&me)
-            && match self.inner.replica_started(meta.group, until).await {
+            && match self.inner.groups.started(meta.group, until).await {
                 Some(g) => {
                     let mut m = g.raft.metrics();
                     let led = tokio::time::timeout_at(until.into(), m.wait_for(|m| m.current_leader.is_some())).await;
