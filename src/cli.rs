@@ -214,6 +214,12 @@ pub struct ServeArgs {
     /// (`ha-promote-on-failure: always`) [default: 5]
     #[arg(long, env = "MIRRORQ_FAILURE_TIMEOUT")]
     pub failure_timeout: Option<f64>,
+    /// Seconds the unacked messages of consumers on a node out of reach
+    /// (silent, not seen gone) stay with them before their queue's master
+    /// gives them back; those of a node whose process is gone come back at
+    /// once [default: 60]
+    #[arg(long, env = "MIRRORQ_UNREACHABLE_HOLD")]
+    pub unreachable_hold: Option<f64>,
     /// Memory use above which publishers are blocked: a fraction of the
     /// machine's memory (below 1) or bytes [default: 0.4]
     #[arg(long, env = "MIRRORQ_MEMORY_HIGH_WATERMARK")]

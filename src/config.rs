@@ -38,6 +38,8 @@ pub struct FileConfig {
     pub failure_timeout: Option<f64>,
     #[serde(alias = "election_timeout")]
     pub election_timeout: Option<f64>,
+    #[serde(alias = "unreachable_hold")]
+    pub unreachable_hold: Option<f64>,
     #[serde(alias = "amqps_listen")]
     pub amqps_listen: Option<String>,
     #[serde(alias = "https_listen")]
@@ -189,6 +191,12 @@ impl ServeConfig {
                 return Err(ServerError::Config("--failure-timeout must be a positive number of seconds".into()));
             }
             node.timing = Timing { failure_timeout: Duration::from_secs_f64(s), ..node.timing };
+        }
+        if let Some(s) = args.unreachable_hold.or(file.unreachable_hold) {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(ServerError::Config("--unreachable-hold must be a positive number of seconds".into()));
+            }
+            node.timing = Timing { unreachable_hold: Duration::from_secs_f64(s), ..node.timing };
         }
         if let Some(s) = args.election_timeout.or(file.election_timeout) {
             if !(s.is_finite() && (0.1..=60.0).contains(&s)) {

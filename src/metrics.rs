@@ -24,6 +24,9 @@ pub struct Metrics {
     /// Unacked messages given back because their holder (a channel, or
     /// every channel of a node) was gone.
     pub released_of_gone: Counter,
+    /// Acks, nacks and rejects sent again because the queue's master was
+    /// out of reach or moved when they were first sent.
+    pub settles_resent: Counter,
     /// Rounds in which a queue replica could not be started or removed.
     pub reconcile_failures: Counter,
     /// Retried failures (re-forming, membership changes, catch-up,
@@ -58,6 +61,7 @@ impl Default for Metrics {
             confirm_latency: Histogram::new(exponential_buckets(0.00025, 2.0, 15)),
             appends_received: Counter::default(),
             released_of_gone: Counter::default(),
+            settles_resent: Counter::default(),
             reconcile_failures: Counter::default(),
             repeated_failures: Counter::default(),
             queue_leaderships: Counter::default(),

@@ -24,7 +24,11 @@ struct AmqpCluster {
 
 impl AmqpCluster {
     async fn start() -> Self {
-        let cluster = Cluster::start(3, fast_timing(Duration::from_secs(5))).await;
+        Self::start_timed(fast_timing(Duration::from_secs(5))).await
+    }
+
+    async fn start_timed(timing: mirrorq::node::Timing) -> Self {
+        let cluster = Cluster::start(3, timing).await;
         let mut ports = Vec::new();
         for id in 1..=3 {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1560,4 +1564,71 @@ async fn frames_channels_connections_and_handshakes_are_held_to_their_limits() {
     assert!(closed, "a client that stopped after the protocol header was never closed");
     assert!(took >= Duration::from_secs(9) && took < Duration::from_secs(14), "{took:?}");
     assert!(!got.is_empty(), "it was sent connection.start");
+}
+
+/// A consumer cut off from its queue's master (a partition, not a death)
+/// goes on working through what it was sent. The master keeps those
+/// messages with it past the failure timeout (given back then, they would
+/// be delivered twice), and the acks the consumer sent while cut off
+/// settle them once the partition heals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_cut_off_from_its_master_keeps_its_window_and_its_acks_land_after_the_heal() {
+    init_tracing();
+    // Operations give up looking for a master long before the partition
+    // heals: the acks must be sent again, not merely wait.
+    let timing = mirrorq::node::Timing { op_timeout: Duration::from_secs(2), ..fast_timing(Duration::from_secs(5)) };
+    let c = AmqpCluster::start_timed(timing).await;
+    // `when-synced`: the consumer's node, alone, does not re-form the queue.
+    let policy = r#"{"ha-mode":"all","ha-promote-on-failure":"when-synced"}"#;
+    c.cluster.node(1).set_policy(common::policy("^cut", policy)).await.unwrap();
+    c.cluster.node(1).declare_queue("cut-q", vec![]).await.unwrap();
+    let master = c.cluster.master_of("cut-q").await;
+    let at = (1..=3).find(|n| *n != master).unwrap();
+    let m = c.cluster.node(master).clone();
+    for i in 0..10 {
+        common::publish_retrying(&m, "cut-q", format!("m{i}").into_bytes()).await;
+    }
+    let conn = c.connect(at).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let mut consumer =
+        ch.basic_consume(s("cut-q"), s("cut"), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut window = Vec::new();
+    while window.len() < 10 {
+        let d =
+            tokio::time::timeout(Duration::from_secs(20), consumer.next()).await.expect("stalled").unwrap().unwrap();
+        window.push(d);
+    }
+    assert_eq!(m.status("cut-q").await.unwrap(), (0, 10));
+
+    tracing::info!(at, "--- the consumer's node is cut off from the others; its consumer acks its window");
+    let others: Vec<u64> = (1..=3).filter(|id| *id != at).collect();
+    for id in &others {
+        c.cluster.node(*id).block(at);
+        c.cluster.node(at).block(*id);
+    }
+    for d in &window {
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    // Three failure timeouts: the master's reaper sweeps every second.
+    tokio::time::sleep(c.cluster.configs[0].timing.failure_timeout * 3).await;
+    assert_eq!(m.status("cut-q").await.unwrap(), (0, 10), "the cut-off consumer's window was given back");
+
+    tracing::info!("--- the partition heals");
+    for id in &others {
+        c.cluster.node(*id).unblock(at);
+        c.cluster.node(at).unblock(*id);
+    }
+    let mut status = None;
+    for _ in 0..200 {
+        status = m.status("cut-q").await.ok();
+        if status == Some((0, 0)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, Some((0, 0)), "the acks sent while cut off did not settle the window");
+    let again = tokio::time::timeout(Duration::from_secs(2), consumer.next()).await;
+    assert!(again.is_err(), "a message came twice: {again:?}");
+    c.cluster.shutdown().await;
 }

@@ -51,6 +51,13 @@ struct State {
     reserved: HashMap<ConsumerId, usize>,
     /// The queue name the last delivery was assigned from, to share.
     last_queue: Option<Arc<str>>,
+    /// Settles on their way to the queue's master, by queue: the channel
+    /// still knows these deliveries (the master must not requeue them as
+    /// never got while an ack of them is being retried).
+    in_flight: HashMap<Arc<str>, HashMap<u64, u32>>,
+    /// The channel closed: settles still on their way stop trying (the
+    /// owner's release gives back whatever they would have settled).
+    closed: bool,
 }
 
 struct Held {
@@ -109,7 +116,8 @@ impl crate::owners::Holder for Deliveries {
         let st = self.state.lock().expect("poisoned");
         let known: std::collections::HashSet<u64> =
             st.unacked.values().filter(|h| &*h.queue == queue).map(|h| h.qtag).collect();
-        qtags.iter().copied().filter(|t| !known.contains(t)).collect()
+        let in_flight = st.in_flight.get(queue);
+        qtags.iter().copied().filter(|t| !known.contains(t) && !in_flight.is_some_and(|f| f.contains_key(t))).collect()
     }
 }
 
@@ -257,6 +265,39 @@ impl Deliveries {
         self.room.notify_waiters();
     }
 
+    /// A settle of `queue`'s deliveries `qtags` is on its way to the
+    /// master: they stay known until [`Deliveries::landed`].
+    pub fn sending(&self, queue: &str, qtags: &[u64]) {
+        let mut st = self.state.lock().expect("poisoned");
+        let set = st.in_flight.entry(Arc::from(queue)).or_default();
+        for t in qtags {
+            *set.entry(*t).or_default() += 1;
+        }
+    }
+
+    /// The settle [`Deliveries::sending`] announced was answered, or given up.
+    pub fn landed(&self, queue: &str, qtags: &[u64]) {
+        let mut st = self.state.lock().expect("poisoned");
+        if let Some(set) = st.in_flight.get_mut(queue) {
+            for t in qtags {
+                if let Some(n) = set.get_mut(t) {
+                    *n -= 1;
+                    if *n == 0 {
+                        set.remove(t);
+                    }
+                }
+            }
+            if set.is_empty() {
+                st.in_flight.remove(queue);
+            }
+        }
+    }
+
+    /// Whether the channel closed ([`Deliveries::forget_all`]).
+    pub fn is_closed(&self) -> bool {
+        self.state.lock().expect("poisoned").closed
+    }
+
     pub fn queues_held(&self) -> BTreeSet<String> {
         self.state.lock().expect("poisoned").unacked.values().map(|h| h.queue.to_string()).collect()
     }
@@ -269,6 +310,8 @@ impl Deliveries {
         st.settling.clear();
         st.held_by.clear();
         st.reserved.clear();
+        st.in_flight.clear();
+        st.closed = true;
         drop(st);
         self.room.notify_waiters();
     }
@@ -291,6 +334,29 @@ mod tests {
         assert_eq!(got.by_queue.get("q2"), Some(&vec![20]));
         assert_eq!(d.take(3, false, false).unwrap().by_queue.get("q1"), Some(&vec![11]));
         assert_eq!(d.take(3, false, true), Err(3), "a tag settles once");
+    }
+
+    #[test]
+    fn a_delivery_whose_settle_is_on_its_way_is_still_known() {
+        use crate::owners::Holder;
+        let d = Deliveries::default();
+        let a = d.assign("q", 10, true, None);
+        d.assign("q", 11, true, None);
+        d.take(a, false, false).unwrap();
+        assert_eq!(d.unknown("q", &[10, 11, 12]), vec![10, 12], "taken and not on its way: unknown");
+        d.sending("q", &[10]);
+        d.sending("q", &[10]);
+        assert_eq!(d.unknown("q", &[10, 11, 12]), vec![12]);
+        assert_eq!(d.unknown("other", &[10]), vec![10], "known by queue");
+        d.landed("q", &[10]);
+        assert_eq!(d.unknown("q", &[10]), Vec::<u64>::new(), "one of two sends still on its way");
+        d.landed("q", &[10]);
+        assert_eq!(d.unknown("q", &[10]), vec![10]);
+        assert!(!d.is_closed());
+        d.sending("q", &[11]);
+        d.forget_all();
+        assert!(d.is_closed());
+        assert_eq!(d.unknown("q", &[11]), vec![11], "a closed channel knows nothing");
     }
 
     #[test]

@@ -84,6 +84,11 @@ fn counters(r: &mut Registry, node: &Node) {
         m.released_of_gone.clone(),
     );
     r.register(
+        "mirrorq_settles_resent",
+        "Acks, nacks and rejects sent again because the queue's master was out of reach when first sent",
+        m.settles_resent.clone(),
+    );
+    r.register(
         "mirrorq_replica_start_failures",
         "Rounds in which a queue replica on this node could not be started or removed",
         m.reconcile_failures.clone(),

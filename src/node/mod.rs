@@ -110,6 +110,10 @@ pub struct Timing {
     /// their group before the most senior one left re-forms it
     /// (`ha-promote-on-failure: always`).
     pub failure_timeout: Duration,
+    /// How long the unacked messages of owners on a node out of reach,
+    /// but not seen gone, stay with them before the master gives them
+    /// back (`node/sweeps/reaper.rs`).
+    pub unreachable_hold: Duration,
 }
 
 impl Default for Timing {
@@ -121,6 +125,7 @@ impl Default for Timing {
             sync_timeout: Duration::from_secs(5),
             op_timeout: Duration::from_secs(15),
             failure_timeout: Duration::from_secs(5),
+            unreachable_hold: Duration::from_secs(60),
         }
     }
 }

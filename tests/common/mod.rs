@@ -70,6 +70,7 @@ pub fn fast_timing(sync_timeout: Duration) -> Timing {
         sync_timeout,
         op_timeout: Duration::from_secs(20),
         failure_timeout: Duration::from_secs(3),
+        unreachable_hold: Duration::from_secs(60),
     }
 }
 

@@ -6,16 +6,20 @@ use amq_protocol::protocol::{basic, AMQPClass};
 use crate::amqp::channel::rand_id;
 use crate::amqp::channel::{Channel, PendingPublish};
 use crate::amqp::consumer::Consumer;
+use crate::amqp::deliveries::Deliveries;
 use crate::amqp::reply::{
     hard, node_soft, soft, unknown_tag, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, NOT_ALLOWED, PRECONDITION_FAILED,
 };
 use crate::amqp::writer::ss;
+use crate::error::NodeError;
 use crate::message::to_args;
 use crate::metadata::routing::ArgValue;
 use crate::metadata::Access;
+use crate::node::{Node, Submitted};
 use crate::queue::proposer::Lane;
 use crate::queue::types::ConsumerRef;
 use crate::queue::QueueCmd;
+use std::time::Duration;
 
 #[derive(Clone, Copy)]
 pub(in crate::amqp) enum Settle {
@@ -221,24 +225,59 @@ impl Channel {
         }
         for (q, tags) in std::mem::take(&mut taken.by_queue) {
             let holders = taken.holders(&q);
+            let cmd = how.cmd(self.owner, tags.clone());
+            self.deliveries.sending(&q, &tags);
             // Submitted here, in the channel's order: a message requeued
             // before a basic.consume or basic.get on the channel is back
             // before that takes anything (the consumer lane goes first into
             // an entry, and a get comes after). Only the answer is awaited
             // apart.
-            let submitted = self.node.submit_in(&q, vec![how.cmd(self.owner, tags)], Lane::Consumer).await;
-            let deliveries = self.deliveries.clone();
+            let submitted = self.node.submit_in(&q, vec![cmd.clone()], Lane::Consumer).await;
+            let (node, deliveries) = (self.node.clone(), self.deliveries.clone());
             tokio::spawn(async move {
-                let r = match submitted {
-                    Ok(wait) => wait.await.map(|_| ()),
-                    Err(e) => Err(e),
-                };
-                if let Err(e) = r {
-                    tracing::warn!(queue = %q, error = %e, "settling deliveries failed");
-                }
+                land(&node, &q, cmd, submitted, &deliveries).await;
+                deliveries.landed(&q, &tags);
                 deliveries.settled(&holders);
             });
         }
         Ok(true)
+    }
+}
+
+/// The first pause before a settle is sent again, and the longest.
+const RESEND_FIRST: Duration = Duration::from_millis(100);
+const RESEND_MAX: Duration = Duration::from_secs(1);
+
+/// Wait for a settle's answer, and send it again while the queue's master
+/// is out of reach (or moved, or its answer was lost) and the channel is
+/// open. A consumer cut off from its queue's master by a partition goes on
+/// working through what it was sent; were its acks dropped, the master
+/// would give those messages back once the partition healed (their holder
+/// no longer knows them) and they would be delivered twice. Sending a
+/// settle twice settles once: a delivery tag is never given twice
+/// (`queue::state`), so a repeated ack finds its tag gone and does nothing.
+async fn land(node: &Node, queue: &str, cmd: QueueCmd, first: Result<Submitted, NodeError>, deliveries: &Deliveries) {
+    let mut pause = RESEND_FIRST;
+    let mut attempt = first;
+    loop {
+        let answer = match attempt {
+            Ok(wait) => wait.await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        match answer {
+            Ok(()) => return,
+            Err(NodeError::Unavailable(_) | NodeError::NotLeader { .. } | NodeError::Unconfirmed(_))
+                if !deliveries.is_closed() =>
+            {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(RESEND_MAX);
+                node.metrics().settles_resent.inc();
+                attempt = node.submit_in(queue, vec![cmd.clone()], Lane::Consumer).await;
+            }
+            Err(e) => {
+                tracing::warn!(queue = %queue, error = %e, "settling deliveries failed");
+                return;
+            }
+        }
     }
 }

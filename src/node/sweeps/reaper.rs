@@ -6,10 +6,14 @@
 //! second, every master looks at who holds its queue's unacked messages
 //! (`owners.rs`: each owner names the node that made it) and asks each
 //! such node which of its owners are still alive. The messages of an owner
-//! its node no longer knows go back to ready at once; those of every owner
-//! of a node that has not answered for the failure timeout go back then
-//! (RabbitMQ gives them back when the consumer's node goes down too, and
-//! the consumer's later acks are refused as unknown tags).
+//! its node no longer knows go back to ready at once, and so do those of
+//! every owner of a node whose process is gone (`peers`: its port refuses
+//! a dial). Those of a node merely out of reach stay with their owners
+//! for `--unreachable-hold` (RabbitMQ's quorum queues return them when
+//! Erlang's distribution declares the node down, after its tick time, 60 s
+//! by default, and a consumer's later acks are then refused as unknown
+//! tags): a consumer behind a short partition keeps its window, and its
+//! acks, sent again until they land, settle it when the partition heals.
 //!
 //! A live owner can also hold messages it never got: a get served by a
 //! master that stopped (or whose link broke) before its answer went out.
@@ -160,6 +164,21 @@ impl Node {
         }
     }
 
+    /// How long the owners of `id`, which does not answer, stay alive in
+    /// the master's eyes. Its process gone (its port refused a dial), its
+    /// channels went with it: not a moment. Merely out of reach (a
+    /// partition, a pause), its consumers may still be working through
+    /// what they were sent, and their acks are sent again until they land
+    /// (`amqp::channel`): giving their messages back at once would deliver
+    /// them twice whenever the partition heals within the hold.
+    fn hold_of(&self, id: NodeId) -> Duration {
+        if self.inner.peers.is_dead(id) {
+            Duration::ZERO
+        } else {
+            self.inner.timing.unreachable_hold
+        }
+    }
+
     /// Ask the owning nodes, once each, about the owners and deliveries in
     /// `held`: which owners are gone (unknown to the node that made them,
     /// made by a node that has not answered for the failure timeout, or by
@@ -205,7 +224,7 @@ impl Node {
                         // (the failure watch's) restarts the clock.
                         let last_seen = self.inner.peers.last_seen(id);
                         let absent_since = last_seen.map_or(since, |seen| seen.max(since));
-                        if now.duration_since(absent_since) < self.inner.timing.failure_timeout {
+                        if now.duration_since(absent_since) < self.hold_of(id) {
                             undecided = true;
                         }
                     }
