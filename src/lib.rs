@@ -34,7 +34,8 @@
 //! - [`metadata`]: the cluster metadata state machine (exchanges, queues,
 //!   bindings, policies, users) and its routing.
 //! - [`peers`]: whether each peer is alive (pings, refused dials, notices
-//!   of departure), decided in one place and published as one view.
+//!   of departure), decided in one place and published as one view; and
+//!   the quiet-group lists the pings carry ([`peers::quiet`]).
 //! - [`owners`]: who holds a queue's unacknowledged messages.
 //! - [`wire`]: what nodes say to each other over the link (Raft's messages
 //!   by group and epoch, forwarded operations, pings, the API's

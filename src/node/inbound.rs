@@ -60,7 +60,7 @@ impl RpcHandler for Inner {
             self.peers.heard_life(from, list.incarnation);
             self.quiescence.heard(from, list.incarnation, list.gen, Some(list.groups), list.refilling);
         }
-        self.quiescence.answer(from, have)
+        RpcResponse::Liveness(self.quiescence.answer(from, have))
     }
 }
 
@@ -223,8 +223,8 @@ impl Inner {
     }
 
     fn on_yield(self: Arc<Self>, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) -> RpcResponse {
-        let node = Node { inner: self };
-        tokio::spawn(async move { node.yield_to(group, defeated, winner, from).await });
+        // Failover's task takes it; gone only when the node stops.
+        let _ = self.yields.send(super::failover::YieldAsk { group, defeated, winner, from });
         RpcResponse::Done
     }
 

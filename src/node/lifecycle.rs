@@ -30,6 +30,10 @@ use crate::queue::epoch::Epoch;
 use crate::raft::state_machine::StateMachine;
 use crate::wire::raft_net::{EpochNews, NetworkFactory};
 
+/// What failover's task is fed from outside it: peers' news of newer
+/// epochs (the Raft network's refusals) and asks to yield.
+type Failing = (mpsc::UnboundedReceiver<EpochNews>, mpsc::UnboundedReceiver<super::failover::YieldAsk>);
+
 /// Open the data dir; one a power cut or a failing disk has damaged is set
 /// aside (kept whole) for an empty one, which the cluster refills like a new
 /// mirror's. A node with no peer to refill it refuses to start instead: it
@@ -107,6 +111,7 @@ impl Node {
         let stop = CancellationToken::new();
         let (beacon, transport) = start_transport(&cfg, &stop)?;
         let (news, news_rx) = mpsc::unbounded_channel();
+        let (yields, yields_rx) = mpsc::unbounded_channel();
         let (meta_raft, meta, feed) = start_metadata(&cfg, &db, raft_config, &news, &transport).await?;
 
         let inner = Arc::new(Inner {
@@ -132,6 +137,7 @@ impl Node {
             metrics: Metrics::default(),
             rates: Default::default(),
             news,
+            yields,
             busy: Mutex::default(),
             peers: crate::peers::Peers::new(cfg.node_id),
             watch_wanted: tokio::sync::Notify::new(),
@@ -140,7 +146,7 @@ impl Node {
             refill: Mutex::new(refill.then(HashMap::new)),
             founding_floor: std::sync::atomic::AtomicU64::new(founding_floor),
             quiet: Mutex::default(),
-            quiescence: super::quiescence::Quiescence::new(incarnation),
+            quiescence: crate::peers::quiet::Quiescence::new(incarnation),
             closing: stop.child_token(),
             failed: CancellationToken::new(),
             stopped_once: tokio::sync::OnceCell::new(),
@@ -150,7 +156,7 @@ impl Node {
         serve_link(&inner, listener, &beacon, &cfg);
         let joining = bootstrap_metadata(&cfg, &meta_raft, refill, &addr).await?;
         let node = Node { inner };
-        node.spawn_tasks(cfg.join.clone().filter(|_| joining), feed, news_rx);
+        node.spawn_tasks(cfg.join.clone().filter(|_| joining), feed, (news_rx, yields_rx));
         tracing::info!(
             id = cfg.node_id,
             %addr,
@@ -163,13 +169,12 @@ impl Node {
 
     /// The node's background tasks; `join`: the member to join the cluster
     /// through, for a new node joining one.
-    fn spawn_tasks(&self, join: Option<String>, feed: ChangeFeed, news_rx: mpsc::UnboundedReceiver<EpochNews>) {
+    fn spawn_tasks(&self, join: Option<String>, feed: ChangeFeed, failing: Failing) {
         if let Some(via) = join {
             self.spawn_join(via);
         }
         self.spawn_refill_watch();
         self.spawn_reconciler(feed);
-        self.spawn_epoch_watch(news_rx);
         self.spawn_registration();
         self.spawn_fatal_watch();
         self.spawn_metadata_leadership_count();
@@ -177,7 +182,7 @@ impl Node {
         self.spawn_reaper();
         self.spawn_expirer();
         self.spawn_liveness();
-        self.spawn_failure_watch();
+        self.spawn_failover(failing.0, failing.1);
         self.spawn_rate_sampler();
     }
 

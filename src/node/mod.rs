@@ -42,7 +42,6 @@ mod liveness;
 mod members;
 mod meta_ops;
 mod queue_ops;
-mod quiescence;
 mod rebalance;
 mod reconcile;
 mod refill;
@@ -197,8 +196,10 @@ struct Inner {
     /// Samples of those counters and of the queues mastered here, for
     /// the API's message rates (`rates.rs`).
     rates: crate::rates::Sampler,
-    /// Peers' reports of newer epochs of our groups.
+    /// Peers' reports of newer epochs of our groups, for failover's task.
     news: mpsc::UnboundedSender<EpochNews>,
+    /// Asks to yield a minority's fork, for failover's task.
+    yields: mpsc::UnboundedSender<failover::YieldAsk>,
     /// Groups being re-formed or healed: not (re)started meanwhile.
     busy: Mutex<HashSet<GroupId>>,
     /// Asks for a run of the failure watch (`failover/watch.rs`).
@@ -229,7 +230,7 @@ struct Inner {
     quiet: Mutex<HashMap<GroupId, Instant>>,
     /// Groups mastered here that send no heartbeats, and what peers
     /// announce of theirs.
-    quiescence: quiescence::Quiescence,
+    quiescence: crate::peers::quiet::Quiescence,
     stop: CancellationToken,
     /// Cancelled first thing in a graceful stop (and with `stop`): clients
     /// are told to leave before masterships move.

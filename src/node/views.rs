@@ -168,7 +168,7 @@ impl Node {
     }
 
     /// Does node `id` answer a liveness ping? Its answer brings its list of
-    /// quietly led groups when that changed (`quiescence.rs`).
+    /// quietly led groups when that changed (`peers/quiet.rs`).
     /// The ping also carries this node's own list when the peer has not
     /// said it holds the latest (`Quiescence::push_for`).
     pub(super) async fn ping_liveness(&self, id: NodeId, limit: Duration) -> bool {
@@ -189,7 +189,7 @@ impl Node {
         }
     }
 
-    /// Hosted queue groups whose heartbeats are off (`quiescence.rs`).
+    /// Hosted queue groups whose heartbeats are off (`peers/quiet.rs`).
     pub fn quiet_groups(&self) -> usize {
         self.inner.groups.read().values().filter(|g| g.hush.is_quiet()).count()
     }

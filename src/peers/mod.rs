@@ -19,8 +19,12 @@
 //! the confirm gates judge members by it, and the failure watch, the
 //! reaper and the quiet groups ask the owner's read methods.
 //!
+//! The pings also carry each node's list of the groups it leads quietly
+//! ([`quiet`]): one signal per node stands in for every quiet group's
+//! heartbeats, so those lists live here with the pings.
+//!
 //! This module knows nothing of the node: pings go out through a
-//! [`Prober`] the node implements (they carry its quiet lists).
+//! [`Prober`] the node implements.
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
@@ -30,6 +34,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::ids::NodeId;
+
+pub mod quiet;
 
 /// How long a dial to a peer whose link just broke may take: on loopback
 /// and a LAN a refusal comes back in well under a millisecond.

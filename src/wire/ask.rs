@@ -60,17 +60,8 @@ pub struct Liveness {
     pub mine: Option<QuietList>,
 }
 
-/// The answer to [`Liveness`]: the receiver's incarnation and the
-/// generation of its list of quietly led groups; the list (group, term)
-/// unless the asker has it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Alive {
-    pub incarnation: u64,
-    pub gen: u64,
-    pub groups: Option<Vec<(GroupId, u64)>>,
-    /// As in [`QuietList`].
-    pub refilling: bool,
-}
+/// The answer to [`Liveness`].
+pub use crate::peers::quiet::Alive;
 
 /// This node's AMQP connections and consumers (for the API's listings).
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -25,17 +25,7 @@ use crate::queue::confirm_gate::Standing;
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
 use crate::queue::{QueueCmd, QueueReply, QueueTypes};
 
-/// A node's list of the groups it leads quietly, (group, term), at a
-/// generation of one life of the node.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct QuietList {
-    pub incarnation: u64,
-    pub gen: u64,
-    pub groups: Vec<(GroupId, u64)>,
-    /// The node is refilling a data dir set aside as damaged: its replicas
-    /// hold less than their masters counted them to, and wait for appends.
-    pub refilling: bool,
-}
+pub use crate::peers::quiet::QuietList;
 
 /// Raft's messages, stamped with their group and epoch, then the requests
 /// of [`ask`].

@@ -301,6 +301,8 @@ class Node:
                "--cluster", cluster]
         if self.secret:
             cmd += ["--cluster-secret-file", self.secret]
+        if self.args.failure_timeout is not None:
+            cmd += ["--failure-timeout", str(self.args.failure_timeout)]
         self.note("start")
         env = dict(os.environ, MIRRORQ_LOG="info,openraft=warn")
         with open(self.log, "ab") as log:
@@ -1543,6 +1545,7 @@ def on_signal(signum, _frame):
 
 
 def main():
+    global FAILURE_TIMEOUT_SECS
     if len(sys.argv) > 1 and sys.argv[1] == "_http":
         return http_main(*sys.argv[2:6])
     if len(sys.argv) > 1 and sys.argv[1] == "_clients":
@@ -1570,11 +1573,19 @@ def main():
     ap.add_argument("--promote-on-failure", choices=["always", "when-synced"], default=None,
                     help="the policy's ha-promote-on-failure (mirrorq; default: the policy's default, always): "
                          "when-synced keeps a minority from re-forming a queue, as a quorum queue's does")
+    ap.add_argument("--failure-timeout", type=float, default=None,
+                    help="the nodes' --failure-timeout, seconds (mirrorq; default: theirs, "
+                         f"{FAILURE_TIMEOUT_SECS}): a minority re-forms only after it")
     ap.add_argument("--faultfs", help="the faultfs binary: every data dir on it, and disk faults in the schedule")
     ap.add_argument("--faultfs-mode", choices=["strict", "ordered"], default="strict",
                     help="strict: a new or renamed name is durable only once its directory is synced; "
                          "ordered: any sync makes every name durable, as ext4's journal does")
     args = ap.parse_args()
+    if args.failure_timeout is not None:
+        if args.failure_timeout <= 0:
+            ap.error("--failure-timeout must be positive")
+        # The schedule holds the faults that must outlast it longer.
+        FAILURE_TIMEOUT_SECS = args.failure_timeout
     # The clients run in a child; without pika they would die in their
     # threads and the run would check nothing.
     import importlib.util

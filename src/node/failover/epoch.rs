@@ -3,15 +3,13 @@
 
 use openraft::storage::RaftLogStorage;
 use openraft::{ServerState, Vote};
-use tokio::sync::mpsc;
 
 use super::split::own_record;
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
-use crate::node::{Inner, Node};
+use crate::node::Inner;
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
 use crate::queue::QueueLog as LogStore;
-use crate::wire::raft_net::EpochNews;
 use mirrorq_storage::{NodeDb, StorageError};
 
 pub(super) fn epoch_key(group: GroupId) -> String {
@@ -117,31 +115,6 @@ impl Inner {
             _ => m.current_leader.filter(|_| heard.is_some_and(|t| t.elapsed() < self.timing.failure_timeout)),
         };
         Some(EpochReport { epoch: g.epoch, record, master })
-    }
-}
-
-impl Node {
-    pub(in crate::node) fn spawn_epoch_watch(&self, mut rx: mpsc::UnboundedReceiver<EpochNews>) {
-        let node = self.clone();
-        tokio::spawn(async move {
-            loop {
-                let news = tokio::select! {
-                    _ = node.inner.stop.cancelled() => return,
-                    n = rx.recv() => match n { Some(n) => n, None => return },
-                };
-                let stale = match node.inner.groups.read().get(&news.group) {
-                    Some(g) if g.epoch < news.epoch => {
-                        g.ext.split.newer_seen(news.from);
-                        true
-                    }
-                    _ => false,
-                };
-                if stale {
-                    let node = node.clone();
-                    tokio::spawn(async move { node.heal(news).await });
-                }
-            }
-        });
     }
 }
 

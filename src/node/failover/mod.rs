@@ -13,6 +13,13 @@ mod split;
 mod watch;
 
 pub(super) use epoch::load_epoch;
+
+use futures::future::{BoxFuture, FusedFuture, FutureExt};
+use tokio::sync::mpsc;
+
+use crate::node::Node;
+use crate::queue::epoch::Epoch;
+use crate::wire::raft_net::EpochNews;
 pub(super) use split::SplitMemory;
 pub(super) use watch::GroupWatch;
 
@@ -20,7 +27,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::ids::GroupId;
+use crate::ids::{GroupId, NodeId};
 use crate::metadata::{policy, MetaState, QueueMeta};
 use mirrorq_storage::{NodeDb, StorageError};
 
@@ -76,6 +83,86 @@ impl Heard {
     #[cfg(feature = "test-hooks")]
     pub(super) fn appends(&self) -> u64 {
         self.appends.load(Ordering::Relaxed)
+    }
+}
+
+/// A replica of a group that kept its majority asks ours, of a
+/// minority's fork, to yield to it (`split.rs`).
+pub(in crate::node) struct YieldAsk {
+    pub(in crate::node) group: GroupId,
+    pub(in crate::node) defeated: Epoch,
+    pub(in crate::node) winner: Epoch,
+    pub(in crate::node) from: NodeId,
+}
+
+impl Node {
+    /// Failover's one task. Everything that starts failover work on this
+    /// node arrives here: asks for a run of the failure watch
+    /// ([`Node::want_watch`]: the reconcile's tick, a peer seen dead),
+    /// peers' news of newer epochs of our groups (from the Raft network's
+    /// refusals), and asks to yield to a group that kept its majority.
+    /// The watch runs one run at a time (asks that come during a run make
+    /// one more run after it), so its verdicts (who stands, who re-forms)
+    /// are never taken by two watches over one group at once. Heals and
+    /// yields, which take seconds, run beside it; each takes its group
+    /// ([`Busy`]) first, as a re-form does.
+    pub(in crate::node) fn spawn_failover(
+        &self,
+        mut news: mpsc::UnboundedReceiver<EpochNews>,
+        mut yields: mpsc::UnboundedReceiver<YieldAsk>,
+    ) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let run = futures::future::Fuse::<BoxFuture<'static, ()>>::terminated();
+            tokio::pin!(run);
+            let mut again = false;
+            loop {
+                tokio::select! {
+                    _ = node.inner.stop.cancelled() => return,
+                    () = &mut run, if !run.is_terminated() => {
+                        if std::mem::take(&mut again) {
+                            run.set(node.clone().watch_run().fuse());
+                        }
+                    }
+                    _ = node.inner.watch_wanted.notified() => {
+                        if run.is_terminated() {
+                            run.set(node.clone().watch_run().fuse());
+                        } else {
+                            again = true;
+                        }
+                    }
+                    Some(n) = news.recv() => node.epoch_news(n),
+                    Some(y) = yields.recv() => {
+                        let node = node.clone();
+                        tokio::spawn(async move { node.yield_to(y.group, y.defeated, y.winner, y.from).await });
+                    }
+                }
+            }
+        });
+    }
+
+    /// One run of the failure watch, over the metadata as it stands.
+    fn watch_run(self) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let state = self.metadata();
+            self.watch_failures(&state).await;
+        })
+    }
+
+    /// A peer told of a newer epoch of `news.group`: if our replica is
+    /// older, remember who answers from it, and heal.
+    fn epoch_news(&self, news: EpochNews) {
+        let stale = match self.inner.groups.read().get(&news.group) {
+            Some(g) if g.epoch < news.epoch => {
+                g.ext.split.newer_seen(news.from);
+                true
+            }
+            _ => false,
+        };
+        if stale {
+            let node = self.clone();
+            tokio::spawn(async move { node.heal(news).await });
+        }
     }
 }
 

@@ -107,25 +107,6 @@ impl Node {
         round.reach
     }
 
-    /// The failure watch's one owner: a task that runs it whenever asked
-    /// (`Node::want_watch`: the reconcile's tick, a peer seen dead), one run
-    /// at a time, asks that come during a run making one more run after
-    /// it. Its verdicts (who stands, who re-forms) are taken by one task,
-    /// never by two watches over the same group at once.
-    pub(in crate::node) fn spawn_failure_watch(&self) {
-        let node = self.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = node.inner.stop.cancelled() => return,
-                    _ = node.inner.watch_wanted.notified() => {}
-                }
-                let state = node.metadata();
-                node.watch_failures(&state).await;
-            }
-        });
-    }
-
     /// Ask the failure watch for a run (soon, after the one under way).
     pub(in crate::node) fn want_watch(&self) {
         self.inner.watch_wanted.notify_one();
@@ -133,7 +114,7 @@ impl Node {
 
     /// Decide, per hosted group, who may stand for election, and whether
     /// to re-form a group that lost its majority.
-    async fn watch_failures(&self, state: &MetaState) {
+    pub(super) async fn watch_failures(&self, state: &MetaState) {
         let listed_at = self.inner.groups.removals();
         let groups: Vec<Arc<QueueGroup>> = self.inner.groups.all();
         self.watch_groups(state, groups, Some(listed_at)).await

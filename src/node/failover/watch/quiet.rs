@@ -1,4 +1,4 @@
-//! The failure watch's side of quiet groups (`node/quiescence.rs` keeps
+//! The failure watch's side of quiet groups (`peers/quiet.rs` keeps
 //! the lists the pings carry): as master, when a group has settled and may
 //! go quiet; as follower, whether a quiet master stands in for the group's
 //! heartbeats.

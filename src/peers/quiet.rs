@@ -14,7 +14,7 @@
 //! the follower's term does not stand for election: the node's pings stand
 //! in for every quiet group's heartbeats, one signal per node instead of
 //! one per group. When that node stops answering, or is seen dead, the
-//! follower's usual rules apply at once (`failover/watch.rs`): its lease ran out
+//! follower's usual rules apply at once (`node/failover/watch.rs`): its lease ran out
 //! long ago, so the most senior replica stands as it would for a busy
 //! group, as soon as the pings tell.
 //!
@@ -25,9 +25,33 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
+use serde::{Deserialize, Serialize};
+
 use crate::ids::{GroupId, NodeId};
-use crate::wire::ask::Alive;
-use crate::wire::{QuietList, RpcResponse};
+
+/// A node's list of the groups it leads quietly, (group, term), at a
+/// generation of one life of the node. Carried by its pings.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct QuietList {
+    pub incarnation: u64,
+    pub gen: u64,
+    pub groups: Vec<(GroupId, u64)>,
+    /// The node is refilling a data dir set aside as damaged: its replicas
+    /// hold less than their masters counted them to, and wait for appends.
+    pub refilling: bool,
+}
+
+/// The answer to a ping: the answering node's incarnation and the
+/// generation of its list of quietly led groups; the list (group, term)
+/// unless the asker has it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Alive {
+    pub incarnation: u64,
+    pub gen: u64,
+    pub groups: Option<Vec<(GroupId, u64)>>,
+    /// As in [`QuietList`].
+    pub refilling: bool,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Announcement {
@@ -52,7 +76,7 @@ struct Heard {
 }
 
 /// This node's announcements and what it heard of its peers'.
-pub(super) struct Quiescence {
+pub struct Quiescence {
     incarnation: u64,
     ours: Mutex<Ours>,
     heard: Mutex<HashMap<NodeId, Heard>>,
@@ -73,7 +97,7 @@ pub(super) struct Quiescence {
 }
 
 impl Quiescence {
-    pub(super) fn new(incarnation: u64) -> Self {
+    pub fn new(incarnation: u64) -> Self {
         Quiescence {
             incarnation,
             ours: Mutex::default(),
@@ -85,24 +109,24 @@ impl Quiescence {
     }
 
     /// This node's life, as its peers tell it apart from the next.
-    pub(super) fn incarnation(&self) -> u64 {
+    pub fn incarnation(&self) -> u64 {
         self.incarnation
     }
 
     /// What the failure watch's verdict on `group` depends on beyond its
     /// metrics, as a value that changes when any of it does.
-    pub(super) fn world_of(&self, group: GroupId) -> (u64, u64) {
+    pub fn world_of(&self, group: GroupId) -> (u64, u64) {
         let news = self.news.lock().expect("poisoned").get(&group).copied().unwrap_or(0);
         (self.world.load(std::sync::atomic::Ordering::Acquire), news)
     }
 
-    pub(super) fn world_changed(&self) {
+    pub fn world_changed(&self) {
         self.world.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 
     /// The answer to a liveness ping from `from`, which holds our list at
     /// `have`.
-    pub(super) fn answer(&self, from: NodeId, have: Option<(u64, u64)>) -> RpcResponse {
+    pub fn answer(&self, from: NodeId, have: Option<(u64, u64)>) -> Alive {
         let ours = self.ours.lock().expect("poisoned");
         {
             let mut fetched = self.fetched.lock().expect("poisoned");
@@ -112,23 +136,23 @@ impl Quiescence {
             };
         }
         let current = have == Some((self.incarnation, ours.gen));
-        RpcResponse::Liveness(Alive {
+        Alive {
             incarnation: self.incarnation,
             gen: ours.gen,
             groups: (!current).then(|| ours.groups.iter().map(|(g, a)| (*g, a.term)).collect()),
             refilling: ours.refilling,
-        })
+        }
     }
 
     /// What to tell `peer` we hold of its list.
-    pub(super) fn have(&self, peer: NodeId) -> Option<(u64, u64)> {
+    pub fn have(&self, peer: NodeId) -> Option<(u64, u64)> {
         self.heard.lock().expect("poisoned").get(&peer).map(|h| (h.incarnation, h.gen))
     }
 
     /// Our list, for a ping to `peer` to carry, when `peer` has not said it
     /// holds the latest: an announcement reaches the peers at this node's
     /// next round, rather than at theirs, and is known to have.
-    pub(super) fn push_for(&self, peer: NodeId) -> Option<QuietList> {
+    pub fn push_for(&self, peer: NodeId) -> Option<QuietList> {
         let ours = self.ours.lock().expect("poisoned");
         if self.fetched.lock().expect("poisoned").get(&peer) == Some(&ours.gen) {
             return None;
@@ -146,7 +170,7 @@ impl Quiescence {
     /// a quiet master would never send them anything. Said with the list
     /// (a change is a new generation), and masters keep every group with a
     /// refilling member awake until it says it is done.
-    pub(super) fn set_refilling(&self, on: bool) {
+    pub fn set_refilling(&self, on: bool) {
         let mut ours = self.ours.lock().expect("poisoned");
         if ours.refilling != on {
             ours.refilling = on;
@@ -155,19 +179,19 @@ impl Quiescence {
     }
 
     /// The peers that said they are refilling, in the life heard last.
-    pub(super) fn refilling_peers(&self) -> BTreeSet<NodeId> {
+    pub fn refilling_peers(&self) -> BTreeSet<NodeId> {
         self.heard.lock().expect("poisoned").iter().filter(|(_, h)| h.refilling).map(|(p, _)| *p).collect()
     }
 
     /// `peer` answered a ping that carried our list at `gen`: it holds it.
-    pub(super) fn pushed(&self, peer: NodeId, gen: u64) {
+    pub fn pushed(&self, peer: NodeId, gen: u64) {
         self.fetched.lock().expect("poisoned").insert(peer, gen);
     }
 
     /// `peer`'s list: from the answer to our ping, or carried by its own.
     /// An older generation of the life we hold (a ping and an answer that
     /// crossed) changes nothing.
-    pub(super) fn heard(
+    pub fn heard(
         &self,
         peer: NodeId,
         incarnation: u64,
@@ -208,7 +232,7 @@ impl Quiescence {
 
     /// Announce `group` as quietly led in `term`; the generation that
     /// first held this announcement.
-    pub(super) fn announce(&self, group: GroupId, term: u64) -> u64 {
+    pub fn announce(&self, group: GroupId, term: u64) -> u64 {
         let mut ours = self.ours.lock().expect("poisoned");
         if let Some(a) = ours.groups.get(&group).filter(|a| a.term == term) {
             return a.gen;
@@ -221,12 +245,12 @@ impl Quiescence {
 
     /// Whether this node announces `group` as quietly led.
     #[cfg(feature = "test-hooks")]
-    pub(super) fn announces(&self, group: GroupId) -> bool {
+    pub fn announces(&self, group: GroupId) -> bool {
         self.ours.lock().expect("poisoned").groups.contains_key(&group)
     }
 
     /// Withdraw `group`'s announcement; whether there was one.
-    pub(super) fn withdraw(&self, group: GroupId) -> bool {
+    pub fn withdraw(&self, group: GroupId) -> bool {
         let mut ours = self.ours.lock().expect("poisoned");
         if ours.groups.remove(&group).is_none() {
             return false;
@@ -236,7 +260,7 @@ impl Quiescence {
     }
 
     /// Whether every one of `peers` holds our list at `gen` or later.
-    pub(super) fn fetched_by_all(&self, gen: u64, peers: impl IntoIterator<Item = NodeId>) -> bool {
+    pub fn fetched_by_all(&self, gen: u64, peers: impl IntoIterator<Item = NodeId>) -> bool {
         let fetched = self.fetched.lock().expect("poisoned");
         peers.into_iter().all(|p| fetched.get(&p).is_some_and(|g| *g >= gen))
     }
@@ -244,7 +268,7 @@ impl Quiescence {
     /// The voter other than `me`, in reach, that announces `group` as
     /// quietly led in `term` or later: the master a follower in `term`
     /// keeps without heartbeats.
-    pub(super) fn quiet_master(
+    pub fn quiet_master(
         &self,
         group: GroupId,
         term: u64,
