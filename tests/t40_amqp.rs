@@ -1632,3 +1632,83 @@ async fn a_consumer_cut_off_from_its_master_keeps_its_window_and_its_acks_land_a
     assert!(again.is_err(), "a message came twice: {again:?}");
     c.cluster.shutdown().await;
 }
+
+/// A no-ack consumer is cancelled and a message is published right after
+/// the cancel-ok: the message stays in the queue. The consumer's get that
+/// was waiting at the master when it was cancelled took no message it
+/// then dropped (a no-ack get removes what it takes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_published_after_a_no_ack_consumers_cancel_ok_stays_in_the_queue() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    c.cluster.node(1).declare_queue("nocancel-q", vec![1]).await.unwrap();
+    for node in [1, 2] {
+        let conn = c.connect(node).await;
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+        for round in 0..5 {
+            let tag = format!("nc{node}-{round}");
+            let opts = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
+            let mut consumer = ch.basic_consume(s("nocancel-q"), s(&tag), opts, FieldTable::default()).await.unwrap();
+            // Its first get parks at the master, waiting for a publish.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            ch.basic_cancel(s(&tag), lapin::options::BasicCancelOptions::default()).await.unwrap();
+            let body = format!("after-cancel-{node}-{round}");
+            assert!(publish(&ch, "nocancel-q", body.as_bytes()).await, "confirmed");
+            // Whatever the consumer was sent came before its cancel-ok.
+            let mut sent_to_it = Vec::new();
+            while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_millis(100), consumer.next()).await {
+                sent_to_it.push(String::from_utf8(d.data).unwrap());
+            }
+            assert!(sent_to_it.is_empty(), "delivered after its cancel-ok: {sent_to_it:?}");
+            let got = ch.basic_get(s("nocancel-q"), BasicGetOptions { no_ack: true }).await.unwrap();
+            let got = got.map(|m| String::from_utf8(m.delivery.data).unwrap());
+            assert_eq!(got.as_deref(), Some(body.as_str()), "the message published after the cancel-ok is gone");
+        }
+    }
+    c.cluster.shutdown().await;
+}
+
+/// As RabbitMQ: deleting a queue or an exchange that is not there answers
+/// delete-ok (a count of 0) and keeps the channel; `immediate=true` closes
+/// the connection with 540; `connection.start` names every capability
+/// mirrorq has that clients look for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deletes_of_what_is_not_there_immediate_and_capabilities_as_rabbitmq_answers_them() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn = c.connect(2).await;
+    let ch = conn.create_channel().await.unwrap();
+    let count = ch.queue_delete(s("never-declared"), Default::default()).await.expect("delete-ok");
+    assert_eq!(count, 0);
+    ch.exchange_delete(s("never-declared-x"), Default::default()).await.expect("delete-ok");
+    ch.queue_declare(s("still-open"), QueueDeclareOptions::default(), FieldTable::default())
+        .await
+        .expect("the channel is still open");
+
+    let start = raw::Raw::start_frame(c.ports[0]).await;
+    let caps = match start.server_properties.inner().get("capabilities") {
+        Some(AMQPValue::FieldTable(t)) => t.clone(),
+        other => panic!("no capabilities table: {other:?}"),
+    };
+    for cap in ["exchange_exchange_bindings", "consumer_priorities", "publisher_confirms", "consumer_cancel_notify"] {
+        assert_eq!(caps.inner().get(cap), Some(&AMQPValue::Boolean(true)), "capability {cap}: {caps:?}");
+    }
+
+    use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
+    use amq_protocol::protocol::{basic, channel, AMQPClass};
+    let mut raw = raw::Raw::open(c.ports[1]).await;
+    let p = basic::Publish { exchange: "".into(), routing_key: "still-open".into(), mandatory: false, immediate: true };
+    let header = AMQPContentHeader { class_id: 60, body_size: 1, properties: Default::default() };
+    raw.send(&[
+        raw::method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
+        raw::method(1, AMQPClass::Basic(basic::AMQPMethod::Publish(p))),
+        AMQPFrame::Header(1, header),
+        AMQPFrame::Body(1, b"x".to_vec()),
+    ])
+    .await;
+    assert!(matches!(raw.next().await, AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))));
+    let closed = raw.next().await;
+    assert_eq!(close_of(&closed).map(|(code, _)| code), Some(540), "{closed:?}");
+    c.cluster.shutdown().await;
+}

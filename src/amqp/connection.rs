@@ -264,6 +264,8 @@ impl Conn {
             "per_consumer_qos",
             "connection.blocked",
             "authentication_failure_close",
+            "exchange_exchange_bindings",
+            "consumer_priorities",
         ] {
             caps.insert(ss(c), AMQPValue::Boolean(true));
         }

@@ -51,6 +51,12 @@ pub(super) struct Consumer {
     pub deliveries: Arc<Deliveries>,
     pub frame_max: u32,
     pub stop: CancellationToken,
+    /// Cancelled once it has stopped serving: every get it had in flight
+    /// has been answered and its messages delivered or given back.
+    pub served: CancellationToken,
+    /// The channel's own token: cancelled when the channel closes (then
+    /// nothing more may go out on it), not when only this consumer is.
+    pub closing: CancellationToken,
     /// The channel's delivery gate (see `Channel::delivery_gate`).
     pub gate: Arc<tokio::sync::Mutex<()>>,
     /// Its number and `x-priority`, named in its gets.
@@ -71,13 +77,25 @@ struct Window {
     idle: Duration,
 }
 
+/// A running consumer, as its channel holds it.
+pub(super) struct Running {
+    pub stop: CancellationToken,
+    /// See [`Consumer::served`].
+    pub served: CancellationToken,
+    pub no_ack: bool,
+}
+
 /// How long a consumer goes on trying to register or unregister while the
 /// queue's master changes.
 const REGISTER_FOR: Duration = Duration::from_secs(60);
 
 impl Consumer {
     pub async fn run(self) {
-        let Some(single_active) = self.register else { return self.serve().await };
+        let served = self.served.clone();
+        let Some(single_active) = self.register else {
+            self.serve().await;
+            return served.cancel();
+        };
         let (node, queue, owner, me) = (self.node.clone(), self.queue.clone(), self.owner, self.me);
         // Until the queue knows it, the consumer is not served at all on a
         // single-active-consumer queue: register before the first get.
@@ -86,6 +104,7 @@ impl Consumer {
         if registered {
             self.serve().await;
         }
+        served.cancel();
         // A channel that closes releases its owner, registrations with it;
         // a cancelled consumer's channel goes on, so it unregisters (also
         // after a registration that failed to answer but may have been
@@ -214,14 +233,14 @@ impl Consumer {
             Ok(msgs) => {
                 w.idle = Duration::from_millis(5);
                 if self.stop.is_cancelled() {
-                    // Cancelled while the get was in flight: hand them back.
-                    self.requeue(msgs).await;
+                    // Cancelled while the get was in flight.
+                    self.after_stop(msgs).await;
                     self.give_back(&mut w.gets).await;
                     return false;
                 }
                 if let Err(msgs) = self.deliver(msgs).await {
-                    // Cancelled meanwhile: not one delivery after cancel-ok.
-                    self.requeue(msgs).await;
+                    // Cancelled meanwhile.
+                    self.after_stop(msgs).await;
                     self.give_back(&mut w.gets).await;
                     return false;
                 }
@@ -269,19 +288,32 @@ impl Consumer {
     }
 
     /// Gets still in flight when the consumer stops: wait for them (a get
-    /// cannot be taken back once sent) and requeue what they took.
+    /// cannot be taken back once sent) and settle what they took.
     async fn give_back(&self, gets: &mut FuturesOrdered<Get>) {
         while let Some((_claim, _, _, got)) = gets.next().await {
             if let Ok(msgs) = got {
-                self.requeue(msgs).await;
+                self.after_stop(msgs).await;
             }
         }
     }
 
-    async fn requeue(&self, msgs: Vec<Delivery>) {
-        if !self.no_ack && !msgs.is_empty() {
+    /// Messages a get took for this consumer after it was cancelled. With
+    /// acks, they go back to the queue. Without, the get removed them
+    /// from the queue as it took them: they are delivered (the channel
+    /// holds its cancel-ok until this consumer has served, so they still
+    /// come before it), unless the channel itself is closing and nothing
+    /// may go out on it, as RabbitMQ's no-ack deliveries on their way to
+    /// a closing channel are gone.
+    async fn after_stop(&self, msgs: Vec<Delivery>) {
+        if msgs.is_empty() {
+            return;
+        }
+        if !self.no_ack {
             let tags = msgs.iter().map(|d| d.tag).collect();
             let _ = self.node.nack_of(&self.queue, self.owner, tags).await;
+        } else if !self.closing.is_cancelled() {
+            let _gate = self.gate.lock().await;
+            self.write(msgs).await;
         }
     }
 
@@ -291,6 +323,12 @@ impl Consumer {
         if self.stop.is_cancelled() {
             return Err(msgs);
         }
+        self.write(msgs).await;
+        Ok(())
+    }
+
+    /// Send `msgs` to the client (the delivery gate held).
+    async fn write(&self, msgs: Vec<Delivery>) {
         self.node.metrics().delivered.inc_by(msgs.len() as u64);
         let size: usize = msgs.iter().map(|d| d.message.body.len() + d.message.properties.len() + 128).sum();
         let mut buf = Vec::with_capacity(size);
@@ -303,7 +341,6 @@ impl Consumer {
             });
         }
         self.out.encoded(buf).await;
-        Ok(())
     }
 }
 

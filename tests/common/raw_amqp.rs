@@ -37,6 +37,18 @@ impl Raw {
         r
     }
 
+    /// The server's `connection.start`, read after the protocol header.
+    #[allow(dead_code)]
+    pub async fn start_frame(port: u16) -> connection::Start {
+        let sock = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let mut r = Raw { sock, buf: Vec::new() };
+        r.sock.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+        match r.next().await {
+            AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Start(start))) => start,
+            other => panic!("expected connection.start, got {other:?}"),
+        }
+    }
+
     /// Through the handshake as guest on the default vhost: the connection
     /// and the frame that answered `connection.open`.
     pub async fn handshake(port: u16) -> (Self, AMQPFrame) {

@@ -5,10 +5,11 @@ use amq_protocol::protocol::{basic, AMQPClass};
 
 use crate::amqp::channel::rand_id;
 use crate::amqp::channel::{Channel, PendingPublish};
-use crate::amqp::consumer::Consumer;
+use crate::amqp::consumer::{Consumer, Running};
 use crate::amqp::deliveries::Deliveries;
 use crate::amqp::reply::{
-    hard, node_soft, soft, unknown_tag, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, NOT_ALLOWED, PRECONDITION_FAILED,
+    hard, node_soft, soft, unknown_tag, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, NOT_ALLOWED, NOT_IMPLEMENTED,
+    PRECONDITION_FAILED,
 };
 use crate::amqp::writer::ss;
 use crate::error::NodeError;
@@ -20,6 +21,7 @@ use crate::queue::proposer::Lane;
 use crate::queue::types::ConsumerRef;
 use crate::queue::QueueCmd;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Copy)]
 pub(in crate::amqp) enum Settle {
@@ -42,6 +44,10 @@ impl Channel {
         use basic::AMQPMethod as B;
         match m {
             B::Publish(p) => {
+                if p.immediate {
+                    // RabbitMQ dropped `immediate` in 3.0 and refuses it so.
+                    return Err(Err(hard(NOT_IMPLEMENTED, "NOT_IMPLEMENTED - immediate=true".to_string())));
+                }
                 self.may(Access::Write, "exchange", p.exchange.as_str(), 60, 40)?;
                 self.pending = Some(PendingPublish { publish: p, header: None, body: Vec::new() });
                 Ok(true)
@@ -139,7 +145,9 @@ impl Channel {
         let register = (single_active || priority != 0).then_some(single_active);
         let prefetch = self.deliveries.consumer_started(id);
         let stop = self.closed.child_token();
-        self.consumers.insert(tag.clone(), stop.clone());
+        let served = CancellationToken::new();
+        let running = Running { stop: stop.clone(), served: served.clone(), no_ack: c.no_ack };
+        self.consumers.insert(tag.clone(), running);
         self.node.clients().consuming(crate::clients::ConsumerInfo {
             connection: self.conn_id,
             channel: self.id,
@@ -168,6 +176,8 @@ impl Channel {
             deliveries: self.deliveries.clone(),
             frame_max: self.frame_max,
             stop,
+            served,
+            closing: self.closed.clone(),
             gate: self.delivery_gate.clone(),
             me,
             register,
@@ -178,9 +188,20 @@ impl Channel {
 
     async fn basic_cancel(&mut self, c: basic::Cancel) -> Result<bool, Result<Soft, Hard>> {
         use basic::AMQPMethod as B;
-        if let Some(t) = self.consumers.remove(c.consumer_tag.as_str()) {
-            let _gate = self.delivery_gate.lock().await;
-            t.cancel();
+        if let Some(running) = self.consumers.remove(c.consumer_tag.as_str()) {
+            {
+                let _gate = self.delivery_gate.lock().await;
+                running.stop.cancel();
+            }
+            // A no-ack consumer's gets in flight removed their messages
+            // from the queue as they took them: they go to the client
+            // before the cancel-ok, or they would be lost.
+            if running.no_ack {
+                let served = tokio::time::timeout(SERVED_WITHIN, running.served.cancelled()).await;
+                if served.is_err() {
+                    tracing::warn!(consumer = %c.consumer_tag, "a cancelled no-ack consumer's gets did not finish in time");
+                }
+            }
         }
         if let Some(q) = self.node.clients().stopped_consuming(self.conn_id, self.id, c.consumer_tag.as_str()) {
             let node = self.node.clone();
@@ -243,6 +264,10 @@ impl Channel {
         Ok(true)
     }
 }
+
+/// How long a cancel-ok waits for a cancelled no-ack consumer's gets in
+/// flight (each bounded by the operation timeout at the master).
+const SERVED_WITHIN: Duration = Duration::from_secs(20);
 
 /// The first pause before a settle is sent again, and the longest.
 const RESEND_FIRST: Duration = Duration::from_millis(100);

@@ -6,6 +6,7 @@ use amq_protocol::types::{FieldTable, ShortString};
 
 use crate::amqp::channel::Channel;
 use crate::amqp::reply::{hard, node_soft, soft, Hard, Soft, COMMAND_INVALID, PRECONDITION_FAILED};
+use crate::error::NodeError;
 use crate::message::to_args;
 use crate::metadata::names;
 use crate::metadata::routing::ArgValue;
@@ -70,10 +71,12 @@ impl Channel {
             }
             E::Delete(d) => {
                 self.may(Access::Configure, "exchange", d.exchange.as_str(), 40, 20)?;
-                self.node
-                    .delete_exchange(&self.key(d.exchange.as_str()), d.if_unused)
-                    .await
-                    .map_err(|e| Ok(node_soft(e, 40, 20)))?;
+                // An exchange that is not there is deleted already, as in
+                // RabbitMQ: delete-ok, not a 404.
+                match self.node.delete_exchange(&self.key(d.exchange.as_str()), d.if_unused).await {
+                    Ok(()) | Err(NodeError::NotFound(_)) => {}
+                    Err(e) => return Err(Ok(node_soft(e, 40, 20))),
+                }
                 if !d.nowait {
                     self.reply(AMQPClass::Exchange(E::DeleteOk(exchange::DeleteOk {}))).await;
                 }

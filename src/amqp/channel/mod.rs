@@ -53,7 +53,7 @@ pub(in crate::amqp) struct Channel {
     pub(in crate::amqp) pending: Option<PendingPublish>,
     pub(in crate::amqp) batch: Option<PublishBatch>,
     pub(in crate::amqp) deliveries: Arc<Deliveries>,
-    pub(in crate::amqp) consumers: HashMap<String, CancellationToken>,
+    pub(in crate::amqp) consumers: HashMap<String, crate::amqp::consumer::Running>,
     /// Held by a consumer while it checks it is still running and queues a
     /// delivery, and by `basic.cancel` and channel close while they stop
     /// consumers: so no delivery follows a `cancel-ok` or `close-ok` (a
@@ -164,7 +164,7 @@ impl Channel {
             tokio::spawn(async move { node.consumer_gone(&q).await });
         }
         for (_, c) in self.consumers.drain() {
-            c.cancel();
+            c.stop.cancel();
         }
         let queues = self.deliveries.queues_held();
         self.deliveries.forget_all();

@@ -11,6 +11,7 @@ use crate::amqp::reply::{
 };
 use crate::amqp::writer::ss;
 use crate::api::DeclareOpts;
+use crate::error::NodeError;
 use crate::message::to_args;
 use crate::metadata::names;
 use crate::metadata::{Access, QueueArgs};
@@ -167,7 +168,13 @@ impl Channel {
         let key = self.key(bare);
         let name = key.as_str();
         self.locked_check(name, 50, 40).await?;
-        let (ready, unacked) = self.node.status(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
+        // Deleting a queue that is not there is done already, as in
+        // RabbitMQ: delete-ok with a count of 0, not a 404.
+        let (ready, unacked) = match self.node.status(name).await {
+            Ok(counts) => counts,
+            Err(NodeError::NoSuchQueue(_)) => return self.queue_deleted(d.nowait, 0).await,
+            Err(e) => return Err(Ok(node_soft(e, 50, 40))),
+        };
         if d.if_unused && !self.node.consumers_of(name).await.is_empty() {
             return Err(Ok(soft(
                 PRECONDITION_FAILED,
@@ -184,9 +191,16 @@ impl Channel {
                 40,
             )));
         }
-        self.node.delete_queue(name).await.map_err(|e| Ok(node_soft(e, 50, 40)))?;
-        if !d.nowait {
-            let ok = queue::DeleteOk { message_count: ready as u32 };
+        match self.node.delete_queue(name).await {
+            Ok(()) | Err(NodeError::NoSuchQueue(_)) => {}
+            Err(e) => return Err(Ok(node_soft(e, 50, 40))),
+        }
+        self.queue_deleted(d.nowait, ready).await
+    }
+
+    async fn queue_deleted(&mut self, nowait: bool, ready: u64) -> Result<bool, Result<Soft, Hard>> {
+        if !nowait {
+            let ok = queue::DeleteOk { message_count: u32::try_from(ready).unwrap_or(u32::MAX) };
             self.reply(AMQPClass::Queue(queue::AMQPMethod::DeleteOk(ok))).await;
         }
         Ok(true)
