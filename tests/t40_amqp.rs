@@ -1712,3 +1712,50 @@ async fn deletes_of_what_is_not_there_immediate_and_capabilities_as_rabbitmq_ans
     assert_eq!(close_of(&closed).map(|(code, _)| code), Some(540), "{closed:?}");
     c.cluster.shutdown().await;
 }
+
+/// As RabbitMQ: declaring a queue or an exchange that exists with other
+/// flags is refused with 406 PRECONDITION_FAILED ("inequivalent arg"); a
+/// passive declare asks for none and is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redeclare_with_other_flags_is_refused() {
+    use lapin::options::ExchangeDeclareOptions;
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let conn = c.connect(2).await;
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(s("flags-q"), durable, FieldTable::default()).await.unwrap();
+    ch.queue_declare(s("flags-q"), durable, FieldTable::default()).await.expect("the same flags");
+    let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+    ch.queue_declare(s("flags-q"), passive, FieldTable::default()).await.expect("passive");
+    for (what, opts) in [
+        ("durable", QueueDeclareOptions::default()),
+        ("auto_delete", QueueDeclareOptions { durable: true, auto_delete: true, ..Default::default() }),
+    ] {
+        let ch = conn.create_channel().await.unwrap();
+        let err = ch.queue_declare(s("flags-q"), opts, FieldTable::default()).await.unwrap_err();
+        assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+        assert!(format!("{err:?}").contains(what), "{what}: {err:?}");
+    }
+
+    let ch = conn.create_channel().await.unwrap();
+    let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
+    ch.exchange_declare(s("flags-x"), lapin::ExchangeKind::Direct, durable, FieldTable::default()).await.unwrap();
+    ch.exchange_declare(s("flags-x"), lapin::ExchangeKind::Direct, durable, FieldTable::default())
+        .await
+        .expect("the same flags");
+    for (what, opts) in [
+        ("durable", ExchangeDeclareOptions::default()),
+        ("internal", ExchangeDeclareOptions { durable: true, internal: true, ..Default::default() }),
+        ("auto_delete", ExchangeDeclareOptions { durable: true, auto_delete: true, ..Default::default() }),
+    ] {
+        let ch = conn.create_channel().await.unwrap();
+        let err = ch
+            .exchange_declare(s("flags-x"), lapin::ExchangeKind::Direct, opts, FieldTable::default())
+            .await
+            .unwrap_err();
+        assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+        assert!(format!("{err:?}").contains(what), "{what}: {err:?}");
+    }
+    c.cluster.shutdown().await;
+}

@@ -4,6 +4,7 @@
 use amq_protocol::protocol::{exchange, AMQPClass};
 use amq_protocol::types::{FieldTable, ShortString};
 
+use crate::amqp::channel::queue_methods::inequivalent_flags;
 use crate::amqp::channel::Channel;
 use crate::amqp::reply::{hard, node_soft, soft, Hard, Soft, COMMAND_INVALID, PRECONDITION_FAILED};
 use crate::error::NodeError;
@@ -53,6 +54,14 @@ impl Channel {
                             return Err(Ok(soft(PRECONDITION_FAILED, why.to_string(), 40, 10)));
                         }
                     };
+                    if let Some(current) = self.node.metadata().exchange(&name) {
+                        let flags = [
+                            ("durable", d.durable, current.durable),
+                            ("auto_delete", d.auto_delete, current.auto_delete),
+                            ("internal", d.internal, current.internal),
+                        ];
+                        inequivalent_flags(&flags, "exchange", bare, &self.vhost, 40, 10)?;
+                    }
                     let ex = ExchangeMeta {
                         name,
                         kind,

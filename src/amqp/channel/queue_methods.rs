@@ -63,6 +63,10 @@ impl Channel {
         };
         let (q, created) = match existing {
             Some(q) => {
+                if !d.passive {
+                    let flags = [("durable", d.durable, q.durable), ("auto_delete", d.auto_delete, q.auto_delete)];
+                    inequivalent_flags(&flags, "queue", &bare, &self.vhost, 50, 10)?;
+                }
                 self.check_equivalent(&q, args.as_ref(), &bare)?;
                 (q, false)
             }
@@ -254,5 +258,29 @@ impl Channel {
             Ok(q) => self.check_exclusive(&q, class, method),
             Err(_) => Ok(()),
         }
+    }
+}
+
+/// A declare of something that exists with other flags is refused, as
+/// RabbitMQ refuses it: `(flag, asked, current)`.
+pub(in crate::amqp) fn inequivalent_flags(
+    flags: &[(&str, bool, bool)],
+    kind: &str,
+    bare: &str,
+    vhost: &str,
+    class: u16,
+    method: u16,
+) -> Result<(), Result<Soft, Hard>> {
+    match flags.iter().find(|(_, asked, current)| asked != current) {
+        Some((flag, asked, current)) => Err(Ok(soft(
+            PRECONDITION_FAILED,
+            format!(
+                "PRECONDITION_FAILED - inequivalent arg '{flag}' for {kind} '{bare}' in vhost '{vhost}': \
+                 received '{asked}' but current is '{current}'"
+            ),
+            class,
+            method,
+        ))),
+        None => Ok(()),
     }
 }
