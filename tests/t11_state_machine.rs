@@ -69,8 +69,8 @@ async fn get_sees_publish_from_earlier_entry_in_same_apply() {
     assert_eq!(delivered(&out[2]), vec![(b"b".to_vec(), false)]);
 }
 
-/// State, counters and requeue order survive a reopen, and the message
-/// properties come back byte for byte.
+/// State, counters and the places of requeued messages survive a reopen,
+/// and the message properties come back byte for byte.
 #[tokio::test]
 async fn state_survives_reopen() {
     let dir = tempfile::tempdir().unwrap();
@@ -82,7 +82,8 @@ async fn state_survives_reopen() {
             vec![
                 entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
                 entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: false, consumer: None }]),
-                // tags 0 (a) and 1 (b): requeue b first, then a
+                // tags 0 (a) and 1 (b): requeue b first, then a; both go
+                // back to their places, a before b
                 entry(3, vec![QueueCmd::Nack { tags: vec![1, 0], requeue: true }]),
             ],
         ))
@@ -97,12 +98,12 @@ async fn state_survives_reopen() {
     let out = sm.apply(logged(&db, 5, get)).await.unwrap();
     assert_eq!(
         delivered(&out[0]),
-        vec![(b"b".to_vec(), true), (b"a".to_vec(), true), (b"c".to_vec(), false)],
-        "requeued first, in requeue order, then the rest"
+        vec![(b"a".to_vec(), true), (b"b".to_vec(), true), (b"c".to_vec(), false)],
+        "requeued first, in their places, then the rest"
     );
     let r = &out[0];
     let QueueReply::Got { msgs, .. } = &r[0] else { panic!() };
-    assert_eq!(msgs[0].message, msg("b"));
+    assert_eq!(msgs[0].message, msg("a"));
     assert_eq!(msgs.iter().map(|d| d.tag).collect::<Vec<_>>(), vec![2, 3, 4], "tags keep counting after restart");
 }
 

@@ -1710,6 +1710,15 @@ async fn deletes_of_what_is_not_there_immediate_and_capabilities_as_rabbitmq_ans
     assert!(matches!(raw.next().await, AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))));
     let closed = raw.next().await;
     assert_eq!(close_of(&closed).map(|(code, _)| code), Some(540), "{closed:?}");
+    // It names the method it refuses, as RabbitMQ does (py-amqp checks).
+    use amq_protocol::protocol::connection;
+    let AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(close))) = closed else {
+        unreachable!()
+    };
+    assert_eq!(
+        (close.class_id, close.method_id, close.reply_text.as_str()),
+        (60, 40, "NOT_IMPLEMENTED - immediate=true")
+    );
     c.cluster.shutdown().await;
 }
 
@@ -1757,5 +1766,251 @@ async fn a_redeclare_with_other_flags_is_refused() {
         assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
         assert!(format!("{err:?}").contains(what), "{what}: {err:?}");
     }
+    c.cluster.shutdown().await;
+}
+
+/// As RabbitMQ: `channel.close` in confirm mode is answered once every
+/// publish before it is confirmed, and nothing follows `close-ok` on that
+/// channel (amqplib takes a confirm on a closed channel for a connection
+/// error). 1,000 publishes to a queue mirrored on three nodes, through a
+/// node that does not master it, then the close in the same write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_publish_is_confirmed_before_close_ok_and_nothing_follows_it() {
+    use amq_protocol::frame::AMQPFrame;
+    use amq_protocol::protocol::{basic, channel, confirm, AMQPClass};
+    use raw::method;
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    c.cluster.node(1).set_policy(common::policy("^closing", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    c.cluster.node(1).declare_queue("closing", Vec::new()).await.unwrap();
+    let via = if c.cluster.master_of("closing").await == 2 { 3 } else { 2 };
+    let mut raw = raw::Raw::open(c.ports[via as usize - 1]).await;
+    let mut frames = vec![
+        method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
+        method(1, AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait: false }))),
+    ];
+    const N: u64 = 1000;
+    for i in 0..N {
+        // Every tenth one routes nowhere: confirmed at once.
+        let to = if i % 10 == 9 { "nowhere" } else { "closing" };
+        frames.extend(raw::publish(1, to, format!("m{i}").as_bytes()));
+    }
+    let close = channel::Close { reply_code: 200, reply_text: "bye".into(), class_id: 0, method_id: 0 };
+    frames.push(method(1, AMQPClass::Channel(channel::AMQPMethod::Close(close))));
+    raw.send(&frames).await;
+    let mut acked = vec![false; N as usize + 1];
+    loop {
+        match raw.next().await {
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a))) => {
+                let from = if a.multiple { 1 } else { a.delivery_tag };
+                for t in from..=a.delivery_tag {
+                    acked[t as usize] = true;
+                }
+            }
+            AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) => break,
+            AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))
+            | AMQPFrame::Method(1, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => {}
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    let missing: Vec<usize> = (1..=N as usize).filter(|t| !acked[*t]).collect();
+    assert!(missing.is_empty(), "{} publishes unconfirmed at close-ok, first {:?}", missing.len(), missing.first());
+    // The channel number is free again: the next frame on it answers the
+    // new open, not a confirm of the old channel.
+    raw.send(&[method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})))]).await;
+    let next = raw.next().await;
+    assert!(matches!(next, AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))), "{next:?}");
+    assert_eq!(c.cluster.node(1).status("closing").await.unwrap().0, 900);
+    c.cluster.shutdown().await;
+}
+
+/// As RabbitMQ: the unacked messages of a channel or a connection that
+/// closes are back in their queue, in their places, before `close-ok`; a
+/// consumer started right after gets them first and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unacked_messages_are_back_in_order_before_a_close_is_answered() {
+    use amq_protocol::frame::AMQPFrame;
+    use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
+    use raw::method;
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    c.cluster.node(1).set_policy(common::policy("^in-order", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    c.cluster.node(1).declare_queue("in-order", Vec::new()).await.unwrap();
+    let via = if c.cluster.master_of("in-order").await == 2 { 3 } else { 2 };
+    let port = c.ports[via as usize - 1];
+    let conn = c.connect(via).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    for i in 0..5 {
+        assert!(publish(&ch, "in-order", format!("m{i}").as_bytes()).await);
+    }
+    let consume = |tag: &str| basic::Consume {
+        queue: "in-order".into(),
+        consumer_tag: tag.into(),
+        no_local: false,
+        no_ack: false,
+        exclusive: false,
+        nowait: false,
+        arguments: Default::default(),
+    };
+    // The next `n` deliveries on channel `id`: (body, redelivered, tag).
+    async fn deliveries(raw: &mut raw::Raw, id: u16, n: usize) -> Vec<(String, bool, u64)> {
+        let mut out = Vec::new();
+        while out.len() < n {
+            match raw.next().await {
+                AMQPFrame::Method(c, AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) if c == id => {
+                    assert!(matches!(raw.next().await, AMQPFrame::Header(..)));
+                    let AMQPFrame::Body(_, b) = raw.next().await else { panic!("expected a body") };
+                    out.push((String::from_utf8(b).unwrap(), d.redelivered, d.delivery_tag));
+                }
+                AMQPFrame::Method(c, _) if c == id => {}
+                other => panic!("unexpected frame {other:?}"),
+            }
+        }
+        out
+    }
+    let qos = basic::Qos { prefetch_count: 2, global: false };
+    let close = channel::Close { reply_code: 200, reply_text: "bye".into(), class_id: 0, method_id: 0 };
+    for round in ["channel", "connection"] {
+        let mut raw = raw::Raw::open(port).await;
+        raw.send(&[
+            method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
+            method(1, AMQPClass::Basic(basic::AMQPMethod::Qos(qos.clone()))),
+            method(1, AMQPClass::Basic(basic::AMQPMethod::Consume(consume("first")))),
+        ])
+        .await;
+        let got: Vec<String> = deliveries(&mut raw, 1, 2).await.into_iter().map(|d| d.0).collect();
+        assert_eq!(got, ["m0", "m1"], "{round}");
+        if round == "channel" {
+            raw.send(&[method(1, AMQPClass::Channel(channel::AMQPMethod::Close(close.clone())))]).await;
+            loop {
+                if let AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) = raw.next().await {
+                    break;
+                }
+            }
+        } else {
+            let bye = connection::Close { reply_code: 200, reply_text: "bye".into(), class_id: 0, method_id: 0 };
+            raw.send(&[method(0, AMQPClass::Connection(connection::AMQPMethod::Close(bye)))]).await;
+            loop {
+                if let AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))) =
+                    raw.next().await
+                {
+                    break;
+                }
+            }
+            raw = raw::Raw::open(port).await;
+        }
+        // A consumer started right after the close-ok.
+        raw.send(&[
+            method(2, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
+            method(2, AMQPClass::Basic(basic::AMQPMethod::Consume(consume("second")))),
+        ])
+        .await;
+        let got = deliveries(&mut raw, 2, 5).await;
+        let order: Vec<(&str, bool)> = got.iter().map(|(b, r, _)| (b.as_str(), *r)).collect();
+        // The second round's first three were all delivered once before.
+        let again = round == "connection";
+        let want = [("m0", true), ("m1", true), ("m2", again), ("m3", again), ("m4", again)];
+        assert_eq!(order, want, "after the {round} closed: the two it held first, in their places");
+        if round == "channel" {
+            // Back where they were for the next round: closed unacked.
+            raw.send(&[method(2, AMQPClass::Channel(channel::AMQPMethod::Close(close.clone())))]).await;
+            loop {
+                if let AMQPFrame::Method(2, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) = raw.next().await {
+                    break;
+                }
+            }
+        }
+    }
+    c.cluster.shutdown().await;
+}
+
+/// As RabbitMQ: an exclusive queue lives on its connection's node and is
+/// never mirrored, even where a policy mirrors its name. `x-queue-type:
+/// quorum` asks for replicas, three unless `x-quorum-initial-group-size`
+/// says otherwise, whatever `ha-` policy matches; a quorum queue cannot be
+/// transient, exclusive or auto-delete (406); a queue type mirrorq does not
+/// have is refused (406), as is a re-declare that names another type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exclusive_queues_stay_on_their_node_and_quorum_queues_are_replicated() {
+    init_tracing();
+    let mut c = AmqpCluster::start().await;
+    c.cluster.node(1).set_policy(common::policy("^", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    fn placed(c: &AmqpCluster, name: &str) -> (Vec<u64>, &'static str) {
+        let meta = c.cluster.node(1).metadata();
+        let q = meta.queues.get(name).unwrap_or_else(|| panic!("{name} declared"));
+        (q.replicas.clone(), q.args.queue_type())
+    }
+    let replicas = |name: &str| placed(&c, name);
+    let conn = c.connect(2).await;
+    let ch = conn.create_channel().await.unwrap();
+    let exclusive = QueueDeclareOptions { exclusive: true, ..Default::default() };
+    for name in ["excl-a", "excl-b", "excl-c"] {
+        ch.queue_declare(s(name), exclusive, FieldTable::default()).await.unwrap();
+        assert_eq!(replicas(name), (vec![2], "classic"), "{name}: here, alone");
+    }
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    assert!(publish(&ch, "excl-a", b"x").await);
+
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(s("plain"), durable, FieldTable::default()).await.unwrap();
+    assert_eq!(replicas("plain").0.len(), 3, "mirrored by the policy");
+    let quorum = |size: Option<i32>| {
+        let mut t = FieldTable::default();
+        t.insert(s("x-queue-type"), AMQPValue::LongString("quorum".into()));
+        if let Some(n) = size {
+            t.insert(s("x-quorum-initial-group-size"), AMQPValue::LongInt(n));
+        }
+        t
+    };
+    ch.queue_declare(s("qq-3"), durable, quorum(None)).await.unwrap();
+    assert_eq!(replicas("qq-3").0.len(), 3);
+    assert_eq!(replicas("qq-3").1, "quorum");
+    ch.queue_declare(s("qq-2"), durable, quorum(Some(2))).await.unwrap();
+    assert_eq!(replicas("qq-2").0.len(), 2, "the argument, not the ha-mode all policy");
+    assert!(publish(&ch, "qq-2", b"y").await);
+    // Re-declared without a type: the same queue; with another: refused.
+    ch.queue_declare(s("qq-2"), durable, FieldTable::default()).await.expect("no type named");
+    let mut classic = FieldTable::default();
+    classic.insert(s("x-queue-type"), AMQPValue::LongString("classic".into()));
+    let err = conn.create_channel().await.unwrap().queue_declare(s("qq-2"), durable, classic).await.unwrap_err();
+    assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+    assert!(format!("{err:?}").contains("x-queue-type"), "{err:?}");
+
+    let mut stream = FieldTable::default();
+    stream.insert(s("x-queue-type"), AMQPValue::LongString("stream".into()));
+    for (name, opts, args, why) in [
+        ("qq-transient", QueueDeclareOptions::default(), quorum(None), "non-durable"),
+        (
+            "qq-exclusive",
+            QueueDeclareOptions { durable: true, exclusive: true, ..Default::default() },
+            quorum(None),
+            "exclusive-owner",
+        ),
+        (
+            "qq-auto",
+            QueueDeclareOptions { durable: true, auto_delete: true, ..Default::default() },
+            quorum(None),
+            "auto-delete",
+        ),
+        ("a-stream", durable, stream, "x-queue-type"),
+    ] {
+        let err = conn.create_channel().await.unwrap().queue_declare(s(name), opts, args).await.unwrap_err();
+        assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+        assert!(format!("{err:?}").contains(why), "{name}: {err:?}");
+        assert!(c.cluster.node(1).metadata().queues.get(name).is_none(), "{name} was not made");
+    }
+    // A fourth node: a classic queue mirrored by policy grows onto it,
+    // the quorum queues keep their size, the exclusive ones stay alone.
+    let four = c.cluster.add_node(1).await;
+    common::wait_until(Duration::from_secs(20), "the fourth node is a member", || {
+        c.cluster.node(1).metadata().nodes.contains_key(&four)
+    })
+    .await;
+    assert_eq!(placed(&c, "plain").0.len(), 4);
+    assert_eq!(placed(&c, "qq-3").0.len(), 3);
+    assert_eq!(placed(&c, "qq-2").0.len(), 2);
+    assert_eq!(placed(&c, "excl-a").0, vec![2], "its connection is still open");
+    drop((ch, conn));
     c.cluster.shutdown().await;
 }

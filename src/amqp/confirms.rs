@@ -8,6 +8,7 @@
 //! confirm instead of hundreds.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use amq_protocol::frame::AMQPFrame;
 use amq_protocol::protocol::{basic, AMQPClass};
@@ -15,6 +16,8 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 /// Publishes awaiting their confirm: `count` consecutive sequence numbers
 /// from `first` (the publishes of a channel that went to the queue in one
@@ -65,15 +68,51 @@ pub fn frames(done: &mut [Done], low: u64, channel: u16) -> Vec<AMQPFrame> {
     out
 }
 
+/// A channel's confirm task: publishes go in with [`Confirms::when`], the
+/// answers go out as they complete.
+pub struct Confirms {
+    tx: mpsc::UnboundedSender<Pending>,
+    /// Nack whatever is still unanswered, and stop.
+    cut: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Confirms {
+    /// Answer `p` once it completes.
+    pub fn when(&self, p: Pending) {
+        let _ = self.tx.send(p);
+    }
+
+    /// The channel closes (RabbitMQ: every publish is answered before
+    /// `close-ok`, and nothing follows it): wait for the answers of every
+    /// publish registered so far, at most `within`; what is still
+    /// unanswered then is nacked. Returns once the last frame is sent.
+    pub async fn close(self, within: Duration) {
+        let Confirms { tx, cut, mut task } = self;
+        drop(tx);
+        if tokio::time::timeout(within, &mut task).await.is_err() {
+            cut.cancel();
+            let _ = task.await;
+        }
+    }
+
+    /// The channel is closed under the client: nothing more is sent.
+    pub fn abandon(self) {
+        self.task.abort();
+    }
+}
+
 /// Start the confirm task of `channel`; frames go to `send`. It ends once
 /// the sender is dropped and every pending publish has been answered.
-pub fn spawn<F, Fut>(channel: u16, send: F) -> mpsc::UnboundedSender<Pending>
+pub fn spawn<F, Fut>(channel: u16, send: F) -> Confirms
 where
     F: Fn(Vec<AMQPFrame>) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
     let (tx, mut rx) = mpsc::unbounded_channel::<Pending>();
-    tokio::spawn(async move {
+    let cut = CancellationToken::new();
+    let cut_seen = cut.clone();
+    let task = tokio::spawn(async move {
         let mut waiting: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
         // Outstanding ranges: first seq -> count.
         let mut outstanding = BTreeMap::new();
@@ -105,10 +144,19 @@ where
                     let low = outstanding.keys().next().copied().unwrap_or(u64::MAX);
                     send(frames(&mut done, low, channel)).await;
                 }
+                _ = cut_seen.cancelled() => {
+                    while let Ok(p) = rx.try_recv() {
+                        outstanding.insert(p.first, p.count);
+                    }
+                    let mut unanswered: Vec<Done> =
+                        outstanding.iter().map(|(&first, &count)| Done { first, count, stored: 0 }).collect();
+                    send(frames(&mut unanswered, u64::MAX, channel)).await;
+                    return;
+                }
             }
         }
     });
-    tx
+    Confirms { tx, cut, task }
 }
 
 #[cfg(test)]
@@ -162,18 +210,20 @@ mod tests {
     #[tokio::test]
     async fn the_task_answers_every_publish_once() {
         let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<AMQPFrame>>();
-        let tx = spawn(1, move |f| {
+        let confirms = spawn(1, move |f| {
             let out_tx = out_tx.clone();
             async move {
                 let _ = out_tx.send(f);
             }
         });
+        let tx = confirms.tx.clone();
         let (gate_tx, gate_rx) = tokio::sync::oneshot::channel::<()>();
         let p = |first, stored: BoxFuture<'static, u64>| Pending { first, count: 1, stored };
         tx.send(p(1, async { 1 }.boxed())).unwrap();
         tx.send(p(2, async move { gate_rx.await.is_ok() as u64 }.boxed())).unwrap();
         tx.send(p(3, async { 0 }.boxed())).unwrap();
         drop(tx);
+        drop(confirms);
         let mut seen = Vec::new();
         let first = out_rx.recv().await.unwrap();
         seen.extend(acks(&first));
@@ -186,5 +236,38 @@ mod tests {
         tags.sort_unstable();
         assert_eq!(tags, [1, 2, 3], "{seen:?}");
         assert!(seen.contains(&("nack", 3, false)));
+    }
+
+    #[tokio::test]
+    async fn a_close_answers_every_publish_before_it_returns_and_nacks_what_never_completes() {
+        let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<AMQPFrame>>();
+        let confirms = spawn(1, move |f| {
+            let out_tx = out_tx.clone();
+            async move {
+                let _ = out_tx.send(f);
+            }
+        });
+        let p = |first, stored: BoxFuture<'static, u64>| Pending { first, count: 1, stored };
+        let later = tokio::time::sleep(Duration::from_millis(50));
+        confirms.when(p(
+            1,
+            async move {
+                later.await;
+                1
+            }
+            .boxed(),
+        ));
+        confirms.when(p(2, futures::future::pending().boxed()));
+        confirms.when(p(3, async { 1 }.boxed()));
+        confirms.close(Duration::from_millis(300)).await;
+        // Everything was sent before `close` returned: nothing comes after.
+        let mut seen = Vec::new();
+        while let Ok(f) = out_rx.try_recv() {
+            seen.extend(acks(&f));
+        }
+        let mut by_tag: Vec<(u64, &str)> = seen.iter().map(|(k, t, _)| (*t, *k)).collect();
+        by_tag.sort_unstable();
+        assert_eq!(by_tag, [(1, "ack"), (2, "nack"), (3, "ack")], "{seen:?}");
+        assert!(out_rx.recv().await.is_none(), "the task is gone and sends nothing more");
     }
 }

@@ -84,9 +84,9 @@ where
         .await;
     }
     let told_to_leave = result.as_ref().err().is_some_and(|h| h.code == CONNECTION_FORCED);
-    if result.is_ok() || told_to_leave {
-        // The client closed (or is closing) the connection, or we told it to
-        // leave. Whoever sent `connection.close` closes the socket after
+    if result.is_ok() || told_to_leave || conn.state == State::Open {
+        // The client closed (or is closing) the connection, or we closed an
+        // open one. Whoever sent `connection.close` closes the socket after
         // close-ok: wait for the client to do so, briefly, rather than
         // closing under it (clients report that as a broken connection).
         let mut scratch = [0u8; 256];
@@ -168,6 +168,7 @@ enum State {
 struct ChannelHandle {
     tx: mpsc::UnboundedSender<AMQPFrame>,
     closed: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
 }
 
 struct Conn {
@@ -237,6 +238,21 @@ impl Conn {
         conn
     }
 
+    /// As RabbitMQ answers `connection.close`: once its channels are
+    /// closed, their unacked messages back in their queues.
+    async fn close_channels(&mut self) {
+        let tasks: Vec<_> = self
+            .channels
+            .drain()
+            .map(|(_, ch)| {
+                ch.closed.cancel();
+                ch.task
+            })
+            .collect();
+        let within = crate::amqp::channel::RELEASED_WITHIN;
+        let _ = tokio::time::timeout(within, futures::future::join_all(tasks)).await;
+    }
+
     /// The read loop ended: stop the channels, let go of the consumers and
     /// of the exclusive queues.
     async fn release(&mut self) {
@@ -247,7 +263,7 @@ impl Conn {
             self.node.consumer_gone(&q).await;
         }
         // Exclusive queues live as long as the connection that declared them.
-        let exclusive: Vec<String> = self.exclusive.lock().expect("poisoned").iter().cloned().collect();
+        let exclusive = std::mem::take(&mut *self.exclusive.lock().expect("poisoned"));
         for q in exclusive {
             if let Err(e) = self.node.delete_queue(&q).await {
                 tracing::warn!(queue = %q, error = %e, "could not delete an exclusive queue");
@@ -459,6 +475,11 @@ impl Conn {
             (State::AwaitOpen, M::Open(o)) => self.open(o).await,
             (State::Open, M::UpdateSecret(u)) => self.update_secret(u).await,
             (_, M::Close(_)) => {
+                // As RabbitMQ: by close-ok the connection's channels are
+                // closed and its exclusive queues gone, so the client's
+                // next connection may declare them again at once.
+                self.close_channels().await;
+                self.release().await;
                 self.out.one(method(0, AMQPClass::Connection(M::CloseOk(connection::CloseOk {})))).await;
                 Ok(false)
             }
@@ -533,26 +554,12 @@ impl Conn {
     }
 
     /// As RabbitMQ: a client with an expiring credential (a token) gives the
-    /// new one on the open connection. Here the secret is the user's
-    /// password: checked as at login, for the same user.
-    async fn update_secret(&mut self, u: connection::UpdateSecret) -> Result<bool, Hard> {
+    /// new one on the open connection. The users here are internal ones,
+    /// whose credentials do not expire, so RabbitMQ's answer for them is
+    /// update-secret-ok whatever the secret: nothing about the connection
+    /// changes (who it is and what it may do were settled at login).
+    async fn update_secret(&mut self, _u: connection::UpdateSecret) -> Result<bool, Hard> {
         use connection::AMQPMethod as M;
-        let valid = |meta: &crate::metadata::MetaState| {
-            meta.users
-                .get(&*self.user)
-                .is_some_and(|user| user.password_matches(&String::from_utf8_lossy(u.new_secret.as_bytes())))
-        };
-        if !valid(&self.node.metadata()) && {
-            self.node.meta_barrier().await;
-            !valid(&self.node.metadata())
-        } {
-            return Err(Hard {
-                code: ACCESS_REFUSED,
-                text: format!("ACCESS_REFUSED - the new secret of user '{}' was refused", self.user),
-                class: 10,
-                method: 70,
-            });
-        }
         self.out.one(method(0, AMQPClass::Connection(M::UpdateSecretOk(connection::UpdateSecretOk {})))).await;
         Ok(true)
     }
@@ -600,9 +607,9 @@ impl Conn {
                 grants: Grants::default(),
                 confirms: None,
             };
-            self.channels.insert(ch, ChannelHandle { tx, closed });
             self.node.clients().channel_opened(self.conn_id, ch);
-            tokio::spawn(chan.run(rx));
+            let task = tokio::spawn(chan.run(rx));
+            self.channels.insert(ch, ChannelHandle { tx, closed, task });
             self.out.one(method(ch, AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})))).await;
             return Ok(());
         }

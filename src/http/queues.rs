@@ -69,7 +69,7 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
             (Some(_), true) => "syncing",
             (Some(_), false) => "running",
         },
-        "type": "classic",
+        "type": q.args.queue_type(),
     })
 }
 

@@ -17,6 +17,13 @@ use super::routing::{ArgValue, Args};
 pub const OVERFLOW_DROP_HEAD: &str = "drop-head";
 pub const OVERFLOW_REJECT_PUBLISH: &str = "reject-publish";
 
+/// `x-queue-type` values we have. A quorum queue is a replicated queue
+/// whose replica count comes from its arguments, not from `ha-` policies.
+pub const QUEUE_TYPE_CLASSIC: &str = "classic";
+pub const QUEUE_TYPE_QUORUM: &str = "quorum";
+/// RabbitMQ's default replica count of a quorum queue.
+const QUORUM_DEFAULT_SIZE: usize = 3;
+
 /// Arguments we know but do not implement: refused at declare rather than
 /// silently ignored, so nobody relies on a limit that is not enforced.
 const UNSUPPORTED: &[&str] = &["x-max-length-bytes"];
@@ -92,6 +99,25 @@ impl QueueArgs {
                     n @ (1 | 2) => out.queue_version = Some(n as u8),
                     n => return Err(format!("invalid arg '{k}': {n} is not one of 1, 2")),
                 },
+                // Kept with the others (the stored form stays as it was);
+                // read back by `is_quorum` and `quorum_size`.
+                "x-queue-type" => match string()?.as_str() {
+                    QUEUE_TYPE_CLASSIC | QUEUE_TYPE_QUORUM => {
+                        out.others.insert(k.clone(), v.clone());
+                    }
+                    t => {
+                        return Err(format!(
+                            "invalid arg '{k}': '{t}' is not a queue type mirrorq has \
+                             ({QUEUE_TYPE_CLASSIC}, {QUEUE_TYPE_QUORUM})"
+                        ))
+                    }
+                },
+                "x-quorum-initial-group-size" => match non_negative()? {
+                    0 => return Err(format!("invalid arg '{k}': 0 is not a positive integer")),
+                    _ => {
+                        out.others.insert(k.clone(), v.clone());
+                    }
+                },
                 k if UNSUPPORTED.contains(&k) => return Err(format!("argument '{k}' is not supported by mirrorq")),
                 _ => {
                     out.others.insert(k.clone(), v.clone());
@@ -143,10 +169,64 @@ impl QueueArgs {
         serde_json::Value::Object(m)
     }
 
+    /// `x-queue-type` as declared, if it was.
+    fn declared_type(&self) -> Option<&str> {
+        match self.others.get("x-queue-type") {
+            Some(ArgValue::Str(t)) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Declared `x-queue-type: quorum`.
+    pub fn is_quorum(&self) -> bool {
+        self.declared_type() == Some(QUEUE_TYPE_QUORUM)
+    }
+
+    /// `classic` or `quorum`, as RabbitMQ's API shows a queue's type.
+    pub fn queue_type(&self) -> &'static str {
+        if self.is_quorum() {
+            QUEUE_TYPE_QUORUM
+        } else {
+            QUEUE_TYPE_CLASSIC
+        }
+    }
+
+    /// How many replicas a quorum queue asks for: its
+    /// `x-quorum-initial-group-size`, else RabbitMQ's default (three).
+    pub fn quorum_size(&self) -> usize {
+        match self.others.get("x-quorum-initial-group-size") {
+            Some(ArgValue::Int(n)) if *n > 0 => usize::try_from(*n).unwrap_or(usize::MAX),
+            _ => QUORUM_DEFAULT_SIZE,
+        }
+    }
+
+    /// What a queue of this type may not be (RabbitMQ refuses a quorum
+    /// queue that is transient, exclusive or auto-delete: a queue that
+    /// goes away on its own is not replicated); `Err` names the property
+    /// as RabbitMQ does.
+    pub fn check_properties(&self, durable: bool, exclusive: bool, auto_delete: bool) -> Result<(), &'static str> {
+        if !self.is_quorum() {
+            return Ok(());
+        }
+        if !durable {
+            Err("non-durable")
+        } else if exclusive {
+            Err("exclusive-owner")
+        } else if auto_delete {
+            Err("auto-delete")
+        } else {
+            Ok(())
+        }
+    }
+
     /// The first argument that differs from `other`, RabbitMQ's
-    /// "inequivalent arg" check on re-declare.
+    /// "inequivalent arg" check on re-declare. A re-declare that names no
+    /// queue type matches either type (as RabbitMQ 4 has it: clients that
+    /// never heard of quorum queues keep working with one).
     pub fn inequivalent(&self, other: &QueueArgs) -> Option<&'static str> {
-        if self.message_ttl != other.message_ttl {
+        if self.declared_type().is_some() && self.queue_type() != other.queue_type() {
+            Some("x-queue-type")
+        } else if self.message_ttl != other.message_ttl {
             Some("x-message-ttl")
         } else if self.max_length != other.max_length {
             Some("x-max-length")
@@ -255,6 +335,9 @@ mod tests {
             ("x-single-active-consumer", ArgValue::Str("true".into())),
             ("x-queue-mode", ArgValue::Str("fast".into())),
             ("x-queue-version", ArgValue::Int(3)),
+            ("x-queue-type", ArgValue::Str("stream".into())),
+            ("x-queue-type", ArgValue::Int(1)),
+            ("x-quorum-initial-group-size", ArgValue::Int(0)),
         ];
         for (k, v) in bad {
             let err = QueueArgs::parse(&args(&[(k, v.clone())])).unwrap_err();
@@ -282,5 +365,31 @@ mod tests {
         assert_eq!(none, QueueArgs::default());
         assert_eq!(a.inequivalent(&QueueArgs::default()), Some("x-message-ttl"));
         assert_eq!(a.inequivalent(&a.clone()), None);
+    }
+
+    #[test]
+    fn a_quorum_queue_is_durable_shared_and_sized_by_its_arguments() {
+        let classic = QueueArgs::parse(&args(&[])).unwrap();
+        assert_eq!((classic.is_quorum(), classic.queue_type()), (false, "classic"));
+        assert_eq!(classic.check_properties(false, true, true), Ok(()));
+        let quorum = QueueArgs::parse(&args(&[("x-queue-type", ArgValue::Str("quorum".into()))])).unwrap();
+        assert_eq!((quorum.is_quorum(), quorum.quorum_size()), (true, 3));
+        assert_eq!(quorum.to_json()["x-queue-type"], "quorum", "shown back as declared");
+        assert_eq!(quorum.check_properties(true, false, false), Ok(()));
+        assert_eq!(quorum.check_properties(false, false, false), Err("non-durable"));
+        assert_eq!(quorum.check_properties(true, true, false), Err("exclusive-owner"));
+        assert_eq!(quorum.check_properties(true, false, true), Err("auto-delete"));
+        let five = QueueArgs::parse(&args(&[
+            ("x-queue-type", ArgValue::Str("quorum".into())),
+            ("x-quorum-initial-group-size", ArgValue::Int(5)),
+        ]))
+        .unwrap();
+        assert_eq!(five.quorum_size(), 5);
+        // Re-declared: another type is refused, no type matches either.
+        assert_eq!(quorum.inequivalent(&classic), Some("x-queue-type"));
+        assert_eq!(classic.inequivalent(&quorum), None);
+        let named_classic = QueueArgs::parse(&args(&[("x-queue-type", ArgValue::Str("classic".into()))])).unwrap();
+        assert_eq!(named_classic.inequivalent(&quorum), Some("x-queue-type"));
+        assert_eq!(named_classic.inequivalent(&classic), None);
     }
 }

@@ -54,6 +54,13 @@ impl QueueMeta {
     }
 }
 
+/// What decides how a queue is mirrored besides its policy.
+#[derive(Clone, Copy)]
+struct Kind<'a> {
+    args: &'a QueueArgs,
+    exclusive: bool,
+}
+
 /// The metadata as every node sees it once applied. Queues, exchanges,
 /// bindings and policies are keyed by [`names::key`] (vhost and name).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -249,7 +256,8 @@ impl MetaState {
                 if let Some(q) = self.queues.get(name) {
                     return MetaReply::Queue(q.clone());
                 }
-                let (placed, policy) = match self.place_new_queue(name, replicas, *declared_on, *locator) {
+                let kind = Kind { args, exclusive: exclusive_owner.is_some() };
+                let (placed, policy) = match self.place_new_queue(name, replicas, *declared_on, *locator, kind) {
                     Ok(placed) => placed,
                     Err(why) => return why,
                 };
@@ -317,21 +325,24 @@ impl MetaState {
     }
 
     /// The replicas and policy of a queue about to be declared, checked:
-    /// `replicas` as asked, or placed by the effective policy if empty.
+    /// `replicas` as asked, or placed as [`MetaState::mirroring`] says if
+    /// empty.
     fn place_new_queue(
         &self,
         name: &str,
         replicas: &[NodeId],
         declared_on: NodeId,
         locator: Option<bool>,
+        kind: Kind<'_>,
     ) -> Result<(Vec<NodeId>, Option<String>), MetaReply> {
         self.vhost_exists(name)?;
         let (replicas, policy) = if replicas.is_empty() {
-            let pol = policy::effective(&self.policies, name).cloned();
+            let (mode, pol) = self.mirroring(name, kind);
             let ha = pol.as_ref().and_then(|p| policy::parse_definition(&p.definition).ok());
-            let mode = ha.as_ref().and_then(|h| h.mode.clone());
-            // CONTRACT 5: client-local for unmirrored queues, min-masters for mirrored.
-            let min_masters = locator.or(ha.as_ref().and_then(|h| h.min_masters)).unwrap_or(mode.is_some());
+            // CONTRACT 5: client-local for unmirrored queues, min-masters
+            // for mirrored; an exclusive queue lives on its connection's node.
+            let min_masters =
+                !kind.exclusive && locator.or(ha.as_ref().and_then(|h| h.min_masters)).unwrap_or(mode.is_some());
             let master = if min_masters || !self.nodes.contains_key(&declared_on) {
                 self.least_masters().unwrap_or(declared_on)
             } else {
@@ -358,6 +369,23 @@ impl MetaState {
             return Err(MetaReply::Invalid(format!("node {r} is not a cluster member")));
         }
         Ok((replicas, policy))
+    }
+
+    /// How a queue placed by policy is mirrored, and its effective policy
+    /// (whose other keys, TTLs and limits, apply whatever the mirroring).
+    /// RabbitMQ's rules: an exclusive queue is never mirrored; a quorum
+    /// queue has as many replicas as its arguments say and `ha-` keys do
+    /// not apply to it; a classic queue follows its policy's `ha-mode`.
+    fn mirroring(&self, name: &str, kind: Kind<'_>) -> (Option<policy::HaMode>, Option<Policy>) {
+        let pol = policy::effective(&self.policies, name).cloned();
+        let mode = if kind.exclusive {
+            None
+        } else if kind.args.is_quorum() {
+            Some(policy::HaMode::Exactly(kind.args.quorum_size()))
+        } else {
+            pol.as_ref().and_then(|p| policy::parse_definition(&p.definition).ok()).and_then(|h| h.mode)
+        };
+        (mode, pol)
     }
 
     fn add_queue(&mut self, q: QueueMeta) -> MetaReply {
@@ -594,8 +622,8 @@ impl MetaState {
         // the square of the number of queues).
         let mut load = self.replica_load();
         for name in names {
-            let pol = policy::effective(&self.policies, &name).cloned();
-            let mode = pol.as_ref().and_then(|p| policy::parse_definition(&p.definition).ok()).and_then(|h| h.mode);
+            let q = &self.queues[&name];
+            let (mode, pol) = self.mirroring(&name, Kind { args: &q.args, exclusive: q.exclusive_owner.is_some() });
             let q = self.queues.get_mut(&name).expect("listed above");
             let replicas = policy::placement(mode.as_ref(), &q.replicas, &nodes, &load);
             for r in &q.replicas {

@@ -63,6 +63,14 @@ impl Node {
             self.view_at_master(name, true).await?;
             return Ok((q, false));
         }
+        if let Err(property) =
+            opts.args.check_properties(!opts.transient, opts.exclusive_owner.is_some(), opts.auto_delete)
+        {
+            let (vhost, bare) = crate::metadata::names::split(name);
+            return Err(NodeError::Invalid(format!(
+                "invalid property '{property}' for queue '{bare}' in vhost '{vhost}'"
+            )));
+        }
         // Placement needs this node in the metadata; right after start its
         // registration may still be on its way.
         let mut meta = self.inner.meta.clone();

@@ -33,6 +33,18 @@ use super::types::{
 /// from [`PRIORITY_SHIFT`], and a number taken from the order counter
 /// (`next_requeue`), which only grows.
 pub const HANDBACK_SEQ: u64 = 1 << 63;
+/// Where a message goes back when it is requeued: its place when it was
+/// first queued. A plain message's seq is its place (handed-back ones, whose
+/// seqs are above every plain one, go after them); a prioritized one's is
+/// the order number it was queued under, among those of its priority.
+fn place_of(seq: u64) -> u64 {
+    if priority_of_seq(seq) == 0 {
+        seq
+    } else {
+        seq & ORDER_PART
+    }
+}
+
 /// Where a tracked seq keeps its message's priority (8 bits).
 const PRIORITY_SHIFT: u32 = 48;
 /// The part of a tracked seq taken from the order counter.
@@ -169,8 +181,10 @@ struct Unacked {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct QueueState {
     counters: Counters,
-    /// Requeued messages of priority 0 by requeue order; served before the
-    /// never-delivered ones, and always redelivered.
+    /// Requeued messages of priority 0 by their places ([`place_of`]):
+    /// served before the never-delivered ones, in the order they were first
+    /// queued (as RabbitMQ puts requeued messages back where they were),
+    /// and always redelivered.
     requeued: BTreeMap<u64, u64>,
     /// Ready messages of a priority above 0 (a priority queue's): highest
     /// priority first, then requeued (`false`) before never-delivered, then
@@ -467,10 +481,10 @@ impl QueueState {
             // Outside the never-delivered range, which must stay
             // contiguous: a seq space of its own, unique by the order
             // it borrows.
-            let order = self.counters.next_requeue;
+            let seq = HANDBACK_SEQ | self.counters.next_requeue;
             self.counters.next_requeue += 1;
-            let seq = HANDBACK_SEQ | order;
             changes.push(Change::Insert { seq, batch_index: i });
+            let order = place_of(seq);
             self.requeued.insert(order, seq);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         }
@@ -715,8 +729,7 @@ impl QueueState {
 
     fn settle_nack(&mut self, seq: u64, requeue: bool, changes: &mut Vec<Change>) {
         if requeue {
-            let order = self.counters.next_requeue;
-            self.counters.next_requeue += 1;
+            let order = place_of(seq);
             self.ready_again(seq, order, false);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         } else {
@@ -844,8 +857,22 @@ mod tests {
         s.apply(&QueueCmd::Nack { tags: vec![1, 0], requeue: true }, &mut c);
         assert_eq!(s.ready_count(), 4);
         let (d, _) = get(&mut s, 1, 4, false);
-        // requeued in nack order, before never-delivered ones
-        assert_eq!(d, vec![(1, 2, true), (0, 3, true), (2, 4, false), (3, 5, false)]);
+        // back in their places whatever the nack's order, before
+        // never-delivered ones
+        assert_eq!(d, vec![(0, 2, true), (1, 3, true), (2, 4, false), (3, 5, false)]);
+    }
+
+    #[test]
+    fn requeued_messages_go_back_to_their_places_whenever_they_come_back() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 5);
+        get(&mut s, 1, 5, false); // seqs 0..5, tags 0..5
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![3, 4], requeue: true }, &mut c);
+        s.apply(&QueueCmd::Release { owner: 1 }, &mut c);
+        let (d, _) = get(&mut s, 2, 5, false);
+        let seqs: Vec<u64> = d.iter().map(|x| x.0).collect();
+        assert_eq!(seqs, [0, 1, 2, 3, 4], "the later requeue does not put 0-2 behind 3 and 4");
     }
 
     #[test]
@@ -911,7 +938,7 @@ mod tests {
             vec![
                 Change::Handed { origin: (4, 1, 17) },
                 Change::Insert { seq, batch_index: 0 },
-                Change::SetState { seq, state: MsgState::Requeued { order: 0 } }
+                Change::SetState { seq, state: MsgState::Requeued { order: seq } }
             ]
         );
         // A second replica handing back the same entry adds nothing.
@@ -1031,8 +1058,8 @@ mod tests {
         // only delivered and requeued messages have a stored state
         let mut disk: BTreeMap<u64, MsgState> = BTreeMap::new();
         disk.insert(1, MsgState::Unacked { tag: 1, owner: 1 });
-        disk.insert(2, MsgState::Requeued { order: 0 });
-        disk.insert(0, MsgState::Requeued { order: 1 });
+        disk.insert(2, MsgState::Requeued { order: 2 });
+        disk.insert(0, MsgState::Requeued { order: 0 });
         let restored = QueueState::restore(s.counters().clone(), disk);
         assert_eq!(restored, s);
     }

@@ -46,7 +46,8 @@ impl Channel {
             B::Publish(p) => {
                 if p.immediate {
                     // RabbitMQ dropped `immediate` in 3.0 and refuses it so.
-                    return Err(Err(hard(NOT_IMPLEMENTED, "NOT_IMPLEMENTED - immediate=true".to_string())));
+                    let text = "NOT_IMPLEMENTED - immediate=true".to_string();
+                    return Err(Err(Hard { code: NOT_IMPLEMENTED, text, class: 60, method: 40 }));
                 }
                 self.may(Access::Write, "exchange", p.exchange.as_str(), 60, 40)?;
                 self.pending = Some(PendingPublish { publish: p, header: None, body: Vec::new() });

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
 use amq_protocol::protocol::{basic, channel, confirm, AMQPClass};
@@ -72,7 +72,7 @@ pub(in crate::amqp) struct Channel {
     pub(in crate::amqp) vhost: Arc<str>,
     pub(in crate::amqp) grants: Grants,
     /// In confirm mode: the task that sends acks and nacks.
-    pub(in crate::amqp) confirms: Option<mpsc::UnboundedSender<confirms::Pending>>,
+    pub(in crate::amqp) confirms: Option<confirms::Confirms>,
 }
 
 impl Channel {
@@ -131,6 +131,10 @@ impl Channel {
                 Ok(false) => break,
                 Err(Ok(s)) => {
                     closing = true;
+                    // Nothing goes out on the channel after our close.
+                    if let Some(c) = self.confirms.take() {
+                        c.abandon();
+                    }
                     self.shutdown().await;
                     self.out
                         .one(method(
@@ -151,6 +155,10 @@ impl Channel {
             }
         }
         self.flush_publishes().await;
+        // The connection is going: the client reads no more confirms.
+        if let Some(c) = self.confirms.take() {
+            c.abandon();
+        }
         self.shutdown().await;
     }
 
@@ -168,15 +176,19 @@ impl Channel {
         }
         let queues = self.deliveries.queues_held();
         self.deliveries.forget_all();
-        for q in queues {
+        // As RabbitMQ: the messages are back in their queues, in their
+        // places, before `close-ok`; a consumer the client starts next
+        // gets them first and in order, not after newer ones.
+        let owner = self.owner;
+        let releases = queues.into_iter().map(|q| {
             let node = self.node.clone();
-            let owner = self.owner;
-            tokio::spawn(async move {
+            async move {
                 if let Err(e) = node.queue_op(&q, vec![QueueCmd::Release { owner }]).await {
                     tracing::warn!(queue = %q, error = %e, "could not requeue a closed channel's messages");
                 }
-            });
-        }
+            }
+        });
+        let _ = tokio::time::timeout(RELEASED_WITHIN, futures::future::join_all(releases)).await;
         // Whatever this release misses (a get that was still on its way,
         // a master that changed meanwhile) the masters' reapers give back.
         self.node.owners().gone(self.owner);
@@ -235,6 +247,11 @@ impl Channel {
     pub(in crate::amqp) async fn method(&mut self, class: AMQPClass) -> Result<bool, Result<Soft, Hard>> {
         match class {
             AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {
+                // As RabbitMQ: every publish is confirmed (or nacked)
+                // before `close-ok`, and nothing follows it.
+                if let Some(c) = self.confirms.take() {
+                    c.close(CONFIRMED_WITHIN).await;
+                }
                 self.shutdown().await;
                 self.reply(AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}))).await;
                 Ok(false)
@@ -273,6 +290,13 @@ impl Channel {
         }
     }
 }
+
+/// How long a closing channel waits for its publishes' confirms; what is
+/// not answered by then is nacked.
+const CONFIRMED_WITHIN: Duration = Duration::from_secs(10);
+/// How long a closing channel waits for its queues to take back what it
+/// held; the reapers give back whatever is missed.
+pub(in crate::amqp) const RELEASED_WITHIN: Duration = Duration::from_secs(10);
 
 fn class_name(c: &AMQPClass) -> String {
     let s = format!("{c:?}");

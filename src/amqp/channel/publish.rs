@@ -92,7 +92,7 @@ impl Channel {
                 async move { out.send(frames).await }
             })
         });
-        let _ = confirms.send(pending);
+        confirms.when(pending);
     }
 
     pub(in crate::amqp) async fn publish_complete(&mut self) -> Result<(), Result<Soft, Hard>> {

@@ -177,11 +177,24 @@ pub(super) fn forget(db: &NodeDb, group: GroupId) -> Result<(), StorageError> {
 
 /// The mirroring settings in force for a queue.
 pub(super) fn ha_of(state: &MetaState, q: &QueueMeta) -> policy::HaPolicy {
-    q.policy
+    let ha = q
+        .policy
         .as_ref()
         .and_then(|n| state.policies.get(n))
         .and_then(|p| policy::ha_policy_of(&p.definition))
-        .unwrap_or_default()
+        .unwrap_or_default();
+    if q.args.is_quorum() {
+        // A quorum queue is Raft alone, as RabbitMQ's: new mirrors catch
+        // up on their own, and only a majority of its replicas serves.
+        policy::HaPolicy {
+            sync_automatic: true,
+            promote_on_failure_always: false,
+            promote_on_shutdown_always: false,
+            ..ha
+        }
+    } else {
+        ha
+    }
 }
 
 /// Marks a group busy (re-forming, healing, moving its master) until dropped.
