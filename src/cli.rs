@@ -220,6 +220,13 @@ pub struct ServeArgs {
     /// once [default: 60]
     #[arg(long, env = "MIRRORQ_UNREACHABLE_HOLD")]
     pub unreachable_hold: Option<f64>,
+    /// Milliseconds an AMQP delivery may stay unacked before its channel
+    /// is closed with 406 and its messages go back (RabbitMQ's
+    /// `consumer_timeout`), where the queue sets none of its own
+    /// (`x-consumer-timeout`, policy `consumer-timeout`). 0: no limit
+    /// [default: 1800000]
+    #[arg(long, env = "MIRRORQ_CONSUMER_TIMEOUT")]
+    pub consumer_timeout: Option<u64>,
     /// Memory use above which publishers are blocked: a fraction of the
     /// machine's memory (below 1) or bytes [default: 0.4]
     #[arg(long, env = "MIRRORQ_MEMORY_HIGH_WATERMARK")]

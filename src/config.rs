@@ -40,6 +40,8 @@ pub struct FileConfig {
     pub election_timeout: Option<f64>,
     #[serde(alias = "unreachable_hold")]
     pub unreachable_hold: Option<f64>,
+    #[serde(alias = "consumer_timeout")]
+    pub consumer_timeout: Option<u64>,
     #[serde(alias = "amqps_listen")]
     pub amqps_listen: Option<String>,
     #[serde(alias = "https_listen")]
@@ -198,6 +200,10 @@ impl ServeConfig {
             }
             node.timing = Timing { unreachable_hold: Duration::from_secs_f64(s), ..node.timing };
         }
+        if let Some(ms) = args.consumer_timeout.or(file.consumer_timeout) {
+            let timeout = (ms > 0).then(|| Duration::from_millis(ms));
+            node.timing = Timing { consumer_timeout: timeout, ..node.timing };
+        }
         if let Some(s) = args.election_timeout.or(file.election_timeout) {
             if !(s.is_finite() && (0.1..=60.0).contains(&s)) {
                 return Err(ServerError::Config("--election-timeout must be between 0.1 and 60 seconds".into()));
@@ -350,6 +356,16 @@ mod tests {
         let verify = ServeArgs { tls_verify_peer: true, ..missing };
         let e = ServeConfig::resolve(&verify).expect_err("verify_peer without a CA").to_string();
         assert!(e.contains("--tls-ca"), "{e}");
+    }
+
+    #[test]
+    fn consumer_timeout_is_thirty_minutes_unless_set_and_zero_lifts_it() {
+        let default = ServeConfig::resolve(&ServeArgs::default()).unwrap().node.timing.consumer_timeout;
+        assert_eq!(default, Some(Duration::from_secs(1800)));
+        let set = ServeArgs { consumer_timeout: Some(2500), ..Default::default() };
+        assert_eq!(ServeConfig::resolve(&set).unwrap().node.timing.consumer_timeout, Some(Duration::from_millis(2500)));
+        let off = ServeArgs { consumer_timeout: Some(0), ..Default::default() };
+        assert_eq!(ServeConfig::resolve(&off).unwrap().node.timing.consumer_timeout, None);
     }
 
     #[test]

@@ -2014,3 +2014,100 @@ async fn exclusive_queues_stay_on_their_node_and_quorum_queues_are_replicated() 
     drop((ch, conn));
     c.cluster.shutdown().await;
 }
+
+/// RabbitMQ's consumer timeout: a delivery left unacked longer than its
+/// queue's `x-consumer-timeout` (or its policy's `consumer-timeout`)
+/// closes the channel with 406 PRECONDITION_FAILED, and the message is back
+/// in the queue, redelivered; a channel whose deliveries come from a queue
+/// with no such limit keeps them (the node's default is 30 minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delivery_unacked_past_its_queues_consumer_timeout_closes_the_channel_and_comes_back() {
+    use amq_protocol::frame::AMQPFrame;
+    use amq_protocol::protocol::{basic, channel, AMQPClass};
+    use raw::method;
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let mut policy = common::policy("^slow-by-policy$", r#"{"consumer-timeout":1000,"ha-mode":"all"}"#);
+    policy.name = "timeouts".into();
+    c.cluster.node(1).set_policy(policy).await.unwrap();
+    c.cluster.node(1).set_policy(common::policy("^(slow|patient)$", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    let conn = c.connect(2).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let mut by_arg = FieldTable::default();
+    by_arg.insert(s("x-consumer-timeout"), AMQPValue::LongInt(1000));
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(s("slow"), durable, by_arg).await.unwrap();
+    for q in ["slow-by-policy", "patient"] {
+        ch.queue_declare(s(q), durable, FieldTable::default()).await.unwrap();
+    }
+    for q in ["slow", "slow-by-policy", "patient"] {
+        assert!(publish(&ch, q, q.as_bytes()).await);
+    }
+    let consume = |queue: &str| basic::Consume {
+        queue: queue.into(),
+        consumer_tag: "".into(),
+        no_local: false,
+        no_ack: false,
+        exclusive: false,
+        nowait: false,
+        arguments: Default::default(),
+    };
+    let mut raw = raw::Raw::open(c.ports[1]).await;
+    raw.send(&[
+        method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
+        method(1, AMQPClass::Basic(basic::AMQPMethod::Consume(consume("patient")))),
+    ])
+    .await;
+    for (id, q) in [(2u16, "slow"), (3, "slow-by-policy")] {
+        raw.send(&[
+            method(id, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
+            method(id, AMQPClass::Basic(basic::AMQPMethod::Consume(consume(q)))),
+        ])
+        .await;
+    }
+    // Each timed-out channel closes once, with RabbitMQ's code and text;
+    // the patient one stays open meanwhile.
+    let started = std::time::Instant::now();
+    let mut delivered = std::collections::BTreeSet::new();
+    let mut closed = std::collections::BTreeSet::new();
+    while closed.len() < 2 {
+        assert!(started.elapsed() < Duration::from_secs(30), "not closed: delivered {delivered:?}, closed {closed:?}");
+        match raw.next().await {
+            AMQPFrame::Method(id, AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
+                assert_eq!(close.reply_code, 406, "{close:?}");
+                let text = close.reply_text.as_str();
+                assert!(text.contains(&format!("delivery acknowledgement on channel {id} timed out")), "{text}");
+                assert!(text.contains("Timeout value used: 1000 ms"), "{text}");
+                assert!(delivered.contains(&id), "channel {id} closed before it got its delivery");
+                assert!(closed.insert(id), "channel {id} closed twice");
+                raw.send(&[method(id, AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})))]).await;
+            }
+            AMQPFrame::Method(id, AMQPClass::Basic(basic::AMQPMethod::Deliver(_))) => {
+                delivered.insert(id);
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(closed, [2, 3].into());
+    assert!(started.elapsed() >= Duration::from_millis(1000), "closed before the timeout: {:?}", started.elapsed());
+    // Back in their queues, redelivered; the patient one still held.
+    for q in ["slow", "slow-by-policy"] {
+        let got = ch.basic_get(s(q), BasicGetOptions::default()).await.unwrap().expect("back in the queue");
+        assert!(got.delivery.redelivered, "{q}");
+        assert_eq!(got.delivery.data, q.as_bytes());
+    }
+    assert!(ch.basic_get(s("patient"), BasicGetOptions::default()).await.unwrap().is_none(), "still held");
+    raw.send(&[method(1, AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos { prefetch_count: 1, global: false })))])
+        .await;
+    loop {
+        match raw.next().await {
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::QosOk(_))) => break,
+            AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
+                panic!("the patient channel was closed: {close:?}")
+            }
+            _ => {}
+        }
+    }
+    c.cluster.shutdown().await;
+}

@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::Notify;
 
@@ -28,6 +29,9 @@ pub struct Deliveries {
     state: Mutex<State>,
     /// Woken when acks free room under a prefetch limit.
     pub room: Notify,
+    /// Woken when a delivery is held where none was (the channel then
+    /// starts looking for deliveries past their consumer timeout).
+    pub held: Notify,
 }
 
 #[derive(Default)]
@@ -66,6 +70,8 @@ struct Held {
     queue: Arc<str>,
     qtag: u64,
     by: Option<ConsumerId>,
+    /// When it was delivered (consumer timeouts).
+    at: Instant,
 }
 
 /// Append `v` to `queue`'s list, allocating its key only the first time.
@@ -154,9 +160,14 @@ impl Deliveries {
                 Some(q) if **q == *queue => q.clone(),
                 _ => st.last_queue.insert(Arc::from(queue)).clone(),
             };
-            st.unacked.insert(tag, Held { queue, qtag, by });
+            let first = st.unacked.is_empty();
+            st.unacked.insert(tag, Held { queue, qtag, by, at: Instant::now() });
             if let Some(c) = by {
                 *st.held_by.entry(c).or_default() += 1;
+            }
+            if first {
+                // A permit is kept if the channel is not waiting yet.
+                self.held.notify_one();
             }
         }
         tag
@@ -296,6 +307,25 @@ impl Deliveries {
     /// Whether the channel closed ([`Deliveries::forget_all`]).
     pub fn is_closed(&self) -> bool {
         self.state.lock().expect("poisoned").closed
+    }
+
+    /// Whether any delivery awaits its ack.
+    pub fn holds_any(&self) -> bool {
+        !self.state.lock().expect("poisoned").unacked.is_empty()
+    }
+
+    /// When the oldest delivery still unacked of each queue held was made.
+    /// Deliveries are kept in the order they were made, so the first of a
+    /// queue met is its oldest.
+    pub fn oldest_by_queue(&self) -> Vec<(Arc<str>, Instant)> {
+        let st = self.state.lock().expect("poisoned");
+        let mut out: Vec<(Arc<str>, Instant)> = Vec::new();
+        for h in st.unacked.values() {
+            if !out.iter().any(|(q, _)| *q == h.queue) {
+                out.push((h.queue.clone(), h.at));
+            }
+        }
+        out
     }
 
     pub fn queues_held(&self) -> BTreeSet<String> {

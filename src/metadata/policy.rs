@@ -107,6 +107,7 @@ const KNOWN_KEYS: &[&str] = &[
     "dead-letter-routing-key",
     "queue-mode",
     "alternate-exchange",
+    "consumer-timeout",
 ];
 
 /// `parse_definition`, remembered per definition text: failover passes ask
@@ -193,7 +194,7 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
             _ => return Err("ha-min-synchronised must be a positive integer".into()),
         },
     };
-    for k in ["message-ttl", "expires", "max-length", "max-length-bytes", "ha-sync-batch-size"] {
+    for k in ["message-ttl", "expires", "max-length", "max-length-bytes", "ha-sync-batch-size", "consumer-timeout"] {
         if let Some(v) = obj.get(k) {
             if v.as_i64().is_none_or(|n| n < 0) {
                 return Err(format!("{k} must be a non-negative integer"));

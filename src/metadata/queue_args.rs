@@ -112,6 +112,13 @@ impl QueueArgs {
                         ))
                     }
                 },
+                // Kept with the others; read by `consumer_timeout`.
+                "x-consumer-timeout" => match non_negative()? {
+                    0 => return Err(format!("invalid arg '{k}': 0 is not a positive integer")),
+                    _ => {
+                        out.others.insert(k.clone(), v.clone());
+                    }
+                },
                 "x-quorum-initial-group-size" => match non_negative()? {
                     0 => return Err(format!("invalid arg '{k}': 0 is not a positive integer")),
                     _ => {
@@ -198,6 +205,26 @@ impl QueueArgs {
             Some(ArgValue::Int(n)) if *n > 0 => usize::try_from(*n).unwrap_or(usize::MAX),
             _ => QUORUM_DEFAULT_SIZE,
         }
+    }
+
+    /// How long a delivery from this queue may stay unacked (RabbitMQ's
+    /// consumer timeout): its `x-consumer-timeout` or the `consumer-timeout`
+    /// of its policy `definition` (already validated), the lower of the two;
+    /// `None` if neither sets one.
+    pub fn consumer_timeout(&self, definition: Option<&str>) -> Option<std::time::Duration> {
+        let arg = match self.others.get("x-consumer-timeout") {
+            Some(ArgValue::Int(n)) if *n > 0 => Some(*n as u64),
+            _ => None,
+        };
+        let policy = definition
+            .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+            .and_then(|d| d.get("consumer-timeout").and_then(|v| v.as_u64()))
+            .filter(|n| *n > 0);
+        let ms = match (arg, policy) {
+            (Some(a), Some(p)) => a.min(p),
+            (a, p) => a.or(p)?,
+        };
+        Some(std::time::Duration::from_millis(ms))
     }
 
     /// What a queue of this type may not be (RabbitMQ refuses a quorum
@@ -338,6 +365,8 @@ mod tests {
             ("x-queue-type", ArgValue::Str("stream".into())),
             ("x-queue-type", ArgValue::Int(1)),
             ("x-quorum-initial-group-size", ArgValue::Int(0)),
+            ("x-consumer-timeout", ArgValue::Int(0)),
+            ("x-consumer-timeout", ArgValue::Str("5000".into())),
         ];
         for (k, v) in bad {
             let err = QueueArgs::parse(&args(&[(k, v.clone())])).unwrap_err();
@@ -391,5 +420,17 @@ mod tests {
         let named_classic = QueueArgs::parse(&args(&[("x-queue-type", ArgValue::Str("classic".into()))])).unwrap();
         assert_eq!(named_classic.inequivalent(&quorum), Some("x-queue-type"));
         assert_eq!(named_classic.inequivalent(&classic), None);
+    }
+
+    #[test]
+    fn a_consumer_timeout_comes_from_the_argument_or_the_policy_the_lower_winning() {
+        use std::time::Duration;
+        let none = QueueArgs::parse(&args(&[])).unwrap();
+        assert_eq!(none.consumer_timeout(None), None);
+        assert_eq!(none.consumer_timeout(Some(r#"{"consumer-timeout":2000}"#)), Some(Duration::from_millis(2000)));
+        let arg = QueueArgs::parse(&args(&[("x-consumer-timeout", ArgValue::Int(5000))])).unwrap();
+        assert_eq!(arg.consumer_timeout(None), Some(Duration::from_millis(5000)));
+        assert_eq!(arg.consumer_timeout(Some(r#"{"consumer-timeout":2000}"#)), Some(Duration::from_millis(2000)));
+        assert_eq!(arg.consumer_timeout(Some(r#"{"ha-mode":"all"}"#)), Some(Duration::from_millis(5000)));
     }
 }

@@ -113,7 +113,14 @@ pub struct Timing {
     /// but not seen gone, stay with them before the master gives them
     /// back (`node/sweeps/reaper.rs`).
     pub unreachable_hold: Duration,
+    /// How long an AMQP delivery may stay unacked before its channel is
+    /// closed (RabbitMQ's `consumer_timeout`), unless its queue sets its
+    /// own; `None`: no limit.
+    pub consumer_timeout: Option<Duration>,
 }
+
+/// RabbitMQ's default `consumer_timeout`: 30 minutes.
+pub const DEFAULT_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 impl Default for Timing {
     fn default() -> Self {
@@ -125,6 +132,7 @@ impl Default for Timing {
             op_timeout: Duration::from_secs(15),
             failure_timeout: Duration::from_secs(5),
             unreachable_hold: Duration::from_secs(60),
+            consumer_timeout: Some(DEFAULT_CONSUMER_TIMEOUT),
         }
     }
 }
@@ -351,6 +359,12 @@ impl Node {
 
     pub fn clients(&self) -> &Arc<Clients> {
         &self.inner.clients
+    }
+
+    /// How long an AMQP delivery may stay unacked where its queue sets no
+    /// limit of its own (`--consumer-timeout`); `None`: no limit.
+    pub fn consumer_timeout(&self) -> Option<Duration> {
+        self.inner.timing.consumer_timeout
     }
 }
 

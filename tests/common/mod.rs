@@ -71,6 +71,7 @@ pub fn fast_timing(sync_timeout: Duration) -> Timing {
         op_timeout: Duration::from_secs(20),
         failure_timeout: Duration::from_secs(3),
         unreachable_hold: Duration::from_secs(60),
+        consumer_timeout: Some(mirrorq::node::DEFAULT_CONSUMER_TIMEOUT),
     }
 }
 

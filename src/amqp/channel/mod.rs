@@ -115,17 +115,34 @@ impl Channel {
 
     pub(in crate::amqp) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<AMQPFrame>) {
         let mut closing = false;
-        while let Some(frame) = rx.recv().await {
-            if closing {
-                if let AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) = frame {
-                    break;
+        // Polled only while deliveries await their acks: an idle channel
+        // sets no timer.
+        let mut overdue_check = tokio::time::interval(OVERDUE_CHECK);
+        overdue_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let deliveries = self.deliveries.clone();
+        loop {
+            let holding = !closing && deliveries.holds_any();
+            let result = tokio::select! {
+                frame = rx.recv() => {
+                    let Some(frame) = frame else { break };
+                    if closing {
+                        if let AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) = frame {
+                            break;
+                        }
+                        continue;
+                    }
+                    let result = self.frame(frame).await;
+                    if rx.is_empty() || result.is_err() {
+                        self.flush_publishes().await;
+                    }
+                    result
                 }
-                continue;
-            }
-            let result = self.frame(frame).await;
-            if rx.is_empty() || result.is_err() {
-                self.flush_publishes().await;
-            }
+                _ = overdue_check.tick(), if holding => match self.overdue() {
+                    Some(s) => Err(Ok(s)),
+                    None => continue,
+                },
+                _ = deliveries.held.notified(), if !holding && !closing => continue,
+            };
             match result {
                 Ok(true) => {}
                 Ok(false) => break,
@@ -160,6 +177,38 @@ impl Channel {
             c.abandon();
         }
         self.shutdown().await;
+    }
+
+    /// RabbitMQ's consumer timeout: a delivery left unacked longer than
+    /// its queue's timeout closes the channel with 406, and what the
+    /// channel held goes back to its queues. A queue's timeout is its
+    /// `x-consumer-timeout` argument or `consumer-timeout` policy key (the
+    /// lower of the two), else the node's `--consumer-timeout`.
+    fn overdue(&self) -> Option<Soft> {
+        let oldest = self.deliveries.oldest_by_queue();
+        let meta = self.node.metadata();
+        let now = Instant::now();
+        let late = oldest.iter().find_map(|(queue, at)| {
+            let timeout = match meta.queues.get(&**queue) {
+                Some(q) => {
+                    let policy = q.policy.as_ref().and_then(|n| meta.policies.get(n)).map(|p| p.definition.as_str());
+                    q.args.consumer_timeout(policy).or(self.node.consumer_timeout())
+                }
+                None => self.node.consumer_timeout(),
+            }?;
+            (now.saturating_duration_since(*at) > timeout).then_some(timeout)
+        })?;
+        Some(soft(
+            PRECONDITION_FAILED,
+            format!(
+                "PRECONDITION_FAILED - delivery acknowledgement on channel {} timed out. Timeout value used: {} ms. \
+                 This timeout value can be configured, see consumers doc guide to learn more",
+                self.id,
+                late.as_millis()
+            ),
+            0,
+            0,
+        ))
     }
 
     /// Stop consumers and give back unacked messages (requeued, redelivered).
@@ -291,6 +340,9 @@ impl Channel {
     }
 }
 
+/// How often a channel holding deliveries looks for one past its
+/// consumer timeout.
+const OVERDUE_CHECK: Duration = Duration::from_secs(1);
 /// How long a closing channel waits for its publishes' confirms; what is
 /// not answered by then is nacked.
 const CONFIRMED_WITHIN: Duration = Duration::from_secs(10);
