@@ -46,6 +46,9 @@ pub struct ConsumerInfo {
 /// Tells one connection to close, with the reason given.
 pub type Closer = Box<dyn Fn(&str) + Send + Sync>;
 
+/// Where the replies to one direct reply-to consumer go.
+pub type ReplyTx = tokio::sync::mpsc::UnboundedSender<crate::message::Message>;
+
 /// This node's AMQP clients.
 #[derive(Default)]
 pub struct Clients {
@@ -55,6 +58,9 @@ pub struct Clients {
     max_open: usize,
     connections: Mutex<BTreeMap<u64, ConnectionInfo>>,
     consumers: Mutex<BTreeMap<(u64, u16, String), ConsumerInfo>>,
+    /// Direct reply-to consumers here, by the name their requests' `reply_to`
+    /// was given (`amqp/reply_to.rs`).
+    replies: Mutex<BTreeMap<String, ReplyTx>>,
 }
 
 impl Clients {
@@ -77,6 +83,23 @@ impl Clients {
             }
             None => false,
         }
+    }
+
+    /// A direct reply-to consumer here takes the replies sent to `name`.
+    pub fn replies_to(&self, name: String, tx: ReplyTx) {
+        self.replies.lock().expect("poisoned").insert(name, tx);
+    }
+
+    /// The direct reply-to consumer of `name` is gone.
+    pub fn replies_gone(&self, name: &str) {
+        self.replies.lock().expect("poisoned").remove(name);
+    }
+
+    /// Hand `reply` to the consumer of `name`; `false` if it is not here
+    /// (any more): RabbitMQ drops such a reply.
+    pub fn reply(&self, name: &str, reply: crate::message::Message) -> bool {
+        let replies = self.replies.lock().expect("poisoned");
+        replies.get(name).is_some_and(|tx| tx.send(reply).is_ok())
     }
 
     /// Forget a connection; returns the queues its consumers were on.

@@ -1810,6 +1810,9 @@ async fn every_publish_is_confirmed_before_close_ok_and_nothing_follows_it() {
             AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) => break,
             AMQPFrame::Method(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))
             | AMQPFrame::Method(1, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => {}
+            AMQPFrame::Method(1, AMQPClass::Basic(basic::AMQPMethod::Nack(n))) => {
+                panic!("publish {} nacked: not stored within the close's wait", n.delivery_tag)
+            }
             other => panic!("unexpected frame {other:?}"),
         }
     }
@@ -1900,6 +1903,10 @@ async fn unacked_messages_are_back_in_order_before_a_close_is_answered() {
             }
             raw = raw::Raw::open(port).await;
         }
+        // Back at the master already, not on their way: its counts as
+        // applied, read without an entry in its log.
+        let at_master = c.cluster.node(1).view_at_master("in-order", false).await.unwrap();
+        assert_eq!((at_master.ready, at_master.unacked), (5, 0), "after the {round}'s close-ok");
         // A consumer started right after the close-ok.
         raw.send(&[
             method(2, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
@@ -1936,8 +1943,9 @@ async fn exclusive_queues_stay_on_their_node_and_quorum_queues_are_replicated() 
     init_tracing();
     let mut c = AmqpCluster::start().await;
     c.cluster.node(1).set_policy(common::policy("^", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    // Read where the declares went: the declaring node has applied them.
     fn placed(c: &AmqpCluster, name: &str) -> (Vec<u64>, &'static str) {
-        let meta = c.cluster.node(1).metadata();
+        let meta = c.cluster.node(2).metadata();
         let q = meta.queues.get(name).unwrap_or_else(|| panic!("{name} declared"));
         (q.replicas.clone(), q.args.queue_type())
     }
@@ -1998,20 +2006,24 @@ async fn exclusive_queues_stay_on_their_node_and_quorum_queues_are_replicated() 
         let err = conn.create_channel().await.unwrap().queue_declare(s(name), opts, args).await.unwrap_err();
         assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
         assert!(format!("{err:?}").contains(why), "{name}: {err:?}");
-        assert!(c.cluster.node(1).metadata().queues.get(name).is_none(), "{name} was not made");
+        assert!(c.cluster.node(2).metadata().queues.get(name).is_none(), "{name} was not made");
     }
     // A fourth node: a classic queue mirrored by policy grows onto it,
     // the quorum queues keep their size, the exclusive ones stay alone.
     let four = c.cluster.add_node(1).await;
-    common::wait_until(Duration::from_secs(20), "the fourth node is a member", || {
-        c.cluster.node(1).metadata().nodes.contains_key(&four)
+    common::wait_until(Duration::from_secs(20), "the fourth node is a member, seen by node 2", || {
+        c.cluster.node(2).metadata().nodes.contains_key(&four)
     })
     .await;
     assert_eq!(placed(&c, "plain").0.len(), 4);
     assert_eq!(placed(&c, "qq-3").0.len(), 3);
     assert_eq!(placed(&c, "qq-2").0.len(), 2);
     assert_eq!(placed(&c, "excl-a").0, vec![2], "its connection is still open");
-    drop((ch, conn));
+    // Gone by its connection's close-ok: a client on another node declares
+    // it again at once (py-amqp's tests do).
+    conn.close(200, s("bye")).await.unwrap();
+    let again = c.connect(3).await.create_channel().await.unwrap();
+    again.queue_declare(s("excl-a"), exclusive, FieldTable::default()).await.expect("free again");
     c.cluster.shutdown().await;
 }
 
@@ -2054,6 +2066,8 @@ async fn a_delivery_unacked_past_its_queues_consumer_timeout_closes_the_channel_
         arguments: Default::default(),
     };
     let mut raw = raw::Raw::open(c.ports[1]).await;
+    // Before any delivery: no close may come within the timeout of it.
+    let started = std::time::Instant::now();
     raw.send(&[
         method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))),
         method(1, AMQPClass::Basic(basic::AMQPMethod::Consume(consume("patient")))),
@@ -2068,7 +2082,6 @@ async fn a_delivery_unacked_past_its_queues_consumer_timeout_closes_the_channel_
     }
     // Each timed-out channel closes once, with RabbitMQ's code and text;
     // the patient one stays open meanwhile.
-    let started = std::time::Instant::now();
     let mut delivered = std::collections::BTreeSet::new();
     let mut closed = std::collections::BTreeSet::new();
     while closed.len() < 2 {
@@ -2107,6 +2120,88 @@ async fn a_delivery_unacked_past_its_queues_consumer_timeout_closes_the_channel_
                 panic!("the patient channel was closed: {close:?}")
             }
             _ => {}
+        }
+    }
+    c.cluster.shutdown().await;
+}
+
+/// RabbitMQ's direct reply-to, the RPC pattern of many client frameworks:
+/// a client on node 2 consumes from `amq.rabbitmq.reply-to` and sends a
+/// request naming it in `reply_to`; a server on node 3 gets the request
+/// with the consumer's own name there and publishes its reply to the
+/// default exchange under that name; the reply reaches the client through
+/// no queue. A consumer that would ack, or a request naming the
+/// pseudo-queue without a reply consumer, is refused (406); once the
+/// consumer is cancelled a mandatory reply comes back as returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn direct_reply_to_answers_a_request_across_nodes() {
+    use lapin::message::BasicReturnMessage;
+    use lapin::options::BasicCancelOptions;
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    let client = c.connect(2).await;
+    let server = c.connect(3).await;
+    let sch = server.create_channel().await.unwrap();
+    sch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    sch.queue_declare(s("rpc"), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let pseudo = "amq.rabbitmq.reply-to";
+    let props = || BasicProperties::default().with_reply_to(s(pseudo));
+
+    let ch = client.create_channel().await.unwrap();
+    let err =
+        ch.basic_consume(s(pseudo), s(""), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap_err();
+    assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
+    let ch = client.create_channel().await.unwrap();
+    let refused = ch.basic_publish(s(""), s("rpc"), BasicPublishOptions::default(), b"early", props()).await;
+    if refused.is_ok() {
+        // The close comes after the publish was written.
+        let err = ch.queue_declare(
+            s("rpc"),
+            QueueDeclareOptions { passive: true, ..Default::default() },
+            FieldTable::default(),
+        );
+        assert_amqp_error(&err.await.unwrap_err(), "406", "PRECONDITION_FAILED");
+    }
+
+    let ch = client.create_channel().await.unwrap();
+    ch.queue_declare(s(pseudo), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .expect("the pseudo-queue answers a passive declare");
+    let no_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
+    let mut replies = ch.basic_consume(s(pseudo), s("rpc-client"), no_ack, FieldTable::default()).await.unwrap();
+    for i in 0..3 {
+        let body = format!("request {i}");
+        ch.basic_publish(s(""), s("rpc"), BasicPublishOptions::default(), body.as_bytes(), props()).await.unwrap();
+        let request = loop {
+            if let Some(m) = sch.basic_get(s("rpc"), BasicGetOptions { no_ack: true }).await.unwrap() {
+                break m;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let to = request.properties.reply_to().clone().expect("a reply_to").to_string();
+        assert!(to.starts_with("amq.rabbitmq.reply-to.2."), "named after the consumer's node: {to}");
+        let answer = format!("answer {i}");
+        let confirm = sch
+            .basic_publish(s(""), s(&to), BasicPublishOptions::default(), answer.as_bytes(), BasicProperties::default())
+            .await
+            .unwrap();
+        assert!(confirm.await.unwrap().is_ack());
+        let reply =
+            tokio::time::timeout(Duration::from_secs(10), replies.next()).await.expect("a reply").unwrap().unwrap();
+        assert_eq!(reply.data, answer.as_bytes());
+        assert_eq!(reply.routing_key.as_str(), to);
+        assert_eq!(
+            c.cluster.node(1).metadata().queues.keys().filter(|q| q.starts_with("amq.")).count(),
+            0,
+            "no queue was made for it"
+        );
+        if i == 2 {
+            ch.basic_cancel(s("rpc-client"), BasicCancelOptions::default()).await.unwrap();
+            let mandatory = BasicPublishOptions { mandatory: true, ..Default::default() };
+            let confirm =
+                sch.basic_publish(s(""), s(&to), mandatory, b"late", BasicProperties::default()).await.unwrap();
+            let returned: Option<BasicReturnMessage> = confirm.await.unwrap().take_message();
+            assert_eq!(returned.map(|m| m.delivery.data), Some(b"late".to_vec()), "returned: its consumer is gone");
         }
     }
     c.cluster.shutdown().await;

@@ -92,7 +92,10 @@ impl Confirms {
         drop(tx);
         if tokio::time::timeout(within, &mut task).await.is_err() {
             cut.cancel();
-            let _ = task.await;
+            // Its nacks may wait on a client that reads nothing: bounded.
+            if tokio::time::timeout(within, &mut task).await.is_err() {
+                task.abort();
+            }
         }
     }
 

@@ -256,19 +256,31 @@ impl Conn {
     /// The read loop ended: stop the channels, let go of the consumers and
     /// of the exclusive queues.
     async fn release(&mut self) {
+        let _ = self.start_release().await;
+    }
+
+    /// Let go of the consumers and delete the exclusive queues, all at
+    /// once, in a task of its own: a caller that stops waiting (a close
+    /// answered within a bound) leaves it to finish. Later calls have
+    /// nothing left to do.
+    fn start_release(&mut self) -> tokio::task::JoinHandle<()> {
         for (_, ch) in self.channels.drain() {
             ch.closed.cancel();
         }
-        for q in self.node.clients().disconnected(self.conn_id) {
-            self.node.consumer_gone(&q).await;
-        }
+        let node = self.node.clone();
+        let consumed = node.clients().disconnected(self.conn_id);
         // Exclusive queues live as long as the connection that declared them.
         let exclusive = std::mem::take(&mut *self.exclusive.lock().expect("poisoned"));
-        for q in exclusive {
-            if let Err(e) = self.node.delete_queue(&q).await {
-                tracing::warn!(queue = %q, error = %e, "could not delete an exclusive queue");
-            }
-        }
+        tokio::spawn(async move {
+            let gone = consumed.iter().map(|q| node.consumer_gone(q));
+            let node = &node;
+            let deletes = exclusive.iter().map(|q| async move {
+                if let Err(e) = node.delete_queue(q).await {
+                    tracing::warn!(queue = %q, error = %e, "could not delete an exclusive queue");
+                }
+            });
+            futures::future::join(futures::future::join_all(gone), futures::future::join_all(deletes)).await;
+        })
     }
 
     async fn send_start(&self) {
@@ -282,6 +294,7 @@ impl Conn {
             "authentication_failure_close",
             "exchange_exchange_bindings",
             "consumer_priorities",
+            "direct_reply_to",
         ] {
             caps.insert(ss(c), AMQPValue::Boolean(true));
         }
@@ -479,7 +492,8 @@ impl Conn {
                 // closed and its exclusive queues gone, so the client's
                 // next connection may declare them again at once.
                 self.close_channels().await;
-                self.release().await;
+                let released = self.start_release();
+                let _ = tokio::time::timeout(crate::amqp::channel::RELEASED_WITHIN, released).await;
                 self.out.one(method(0, AMQPClass::Connection(M::CloseOk(connection::CloseOk {})))).await;
                 Ok(false)
             }
@@ -606,6 +620,7 @@ impl Conn {
                 vhost: self.vhost.clone(),
                 grants: Grants::default(),
                 confirms: None,
+                reply: None,
             };
             self.node.clients().channel_opened(self.conn_id, ch);
             let task = tokio::spawn(chan.run(rx));

@@ -22,6 +22,7 @@ mod connection;
 mod consumer;
 mod deliveries;
 mod reply;
+mod reply_to;
 mod writer;
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -138,6 +138,7 @@ impl Inner {
             RpcRequest::CloseConnection(ask::CloseConnection { id, reason }) => {
                 RpcResponse::Closed(self.clients.close(id, &reason))
             }
+            RpcRequest::Reply(ask::Reply { to, message }) => RpcResponse::Replied(self.clients.reply(&to, message)),
             RpcRequest::Clients(_) => self.on_clients(),
             RpcRequest::Owners(ask::Owners { owners, held }) => self.on_owners(&owners, held),
             RpcRequest::Readings(_) => RpcResponse::Readings(self.alarms.readings()),

@@ -266,7 +266,7 @@ const NODE_ID_KEY: &str = "node_id";
 /// What a data dir holds is in this format (log entries, state machines):
 /// a dir written in another is refused, never read as this one, whose
 /// decoding could take an entry of one format for a command of the other.
-const FORMAT: u32 = 2;
+const FORMAT: u32 = 3;
 const FORMAT_KEY: &str = "format";
 /// The term a new queue's group starts in, led by its designated master
 /// (`reconcile.rs`, founding).

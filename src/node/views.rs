@@ -156,6 +156,17 @@ impl Node {
         matches!(self.inner.ask(peer, req, deadline).await, Ok(true))
     }
 
+    /// Hand a reply to the direct reply-to consumer `to` names, on the node
+    /// its name carries (`amqp/reply_to.rs`); `false` if that consumer is
+    /// gone, or its node out of reach.
+    pub async fn send_reply(&self, to: &str, node: NodeId, message: crate::message::Message) -> bool {
+        if node == self.id() {
+            return self.inner.clients.reply(to, message);
+        }
+        let deadline = Instant::now() + self.inner.timing.op_timeout;
+        matches!(self.inner.ask(node, ask::Reply { to: to.to_string(), message }, deadline).await, Ok(true))
+    }
+
     /// The consumers of `queue` on every node that answers.
     pub async fn consumers_of(&self, queue: &str) -> Vec<ConsumerInfo> {
         self.cluster_clients().await.1.into_iter().filter(|k| k.queue == queue).collect()

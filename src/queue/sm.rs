@@ -2,7 +2,7 @@
 //! states in the group's key space.
 //!
 //! Keys (group-relative):
-//! - `c`            counters (next seq, tag, requeue order)
+//! - `c`            counters (next seq, tag, order of tracked seqs)
 //! - `s` + seq(8)   [`MsgState`] of a requeued message (or of one restored
 //!   from a snapshot); scanned at start with the runs to rebuild the index
 //!   (never-delivered messages are a range given by the counters, so a deep

@@ -31,7 +31,7 @@ use super::types::{
 /// Seqs of messages outside the never-delivered range (handed back, or of
 /// a priority above 0) have this bit set. Below it: the message's priority
 /// from [`PRIORITY_SHIFT`], and a number taken from the order counter
-/// (`next_requeue`), which only grows.
+/// (`next_requeue`), which only grows and so gives each its place.
 pub const HANDBACK_SEQ: u64 = 1 << 63;
 /// Where a message goes back when it is requeued: its place when it was
 /// first queued. A plain message's seq is its place (handed-back ones, whose
@@ -153,7 +153,8 @@ pub struct Counters {
     pub next_seq: u64,
     /// The next delivery tag.
     pub next_tag: u64,
-    /// The next place in the requeued order (also numbers tracked seqs).
+    /// Numbers tracked seqs (handed back, prioritized) in the order they
+    /// were queued, and consumers in the order they registered.
     pub next_requeue: u64,
     /// Messages of the never-delivered range below this seq were in the
     /// queue when the group was re-formed on a replica that may not have
@@ -214,7 +215,12 @@ impl QueueState {
         let mut s = Self { counters, ..Self::default() };
         for (seq, st) in stored {
             match st {
-                MsgState::Requeued { order } => s.ready_again(seq, order, false),
+                // A message of priority 0 goes back by its place, whatever
+                // was stored with it.
+                MsgState::Requeued { order } => {
+                    let order = if priority_of_seq(seq) == 0 { place_of(seq) } else { order };
+                    s.ready_again(seq, order, false)
+                }
                 MsgState::Queued { order } => s.ready_again(seq, order, true),
                 MsgState::Unacked { tag, owner } => {
                     s.unacked.insert(tag, Unacked { seq, owner });

@@ -225,6 +225,15 @@ pub struct MoveMaster {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Flows;
 
+/// A reply for a direct reply-to consumer on the receiver
+/// (`amq.rabbitmq.reply-to`), which the receiver's name for it (`to`)
+/// names; answered with whether the consumer was there.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Reply {
+    pub to: String,
+    pub message: Message,
+}
+
 /// Pairs each request with its variant of [`RpcRequest`] and its answer.
 macro_rules! asks {
     ($($req:ident => $reply:ty { $($answer:pat => $out:expr),+ })*) => {$(
@@ -273,6 +282,7 @@ asks! {
     Forget => Result<(), NodeError> { RpcResponse::Member(r) => r }
     MoveMaster => Result<(), NodeError> { RpcResponse::Moved(r) => r }
     Flows => crate::rates::Flows { RpcResponse::Flows(f) => f }
+    Reply => bool { RpcResponse::Replied(took) => took }
 }
 
 impl From<ClientRequest> for RpcRequest {

@@ -74,6 +74,7 @@ pub enum RpcRequest {
     MoveMaster(ask::MoveMaster),
     /// Last, so the other requests keep their tags.
     Flows(ask::Flows),
+    Reply(ask::Reply),
 }
 
 /// Entries for a queue group or for the metadata group: each kind's log
@@ -127,6 +128,8 @@ pub enum RpcResponse {
     Closed(bool),
     Done,
     Flows(crate::rates::Flows),
+    /// Whether the receiver had the direct reply-to consumer a reply was for.
+    Replied(bool),
 }
 
 /// One encoded message body, as the master stores it.

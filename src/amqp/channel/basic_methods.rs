@@ -11,6 +11,7 @@ use crate::amqp::reply::{
     hard, node_soft, soft, unknown_tag, Hard, Soft, ACCESS_REFUSED, COMMAND_INVALID, NOT_ALLOWED, NOT_IMPLEMENTED,
     PRECONDITION_FAILED,
 };
+use crate::amqp::reply_to::{self, ReplyConsumer};
 use crate::amqp::writer::ss;
 use crate::error::NodeError;
 use crate::message::to_args;
@@ -104,6 +105,9 @@ impl Channel {
 
     async fn basic_consume(&mut self, c: basic::Consume) -> Result<bool, Result<Soft, Hard>> {
         use basic::AMQPMethod as B;
+        if c.queue.as_str() == reply_to::PSEUDO_QUEUE {
+            return self.consume_replies(c).await;
+        }
         let bare = c.queue.as_str().to_string();
         self.may(Access::Read, "queue", &bare, 60, 20)?;
         let queue = self.key(&bare);
@@ -187,8 +191,60 @@ impl Channel {
         Ok(true)
     }
 
+    /// `basic.consume` from `amq.rabbitmq.reply-to` (`reply_to.rs`): no-ack
+    /// only, one per channel, as RabbitMQ has it.
+    async fn consume_replies(&mut self, c: basic::Consume) -> Result<bool, Result<Soft, Hard>> {
+        use basic::AMQPMethod as B;
+        let refuse = |why: &str| Err(Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 60, 20)));
+        if !c.no_ack {
+            return refuse("reply consumer cannot acknowledge");
+        }
+        if self.reply.is_some() {
+            return refuse("reply consumer already set");
+        }
+        let tag = if c.consumer_tag.as_str().is_empty() {
+            format!("amq.ctag-{:016x}", rand_id())
+        } else {
+            c.consumer_tag.as_str().to_string()
+        };
+        if self.consumers.contains_key(&tag) {
+            return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
+        }
+        let name = reply_to::name(self.node.id(), u128::from(rand_id()) << 64 | u128::from(rand_id()));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.node.clients().replies_to(name.clone(), tx);
+        let stop = self.closed.child_token();
+        self.reply = Some(ReplyConsumer { name, tag: tag.clone(), stop: stop.clone() });
+        if !c.nowait {
+            self.reply(AMQPClass::Basic(B::ConsumeOk(basic::ConsumeOk { consumer_tag: ss(&tag) }))).await;
+        }
+        let deliverer = reply_to::Deliverer {
+            channel: self.id,
+            tag,
+            out: self.out.clone(),
+            deliveries: self.deliveries.clone(),
+            frame_max: self.frame_max,
+            stop,
+            gate: self.delivery_gate.clone(),
+        };
+        tokio::spawn(deliverer.run(rx));
+        Ok(true)
+    }
+
     async fn basic_cancel(&mut self, c: basic::Cancel) -> Result<bool, Result<Soft, Hard>> {
         use basic::AMQPMethod as B;
+        if self.reply.as_ref().is_some_and(|r| r.tag == c.consumer_tag.as_str()) {
+            let r = self.reply.take().expect("checked");
+            {
+                let _gate = self.delivery_gate.lock().await;
+                r.stop.cancel();
+            }
+            self.node.clients().replies_gone(&r.name);
+            if !c.nowait {
+                self.reply(AMQPClass::Basic(B::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag }))).await;
+            }
+            return Ok(true);
+        }
         if let Some(running) = self.consumers.remove(c.consumer_tag.as_str()) {
             {
                 let _gate = self.delivery_gate.lock().await;

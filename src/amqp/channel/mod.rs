@@ -73,6 +73,8 @@ pub(in crate::amqp) struct Channel {
     pub(in crate::amqp) grants: Grants,
     /// In confirm mode: the task that sends acks and nacks.
     pub(in crate::amqp) confirms: Option<confirms::Confirms>,
+    /// Its direct reply-to consumer, if it has one.
+    pub(in crate::amqp) reply: Option<crate::amqp::reply_to::ReplyConsumer>,
 }
 
 impl Channel {
@@ -126,10 +128,16 @@ impl Channel {
                 frame = rx.recv() => {
                     let Some(frame) = frame else { break };
                     if closing {
-                        if let AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) = frame {
-                            break;
+                        match frame {
+                            AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) => break,
+                            // Both ends closed at once: each answers the other.
+                            AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::Close(_))) => {
+                                self.reply(AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})))
+                                    .await;
+                                break;
+                            }
+                            _ => continue,
                         }
-                        continue;
                     }
                     let result = self.frame(frame).await;
                     if rx.is_empty() || result.is_err() {
@@ -223,6 +231,10 @@ impl Channel {
         for (_, c) in self.consumers.drain() {
             c.stop.cancel();
         }
+        if let Some(r) = self.reply.take() {
+            r.stop.cancel();
+            self.node.clients().replies_gone(&r.name);
+        }
         let queues = self.deliveries.queues_held();
         self.deliveries.forget_all();
         // As RabbitMQ: the messages are back in their queues, in their
@@ -297,7 +309,12 @@ impl Channel {
         match class {
             AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {
                 // As RabbitMQ: every publish is confirmed (or nacked)
-                // before `close-ok`, and nothing follows it.
+                // before `close-ok`, and nothing follows it. Nothing is
+                // delivered meanwhile: the client has closed.
+                {
+                    let _gate = self.delivery_gate.lock().await;
+                    self.closed.cancel();
+                }
                 if let Some(c) = self.confirms.take() {
                     c.close(CONFIRMED_WITHIN).await;
                 }

@@ -12,6 +12,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use crate::amqp::channel::Channel;
 use crate::amqp::confirms;
 use crate::amqp::reply::{soft, Hard, Soft, NO_ROUTE, PRECONDITION_FAILED};
+use crate::amqp::reply_to;
 use crate::amqp::writer::ss;
 use crate::error::NodeError;
 use crate::message::{encode_properties, expiration_ms, to_args};
@@ -95,16 +96,64 @@ impl Channel {
         confirms.when(pending);
     }
 
+    /// A reply to a direct reply-to consumer (`reply_to.rs`): straight to
+    /// it, through no queue; dropped (returned if `mandatory`) if it is
+    /// gone. Confirmed at once, as RabbitMQ confirms it.
+    async fn publish_reply(
+        &mut self,
+        node: crate::ids::NodeId,
+        msg: Message,
+        mandatory: bool,
+        seq: Option<u64>,
+    ) -> Result<(), Result<Soft, Hard>> {
+        let to = msg.routing_key.clone();
+        let returned = mandatory.then(|| msg.clone());
+        let taken = self.node.send_reply(&to, node, msg).await;
+        if let Some(msg) = returned.filter(|_| !taken) {
+            let ret = basic::AMQPMethod::Return(basic::Return {
+                reply_code: NO_ROUTE,
+                reply_text: ss("NO_ROUTE"),
+                exchange: ss(&msg.exchange),
+                routing_key: ss(&msg.routing_key),
+            });
+            self.out.content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max).await;
+        }
+        if let Some(seq) = seq {
+            self.node.metrics().confirmed.inc();
+            self.confirm_when(confirms::Pending { first: seq, count: 1, stored: futures::future::ready(1).boxed() });
+        }
+        Ok(())
+    }
+
     pub(in crate::amqp) async fn publish_complete(&mut self) -> Result<(), Result<Soft, Hard>> {
         let p = self.pending.take().expect("pending publish");
-        let header = p.header.expect("header before completion");
+        let mut header = p.header.expect("header before completion");
         let exchange = p.publish.exchange.as_str().to_string();
         let routing_key = p.publish.routing_key.as_str().to_string();
         let headers = header.properties.headers().as_ref().map(to_args).unwrap_or_default();
         let ttl = expiration_ms(&header.properties)
             .map_err(|why| Ok(soft(PRECONDITION_FAILED, format!("PRECONDITION_FAILED - {why}"), 60, 40)))?;
+        // A request naming the direct reply-to pseudo-queue goes out with
+        // the name of this channel's reply consumer in its place.
+        if header.properties.reply_to().as_ref().is_some_and(|r| r.as_str() == reply_to::PSEUDO_QUEUE) {
+            let Some(r) = &self.reply else {
+                let why = "PRECONDITION_FAILED - fast reply consumer does not exist";
+                return Err(Ok(soft(PRECONDITION_FAILED, why.to_string(), 60, 40)));
+            };
+            header.properties = header.properties.with_reply_to(ss(&r.name));
+        }
         let received = Instant::now();
         self.node.metrics().received.inc();
+        if let Some(node) = exchange.is_empty().then(|| reply_to::node_of(&routing_key)).flatten() {
+            self.flush_publishes().await;
+            let seq = self.confirm.then(|| {
+                self.publish_seq += 1;
+                self.publish_seq
+            });
+            let msg =
+                Message { exchange, routing_key, properties: encode_properties(&header.properties), body: p.body };
+            return self.publish_reply(node, msg, p.publish.mandatory, seq).await;
+        }
         let Some(queues) = self.node.route_fresh(&self.key(&exchange), &routing_key, &headers).await else {
             return Err(self.not_found("exchange", &exchange, 60, 40));
         };

@@ -50,7 +50,21 @@ impl Channel {
                 10,
             )));
         }
-        let existing = self.node.find_queue(&name).await.ok();
+        if d.passive && bare == crate::amqp::reply_to::PSEUDO_QUEUE {
+            // As RabbitMQ: the direct reply-to pseudo-queue is always there.
+            if !d.nowait {
+                let ok = queue::DeclareOk { queue: ss(&bare), message_count: 0, consumer_count: 0 };
+                self.reply(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok))).await;
+            }
+            return Ok(true);
+        }
+        let mut existing = self.node.find_queue(&name).await.ok();
+        if existing.as_ref().is_some_and(|q| q.exclusive_owner.is_some_and(|o| o != self.conn_id)) {
+            // Its connection may have closed a moment ago through another
+            // node, its queue deleted there: catch up before refusing.
+            self.node.meta_barrier().await;
+            existing = self.node.find_queue(&name).await.ok();
+        }
         if d.passive && existing.is_none() {
             return Err(self.not_found("queue", &bare, 50, 10));
         }

@@ -186,11 +186,13 @@ pub(super) fn ha_of(state: &MetaState, q: &QueueMeta) -> policy::HaPolicy {
     if q.args.is_quorum() {
         // A quorum queue is Raft alone, as RabbitMQ's: new mirrors catch
         // up on their own, and only a majority of its replicas serves.
+        // Of its policy only the master locator (no `ha-` key) applies.
         policy::HaPolicy {
             sync_automatic: true,
             promote_on_failure_always: false,
             promote_on_shutdown_always: false,
-            ..ha
+            min_masters: ha.min_masters,
+            ..policy::HaPolicy::default()
         }
     } else {
         ha
