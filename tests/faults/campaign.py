@@ -1014,22 +1014,31 @@ def consumer(spec, node, queue):
             conn = pika.BlockingConnection(client_params(spec, node))
             ch = conn.channel()
             ch.basic_qos(prefetch_count=100)
-            for method, _props, body in ch.consume(queue, inactivity_timeout=0.5):
-                holding = flag(spec, f"hold-n{node}")
-                if method is not None:
-                    # Recorded on receipt, before the ack.
-                    log.write(f"D {time.time() - t0:.3f} {body.decode(errors='replace')} {int(method.redelivered)}\n")
-                    held = method.delivery_tag
-                    if gap and not flag(spec, "stop-pub"):
-                        time.sleep(gap)
-                if held is not None and not holding:
-                    ch.basic_ack(held, multiple=True)
-                    held = None
-                if flag(spec, "stop-cons"):
-                    break
-            else:
-                log.write(f"E {time.time() - t0:.3f} consumer cancelled by the broker\n")
-            ch.cancel()
+            resumed = True
+            while resumed and not flag(spec, "stop-cons"):
+                # With --cancel-resume a consumer cancels itself every few
+                # seconds (basic.cancel; pika requeues what it had not yet
+                # handed over) and consumes again on the same channel.
+                until = time.monotonic() + random.uniform(1, 4) if spec.get("cancel_resume") else None
+                for method, _props, body in ch.consume(queue, inactivity_timeout=0.5):
+                    holding = flag(spec, f"hold-n{node}")
+                    if method is not None:
+                        # Recorded on receipt, before the ack.
+                        log.write(f"D {time.time() - t0:.3f} {body.decode(errors='replace')} "
+                                  f"{int(method.redelivered)}\n")
+                        held = method.delivery_tag
+                        if gap and not flag(spec, "stop-pub"):
+                            time.sleep(gap)
+                    if held is not None and not holding:
+                        ch.basic_ack(held, multiple=True)
+                        held = None
+                    if flag(spec, "stop-cons") or (until is not None and time.monotonic() > until):
+                        break
+                else:
+                    log.write(f"E {time.time() - t0:.3f} consumer cancelled by the broker\n")
+                    resumed = False
+                ch.cancel()
+                resumed = resumed and until is not None
             conn.close()
         except Exception as e:
             log.write(f"E {time.time() - t0:.3f} {type(e).__name__}: {e}\n")
@@ -1168,6 +1177,7 @@ def run_one(args, seed, root):
 
         spec = {"addrs": {str(i): net.addr(i) for i in c.nodes}, "out": out, "ctl": ctl, "t0": T0,
                 "run": run, "rate": args.rate, "consume_rate": args.consume_rate,
+                "cancel_resume": args.cancel_resume,
                 "promote_on_failure": args.promote_on_failure}
         with open(os.path.join(root, "spec.json"), "w") as f:
             json.dump(spec, f)
@@ -1563,6 +1573,8 @@ def main():
     ap.add_argument("--rate", type=float, default=50, help="messages/s per publisher (0: unthrottled)")
     ap.add_argument("--consume-rate", type=float, default=0,
                     help="messages/s per consumer until the publishers stop (0: as fast as they come)")
+    ap.add_argument("--cancel-resume", action="store_true",
+                    help="consumers cancel themselves every 1-4 s and consume again on the same channel")
     ap.add_argument("--drain-timeout", type=float, default=120, help="bound on draining, seconds")
     ap.add_argument("--drain-idle", type=float, default=30,
                     help="stop draining when no delivery came for this long, even if queues count messages")
