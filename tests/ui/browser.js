@@ -62,8 +62,10 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   if (running !== 3) throw new Error(`overview shows ${running} running nodes, not 3`);
   console.log('overview: 3 nodes running');
 
-  await page.click('nav a[data-page=policies]');
-  await page.waitForSelector('#policy-form');
+  // The tutorial's clicks, with RabbitMQ's labels: Admin > Policies.
+  await page.click('nav a:text("Admin")');
+  await page.click('nav.sub a:text("Policies")');
+  await page.waitForSelector('h2:text("Add / update a policy")');
   await page.fill('#p-name', 'ha-ui');
   await page.fill('#p-pattern', '^ui\\.');
   await page.selectOption('#p-mode', 'all');
@@ -73,9 +75,11 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   await page.waitForSelector('#policies tr[data-policy="ha-ui"]');
   console.log('policy ha-ui added');
 
-  await page.click('nav a[data-page=queues]');
-  await page.waitForSelector('#add-queue');
+  await page.click('nav a:text("Queues")');
+  await page.waitForSelector('h2:text("Add a new queue")');
+  await page.selectOption('#new-type', 'classic');
   await page.fill('#new-queue', 'ui.demo');
+  await page.selectOption('#new-durable', 'true');
   await page.click('#add-queue button[type=submit]');
   await page.waitForSelector('#queues-msg.ok');
   // The page refreshes itself: wait for the master and two synchronised mirrors.
@@ -86,9 +90,23 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   const mirrors = await page.$$eval('#queues tr[data-queue="ui.demo"] td:nth-child(3) .pill.ok', (els) => els.map((e) => e.textContent));
   if (mirrors.length !== 2) throw new Error(`expected two synchronised mirrors, saw ${mirrors}`);
   console.log(`ui.demo mirrored, synchronised mirrors: ${mirrors.join(' ')}`);
+  const shown = await page.$$eval('#queues tr[data-queue="ui.demo"] td', (tds) => tds.map((t) => t.textContent.trim()));
+  if (!shown.includes('classic') || !shown.includes('D')) throw new Error(`type and durability not shown: ${shown}`);
   await page.screenshot({ path: shots + '/queues.png' });
 
-  await page.click('#queues a.q[href="#/queue/%2F/ui.demo"]');
+  // The queue's page at RabbitMQ's URL, opened in a new tab as the
+  // tutorial does: log in there, and land on that page, not the overview.
+  const tab = await browser.newPage({ viewport: { width: 1280, height: 800 } });
+  tab.setDefaultTimeout(30000);
+  await tab.goto(base + '/#/queues/%2F/ui.demo');
+  await tab.fill('#user', 'guest');
+  await tab.fill('#pass', 'guest');
+  await tab.click('#login button[type=submit]');
+  await tab.waitForSelector('h2:text("Publish message")');
+  const kind = await tab.textContent('#q-kind');
+  if (!kind.includes('classic') || !kind.includes('D')) throw new Error(`the queue page does not show a durable classic queue: ${kind}`);
+  await tab.close();
+  await page.click('#queues a.q[href="#/queues/%2F/ui.demo"]');
   await page.waitForSelector('#publish');
   await page.fill('#pub-payload', 'hello from chromium');
   await page.click('#publish button[type=submit]');
@@ -145,7 +163,7 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   }
   console.log(`API: overview publish ${ov.message_stats.publish_details.rate}/s, ui.flow publish ${q.message_stats.publish_details.rate}/s`);
 
-  await page.evaluate(() => { location.hash = '#/queue/%2F/ui.flow'; });
+  await page.evaluate(() => { location.hash = '#/queues/%2F/ui.flow'; });
   const queueLine = await drawn(page, 'rates', 'publish', 12000);
   console.log(`ui.flow rate chart drawn: publish at ${queueLine.last}/s over ${queueLine.points} points, ${since()}`);
   await page.screenshot({ path: shots + '/queue-charts.png', fullPage: true });
