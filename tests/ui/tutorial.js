@@ -1,0 +1,102 @@
+// The tutorial mirrorq started from, click for click in Debian's headless
+// Chromium, at RabbitMQ's URLs and with RabbitMQ's labels:
+//   setup BASE1 BASE2 BASE3: on broker 1, Admin > Policies > "Add / update
+//     a policy" (ha-mode all, ha-sync-mode automatic); Queues > "Add a new
+//     queue", durable; the queue seen mirrored and synchronised from
+//     brokers 2 and 3; then #/queues/%2F/ha-queue-demo > "Publish message".
+//   get BASE3: once brokers 1 and 2 are switched off, broker 3's
+//     #/queues/%2F/ha-queue-demo > "Get Message(s)" shows the message (a
+//     user clicks again while the queue is taken over).
+// Each tab logs in, as RabbitMQ's UI asks. Exit 0 and a last line "ok".
+const { chromium } = require('playwright-core');
+
+const [phase, ...bases] = process.argv.slice(2);
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const QUEUE = 'ha-queue-demo';
+const MESSAGE = 'hello world HA-MESSAGE';
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// A new tab at `url`, logged in as guest: the page asked for, not the overview.
+async function open(browser, url) {
+  const page = await browser.newPage({ viewport: { width: 1280, height: 800 } });
+  page.setDefaultTimeout(30000);
+  await page.goto(url);
+  await page.fill('#user', 'guest');
+  await page.fill('#pass', 'guest');
+  await page.click('#login button[type=submit]');
+  return page;
+}
+
+async function setup(browser, [b1, b2, b3]) {
+  const page = await open(browser, b1 + '/#/policies');
+  await page.click('nav a:text("Admin")');
+  await page.click('nav.sub a:text("Policies")');
+  await page.waitForSelector('h2:text("Add / update a policy")');
+  await page.fill('#p-name', QUEUE);
+  await page.fill('#p-pattern', '^ha-');
+  await page.selectOption('#p-apply', 'queues');
+  await page.fill('#p-priority', '0');
+  await page.selectOption('#p-mode', 'all');
+  await page.selectOption('#p-sync', 'automatic');
+  await page.click('#policy-form button[type=submit]');
+  await page.waitForSelector(`#policies tr[data-policy="${QUEUE}"]`);
+  console.log('broker 1: policy added');
+
+  await page.click('nav a:text("Queues")');
+  await page.click('h2:text("Add a new queue")');
+  await page.selectOption('#new-type', 'classic');
+  await page.fill('#new-queue', QUEUE);
+  await page.selectOption('#new-durable', 'true');
+  await page.click('#add-queue button[type=submit]');
+  await page.waitForSelector('#queues-msg.ok');
+  console.log('broker 1: durable queue added');
+
+  for (const [n, base] of [[2, b2], [3, b3]]) {
+    const other = await open(browser, base + '/#/queues');
+    await other.waitForFunction((q) => {
+      const row = document.querySelector(`#queues tr[data-queue="${q}"]`);
+      return row && row.querySelectorAll('td:nth-child(3) .pill.ok').length === 2;
+    }, QUEUE);
+    console.log(`broker ${n}: ${QUEUE} mirrored on two synchronised mirrors`);
+    await other.close();
+  }
+
+  const queue = await open(browser, b1 + '/#/queues/%2F/' + QUEUE);
+  await queue.waitForSelector('h2:text("Publish message")');
+  await queue.fill('#pub-payload', MESSAGE);
+  await queue.click('#publish button[type=submit]');
+  await queue.waitForSelector('#publish-msg.ok');
+  console.log('broker 1: message published');
+}
+
+async function get(browser, [b3]) {
+  const page = await open(browser, b3 + '/#/queues/%2F/' + QUEUE);
+  await page.waitForSelector('h2:text("Get messages")');
+  const until = Date.now() + 60000;
+  for (;;) {
+    await page.selectOption('#get-mode', 'ack_requeue_false');
+    await page.click('#get button[type=submit]');
+    const shown = await page.waitForSelector('#got table.got pre.payload, #got .msg', { timeout: 30000 });
+    const text = await shown.textContent();
+    if (await shown.evaluate((e) => e.classList.contains('payload'))) {
+      if (text !== MESSAGE) throw new Error(`got ${JSON.stringify(text)}`);
+      console.log('broker 3: got ' + text);
+      return;
+    }
+    // While it is taken over the queue answers an error, never "empty".
+    if (text.includes('empty')) throw new Error('broker 3 answered: ' + text);
+    if (Date.now() > until) throw new Error('no message on broker 3 within 60 s: ' + text);
+    console.log('broker 3: ' + text + ' (clicking again)');
+    await page.evaluate(() => { document.getElementById('got').innerHTML = ''; });
+    await sleep(1000);
+  }
+}
+
+(async () => {
+  const browser = await chromium.launch({ executablePath: CHROMIUM, args: ['--no-sandbox'] });
+  if (phase === 'setup') await setup(browser, bases);
+  else if (phase === 'get') await get(browser, bases);
+  else throw new Error('usage: node tutorial.js setup BASE1 BASE2 BASE3 | get BASE3');
+  await browser.close();
+  console.log('ok');
+})().catch((e) => { console.error(String(e && e.stack || e)); process.exit(1); });
