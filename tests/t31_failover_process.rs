@@ -10,35 +10,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::init_tracing;
-use common::process::{self, ProcNode};
+use common::process::{self, http, ProcNode};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use serde_json::{json, Value};
-
-/// One HTTP call as `guest`: (status, JSON body or Null).
-async fn http(node: &ProcNode, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-    let url = format!("http://127.0.0.1:{}{}", node.http_port.unwrap(), path);
-    let method = method.to_string();
-    tokio::task::spawn_blocking(move || {
-        let req = ureq::request(&method, &url)
-            .timeout(Duration::from_secs(30))
-            .set("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=");
-        let res = match body {
-            Some(b) => req.send_json(b),
-            None => req.call(),
-        };
-        let resp = match res {
-            Ok(r) => r,
-            Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => return (0, Value::String(e.to_string())),
-        };
-        let status = resp.status();
-        (status, resp.into_json().unwrap_or(Value::Null))
-    })
-    .await
-    .unwrap()
-}
 
 async fn amqp(node: &ProcNode) -> Connection {
     let uri = format!("amqp://guest:guest@127.0.0.1:{}/%2f", node.amqp_port.unwrap());
@@ -59,13 +35,7 @@ fn s(v: &str) -> ShortString {
 }
 
 async fn start_cluster(root: &std::path::Path) -> Vec<ProcNode> {
-    let mut nodes = process::cluster(root, 3, &["--sync-timeout", "2", "--failure-timeout", "2"]);
-    for n in nodes.iter_mut() {
-        n.start();
-    }
-    for n in nodes.iter_mut() {
-        n.wait_serving().await;
-    }
+    let nodes = process::serving(root, 3, &["--sync-timeout", "2", "--failure-timeout", "2"]).await;
     // Every node registered in the metadata before the test starts.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

@@ -15,13 +15,7 @@ use common::process;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_and_exchange_features_through_pika_survive_a_killed_master() {
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = process::cluster(root.path(), 3, &["--sync-timeout", "2", "--failure-timeout", "2"]);
-    for n in nodes.iter_mut() {
-        n.start();
-    }
-    for n in nodes.iter_mut() {
-        n.wait_serving().await;
-    }
+    let nodes = process::serving(root.path(), 3, &["--sync-timeout", "2", "--failure-timeout", "2"]).await;
     let join = |f: &dyn Fn(&process::ProcNode) -> String| nodes.iter().map(f).collect::<Vec<_>>().join(",");
     let (amqp, http, pids) = (
         join(&|n| n.amqp_port.unwrap().to_string()),

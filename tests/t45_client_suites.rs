@@ -11,39 +11,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::process::{self, ProcNode};
-use serde_json::{json, Value};
-
-async fn http(node: &ProcNode, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-    let url = format!("http://127.0.0.1:{}{}", node.http_port.unwrap(), path);
-    let method = method.to_string();
-    tokio::task::spawn_blocking(move || {
-        let req = ureq::request(&method, &url)
-            .timeout(Duration::from_secs(30))
-            .set("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=");
-        let res = match body {
-            Some(b) => req.send_json(b),
-            None => req.call(),
-        };
-        match res {
-            Ok(r) | Err(ureq::Error::Status(_, r)) => (r.status(), r.into_json().unwrap_or(Value::Null)),
-            Err(e) => (0, Value::String(e.to_string())),
-        }
-    })
-    .await
-    .unwrap()
-}
+use common::process::{self, http};
+use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_libraries_own_suites_pass_against_a_mirrored_cluster() {
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = process::cluster(root.path(), 3, &[]);
-    for n in nodes.iter_mut() {
-        n.start();
-    }
-    for n in nodes.iter_mut() {
-        n.wait_serving().await;
-    }
+    let nodes = process::serving(root.path(), 3, &[]).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let body = json!({"pattern": "^", "definition": {"ha-mode": "all", "ha-sync-mode": "automatic"},

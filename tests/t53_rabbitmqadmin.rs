@@ -40,13 +40,7 @@ async fn rabbitmqadmin_works_unchanged() {
     let script = std::env::var("MIRRORQ_RABBITMQADMIN")
         .expect("MIRRORQ_RABBITMQADMIN: the path of Debian's rabbitmqadmin (test.sh unpacks it)");
     let root = tempfile::tempdir().unwrap();
-    let mut nodes = process::cluster(root.path(), 3, &[]);
-    for n in nodes.iter_mut() {
-        n.start();
-    }
-    for n in nodes.iter_mut() {
-        n.wait_serving().await;
-    }
+    let nodes = process::serving(root.path(), 3, &[]).await;
     // Through node 2: any node answers for the whole cluster.
     let admin = Admin { script, port: nodes[1].http_port.unwrap() };
     let sorted = |mut v: Vec<String>| {

@@ -181,6 +181,18 @@ mod tests {
             .collect()
     }
 
+    /// A confirm task whose frames are collected.
+    fn collected() -> (Confirms, mpsc::UnboundedReceiver<Vec<AMQPFrame>>) {
+        let (out_tx, out_rx) = mpsc::unbounded_channel::<Vec<AMQPFrame>>();
+        let confirms = spawn(1, move |f| {
+            let out_tx = out_tx.clone();
+            async move {
+                let _ = out_tx.send(f);
+            }
+        });
+        (confirms, out_rx)
+    }
+
     #[test]
     fn contiguous_acks_coalesce_and_the_rest_go_singly() {
         // 1..=4 done, 5 still waiting, 6 and 7 done: one multiple ack for
@@ -212,13 +224,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_task_answers_every_publish_once() {
-        let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<AMQPFrame>>();
-        let confirms = spawn(1, move |f| {
-            let out_tx = out_tx.clone();
-            async move {
-                let _ = out_tx.send(f);
-            }
-        });
+        let (confirms, mut out_rx) = collected();
         let tx = confirms.tx.clone();
         let (gate_tx, gate_rx) = tokio::sync::oneshot::channel::<()>();
         let p = |first, stored: BoxFuture<'static, u64>| Pending { first, count: 1, stored };
@@ -243,13 +249,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_close_answers_every_publish_before_it_returns_and_nacks_what_never_completes() {
-        let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<AMQPFrame>>();
-        let confirms = spawn(1, move |f| {
-            let out_tx = out_tx.clone();
-            async move {
-                let _ = out_tx.send(f);
-            }
-        });
+        let (confirms, mut out_rx) = collected();
         let p = |first, stored: BoxFuture<'static, u64>| Pending { first, count: 1, stored };
         let later = tokio::time::sleep(Duration::from_millis(50));
         confirms.when(p(

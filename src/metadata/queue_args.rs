@@ -61,6 +61,10 @@ impl QueueArgs {
                 ArgValue::Int(n) if *n >= 0 => Ok(*n as u64),
                 other => Err(format!("invalid arg '{k}': {} is not a non-negative integer", show(other))),
             };
+            let positive = || match non_negative()? {
+                0 => Err(format!("invalid arg '{k}': 0 is not a positive integer")),
+                n => Ok(n),
+            };
             let string = || match v {
                 ArgValue::Str(s) => Ok(s.clone()),
                 other => Err(format!("invalid arg '{k}': {} is not a string", show(other))),
@@ -79,10 +83,7 @@ impl QueueArgs {
                 }
                 "x-dead-letter-exchange" => out.dead_letter_exchange = Some(string()?),
                 "x-dead-letter-routing-key" => out.dead_letter_routing_key = Some(string()?),
-                "x-expires" => match non_negative()? {
-                    0 => return Err(format!("invalid arg '{k}': 0 is not a positive integer")),
-                    ms => out.expires = Some(ms),
-                },
+                "x-expires" => out.expires = Some(positive()?),
                 "x-max-priority" => match non_negative()? {
                     n @ 0..=255 => out.max_priority = Some(n as u8),
                     n => return Err(format!("invalid arg '{k}': {n} is above the maximum priority 255")),
@@ -112,19 +113,12 @@ impl QueueArgs {
                         ))
                     }
                 },
-                // Kept with the others; read by `consumer_timeout`.
-                "x-consumer-timeout" => match non_negative()? {
-                    0 => return Err(format!("invalid arg '{k}': 0 is not a positive integer")),
-                    _ => {
-                        out.others.insert(k.clone(), v.clone());
-                    }
-                },
-                "x-quorum-initial-group-size" => match non_negative()? {
-                    0 => return Err(format!("invalid arg '{k}': 0 is not a positive integer")),
-                    _ => {
-                        out.others.insert(k.clone(), v.clone());
-                    }
-                },
+                // Kept with the others; read by `consumer_timeout` and
+                // `quorum_size`.
+                "x-consumer-timeout" | "x-quorum-initial-group-size" => {
+                    positive()?;
+                    out.others.insert(k.clone(), v.clone());
+                }
                 k if UNSUPPORTED.contains(&k) => return Err(format!("argument '{k}' is not supported by mirrorq")),
                 _ => {
                     out.others.insert(k.clone(), v.clone());

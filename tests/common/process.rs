@@ -176,6 +176,46 @@ pub fn cluster(root: &Path, n: u64, extra: &[&str]) -> Vec<ProcNode> {
         .collect()
 }
 
+/// `n` processes forming a new cluster, started, each serving.
+pub async fn serving(root: &Path, n: u64, extra: &[&str]) -> Vec<ProcNode> {
+    let mut nodes = cluster(root, n, extra);
+    for node in nodes.iter_mut() {
+        node.start();
+    }
+    for node in nodes.iter_mut() {
+        node.wait_serving().await;
+    }
+    nodes
+}
+
+/// One call of `node`'s management API as `guest`: (status, JSON body or
+/// Null; 0 and the error if no answer came).
+pub async fn http(
+    node: &ProcNode,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    use serde_json::Value;
+    let url = format!("http://127.0.0.1:{}{}", node.http_port.unwrap(), path);
+    let method = method.to_string();
+    tokio::task::spawn_blocking(move || {
+        let req = ureq::request(&method, &url)
+            .timeout(Duration::from_secs(30))
+            .set("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=");
+        let res = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match res {
+            Ok(r) | Err(ureq::Error::Status(_, r)) => (r.status(), r.into_json().unwrap_or(Value::Null)),
+            Err(e) => (0, Value::String(e.to_string())),
+        }
+    })
+    .await
+    .unwrap()
+}
+
 /// One node, started and serving: its node link, AMQP and HTTP all accept
 /// connections (the node link alone listens before AMQP does, and a client
 /// run at once was refused: CI saw `mirrorq perf` fail so).

@@ -126,14 +126,7 @@ impl Channel {
                 return Err(Ok(soft(PRECONDITION_FAILED, why.to_string(), 60, 20)));
             }
         };
-        let tag = if c.consumer_tag.as_str().is_empty() {
-            format!("amq.ctag-{:016x}", rand_id())
-        } else {
-            c.consumer_tag.as_str().to_string()
-        };
-        if self.consumers.contains_key(&tag) {
-            return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
-        }
+        let tag = self.new_consumer_tag(&c)?;
         // Cluster-wide, as the consumers of a queue may be on any node.
         let present = self.node.consumers_of(&queue).await;
         if (c.exclusive && !present.is_empty()) || present.iter().any(|k| k.exclusive) {
@@ -191,6 +184,20 @@ impl Channel {
         Ok(true)
     }
 
+    /// The tag a `basic.consume` asks for, or one made up; a tag in use on
+    /// the channel closes the connection (530), as RabbitMQ does.
+    fn new_consumer_tag(&self, c: &basic::Consume) -> Result<String, Result<Soft, Hard>> {
+        let tag = if c.consumer_tag.as_str().is_empty() {
+            format!("amq.ctag-{:016x}", rand_id())
+        } else {
+            c.consumer_tag.as_str().to_string()
+        };
+        if self.consumers.contains_key(&tag) {
+            return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
+        }
+        Ok(tag)
+    }
+
     /// `basic.consume` from `amq.rabbitmq.reply-to` (`reply_to.rs`): no-ack
     /// only, one per channel, as RabbitMQ has it.
     async fn consume_replies(&mut self, c: basic::Consume) -> Result<bool, Result<Soft, Hard>> {
@@ -202,14 +209,7 @@ impl Channel {
         if self.reply.is_some() {
             return refuse("reply consumer already set");
         }
-        let tag = if c.consumer_tag.as_str().is_empty() {
-            format!("amq.ctag-{:016x}", rand_id())
-        } else {
-            c.consumer_tag.as_str().to_string()
-        };
-        if self.consumers.contains_key(&tag) {
-            return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
-        }
+        let tag = self.new_consumer_tag(&c)?;
         let name = reply_to::name(self.node.id(), u128::from(rand_id()) << 64 | u128::from(rand_id()));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         self.node.clients().replies_to(name.clone(), tx);
