@@ -10,6 +10,7 @@
 //! Leaves, imported by everything above them:
 //! - [`ids`]: node and group identities; [`message`]: a message as stored,
 //!   and its AMQP properties; [`error`]: the API's errors.
+//! - [`timing`]: a node's time limits (elections, sync, failover, consumers).
 //!
 //! Not a leaf: [`api`], value types of the library API that also travel
 //! between nodes, names [`queue`]'s sync progress and epoch, [`metadata`]'s
@@ -42,9 +43,17 @@
 //!   cluster-wide questions; each request a type of [`wire::ask`] paired
 //!   with the answer it expects), each group's openraft network in those
 //!   words, and a client for tools and tests.
-//! - [`node`]: a running node, its groups and the library API (declare,
-//!   publish, get, ack, nack, purge, delete, shutdown); liveness, failover,
-//!   quiet groups, catch-up and the background sweeps.
+//! - [`failover`]: what a node does when replicas fail, as one task over
+//!   the replica table: the failure watch (who stands, when a lost
+//!   master's lease is out), re-forming a group that lost its majority,
+//!   healing and split verdicts between epochs, handing mastership over on
+//!   a graceful stop or a rebalance. It reads liveness from [`peers`] and
+//!   acts through its [`failover::Host`], which the node implements; it
+//!   knows no node.
+//! - [`node`]: a running node, its replicas and the library API (declare,
+//!   publish, get, ack, nack, purge, delete, shutdown): start-up and stop,
+//!   forwarding to masters, the reconciler that places replicas, failover's
+//!   host, catch-up and the background sweeps (`node/sweeps/`).
 //!
 //! Front ends and the command line:
 //! - [`amqp`]: the AMQP 0-9-1 front end (amq-protocol frames) over the node API.
@@ -73,6 +82,7 @@ pub mod clients;
 pub mod config;
 pub mod ctl;
 pub mod error;
+pub mod failover;
 pub mod http;
 pub mod ids;
 pub mod link;
@@ -88,6 +98,7 @@ pub mod queue;
 pub mod raft;
 pub mod rates;
 pub mod serve;
+pub mod timing;
 pub mod tls;
 pub mod wire;
 

@@ -1,4 +1,4 @@
-//! Stock Python clients against a real `mirrorq serve` process. `.ci/run`
+//! Stock Python clients against a real `mirrorq serve` process. `test.sh`
 //! installs them (`pip install pika celery`); a missing client fails the test.
 
 mod common;

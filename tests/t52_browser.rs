@@ -1,5 +1,5 @@
 //! The web UI driven in headless Chromium (Debian's `chromium`, through
-//! playwright-core in `tests/ui/`; `.ci/run` installs both): a three-node
+//! playwright-core in `tests/ui/`; `test.sh` installs both): a three-node
 //! cluster, a policy and a queue added through the UI, the queue seen
 //! mirrored on three nodes, a message published and got back in the page;
 //! then, while messages flow through the HTTP API, the rate charts of the
@@ -19,7 +19,7 @@ async fn the_web_ui_in_a_real_browser() {
     let ui = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui");
     assert!(
         ui.join("node_modules/playwright-core").is_dir(),
-        "run `npm install --prefix tests/ui` first (and install Debian's chromium), as .ci/run does"
+        "run `npm install --prefix tests/ui` first (and install Debian's chromium), as test.sh does"
     );
     let cluster = Cluster::start(3, fast_timing(Duration::from_secs(3))).await;
     let ports = cluster.serve_http().await;

@@ -1,7 +1,8 @@
 //! Debian's `rabbitmqadmin` (RabbitMQ's own management CLI, unpacked from
 //! the rabbitmq-server package by `test.sh`, path in
 //! `MIRRORQ_RABBITMQADMIN`) against a three-node mirrorq cluster: every
-//! subcommand it has that mirrorq's API serves, as its users type them.
+//! subcommand it has that mirrorq's API serves, as its users type them;
+//! and the requests a Terraform RabbitMQ provider makes.
 //! A missing rabbitmqadmin fails the test.
 
 mod common;

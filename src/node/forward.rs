@@ -22,33 +22,8 @@ use crate::link::transport::CallError;
 use crate::metadata::{MetaCmd, MetaReply, QueueMeta};
 use crate::queue::proposer::{Answer, Lane};
 use crate::queue::{QueueCmd, QueueReply};
-use crate::wire::ask::{self, Ask};
+use crate::wire::ask::{self, typed, Ask, AskError};
 use crate::wire::{RpcRequest, RpcResponse};
-
-/// Why a peer asked gave no answer of the kind the request expects.
-#[derive(Debug, thiserror::Error)]
-pub(super) enum AskError {
-    #[error(transparent)]
-    Call(#[from] CallError),
-    /// An answer of another kind: a replica in a newer epoch, a group not
-    /// hosted yet, or a peer that does not speak this request.
-    #[error("unexpected reply {0:?}")]
-    Other(Box<RpcResponse>),
-}
-
-/// The answer `A` expects, or [`AskError::Other`] with the one that came.
-fn typed<A: Ask>(answer: RpcResponse) -> Result<A::Reply, AskError> {
-    A::reply(answer).map_err(|other| AskError::Other(Box::new(other)))
-}
-
-impl From<AskError> for NodeError {
-    fn from(e: AskError) -> Self {
-        match e {
-            AskError::Call(e) => NodeError::Unavailable(e.to_string()),
-            other @ AskError::Other(_) => NodeError::Invalid(other.to_string()),
-        }
-    }
-}
 
 /// The leader an operation must run at.
 #[derive(Clone, Copy)]
@@ -299,9 +274,7 @@ impl Node {
                 // take more (an auto-ack get's first messages were lost so).
                 // A replica here that stopped to re-form or heal drops the
                 // gets it never applied: those may go again.
-                Err(NodeError::Stopped)
-                    if gets && !(here && self.inner.busy.lock().expect("poisoned").contains(&q.group)) =>
-                {
+                Err(NodeError::Stopped) if gets && !(here && self.inner.failover.is_busy(q.group)) => {
                     Attempt::Done(Err(NodeError::Unavailable(format!(
                         "the master of '{}' stopped with the get in flight; it may have been served",
                         q.name

@@ -10,6 +10,7 @@ use openraft::ServerState;
 
 use super::{Inner, Node, QueueGroup};
 use crate::error::NodeError;
+use crate::failover;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::link::server;
 use crate::link::server::RpcHandler;
@@ -111,8 +112,16 @@ impl Inner {
             RpcRequest::Append { group, epoch, from, req } => self.on_append(group, epoch, from, req).await,
             RpcRequest::Vote { group, epoch, from, req } => self.on_vote(group, epoch, from, req).await,
             RpcRequest::Snapshot { group, epoch, from, req } => self.on_snapshot(group, epoch, from, req).await,
-            RpcRequest::Fork(ask::Fork { group }) => RpcResponse::Fork(self.epoch_report(group)),
-            RpcRequest::History(ask::History { group }) => RpcResponse::History(self.history(group).await),
+            RpcRequest::Fork(ask::Fork { group }) => RpcResponse::Fork(failover::epoch_report(
+                &self.groups,
+                &self.db,
+                self.id,
+                self.timing.failure_timeout,
+                group,
+            )),
+            RpcRequest::History(ask::History { group }) => {
+                RpcResponse::History(failover::history(&self.groups, &self.db, group).await)
+            }
             RpcRequest::Yield(ask::Yield { group, defeated, winner, from }) => {
                 self.on_yield(group, defeated, winner, from)
             }
@@ -128,7 +137,7 @@ impl Inner {
                 RpcResponse::Member(Node { inner: self }.forget_locally(id).await)
             }
             RpcRequest::MoveMaster(ask::MoveMaster { group, to }) => {
-                RpcResponse::Moved(Node { inner: self }.move_master(group, to, false).await)
+                RpcResponse::Moved(Node { inner: self }.failover().move_master(group, to, false).await)
             }
             RpcRequest::Elect(ask::Elect { group, from, leaving }) => self.on_elect(group, from, leaving),
             RpcRequest::Departing(ask::Departing { from, incarnation }) => self.on_departing(from, incarnation),
@@ -225,7 +234,7 @@ impl Inner {
 
     fn on_yield(self: Arc<Self>, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) -> RpcResponse {
         // Failover's task takes it; gone only when the node stops.
-        let _ = self.yields.send(super::failover::YieldAsk { group, defeated, winner, from });
+        let _ = self.yields.send(failover::YieldAsk { group, defeated, winner, from });
         RpcResponse::Done
     }
 
@@ -256,7 +265,7 @@ impl Inner {
         // as master it would answer gets without those bodies. Nor
         // does one on a node that is stopping itself (two stopping
         // at once): it would lead a group it has no one to hand to.
-        let stopping = self.leaving.load(std::sync::atomic::Ordering::Acquire);
+        let stopping = self.failover.is_leaving();
         if let Some(r) = g.filter(|g| g.plan.borrow().is_none() && !stopping).map(|g| g.raft.clone()) {
             // The other mirrors refuse votes until the lease of the
             // old master's last heartbeat runs out: keep standing

@@ -2,7 +2,6 @@
 //! server, the background tasks) and shutdown, graceful or a crash for tests.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,7 +31,7 @@ use crate::wire::raft_net::{EpochNews, NetworkFactory};
 
 /// What failover's task is fed from outside it: peers' news of newer
 /// epochs (the Raft network's refusals) and asks to yield.
-type Failing = (mpsc::UnboundedReceiver<EpochNews>, mpsc::UnboundedReceiver<super::failover::YieldAsk>);
+type Failing = (mpsc::UnboundedReceiver<EpochNews>, mpsc::UnboundedReceiver<crate::failover::YieldAsk>);
 
 /// Open the data dir; one a power cut or a failing disk has damaged is set
 /// aside (kept whole) for an empty one, which the cluster refills like a new
@@ -138,14 +137,11 @@ impl Node {
             rates: Default::default(),
             news,
             yields,
-            busy: Mutex::default(),
             peers: crate::peers::Peers::new(cfg.node_id),
-            watch_wanted: tokio::sync::Notify::new(),
-            leaving: AtomicBool::new(false),
+            failover: Default::default(),
             replicas_started: tokio::sync::watch::Sender::new(false),
             refill: Mutex::new(refill.then(HashMap::new)),
             founding_floor: std::sync::atomic::AtomicU64::new(founding_floor),
-            quiet: Mutex::default(),
             quiescence: crate::peers::quiet::Quiescence::new(incarnation),
             closing: stop.child_token(),
             failed: CancellationToken::new(),
@@ -182,7 +178,7 @@ impl Node {
         self.spawn_reaper();
         self.spawn_expirer();
         self.spawn_liveness();
-        self.spawn_failover(failing.0, failing.1);
+        self.failover().run(failing.0, failing.1);
         self.spawn_rate_sampler();
     }
 
@@ -194,12 +190,12 @@ impl Node {
 
     async fn stop_once(&self) {
         self.inner.closing.cancel();
-        let successors = self.prepare_hand_over();
-        self.announce_departure().await;
+        let successors = self.failover().prepare_hand_over();
+        self.failover().announce_departure().await;
         // Move each mastership while this node can still vote for its
         // successor (which then wins at once); what does not move in time
         // is handed over the slow way below, after the groups stop.
-        let successors = self.move_masters_away(successors).await;
+        let successors = self.failover().move_masters_away(successors).await;
         self.inner.stop.cancel();
         let groups: Vec<_> = self.inner.groups.drain();
         // All at once: one after another, thousands of groups took minutes.
@@ -208,7 +204,7 @@ impl Node {
             g.shut_down()
         }))
         .await;
-        self.hand_over(successors).await;
+        self.failover().hand_over(successors).await;
         self.inner.transport.close_all();
         let _ = self.inner.meta_raft.shutdown().await;
         if let Err(e) = self.inner.db.flusher().sync().await {

@@ -21,9 +21,6 @@ use crate::peers::Prober;
 
 /// How long a liveness ping may take before its peer counts as out of reach.
 pub(super) const PING_LIMIT: Duration = Duration::from_millis(800);
-/// How often the replica that stands asks for votes again while no master
-/// is known: a voter that has not yet seen the death refuses the first ask.
-pub(super) const ELECT_RETRY: Duration = Duration::from_millis(100);
 
 impl Prober for Node {
     async fn ping(&self, id: NodeId) -> bool {
@@ -64,7 +61,7 @@ impl Node {
         let Some(id) = id.filter(|id| *id != self.id()) else { return };
         if self.probe_dead(id).await {
             // Who stands now: the failure watch's rule, run at once.
-            self.want_watch();
+            self.inner.failover.want_watch();
         }
     }
 

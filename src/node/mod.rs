@@ -6,11 +6,10 @@
 //! elsewhere is forwarded over the node link to the master, which answers
 //! after the confirm.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use openraft::ServerState;
 use tokio::sync::{mpsc, watch};
@@ -31,10 +30,11 @@ use crate::owners::Owners;
 use crate::queue::replicas::Replicas;
 use crate::queue::QueueRaft;
 use crate::queue::QueueReply;
+pub use crate::timing::{Timing, DEFAULT_CONSUMER_TIMEOUT};
 use crate::wire::raft_net::EpochNews;
 
-mod failover;
 mod forward;
+mod host;
 mod inbound;
 mod knobs;
 mod lifecycle;
@@ -42,7 +42,6 @@ mod liveness;
 mod members;
 mod meta_ops;
 mod queue_ops;
-mod rebalance;
 mod reconcile;
 mod refill;
 mod sweeps;
@@ -94,49 +93,6 @@ pub struct NodeConfig {
     pub test: TestKnobs,
 }
 
-/// Time limits. Defaults suit a loaded 2-core machine running three nodes.
-#[derive(Debug, Clone)]
-pub struct Timing {
-    pub heartbeat: Duration,
-    pub election_min: Duration,
-    pub election_max: Duration,
-    /// A replica that has not caught up with where the master was this long
-    /// ago stops counting as synchronised (confirms stop waiting for it).
-    pub sync_timeout: Duration,
-    /// How long an operation may look for a reachable master.
-    pub op_timeout: Duration,
-    /// How long a queue's replicas may be without a reachable majority of
-    /// their group before the most senior one left re-forms it
-    /// (`ha-promote-on-failure: always`).
-    pub failure_timeout: Duration,
-    /// How long the unacked messages of owners on a node out of reach,
-    /// but not seen gone, stay with them before the master gives them
-    /// back (`node/sweeps/reaper.rs`).
-    pub unreachable_hold: Duration,
-    /// How long an AMQP delivery may stay unacked before its channel is
-    /// closed (RabbitMQ's `consumer_timeout`), unless its queue sets its
-    /// own; `None`: no limit.
-    pub consumer_timeout: Option<Duration>,
-}
-
-/// RabbitMQ's default `consumer_timeout`: 30 minutes.
-pub const DEFAULT_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
-
-impl Default for Timing {
-    fn default() -> Self {
-        Self {
-            heartbeat: Duration::from_millis(250),
-            election_min: Duration::from_millis(1000),
-            election_max: Duration::from_millis(2000),
-            sync_timeout: Duration::from_secs(5),
-            op_timeout: Duration::from_secs(15),
-            failure_timeout: Duration::from_secs(5),
-            unreachable_hold: Duration::from_secs(60),
-            consumer_timeout: Some(DEFAULT_CONSUMER_TIMEOUT),
-        }
-    }
-}
-
 impl NodeConfig {
     pub fn new(node_id: NodeId, data_dir: impl Into<PathBuf>, raft_listen: impl Into<String>) -> Self {
         Self {
@@ -167,8 +123,7 @@ pub type Submitted = std::pin::Pin<Box<dyn std::future::Future<Output = Result<V
 /// What a group's Raft reports, whatever kind of group it is.
 type RaftMetrics = watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>;
 
-/// One hosted queue replica, with what failover keeps about it.
-type QueueGroup = crate::queue::replica::Replica<failover::Tracked>;
+use crate::failover::{self, QueueGroup};
 
 struct Inner {
     id: NodeId,
@@ -208,15 +163,11 @@ struct Inner {
     news: mpsc::UnboundedSender<EpochNews>,
     /// Asks to yield a minority's fork, for failover's task.
     yields: mpsc::UnboundedSender<failover::YieldAsk>,
-    /// Groups being re-formed or healed: not (re)started meanwhile.
-    busy: Mutex<HashSet<GroupId>>,
-    /// Asks for a run of the failure watch (`failover/watch.rs`).
-    watch_wanted: tokio::sync::Notify,
+    /// What failover keeps node-wide (busy groups, asks for a watch run,
+    /// the stop's hand-over, replicas that must not stand).
+    failover: failover::Shared,
     /// Whether each peer is alive: the one owner of that fact.
     peers: crate::peers::Peers,
-    /// Set once a graceful stop starts handing masterships over: no replica
-    /// here stands for election any more.
-    leaving: AtomicBool,
     /// Set once every replica the metadata named at this node's start is
     /// running. Until then its replicas report to no master: a master that
     /// counted one synchronised would wait for its acknowledgements, slow
@@ -233,9 +184,6 @@ struct Inner {
     /// `u64::MAX`) once its first life caught up with the metadata leader
     /// (`Node::spawn_founding_floor`), and kept; 0 on any other dir.
     founding_floor: std::sync::atomic::AtomicU64,
-    /// Groups whose replica here must not stand for election until then
-    /// (it just handed mastership over in a rebalance).
-    quiet: Mutex<HashMap<GroupId, Instant>>,
     /// Groups mastered here that send no heartbeats, and what peers
     /// announce of theirs.
     quiescence: crate::peers::quiet::Quiescence,
@@ -268,9 +216,6 @@ const NODE_ID_KEY: &str = "node_id";
 /// decoding could take an entry of one format for a command of the other.
 const FORMAT: u32 = 3;
 const FORMAT_KEY: &str = "format";
-/// The term a new queue's group starts in, led by its designated master
-/// (`reconcile.rs`, founding).
-const FOUNDING_TERM: u64 = 1;
 const INCARNATION_KEY: &str = "incarnation";
 /// `Inner::founding_floor` of a data dir that started empty: empty while
 /// not known yet, then the group id. Absent on a dir that never started

@@ -12,11 +12,12 @@ use mirrorq_storage::SmSpace;
 use openraft::{BasicNode, ChangeMembers, CommittedLeaderId, Entry, EntryPayload, LogId, Membership, Vote};
 
 use super::failover::Busy;
-use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK, FOUNDING_TERM};
+use super::{body_fetch, deadletter, failover, Node, QueueGroup, CATCH_UP_SLACK};
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::{ChangeFeed, MetaState, QueueMeta, Touched};
 use crate::queue::epoch::Epoch;
+use crate::queue::epoch::FOUNDING_TERM;
 use crate::queue::replica::{Parts, Replica};
 use crate::queue::{confirm_gate, QueueMachine};
 use crate::queue::{QueueLog as LogStore, QueueRaft as Raft, QueueTypes};
@@ -98,7 +99,7 @@ impl Node {
                 }
                 if node.inner.watch_due() && (ticked || last_watch.is_none_or(|t| t.elapsed() >= WATCH_AT_MOST_EVERY)) {
                     last_watch = Some(Instant::now());
-                    node.want_watch();
+                    node.inner.failover.want_watch();
                 }
                 let now_failing: HashSet<GroupId> = failed.iter().map(|(g, _)| *g).collect();
                 for (group, e) in failed {
@@ -250,7 +251,7 @@ impl Node {
             None => state.queues.values().filter(startable).cloned().collect(),
         };
         let wanted = to_start.len();
-        to_start.retain(|q| !self.inner.busy.lock().expect("poisoned").contains(&q.group));
+        to_start.retain(|q| !self.inner.failover.is_busy(q.group));
         let more = to_start.len() > STARTS_PER_ROUND;
         to_start.truncate(STARTS_PER_ROUND);
         *settled &= to_start.len() == wanted;
@@ -302,7 +303,7 @@ impl Node {
                 continue;
             }
             // Not while a re-form or a heal holds it (they may replace it).
-            let Some(_busy) = Busy::take(&self.inner.busy, g.meta.group) else { continue };
+            let Some(_busy) = Busy::take(&self.inner.failover.busy, g.meta.group) else { continue };
             if self.inner.take_out(&g) {
                 g.stop.cancel();
                 g.shut_down().await;
@@ -331,7 +332,7 @@ impl Node {
 
     async fn stop_replicas(&self, to_stop: Vec<Arc<QueueGroup>>, failed: &mut Vec<(GroupId, ServerError)>) {
         for g in to_stop {
-            let Some(_busy) = Busy::take(&self.inner.busy, g.meta.group) else { continue };
+            let Some(_busy) = Busy::take(&self.inner.failover.busy, g.meta.group) else { continue };
             if !self.inner.take_out(&g) {
                 continue;
             }
@@ -357,7 +358,7 @@ impl Node {
         // and on sled, and a burst of declares (or a restart) brings many.
         let starts = to_start.into_iter().map(|q| async move {
             // A heal may have begun since the list was made.
-            if self.inner.busy.lock().expect("poisoned").contains(&q.group) {
+            if self.inner.failover.is_busy(q.group) {
                 return Some(None);
             }
             let group = q.group;
@@ -601,7 +602,7 @@ impl Node {
         // learns so from the master's node, and the failure watch decides
         // at its next round (with ten thousand such replicas, standing on
         // the timer brought an election per queue at every restart).
-        if !(pristine || founded) || group.plan.borrow().is_some() || self.inner.is_quiet(q.group) {
+        if !(pristine || founded) || group.plan.borrow().is_some() || self.inner.failover.is_quiet(q.group) {
             raft.runtime_config().elect(false);
         }
         self.spawn_catch_up(group.clone());

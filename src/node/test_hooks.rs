@@ -27,7 +27,7 @@ impl Node {
     /// listed them then and reaches them only now.
     pub async fn watch_failures_over(&self, views: Vec<ReplicaView>) {
         let state = self.metadata();
-        self.watch_groups(&state, views.into_iter().map(|v| v.0).collect(), None).await
+        self.failover().watch_groups(&state, views.into_iter().map(|v| v.0).collect(), None).await
     }
 
     /// AppendEntries calls (entries or heartbeats) this node's replica of
@@ -42,16 +42,16 @@ impl Node {
     /// replicas stand for no election, its failure watch knows), and its
     /// masterships are not moved yet.
     pub fn begin_leaving(&self) {
-        self.prepare_hand_over();
+        self.failover().prepare_hand_over();
     }
 
     /// The first steps of a graceful stop: leaving, the peers told, and
     /// every mastership moved to its successor; the node then stays up.
     /// Returns how many did not move.
     pub async fn move_masterships_away(&self) -> usize {
-        let successors = self.prepare_hand_over();
-        self.announce_departure().await;
-        self.move_masters_away(successors).await.len()
+        let successors = self.failover().prepare_hand_over();
+        self.failover().announce_departure().await;
+        self.failover().move_masters_away(successors).await.len()
     }
 
     /// Whether this node's confirm gates take `peer` as up and not
@@ -175,7 +175,7 @@ impl Node {
         let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
         let g = self.inner.groups.get(q.group);
         let g = g.ok_or_else(|| NodeError::Unavailable(format!("no replica of {queue} here")))?;
-        let busy = super::failover::Busy::take(&self.inner.busy, q.group);
+        let busy = crate::failover::Busy::take(&self.inner.failover.busy, q.group);
         let _busy = busy.ok_or_else(|| NodeError::Unavailable(format!("replica of {queue} is busy")))?;
         if !self.inner.take_out(&g) {
             return Err(NodeError::Unavailable(format!("replica of {queue} was replaced meanwhile")));

@@ -6,7 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::forward::{AskError, Attempt, Leader, Resend};
+use super::forward::{Attempt, Leader, Resend};
 use super::{Node, QueueGroup};
 use crate::api::{GroupRaftMetrics, QueueInfo};
 use crate::clients::{ConnectionInfo, ConsumerInfo};
@@ -14,6 +14,7 @@ use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId, METADATA_GROUP};
 use crate::queue::confirm_gate;
 use crate::wire::ask;
+use crate::wire::ask::AskError;
 use crate::wire::{ClientReply, ClientRequest};
 
 impl Node {

@@ -14,7 +14,7 @@
 //! the follower's term does not stand for election: the node's pings stand
 //! in for every quiet group's heartbeats, one signal per node instead of
 //! one per group. When that node stops answering, or is seen dead, the
-//! follower's usual rules apply at once (`node/failover/watch.rs`): its lease ran out
+//! follower's usual rules apply at once (`failover/watch.rs`): its lease ran out
 //! long ago, so the most senior replica stands as it would for a busy
 //! group, as soon as the pings tell.
 //!

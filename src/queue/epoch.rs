@@ -4,7 +4,7 @@
 //! Raft cannot change a group's membership without a majority. When the
 //! master and most mirrors are gone and `ha-promote-on-failure` is `always`,
 //! a surviving replica *re-forms* the group: it makes its own log the start of
-//! a new epoch with itself as the only voter (see `node::failover`). Replicas
+//! a new epoch with itself as the only voter (see `failover`). Replicas
 //! still in an older epoch must never be merged back by Raft's log repair,
 //! which would silently drop whatever they accepted that the new epoch lacks.
 //! So every Raft message carries the sender's epoch, and a replica that learns
@@ -43,6 +43,10 @@ impl fmt::Display for Epoch {
 
 /// A log entry's leader: `(term, node)`.
 pub type Leader = (u64, NodeId);
+
+/// The term a new queue's group starts in, led by its designated master
+/// (the node's reconcile founds it).
+pub const FOUNDING_TERM: u64 = 1;
 
 fn leader_of(id: &LogId<NodeId>) -> Leader {
     (id.leader_id.term, id.leader_id.node_id)

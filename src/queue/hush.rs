@@ -1,6 +1,7 @@
 //! A queue group's Raft heartbeats, off while the group is quiet and back
-//! on with the group's next entry. The node decides when a group is quiet
-//! (`node::quiescence`); the proposer wakes it, so the first entry after a
+//! on with the group's next entry. Failover's watch decides when a group
+//! is quiet (`failover/watch/quiet.rs`, over the lists of
+//! `peers/quiet.rs`); the proposer wakes it, so the first entry after a
 //! quiet stretch never waits for anyone to notice.
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::{BodyChunk, ClientReply, ClientRequest, QuietList, RpcRequest, RpcResponse};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
+use crate::link::transport::CallError;
 use crate::metadata::{MetaCmd, MetaReply};
 use crate::queue::confirm_gate::Standing;
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
@@ -25,6 +26,31 @@ pub trait Ask: Into<RpcRequest> {
     type Reply;
     /// The expected answer, or the answer back if it is of another kind.
     fn reply(answer: RpcResponse) -> Result<Self::Reply, RpcResponse>;
+}
+
+/// Why a peer asked gave no answer of the kind the request expects.
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    #[error(transparent)]
+    Call(#[from] CallError),
+    /// An answer of another kind: a replica in a newer epoch, a group not
+    /// hosted yet, or a peer that does not speak this request.
+    #[error("unexpected reply {0:?}")]
+    Other(Box<RpcResponse>),
+}
+
+/// The answer `A` expects, or [`AskError::Other`] with the one that came.
+pub fn typed<A: Ask>(answer: RpcResponse) -> Result<A::Reply, AskError> {
+    A::reply(answer).map_err(|other| AskError::Other(Box::new(other)))
+}
+
+impl From<AskError> for NodeError {
+    fn from(e: AskError) -> Self {
+        match e {
+            AskError::Call(e) => NodeError::Unavailable(e.to_string()),
+            other @ AskError::Other(_) => NodeError::Invalid(other.to_string()),
+        }
+    }
 }
 
 /// Queue operations for the master of `group`; answered after confirm.

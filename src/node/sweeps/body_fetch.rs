@@ -125,7 +125,7 @@ impl Node {
                 // A node that is stopping stays silent: a master that counted
                 // it as synchronised would wait for it after it is gone. So
                 // does one still starting its replicas, until it is done.
-                let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
+                let leaving = self.inner.failover.is_leaving();
                 let ready = *started.borrow_and_update();
                 if master.is_some() && master != told && !leaving && ready {
                     match Box::pin(self.report(&g, false)).await {
@@ -241,7 +241,7 @@ impl Node {
     /// A new mirror of a `manual` queue waits for a `sync` action.
     pub(in crate::node) fn waits_for_sync(&self, g: &QueueGroup) -> bool {
         let new = matches!(self.inner.db.get_node_value(&new_mirror_key(g.meta.group)), Ok(Some(_)));
-        new && !crate::node::failover::ha_of(&self.metadata(), &g.meta).sync_automatic
+        new && !crate::failover::ha_of(&self.metadata(), &g.meta).sync_automatic
     }
 
     async fn finish_catch_up(&self, g: &QueueGroup, must_apply: Option<u64>) -> Result<(), NodeError> {

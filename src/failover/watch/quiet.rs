@@ -9,9 +9,9 @@ use std::time::Instant;
 use openraft::ServerState;
 
 use super::Metrics;
+use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::NodeId;
 use crate::metadata::MetaState;
-use crate::node::{Node, QueueGroup};
 use crate::queue::confirm_gate;
 
 /// How many heartbeat intervals a group in use stays still before its
@@ -70,7 +70,7 @@ fn settled(g: &QueueGroup, m: &Metrics, me: NodeId, present: &BTreeSet<NodeId>, 
         && !g.changing.load(std::sync::atomic::Ordering::Acquire)
 }
 
-impl Node {
+impl<H: Host> Failover<H> {
     /// The nodes a group waits for to settle: every node but those seen
     /// gone (their port refuses a dial, `liveness.rs`) and those that said
     /// they are stopping. A node merely out of reach still counts: cut off
@@ -79,7 +79,7 @@ impl Node {
     /// Read from the peers' news the confirm gates judge by, which
     /// `reachable` refreshes just before.
     pub(super) fn present(&self, state: &MetaState) -> BTreeSet<NodeId> {
-        let news = self.inner.peers.news();
+        let news = self.peers().news();
         state.nodes.keys().copied().filter(|id| !news.gone.contains(id) && !news.departed.contains(id)).collect()
     }
 
@@ -96,7 +96,7 @@ impl Node {
         reach: &BTreeSet<NodeId>,
         now: Instant,
     ) -> Option<bool> {
-        let q = &self.inner.quiescence;
+        let q = &self.quiescence();
         let mut s = g.ext.watch.state();
         let last = &mut s.quiet_master;
         if let Some(master) = q.quiet_master(g.meta.group, m.current_term, self.id(), voters, reach) {
@@ -105,7 +105,7 @@ impl Node {
         }
         match *last {
             Some((master, term, at))
-                if term == m.current_term && !self.is_dead(master) && now < at + self.inner.timing.election_max =>
+                if term == m.current_term && !self.is_dead(master) && now < at + self.timing().election_max =>
             {
                 Some(false)
             }
@@ -127,9 +127,9 @@ impl Node {
         refilling: &BTreeSet<NodeId>,
     ) {
         let group = g.meta.group;
-        let q = &self.inner.quiescence;
+        let q = &self.quiescence();
         let me = self.id();
-        let leaving = self.inner.leaving.load(std::sync::atomic::Ordering::Acquire);
+        let leaving = self.shared().leaving.load(std::sync::atomic::Ordering::Acquire);
         // A stopping node announces nothing new, but keeps its quiet groups
         // quiet until each one moves: waking them all at once (a node
         // leading 6,700 of them) sent heartbeats from every one, which
@@ -153,7 +153,7 @@ impl Node {
         };
         // A group that holds nothing but its founding (no entry was ever
         // proposed) is a queue just declared, not one used now and then.
-        let unused = m.current_term == crate::node::FOUNDING_TERM && m.last_log_index == Some(1);
+        let unused = m.current_term == crate::queue::epoch::FOUNDING_TERM && m.last_log_index == Some(1);
         let Some(since) = since else {
             // Heartbeats until it has been settled a while (the proposer
             // woke it already if an entry came; a master deposed while
@@ -185,7 +185,7 @@ impl Node {
             return;
         };
         let still_for = if unused { 1 } else { SETTLE_HEARTBEATS };
-        if since.elapsed() < self.inner.timing.heartbeat * still_for {
+        if since.elapsed() < self.timing().heartbeat * still_for {
             return;
         }
         let gen = q.announce(group, m.current_term);

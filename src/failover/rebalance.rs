@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 use openraft::ServerState;
 use serde::Serialize;
 
-use super::failover::Busy;
-use super::Node;
+use super::{Busy, Failover, Host};
 use crate::error::NodeError;
 use crate::ids::{GroupId, NodeId};
 use crate::wire::ask;
@@ -76,7 +75,7 @@ pub fn plan_moves(
     }
 }
 
-impl Node {
+impl<H: Host> Failover<H> {
     /// Move masters so that every node masters within one mirrored queue of
     /// every other (as far as replica placement allows). Safe while clients
     /// publish: each move pauses its queue for a moment, loses nothing.
@@ -84,7 +83,7 @@ impl Node {
         let meta = self.metadata();
         let mut queues = BTreeMap::new();
         for q in meta.queues.values().filter(|q| q.replicas.len() > 1) {
-            if let Some(master) = self.master_view(&q.name).await.ok().and_then(|v| v.leader) {
+            if let Some(master) = self.master_of(&q.name).await {
                 queues.insert(q.name.clone(), (master, q.replicas.clone()));
             }
         }
@@ -99,10 +98,7 @@ impl Node {
                     Some(group) if from == self.id() => self.move_master(group, to, false).await,
                     Some(group) => {
                         let deadline = Instant::now() + Duration::from_secs(20);
-                        self.inner
-                            .ask(from, ask::MoveMaster { group, to }, deadline)
-                            .await
-                            .unwrap_or_else(|e| Err(e.into()))
+                        self.ask(from, ask::MoveMaster { group, to }, deadline).await.unwrap_or_else(|e| Err(e.into()))
                     }
                 };
                 if let Err(e) = &result {
@@ -120,7 +116,7 @@ impl Node {
     /// successor, [`MOVES_AT_ONCE`] at a time, starting none after
     /// [`MOVES_FOR`], or once none moved for [`MOVES_STALLED`]. Returns
     /// those that did not move.
-    pub(super) async fn move_masters_away(&self, successors: Vec<(GroupId, NodeId)>) -> Vec<(GroupId, NodeId)> {
+    pub(crate) async fn move_masters_away(&self, successors: Vec<(GroupId, NodeId)>) -> Vec<(GroupId, NodeId)> {
         if successors.is_empty() {
             return successors;
         }
@@ -129,7 +125,7 @@ impl Node {
         let last_moved = std::sync::Mutex::new(started);
         // Each move has its own bound: one that hangs must not make the
         // others, already done, count as not moved.
-        let limit = self.inner.timing.election_max * 2 + Duration::from_secs(1);
+        let limit = self.timing().election_max * 2 + Duration::from_secs(1);
         let first_error = std::sync::Mutex::new(None);
         let at_once = tokio::sync::Semaphore::new(MOVES_AT_ONCE);
         let moves = successors.iter().map(|(group, to)| {
@@ -174,9 +170,9 @@ impl Node {
 
     /// Hand this node's mastership of `group` to the voter `to`. `leaving`:
     /// this node is stopping, so the new master need not wait for it.
-    pub(super) async fn move_master(&self, group: GroupId, to: NodeId, leaving: bool) -> Result<(), NodeError> {
+    pub(crate) async fn move_master(&self, group: GroupId, to: NodeId, leaving: bool) -> Result<(), NodeError> {
         let me = self.id();
-        let g = self.inner.groups.get(group);
+        let g = self.replicas().get(group);
         let Some(g) = g.filter(|g| g.is_leader(me)) else {
             return Err(NodeError::NotLeader { leader: None });
         };
@@ -184,10 +180,10 @@ impl Node {
         if !voter || !g.sync.borrow().synchronised.contains(&to) || to == me {
             return Err(NodeError::Invalid(format!("node {to} is not a synchronised mirror of '{}'", g.meta.name)));
         }
-        if self.inner.peers.departed().contains(&to) {
+        if self.peers().departed().contains(&to) {
             return Err(NodeError::Unavailable(format!("node {to} is stopping")));
         }
-        let Some(busy) = Busy::take(&self.inner.busy, group) else {
+        let Some(busy) = Busy::take(&self.shared().busy, group) else {
             return Err(NodeError::Unavailable("the queue is being re-formed or healed".into()));
         };
         let limit = Duration::from_secs(3);
@@ -213,7 +209,7 @@ impl Node {
         // to win: someone else then leads, and nothing was lost. This
         // replica gives its vote for the next term to the successor and
         // steps down; it must not stand meanwhile.
-        self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
+        self.shared().quiet.lock().expect("poisoned").insert(group, Instant::now() + self.timing().election_max * 4);
         g.raft.trigger().hand_over(to, term).await.map_err(|_| NodeError::Stopped)?;
         g.raft
             .wait(Some(limit))
@@ -224,14 +220,14 @@ impl Node {
         drop(busy);
 
         let deadline = Instant::now() + Duration::from_secs(2);
-        let _ = self.inner.ask(to, ask::Elect { group, from: me, leaving }, deadline).await;
+        let _ = self.ask(to, ask::Elect { group, from: me, leaving }, deadline).await;
         let moved = g
             .raft
-            .wait(Some(self.inner.timing.election_max * 3))
+            .wait(Some(self.timing().election_max * 3))
             .metrics(|m| m.current_leader.is_some_and(|l| l != me), "a new master")
             .await
             .map_err(|_| NodeError::Unavailable("no new master in time".into()))?;
-        self.inner.quiet.lock().expect("poisoned").remove(&group);
+        self.shared().quiet.lock().expect("poisoned").remove(&group);
         match moved.current_leader {
             Some(l) if l == to => {
                 tracing::info!(queue = %g.meta.name, from = me, to, "master moved");
@@ -258,12 +254,6 @@ const MOVES_FOR: Duration = Duration::from_secs(60);
 /// cluster that cannot elect does not hold a stop for the whole of
 /// [`MOVES_FOR`].
 const MOVES_STALLED: Duration = Duration::from_secs(10);
-
-impl super::Inner {
-    pub(super) fn is_quiet(&self, group: GroupId) -> bool {
-        self.quiet.lock().expect("poisoned").get(&group).is_some_and(|t| Instant::now() < *t)
-    }
-}
 
 #[cfg(test)]
 mod tests {

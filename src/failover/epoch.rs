@@ -5,12 +5,14 @@ use openraft::storage::RaftLogStorage;
 use openraft::{ServerState, Vote};
 
 use super::split::own_record;
+use super::Tracked;
 use crate::error::ServerError;
 use crate::ids::{GroupId, NodeId};
-use crate::node::Inner;
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
+use crate::queue::replicas::Replicas;
 use crate::queue::QueueLog as LogStore;
 use mirrorq_storage::{NodeDb, StorageError};
+use std::time::Duration;
 
 pub(super) fn epoch_key(group: GroupId) -> String {
     format!("epoch/{group}")
@@ -34,7 +36,7 @@ pub(super) fn term_floor_key(group: GroupId) -> String {
 /// done, or an entry look shared, when it is not. Raised past that term,
 /// the new epoch's master steps down once (the learner answers with the
 /// higher vote) and is re-elected above it.
-pub(in crate::node) fn load_epoch(db: &NodeDb, group: GroupId, me: NodeId) -> Result<Epoch, ServerError> {
+pub(crate) fn load_epoch(db: &NodeDb, group: GroupId, me: NodeId) -> Result<Epoch, ServerError> {
     let decode = |b: Vec<u8>, what| mirrorq_storage::keys::decode::<Epoch>(&b, what);
     if let Some(b) = db.get_node_value(&heal_key(group))? {
         let epoch = decode(b, "healing marker")?;
@@ -85,37 +87,42 @@ pub(super) async fn step_down(db: NodeDb, group: GroupId, me: NodeId) -> Result<
     }
 }
 
-impl Inner {
-    /// Our replica's log of `group` as a record of its history, with the
-    /// ancestry of its epoch if that was re-formed (a fork yielding to it
-    /// tells by it what both inherited).
-    pub(in crate::node) async fn history(&self, group: GroupId) -> Option<ForkRecord> {
-        let g = self.groups.get(group)?;
-        let mut log = LogStore::new(self.db.clone(), group);
-        let state = log.get_log_state().await.ok()?;
-        let ids = log.log_ids().ok()?;
-        let mut record = ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids);
-        if let Some(own) = own_record(&self.db, group, g.epoch).ok().flatten() {
-            record.inherited = own.inherited;
-        }
-        Some(record)
+/// Our replica's log of `group` as a record of its history, with the
+/// ancestry of its epoch if that was re-formed (a fork yielding to it
+/// tells by it what both inherited).
+pub(crate) async fn history(replicas: &Replicas<Tracked>, db: &NodeDb, group: GroupId) -> Option<ForkRecord> {
+    let g = replicas.get(group)?;
+    let mut log = LogStore::new(db.clone(), group);
+    let state = log.get_log_state().await.ok()?;
+    let ids = log.log_ids().ok()?;
+    let mut record = ForkRecord::from_log(g.epoch, state.last_purged_log_id, ids);
+    if let Some(own) = own_record(db, group, g.epoch).ok().flatten() {
+        record.inherited = own.inherited;
     }
+    Some(record)
+}
 
-    /// Our replica's epoch of `group`, with its fork record if the replica
-    /// has it, and the master of that epoch in reach as our replica knows it.
-    pub(in crate::node) fn epoch_report(&self, group: GroupId) -> Option<EpochReport> {
-        let g = self.groups.get(group)?;
-        // Formed here, the record kept beside the log counts too: without
-        // it the other side would wait for a record no one has, both serving.
-        let record = own_record(&self.db, group, g.epoch).ok()?;
-        let m = g.raft.metrics().borrow().clone();
-        let heard = g.ext.heard.master_at();
-        let master = match m.state {
-            ServerState::Leader => Some(self.id),
-            _ => m.current_leader.filter(|_| heard.is_some_and(|t| t.elapsed() < self.timing.failure_timeout)),
-        };
-        Some(EpochReport { epoch: g.epoch, record, master })
-    }
+/// Our replica's epoch of `group`, with its fork record if the replica
+/// has it, and the master of that epoch in reach as our replica knows it
+/// (heard within `failure_timeout`).
+pub(crate) fn epoch_report(
+    replicas: &Replicas<Tracked>,
+    db: &NodeDb,
+    me: NodeId,
+    failure_timeout: Duration,
+    group: GroupId,
+) -> Option<EpochReport> {
+    let g = replicas.get(group)?;
+    // Formed here, the record kept beside the log counts too: without
+    // it the other side would wait for a record no one has, both serving.
+    let record = own_record(db, group, g.epoch).ok()?;
+    let m = g.raft.metrics().borrow().clone();
+    let heard = g.ext.heard.master_at();
+    let master = match m.state {
+        ServerState::Leader => Some(me),
+        _ => m.current_leader.filter(|_| heard.is_some_and(|t| t.elapsed() < failure_timeout)),
+    };
+    Some(EpochReport { epoch: g.epoch, record, master })
 }
 
 #[cfg(test)]

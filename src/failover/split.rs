@@ -14,8 +14,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use openraft::ServerState;
 
+use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::{GroupId, NodeId};
-use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{Epoch, ForkRecord};
 use crate::queue::QueueMachine;
 use crate::wire::ask;
@@ -27,7 +27,7 @@ use mirrorq_storage::{NodeDb, SmSpace, StorageError};
 /// epoch this replica, as master, last could not decide a split against
 /// (the heal writes it).
 #[derive(Default)]
-pub(in crate::node) struct SplitMemory {
+pub(crate) struct SplitMemory {
     /// Replicas that answered from a newer epoch of the group, and when
     /// last: they follow no master of ours, however well they answer pings.
     in_newer: Mutex<HashMap<NodeId, Instant>>,
@@ -298,7 +298,7 @@ fn majority_in_our_epoch(
     quorum(configs, |v| in_newer.get(&v).is_none_or(|t| now.duration_since(*t) >= failure_timeout))
 }
 
-impl Node {
+impl<H: Host> Failover<H> {
     /// Decide for our group, of an older epoch than `news`'s, which epoch
     /// keeps the queue. Only the master decides, so the replicas of one
     /// group never part ways: a replica following a master in reach defers
@@ -307,7 +307,7 @@ impl Node {
     pub(super) async fn split_verdict(&self, g: &Arc<QueueGroup>, news: EpochNews) -> Verdict {
         let m = g.raft.metrics().borrow().clone();
         let me = self.id();
-        let timing = &self.inner.timing;
+        let timing = &self.timing();
         if m.state != ServerState::Leader {
             // In reach and still sending us appends: a master restored
             // from a vote on disk that has left our epoch sends none.
@@ -348,7 +348,7 @@ impl Node {
         let m = g.raft.metrics().borrow().clone();
         let configs = m.membership_config.membership().get_joint_config();
         let in_newer = g.ext.split.in_newer.lock().expect("poisoned");
-        majority_in_our_epoch(configs, &in_newer, Instant::now(), self.inner.timing.failure_timeout)
+        majority_in_our_epoch(configs, &in_newer, Instant::now(), self.timing().failure_timeout)
     }
 
     /// Ask the replicas of the newer epoch of `news` (the one that told us
@@ -385,7 +385,7 @@ impl Node {
             return;
         }
         let req = ask::Yield { group, defeated: news.epoch, winner: g.epoch, from: self.id() };
-        if let Err(e) = self.inner.ask(news.from, req, Instant::now() + Duration::from_secs(2)).await {
+        if let Err(e) = self.ask(news.from, req, Instant::now() + Duration::from_secs(2)).await {
             tracing::debug!(group, to = news.from, error = %e, "could not tell a defeated replica to yield");
         }
     }
@@ -411,7 +411,7 @@ impl Node {
         // Bounded: without a quorum of the old and new voters the change
         // never commits, and waiting for it would hold the group busy (no
         // heal, no hand-over) for good.
-        let limit = self.inner.timing.failure_timeout;
+        let limit = self.timing().failure_timeout;
         let result = match tokio::time::timeout(limit, g.raft.change_membership(change, false)).await {
             Ok(r) => r.map_err(|e| e.to_string()),
             Err(_) => Err(format!("not committed within {limit:?}")),

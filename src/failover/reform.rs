@@ -11,16 +11,16 @@ use super::epoch::epoch_key;
 use super::split::{add_formed, formed_record_key, own_record, wall_ms, Formed};
 use super::Busy;
 use crate::error::ServerError;
+use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::NodeId;
 use crate::metadata::{MetaState, QueueMeta};
-use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{Epoch, ForkRecord, Inherited, ANCESTRY};
 use crate::queue::{QueueCmd, QueueMachine};
 use crate::queue::{QueueLog as LogStore, QueueTypes};
 use crate::raft::state_machine::stored_applied;
 use mirrorq_storage::SmSpace;
 
-impl Node {
+impl<H: Host> Failover<H> {
     /// Make this replica the only voter of a new epoch of the group, with
     /// its whole log (committed or not: anything may have been confirmed).
     /// `false`: someone else is re-forming or healing the group, or already
@@ -32,15 +32,15 @@ impl Node {
         state: &MetaState,
     ) -> Result<bool, ServerError> {
         let group = q.group;
-        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return Ok(false) };
-        if !self.inner.take_out(&g) {
+        let Some(_busy) = Busy::take(&self.shared().busy, group) else { return Ok(false) };
+        if !self.take_out(&g) {
             return Ok(false);
         }
         g.stop.cancel();
         g.shut_down().await;
 
         let raft_err = |e: openraft::StorageError<NodeId>| ServerError::Raft(e.to_string());
-        let mut log = LogStore::new(self.inner.db.clone(), group);
+        let mut log = LogStore::new(self.db().clone(), group);
         let log_state = log.get_log_state().await.map_err(raft_err)?;
         let ids = log.log_ids().map_err(raft_err)?;
         let term = log.highest_term().map_err(raft_err)?.max(g.epoch.term) + 1;
@@ -48,14 +48,14 @@ impl Node {
         let epoch = Epoch { term, node: me };
         let mut record = ForkRecord::from_log(epoch, log_state.last_purged_log_id, ids);
         record.formed_ms = wall_ms();
-        let c = QueueMachine::stored_counters(&SmSpace::new(self.inner.db.clone(), group))?;
+        let c = QueueMachine::stored_counters(&SmSpace::new(self.db().clone(), group))?;
         let parent = Inherited { from: g.epoch, next_seq: c.next_seq, next_order: c.next_requeue };
-        let line = own_record(&self.inner.db, group, g.epoch)?.map(|r| r.inherited).unwrap_or_default();
+        let line = own_record(self.db(), group, g.epoch)?.map(|r| r.inherited).unwrap_or_default();
         record.inherited = std::iter::once(parent).chain(line).take(ANCESTRY).collect();
         let index = log_state.last_log_id.map_or(0, |l| l.index + 1);
         let members = Membership::new(
             vec![BTreeSet::from([me])],
-            BTreeMap::from([(me, BasicNode { addr: self.inner.addr.clone() })]),
+            BTreeMap::from([(me, BasicNode { addr: self.addr().to_string() })]),
         );
         let entry: Entry<QueueTypes> = Entry {
             log_id: LogId::new(CommittedLeaderId::new(term, me), index),
@@ -66,7 +66,7 @@ impl Node {
         // new epoch: keep only what publishes. (Publishes may have been
         // confirmed: confirms wait for the synchronised replicas' disks, not
         // for commit.)
-        let applied = stored_applied(&SmSpace::new(self.inner.db.clone(), group))?.map_or(0, |l| l.index + 1);
+        let applied = stored_applied(&SmSpace::new(self.db().clone(), group))?.map_or(0, |l| l.index + 1);
         let mut reader = log.get_log_reader().await;
         let mut entries: Vec<Entry<QueueTypes>> = Vec::new();
         for mut e in reader.try_get_log_entries(applied..).await.map_err(raft_err)? {
@@ -90,12 +90,11 @@ impl Node {
         // Before the epoch itself: a replica of the old group that kept its
         // majority across this moment keeps the queue when the two meet.
         add_formed(
-            &self.inner.db,
+            self.db(),
             group,
             Formed { epoch, from: g.epoch, next_seq: c.next_seq, next_order: c.next_requeue },
         )?;
-        self.inner
-            .db
+        self.db()
             .put_node_value(&formed_record_key(group), &mirrorq_storage::keys::encode(&record, "formed record")?)?;
         let epoch_value = (epoch_key(group), mirrorq_storage::keys::encode(&epoch, "group epoch")?);
         log.refound(&Vote::new_committed(term, me), entries, (&epoch_value.0, epoch_value.1))

@@ -15,15 +15,19 @@ use super::epoch::step_down;
 use super::rules::{by_seniority, core_quit, reform_voters, reformer, still_leads};
 use super::split::{quorum, wall_ms, MajorityStretch};
 use super::{ha_of, Busy};
+use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::NodeId;
 use crate::metadata::{MetaState, QueueMeta};
-use crate::node::{Node, QueueGroup};
 use crate::wire::ask;
 
 /// Stand this long after the lost master's lease has run out on the other
 /// voters: a vote asked for inside the lease is refused, and the refused
 /// candidate would wait a whole election timeout before asking again.
 const LEASE_MARGIN: Duration = Duration::from_millis(50);
+
+/// How often the replica that stands asks for votes again while no master
+/// is known: a voter that has not yet seen the death refuses the first ask.
+const ELECT_RETRY: Duration = Duration::from_millis(100);
 
 type Metrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
 
@@ -34,7 +38,7 @@ type Metrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
 /// records and the link's record of lost links are read, and none of
 /// them reaches back here. The split verdict reads how
 /// long a majority has been kept ([`GroupWatch::kept_since`]).
-pub(in crate::node) struct GroupWatch {
+pub(crate) struct GroupWatch {
     state: Mutex<State>,
 }
 
@@ -64,7 +68,7 @@ struct State {
 }
 
 impl GroupWatch {
-    pub(in crate::node) fn new(metrics: tokio::sync::watch::Receiver<Metrics>) -> Self {
+    pub(crate) fn new(metrics: tokio::sync::watch::Receiver<Metrics>) -> Self {
         let state = State {
             majority: MajorityStretch::new(Instant::now()),
             leaderless_since: None,
@@ -89,34 +93,29 @@ impl GroupWatch {
     }
 }
 
-impl Node {
+impl<H: Host> Failover<H> {
     /// Peers answering pings, by a round at most a few hundred
     /// milliseconds old (`peers`).
     pub(super) async fn reachable(&self, state: &MetaState) -> BTreeSet<NodeId> {
-        if let Some(reach) = self.inner.peers.fresh_reach() {
+        if let Some(reach) = self.peers().fresh_reach() {
             return reach;
         }
         let peers: Vec<NodeId> = state.nodes.keys().copied().filter(|id| *id != self.id()).collect();
-        let round = self.inner.peers.round(self, &peers).await;
+        let round = self.peers().round(&self.0, &peers).await;
         for id in &round.dead {
             self.after_death(*id).await;
         }
         if round.changed {
-            self.inner.quiescence.world_changed();
+            self.quiescence().world_changed();
         }
         round.reach
-    }
-
-    /// Ask the failure watch for a run (soon, after the one under way).
-    pub(in crate::node) fn want_watch(&self) {
-        self.inner.watch_wanted.notify_one();
     }
 
     /// Decide, per hosted group, who may stand for election, and whether
     /// to re-form a group that lost its majority.
     pub(super) async fn watch_failures(&self, state: &MetaState) {
-        let listed_at = self.inner.groups.removals();
-        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.all();
+        let listed_at = self.replicas().removals();
+        let groups: Vec<Arc<QueueGroup>> = self.replicas().all();
         self.watch_groups(state, groups, Some(listed_at)).await
     }
 
@@ -128,27 +127,22 @@ impl Node {
     /// stops being current only when one is taken out of the table (or the
     /// node stops), so until then the table need not be looked up for each
     /// group (`None`: look each up).
-    pub(in crate::node) async fn watch_groups(
-        &self,
-        state: &MetaState,
-        groups: Vec<Arc<QueueGroup>>,
-        listed_at: Option<u64>,
-    ) {
+    pub(crate) async fn watch_groups(&self, state: &MetaState, groups: Vec<Arc<QueueGroup>>, listed_at: Option<u64>) {
         if groups.is_empty() {
             return;
         }
         let mut reach = self.reachable(state).await;
         let mut present = self.present(state);
-        let refilling = self.inner.quiescence.refilling_peers();
-        let timing = &self.inner.timing;
+        let refilling = self.quiescence().refilling_peers();
+        let timing = &self.timing();
         for g in groups {
-            if self.inner.stop.is_cancelled() {
+            if self.stopping().is_cancelled() {
                 return;
             }
-            if listed_at != Some(self.inner.groups.removals()) && !self.inner.groups.is_current(&g) {
+            if listed_at != Some(self.replicas().removals()) && !self.replicas().is_current(&g) {
                 continue;
             }
-            let world = self.inner.quiescence.world_of(g.meta.group);
+            let world = self.quiescence().world_of(g.meta.group);
             if self.passed_over(&g, world) {
                 continue;
             }
@@ -195,7 +189,7 @@ impl Node {
             if !held && !g.hush.is_quiet() {
                 g.raft.runtime_config().tick(true);
             }
-            if !held && m.state != ServerState::Leader && !self.inner.leaving.load(Ordering::Acquire) {
+            if !held && m.state != ServerState::Leader && !self.shared().leaving.load(Ordering::Acquire) {
                 self.steer_election(&g, q, &m, &voters, &reach, senior_voter, now);
             }
 
@@ -236,11 +230,11 @@ impl Node {
             Ok(false) => {}
             Ok(true) => {
                 tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-formed it");
-                self.inner.metrics.queue_reforms.inc();
-                self.inner.told.cleared(q.group, "re-form");
+                self.metrics().queue_reforms.inc();
+                self.cleared(q.group, "re-form");
             }
             Err(e) => {
-                if self.inner.repeated(q.group, "re-form", &e.to_string()) {
+                if self.repeated(q.group, "re-form", &e.to_string()) {
                     tracing::error!(queue = %q.name, error = %e, "re-forming the queue failed; retrying (told once until it changes)");
                 }
             }
@@ -259,14 +253,14 @@ impl Node {
             let state_now = m.borrow().state;
             (m.has_changed().unwrap_or(true), state_now)
         };
-        let unchanged = was == world && !self.inner.leaving.load(Ordering::Acquire) && !metrics_changed;
+        let unchanged = was == world && !self.shared().leaving.load(Ordering::Acquire) && !metrics_changed;
         let still_quiet = g.hush.is_quiet() || state_now != ServerState::Leader;
         if !(unchanged && still_quiet) {
             return false;
         }
         // Watched without a gap, as the split rule needs.
         let mut s = g.ext.watch.state();
-        s.majority.observe(majority, Instant::now(), wall_ms(), self.inner.timing.failure_timeout);
+        s.majority.observe(majority, Instant::now(), wall_ms(), self.timing().failure_timeout);
         s.passed = Some((was, majority));
         true
     }
@@ -284,7 +278,7 @@ impl Node {
         senior_voter: Option<NodeId>,
         now: Instant,
     ) {
-        let timing = &self.inner.timing;
+        let timing = &self.timing();
         // Leaderless also while the last master known is out of
         // reach: a senior replica that never received the group's
         // log (it was down when the queue was declared) knows no
@@ -310,7 +304,7 @@ impl Node {
         // A replica still fetching bodies never stands: it cannot
         // serve what it does not have.
         let complete = g.plan.borrow().is_none();
-        let may = complete && !self.inner.is_quiet(q.group);
+        let may = complete && !self.shared().is_quiet(q.group);
         let stand = may && (senior_voter == Some(self.id()) || leaderless_long);
         g.raft.runtime_config().elect(stand);
         // A follower of a master that was alive waits out the
@@ -326,7 +320,7 @@ impl Node {
             let mut s = g.ext.watch.state();
             let l = &mut s.master_lost_since;
             match m.current_leader.filter(|leader| !reach.contains(leader)) {
-                Some(leader) => Some(*l.get_or_insert_with(|| self.inner.peers.died_by(self, leader, now))),
+                Some(leader) => Some(*l.get_or_insert_with(|| self.peers().died_by(&self.0, leader, now))),
                 None => {
                     *l = None;
                     None
@@ -358,7 +352,7 @@ impl Node {
         alive: &BTreeSet<NodeId>,
         without_majority: Duration,
     ) -> bool {
-        let timing = &self.inner.timing;
+        let timing = &self.timing();
         // Every voter out of reach seen dead (its port refuses a dial)
         // is no partition that may heal into a second master: no need
         // to wait (the classic demo serves at once).
@@ -372,7 +366,7 @@ impl Node {
         let all_dead = voters
             .iter()
             .filter(|v| !reach.contains(v))
-            .all(|v| self.inner.peers.gone_for_sure(self, *v, timing.failure_timeout));
+            .all(|v| self.peers().gone_for_sure(&self.0, *v, timing.failure_timeout));
         let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
         without_majority >= wait
             && reformer(&q.replicas, &reform_voters(m.membership_config.membership().get_joint_config(), reach), alive)
@@ -394,18 +388,18 @@ impl Node {
     pub(super) async fn fail_replica(&self, g: Arc<QueueGroup>, why: String, reach: &BTreeSet<NodeId>) {
         let (group, me) = (g.meta.group, self.id());
         // A re-form or a heal holds it: it replaces the replica anyway.
-        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
-        if !self.inner.take_out(&g) {
+        let Some(_busy) = Busy::take(&self.shared().busy, group) else { return };
+        if !self.take_out(&g) {
             return;
         }
-        if self.inner.repeated(group, "core", &why) {
+        if self.repeated(group, "core", &why) {
             tracing::error!(queue = %g.meta.name, error = %why, "the queue replica's Raft core quit: the replica stops, starts again as a follower and stands for no election for a while (told once until it changes)");
         }
-        self.inner.quiet.lock().expect("poisoned").insert(group, Instant::now() + self.inner.timing.election_max * 4);
+        self.shared().quiet.lock().expect("poisoned").insert(group, Instant::now() + self.timing().election_max * 4);
         let m = g.ext.watch.state().metrics.borrow().clone();
         g.stop.cancel();
         g.shut_down().await;
-        if let Err(e) = step_down(self.inner.db.clone(), group, me).await {
+        if let Err(e) = step_down(self.db().clone(), group, me).await {
             tracing::error!(queue = %g.meta.name, error = %e, "cannot step the failed replica down; it may lead again when it starts");
         }
         if m.current_leader != Some(me) {
@@ -414,10 +408,10 @@ impl Node {
         let others: BTreeSet<NodeId> =
             m.membership_config.membership().voter_ids().filter(|v| *v != me && reach.contains(v)).collect();
         let Some(to) = by_seniority(&g.meta, &others).first().copied() else { return };
-        let inner = self.inner.clone();
+        let node = self.clone();
         tokio::spawn(async move {
             let deadline = Instant::now() + Duration::from_secs(2);
-            let _ = inner.ask(to, ask::Elect { group, from: me, leaving: false }, deadline).await;
+            let _ = node.ask(to, ask::Elect { group, from: me, leaving: false }, deadline).await;
         });
     }
 
@@ -444,7 +438,7 @@ impl Node {
         let g = g.clone();
         let node = self.clone();
         tokio::spawn(async move {
-            let stop = node.inner.stop.clone();
+            let stop = node.stopping().clone();
             loop {
                 let Some(at) = g.ext.watch.state().elect_at else { return };
                 let now = Instant::now();
@@ -461,7 +455,7 @@ impl Node {
             // voter slow to see the death (a loaded machine) refuses a few
             // asks, and after the last one openraft's own timer would wait
             // out a whole election timeout more.
-            let until = Instant::now() + node.inner.timing.election_max;
+            let until = Instant::now() + node.timing().election_max;
             let mut ask = 0u32;
             while Instant::now() < until {
                 ask += 1;
@@ -490,7 +484,7 @@ impl Node {
                 }
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(crate::node::liveness::ELECT_RETRY * ask.min(3)) => {}
+                    _ = tokio::time::sleep(ELECT_RETRY * ask.min(3)) => {}
                 }
             }
             g.ext.watch.state().elect_at = None;

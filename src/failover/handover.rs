@@ -8,19 +8,19 @@ use std::time::{Duration, Instant};
 
 use super::ha_of;
 use super::rules::by_seniority;
+use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::QueueMeta;
-use crate::node::{Node, QueueGroup};
 use crate::wire::ask;
 
-impl Node {
+impl<H: Host> Failover<H> {
     /// For each queue this node masters, the most senior mirror that may
     /// take over (`ha-promote-on-shutdown`).
     pub(super) fn successors(&self) -> Vec<(GroupId, NodeId)> {
         let state = self.metadata();
-        let groups: Vec<Arc<QueueGroup>> = self.inner.groups.all();
+        let groups: Vec<Arc<QueueGroup>> = self.replicas().all();
         let by_group: HashMap<GroupId, &QueueMeta> = state.queues.values().map(|q| (q.group, q)).collect();
-        let departed = self.inner.peers.departed();
+        let departed = self.peers().departed();
         let mut out = Vec::new();
         let mut stranded = Vec::new();
         for g in groups {
@@ -62,9 +62,9 @@ impl Node {
 
     /// Graceful stop, before the groups stop: turn elections off here and
     /// pick, for each queue we master, the mirror that should take over.
-    pub(in crate::node) fn prepare_hand_over(&self) -> Vec<(GroupId, NodeId)> {
-        self.inner.leaving.store(true, Ordering::Release);
-        for g in self.inner.groups.read().values() {
+    pub(crate) fn prepare_hand_over(&self) -> Vec<(GroupId, NodeId)> {
+        self.shared().leaving.store(true, Ordering::Release);
+        for g in self.replicas().read().values() {
             g.raft.runtime_config().elect(false);
         }
         self.successors()
@@ -74,15 +74,15 @@ impl Node {
     /// masters stop waiting for this node's replicas (a busy queue would
     /// otherwise hold its confirms for the sync timeout once they stop)
     /// and settle groups without them.
-    pub(in crate::node) async fn announce_departure(&self) {
+    pub(crate) async fn announce_departure(&self) {
         let state = self.metadata();
-        let req = ask::Departing { from: self.id(), incarnation: self.inner.quiescence.incarnation() };
+        let req = ask::Departing { from: self.id(), incarnation: self.quiescence().incarnation() };
         let deadline = Instant::now() + Duration::from_secs(1);
         let peers = state.nodes.keys().copied().filter(|id| *id != self.id());
         let calls = peers.map(|id| {
             let req = req.clone();
             async move {
-                if self.inner.ask(id, req, deadline).await.is_err() {
+                if self.ask(id, req, deadline).await.is_err() {
                     tracing::info!(node = id, "peer not told of this node's stop");
                 }
             }
@@ -94,10 +94,10 @@ impl Node {
     /// now, and to stop waiting for us. The other mirrors still honour the
     /// leader lease of our last heartbeat, so the successor wins within
     /// about one election timeout instead of after failure detection.
-    pub(in crate::node) async fn hand_over(&self, successors: Vec<(GroupId, NodeId)>) {
+    pub(crate) async fn hand_over(&self, successors: Vec<(GroupId, NodeId)>) {
         let calls = successors.into_iter().map(|(group, next)| async move {
             let req = ask::Elect { group, from: self.id(), leaving: true };
-            let asked = self.inner.ask(next, req, Instant::now() + Duration::from_secs(1)).await;
+            let asked = self.ask(next, req, Instant::now() + Duration::from_secs(1)).await;
             match asked {
                 Ok(()) => tracing::info!(group, successor = next, "mastership handed over"),
                 _ => tracing::warn!(group, successor = next, "successor did not answer the handover"),

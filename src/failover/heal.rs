@@ -12,9 +12,9 @@ use super::epoch::{heal_key, load_epoch};
 use super::split::{add_defeated, defeated, left_through_own_forks, own_record, Formed, Undecided, Verdict};
 use super::Busy;
 use crate::error::NodeError;
+use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::QueueMeta;
-use crate::node::{Node, QueueGroup};
 use crate::queue::epoch::{divergence, shared_numbers, Epoch, EpochReport, ForkRecord};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
@@ -49,7 +49,7 @@ pub(super) fn publishes(e: &Entry<QueueTypes>) -> (Origin, Vec<(&Message, bool)>
     (origin, msgs)
 }
 
-impl Node {
+impl<H: Host> Failover<H> {
     /// A peer is in a newer epoch of a group we host. If our group kept its
     /// majority from before that epoch formed, that epoch is a minority's
     /// fork: it yields to us. Otherwise hand back what that epoch lacks,
@@ -59,19 +59,19 @@ impl Node {
         // Undecided a moment ago about this epoch: every message of the
         // fork brings news of it, and asking again at each would hold the
         // group busy (no master move, no graceful hand-over) all along.
-        let lately = |g: &QueueGroup| g.ext.split.undecided_lately(news.epoch, self.inner.timing.failure_timeout);
-        let asked = self.inner.groups.any(group, lately);
+        let lately = |g: &QueueGroup| g.ext.split.undecided_lately(news.epoch, self.timing().failure_timeout);
+        let asked = self.replicas().any(group, lately);
         if asked {
             return;
         }
-        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
-        let Some(g) = self.inner.groups.get(group) else { return };
+        let Some(_busy) = Busy::take(&self.shared().busy, group) else { return };
+        let Some(g) = self.replicas().get(group) else { return };
         if g.epoch >= news.epoch {
             return;
         }
         let q = g.meta.clone();
         let io = |e: StorageError| tracing::error!(queue = %q.name, error = %e, "cannot record a defeated epoch");
-        match defeated(&self.inner.db, group) {
+        match defeated(self.db(), group) {
             // Judged a minority's fork before; unless our own group has
             // since left for newer epochs (a verdict on disk must not hold a
             // master alone in an epoch its mirrors left).
@@ -84,7 +84,7 @@ impl Node {
         let verdict = self.split_verdict(&g, news).await;
         // Asking took a while: the replica may have been removed meanwhile
         // (the queue deleted or moved away), and a verdict must not outlive it.
-        if !self.inner.groups.is_current(&g) {
+        if !self.replicas().is_current(&g) {
             return;
         }
         match verdict {
@@ -92,7 +92,7 @@ impl Node {
             Verdict::Undecided(why) => {
                 g.ext.split.undecided(news.epoch);
                 let what = format!("epoch {} formed by node {}: {why:?}", news.epoch, news.epoch.node);
-                if self.inner.repeated(group, "split-undecided", &what) {
+                if self.repeated(group, "split-undecided", &what) {
                     match why {
                         Undecided::CannotAsk => {
                             tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a newer epoch of the queue exists, but none of its replicas that answer can tell when it formed: this group keeps its majority and goes on serving until one can (told once)")
@@ -105,14 +105,14 @@ impl Node {
                 return;
             }
             Verdict::Keep => {
-                self.inner.told.cleared(group, "split-undecided");
+                self.cleared(group, "split-undecided");
                 tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "a minority re-formed the queue while this group kept its majority: its epoch yields to ours");
-                if let Err(e) = add_defeated(&self.inner.db, group, news.epoch) {
+                if let Err(e) = add_defeated(self.db(), group, news.epoch) {
                     return io(e);
                 }
                 return self.tell_to_yield(&g, news).await;
             }
-            Verdict::Heal => self.inner.told.cleared(group, "split-undecided"),
+            Verdict::Heal => self.cleared(group, "split-undecided"),
         }
         tracing::warn!(queue = %q.name, ours = %g.epoch, theirs = %news.epoch, from = news.from, "replica is in an older epoch: healing");
         self.rejoin(g, news, false).await;
@@ -121,9 +121,9 @@ impl Node {
     /// Our replica is in `defeated`, a minority's fork; the group of
     /// `winner` (whose replica on `from` told us) kept its majority: hand
     /// back to it what it may lack and rejoin it.
-    pub(in crate::node) async fn yield_to(&self, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) {
-        let Some(_busy) = Busy::take(&self.inner.busy, group) else { return };
-        let Some(g) = self.inner.groups.get(group) else { return };
+    pub(crate) async fn yield_to(&self, group: GroupId, defeated: Epoch, winner: Epoch, from: NodeId) {
+        let Some(_busy) = Busy::take(&self.shared().busy, group) else { return };
+        let Some(g) = self.replicas().get(group) else { return };
         if g.epoch != defeated {
             return;
         }
@@ -136,10 +136,10 @@ impl Node {
     /// epoch. `yielding`: the target epoch is the group our fork came
     /// from, whose history is read from its live log (it has no fork
     /// record of its own).
-    pub(in crate::node) async fn rejoin(&self, g: Arc<QueueGroup>, news: EpochNews, yielding: bool) {
+    pub(crate) async fn rejoin(&self, g: Arc<QueueGroup>, news: EpochNews, yielding: bool) {
         let group = news.group;
         let q = g.meta.clone();
-        if !self.inner.take_out(&g) {
+        if !self.take_out(&g) {
             return;
         }
         g.stop.cancel();
@@ -151,7 +151,7 @@ impl Node {
             // The hand-back goes to the newest epoch we hear of; our log is
             // untouched until it is taken, so starting over is safe.
             loop {
-                let fork = left_through_own_forks(&self.inner.db, group, g.epoch, news.epoch).filter(|_| yielding);
+                let fork = left_through_own_forks(self.db(), group, g.epoch, news.epoch).filter(|_| yielding);
                 let batches = match fork {
                     // We formed the fork: what we stored since is ours alone.
                     Some(f) => self.stored_since_fork(group, f).await?,
@@ -187,7 +187,7 @@ impl Node {
                     Some(newer) => news = newer,
                 }
             }
-            let db = &self.inner.db;
+            let db = self.db();
             let io = |e: StorageError| NodeError::Unavailable(e.to_string());
             db.put_node_value(&heal_key(group), &mirrorq_storage::keys::encode(&news.epoch, "healing marker").map_err(io)?)
                 .map_err(io)?;
@@ -197,11 +197,11 @@ impl Node {
         .await;
         match &result {
             Ok(()) => {
-                self.inner.metrics.queue_rejoins.inc();
-                self.inner.told.cleared(group, "rejoin");
+                self.metrics().queue_rejoins.inc();
+                self.cleared(group, "rejoin");
             }
             Err(e) => {
-                if self.inner.repeated(group, "rejoin", &e.to_string()) {
+                if self.repeated(group, "rejoin", &e.to_string()) {
                     tracing::error!(queue = %q.name, error = %e, "rejoining failed; the replica restarts in its own epoch and retries (told once until it changes)");
                 }
             }
@@ -217,7 +217,7 @@ impl Node {
     /// in entries not applied here.
     pub(super) async fn stored_since_fork(&self, group: GroupId, f: Formed) -> Result<Vec<Batch>, NodeError> {
         let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
-        let db = self.inner.db.clone();
+        let db = self.db().clone();
         let space = SmSpace::new(db.clone(), group);
         let mut out = vec![(None, QueueMachine::stored_since(&space, f.next_seq, f.next_order).map_err(|e| io(&e))?)];
         let start = stored_applied(&space).map_err(|e| io(&e))?.map_or(0, |l| l.index + 1);
@@ -237,7 +237,7 @@ impl Node {
     /// already, by their numbers (`queue::epoch::shared_numbers`), from its
     /// fork record and ours.
     fn shared_numbers(&self, g: &QueueGroup, news: EpochNews, record: Option<&ForkRecord>) -> Option<(u64, u64)> {
-        let ours = own_record(&self.inner.db, g.meta.group, g.epoch).ok().flatten();
+        let ours = own_record(self.db(), g.meta.group, g.epoch).ok().flatten();
         // The hand-back goes to `news.epoch`: a record of another epoch (a
         // newer one that a replica answered from) tells nothing of what
         // that one holds.
@@ -248,7 +248,7 @@ impl Node {
 
     /// Whom to ask about the newer epoch of `news`, in order: the node that
     /// told us, the epoch's former, then the queue's other replicas.
-    pub(in crate::node) fn asked_about(&self, q: &QueueMeta, news: EpochNews) -> Vec<NodeId> {
+    pub(crate) fn asked_about(&self, q: &QueueMeta, news: EpochNews) -> Vec<NodeId> {
         let mut peers: Vec<NodeId> = Vec::new();
         for p in [news.from, news.epoch.node].into_iter().chain(q.replicas.iter().copied()) {
             if p != self.id() && !peers.contains(&p) {
@@ -264,7 +264,7 @@ impl Node {
         let q = self.metadata().queues.values().find(|q| q.group == group).cloned()?;
         for peer in self.asked_about(&q, news) {
             let limit = Instant::now() + Duration::from_secs(5);
-            if let Ok(Some(rec)) = self.inner.ask(peer, ask::History { group }, limit).await {
+            if let Ok(Some(rec)) = self.ask(peer, ask::History { group }, limit).await {
                 if rec.epoch == news.epoch {
                     return Some(rec);
                 }
@@ -292,10 +292,9 @@ impl Node {
 
     /// What each of `peers`' replica of `group` tells of its epoch, asked
     /// all at once; those that do not answer in a second are left out.
-    pub(in crate::node) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<(NodeId, EpochReport)> {
+    pub(crate) async fn ask_forks(&self, group: GroupId, peers: &[NodeId]) -> Vec<(NodeId, EpochReport)> {
         let limit = Instant::now() + Duration::from_secs(1);
-        let answers =
-            futures::future::join_all(peers.iter().map(|p| self.inner.ask(*p, ask::Fork { group }, limit))).await;
+        let answers = futures::future::join_all(peers.iter().map(|p| self.ask(*p, ask::Fork { group }, limit))).await;
         peers.iter().zip(answers).filter_map(|(p, a)| a.ok().flatten().map(|r| (*p, r))).collect()
     }
 
@@ -313,7 +312,7 @@ impl Node {
         inherited: Option<(u64, u64)>,
     ) -> Result<Vec<Batch>, NodeError> {
         let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
-        let db = self.inner.db.clone();
+        let db = self.db().clone();
         let space = SmSpace::new(db.clone(), group);
         let mut log = LogStore::new(db, group);
         let log_state = log.get_log_state().await.map_err(|e| io(&e))?;
@@ -408,7 +407,7 @@ impl Node {
         news: EpochNews,
         batches: Vec<Batch>,
     ) -> Result<Option<EpochNews>, NodeError> {
-        let deadline = Instant::now() + self.inner.timing.op_timeout * 4;
+        let deadline = Instant::now() + self.timing().op_timeout * 4;
         let mut candidates = self.asked_about(q, news);
         if candidates.is_empty() {
             candidates.push(news.from);
@@ -425,7 +424,7 @@ impl Node {
             }
             loop {
                 let req = ask::Handback { group: q.group, epoch: news.epoch, batches: chunk.clone() };
-                match self.inner.ask(target, req, Instant::now() + Duration::from_secs(10)).await {
+                match self.ask(target, req, Instant::now() + Duration::from_secs(10)).await {
                     Ok(Handed::Answered(Ok(_))) => break,
                     Ok(Handed::NewerEpoch(epoch)) if epoch > news.epoch => {
                         return Ok(Some(EpochNews { group: q.group, epoch, from: target }));
