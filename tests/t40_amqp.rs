@@ -2152,15 +2152,13 @@ async fn direct_reply_to_answers_a_request_across_nodes() {
         ch.basic_consume(s(pseudo), s(""), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap_err();
     assert_amqp_error(&err, "406", "PRECONDITION_FAILED");
     let ch = client.create_channel().await.unwrap();
-    let refused = ch.basic_publish(s(""), s("rpc"), BasicPublishOptions::default(), b"early", props()).await;
-    if refused.is_ok() {
-        // The close comes after the publish was written.
-        let err = ch.queue_declare(
-            s("rpc"),
-            QueueDeclareOptions { passive: true, ..Default::default() },
-            FieldTable::default(),
-        );
-        assert_amqp_error(&err.await.unwrap_err(), "406", "PRECONDITION_FAILED");
+    // In confirm mode the publish's confirm carries the channel's close,
+    // whenever it arrives (a later call could find the channel already
+    // closing and say only that).
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    match ch.basic_publish(s(""), s("rpc"), BasicPublishOptions::default(), b"early", props()).await {
+        Ok(confirm) => assert_amqp_error(&confirm.await.unwrap_err(), "406", "PRECONDITION_FAILED"),
+        Err(err) => assert_amqp_error(&err, "406", "PRECONDITION_FAILED"),
     }
 
     let ch = client.create_channel().await.unwrap();

@@ -189,6 +189,28 @@ impl WalError {
     }
 }
 
+/// The segments in `dir` by id, oldest first, each with whether it is of
+/// this format (salted) or the previous one; and the spare files' ids.
+fn list_files(dir: &Path) -> std::io::Result<(Vec<(u64, bool)>, Vec<u64>)> {
+    let mut ids = Vec::new();
+    let mut spare_ids = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let name = e?.file_name();
+        let name = name.to_string_lossy();
+        let Some((hex, ext)) = name.split_once('.') else { continue };
+        let Ok(id) = u64::from_str_radix(hex, 16) else { continue };
+        match ext {
+            "wal" => ids.push((id, true)),
+            "log" => ids.push((id, false)),
+            "spare" => spare_ids.push(id),
+            _ => {}
+        }
+    }
+    ids.sort_unstable();
+    spare_ids.sort_unstable();
+    Ok((ids, spare_ids))
+}
+
 #[cfg(test)]
 thread_local! {
     /// Tests: the next this many segment files made on this thread fail
@@ -727,22 +749,7 @@ impl Wal {
         // Its name first: a segment synced in a dir whose own entry is not
         // is lost all the same.
         crate::fsync::create_dir_durably(dir).map_err(io_err(dir))?;
-        // (id, salted: this format or the previous one)
-        let mut ids = Vec::new();
-        let mut spare_ids = Vec::new();
-        for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
-            let name = e.map_err(io_err(dir))?.file_name();
-            let name = name.to_string_lossy();
-            let Some((hex, ext)) = name.split_once('.') else { continue };
-            let Ok(id) = u64::from_str_radix(hex, 16) else { continue };
-            match ext {
-                "wal" => ids.push((id, true)),
-                "log" => ids.push((id, false)),
-                "spare" => spare_ids.push(id),
-                _ => {}
-            }
-        }
-        ids.sort_unstable();
+        let (ids, spare_ids) = list_files(dir).map_err(io_err(dir))?;
         let mut inner = Inner {
             segments: BTreeMap::new(),
             active: 0,
@@ -821,7 +828,6 @@ impl Wal {
                 });
             }
         }
-        spare_ids.sort_unstable();
         for id in spare_ids {
             let path = spare_path(dir, id);
             if inner.spares.len() < MAX_SPARES {

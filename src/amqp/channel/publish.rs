@@ -175,24 +175,7 @@ impl Channel {
             body: p.body,
         };
         if queues.is_empty() {
-            if p.publish.mandatory {
-                let ret = basic::AMQPMethod::Return(basic::Return {
-                    reply_code: NO_ROUTE,
-                    reply_text: ss("NO_ROUTE"),
-                    exchange: ss(&exchange),
-                    routing_key: ss(&routing_key),
-                });
-                self.out.content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max).await;
-            }
-            if let Some(seq) = seq {
-                // After the return, in order with the other confirms.
-                self.node.metrics().confirmed.inc();
-                self.confirm_when(confirms::Pending {
-                    first: seq,
-                    count: 1,
-                    stored: futures::future::ready(1).boxed(),
-                });
-            }
+            self.publish_unroutable(msg, p.publish.mandatory, seq).await;
             return Ok(());
         }
         if let Some(tx) = self.tx.as_mut() {
@@ -202,31 +185,77 @@ impl Channel {
             return Ok(());
         }
         if batched {
-            let permit = match self.in_flight.clone().try_acquire_owned() {
-                Ok(p) => p,
-                Err(_) => {
-                    // The batch's own permits may be what is missing.
-                    self.flush_publishes().await;
-                    self.in_flight.clone().acquire_owned().await.expect("semaphore never closed")
-                }
-            };
-            let bytes = msg.body.len() + msg.properties.len();
-            match self.batch.as_mut() {
-                Some(b) => {
-                    b.msgs.push(msg);
-                    b.ttls.push(ttl);
-                    b.bytes += bytes;
-                    b.permits.merge(permit);
-                }
-                None => {
-                    let queue = queues.into_iter().next().expect("one queue");
-                    let (msgs, ttls) = (vec![msg], vec![ttl]);
-                    self.batch =
-                        Some(PublishBatch { queue, msgs, ttls, bytes, first_seq: seq, received, permits: permit });
-                }
-            }
+            let queue = queues.into_iter().next().expect("one queue");
+            self.add_to_batch(queue, msg, ttl, seq, received).await;
             return Ok(());
         }
+        self.publish_to_queues(queues, msg, ttl, seq, received).await;
+        Ok(())
+    }
+
+    /// A message no queue takes: returned if `mandatory`, confirmed (after
+    /// the return) in confirm mode.
+    async fn publish_unroutable(&mut self, msg: Message, mandatory: bool, seq: Option<u64>) {
+        if mandatory {
+            let ret = basic::AMQPMethod::Return(basic::Return {
+                reply_code: NO_ROUTE,
+                reply_text: ss("NO_ROUTE"),
+                exchange: ss(&msg.exchange),
+                routing_key: ss(&msg.routing_key),
+            });
+            self.out.content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max).await;
+        }
+        if let Some(seq) = seq {
+            // After the return, in order with the other confirms.
+            self.node.metrics().confirmed.inc();
+            self.confirm_when(confirms::Pending { first: seq, count: 1, stored: futures::future::ready(1).boxed() });
+        }
+    }
+
+    /// A message for one queue outside a transaction joins the channel's
+    /// batch (see [`PublishBatch`]).
+    async fn add_to_batch(
+        &mut self,
+        queue: String,
+        msg: Message,
+        ttl: Option<u64>,
+        seq: Option<u64>,
+        received: Instant,
+    ) {
+        let permit = match self.in_flight.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                // The batch's own permits may be what is missing.
+                self.flush_publishes().await;
+                self.in_flight.clone().acquire_owned().await.expect("semaphore never closed")
+            }
+        };
+        let bytes = msg.body.len() + msg.properties.len();
+        match self.batch.as_mut() {
+            Some(b) => {
+                b.msgs.push(msg);
+                b.ttls.push(ttl);
+                b.bytes += bytes;
+                b.permits.merge(permit);
+            }
+            None => {
+                let (msgs, ttls) = (vec![msg], vec![ttl]);
+                self.batch = Some(PublishBatch { queue, msgs, ttls, bytes, first_seq: seq, received, permits: permit });
+            }
+        }
+    }
+
+    /// A message for several queues (or one, unbatched): each queue's
+    /// publish starts here in channel order; it is confirmed once every
+    /// queue has it.
+    async fn publish_to_queues(
+        &mut self,
+        queues: Vec<String>,
+        msg: Message,
+        ttl: Option<u64>,
+        seq: Option<u64>,
+        received: Instant,
+    ) {
         let permit = self.in_flight.clone().acquire_owned().await.expect("semaphore never closed");
         // Start each queue's publish here, in channel order; wait elsewhere.
         let mut waits = Vec::with_capacity(queues.len());
@@ -256,7 +285,6 @@ impl Channel {
             }
         };
         self.confirm_or_spawn(seq, 1, done);
-        Ok(())
     }
 
     /// Send the batched publishes (see [`PublishBatch`]) to their queue.
