@@ -189,9 +189,15 @@ impl WalError {
     }
 }
 
-/// The segments in `dir` by id, oldest first, each with whether it is of
-/// this format (salted) or the previous one; and the spare files' ids.
-fn list_files(dir: &Path) -> std::io::Result<(Vec<(u64, bool)>, Vec<u64>)> {
+/// The files of a log's dir, each kind by id, oldest first.
+struct Listing {
+    /// Segments, each with whether it is of this format (salted) or the
+    /// previous one.
+    segments: Vec<(u64, bool)>,
+    spares: Vec<u64>,
+}
+
+fn list_files(dir: &Path) -> std::io::Result<Listing> {
     let mut ids = Vec::new();
     let mut spare_ids = Vec::new();
     for e in std::fs::read_dir(dir)? {
@@ -208,7 +214,7 @@ fn list_files(dir: &Path) -> std::io::Result<(Vec<(u64, bool)>, Vec<u64>)> {
     }
     ids.sort_unstable();
     spare_ids.sort_unstable();
-    Ok((ids, spare_ids))
+    Ok(Listing { segments: ids, spares: spare_ids })
 }
 
 #[cfg(test)]
@@ -749,7 +755,7 @@ impl Wal {
         // Its name first: a segment synced in a dir whose own entry is not
         // is lost all the same.
         crate::fsync::create_dir_durably(dir).map_err(io_err(dir))?;
-        let (ids, spare_ids) = list_files(dir).map_err(io_err(dir))?;
+        let Listing { segments: ids, spares: spare_ids } = list_files(dir).map_err(io_err(dir))?;
         let mut inner = Inner {
             segments: BTreeMap::new(),
             active: 0,
