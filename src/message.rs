@@ -42,6 +42,18 @@ pub fn decode_properties(bytes: &[u8]) -> AMQPProperties {
     parse_properties(bytes).map(|(_, p)| p).unwrap_or_default()
 }
 
+/// `properties` (as stored) with the header `name` set to `value`; bytes
+/// that are not a property list are left as they are.
+pub fn with_long_header(properties: &[u8], name: &str, value: i64) -> Vec<u8> {
+    if !valid_properties(properties) {
+        return properties.to_vec();
+    }
+    let props = decode_properties(properties);
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(name.into(), AMQPValue::LongLongInt(value));
+    encode_properties(&props.with_headers(headers))
+}
+
 /// A stored message's `priority` property (0 without one).
 pub fn priority(properties: &[u8]) -> u8 {
     decode_properties(properties).priority().unwrap_or(0)

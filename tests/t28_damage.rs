@@ -242,7 +242,7 @@ async fn a_data_dir_of_an_earlier_format_is_refused_not_read_nor_set_aside() {
         db.remove_node_value("format").unwrap();
     })
     .await;
-    assert!(err.contains("format 1 (unmarked)") && err.contains("reads format 3"), "unclear refusal: {err}");
+    assert!(err.contains("format 1 (unmarked)") && err.contains("reads format 4"), "unclear refusal: {err}");
 }
 
 /// Node 1 of a cluster, crashed, its dir changed by `change`, started

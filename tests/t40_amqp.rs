@@ -2202,5 +2202,102 @@ async fn direct_reply_to_answers_a_request_across_nodes() {
             assert_eq!(returned.map(|m| m.delivery.data), Some(b"late".to_vec()), "returned: its consumer is gone");
         }
     }
+    // The reply consumer's tag is taken on its channel, as any consumer's.
+    let other = c.connect(2).await;
+    let och = other.create_channel().await.unwrap();
+    let no_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
+    let _reply = och.basic_consume(s(pseudo), s("taken"), no_ack, FieldTable::default()).await.unwrap();
+    let err = och
+        .basic_consume(s("rpc"), s("taken"), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap_err();
+    assert_amqp_error(&err, "530", "NOT_ALLOWED");
+    c.cluster.shutdown().await;
+}
+
+/// RabbitMQ's poison-message handling on a mirrored queue, used through a
+/// node that is not its master: every return (a nack with requeue, a
+/// channel closed with the message unacked) counts, the next delivery
+/// carries the count in `x-delivery-count`, and a message returned more
+/// than `x-delivery-limit` times goes to the dead-letter exchange with
+/// reason `delivery_limit`. A quorum queue has RabbitMQ 4's limit of 20
+/// without asking, and drops the message past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_returned_past_its_delivery_limit_is_dead_lettered() {
+    init_tracing();
+    let c = AmqpCluster::start().await;
+    c.cluster.node(1).set_policy(common::policy("^poison", r#"{"ha-mode":"all"}"#)).await.unwrap();
+    let conn1 = c.connect(1).await;
+    let ch1 = conn1.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch1.queue_declare(s("poison.dead"), durable, FieldTable::default()).await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(s("x-delivery-limit"), AMQPValue::LongInt(2));
+    args.insert(s("x-dead-letter-exchange"), AMQPValue::LongString("".into()));
+    args.insert(s("x-dead-letter-routing-key"), AMQPValue::LongString("poison.dead".into()));
+    ch1.queue_declare(s("poison.q"), durable, args).await.unwrap();
+    let master = c.cluster.node(1).queue_info("poison.q").unwrap().leader.unwrap();
+    let other = (1..=3).find(|n| *n != master).unwrap();
+    let conn = c.connect(other).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_publish(s(""), s("poison.q"), BasicPublishOptions::default(), b"bad", BasicProperties::default())
+        .await
+        .unwrap();
+    let count = |d: &lapin::message::Delivery| {
+        d.properties.headers().as_ref().and_then(|h| h.inner().get("x-delivery-count").cloned())
+    };
+    let get = |ch: lapin::Channel| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(m) = ch.basic_get(s("poison.q"), BasicGetOptions { no_ack: false }).await.unwrap() {
+                return m.delivery;
+            }
+            assert!(std::time::Instant::now() < deadline, "the message never came back");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let first = get(ch.clone()).await;
+    assert_eq!(count(&first), None, "never returned yet");
+    ch.basic_nack(first.delivery_tag, BasicNackOptions { requeue: true, ..Default::default() }).await.unwrap();
+    let second = get(ch.clone()).await;
+    assert!(second.redelivered);
+    assert_eq!(count(&second), Some(AMQPValue::LongLongInt(1)));
+    // A channel that closes with it unacked returns it too.
+    let holder = conn.create_channel().await.unwrap();
+    ch.basic_nack(second.delivery_tag, BasicNackOptions { requeue: true, ..Default::default() }).await.unwrap();
+    let third = get(holder.clone()).await;
+    assert_eq!(count(&third), Some(AMQPValue::LongLongInt(2)));
+    holder.close(200, "bye".into()).await.unwrap();
+    wait_ready(&c, "poison.dead", 1).await;
+    wait_ready(&c, "poison.q", 0).await;
+    let dead = ch.basic_get(s("poison.dead"), BasicGetOptions { no_ack: true }).await.unwrap().expect("dead letter");
+    assert_eq!(dead.delivery.data, b"bad");
+    let d = x_death(&dead.delivery.properties);
+    assert_eq!(text(&d[0], "reason"), "delivery_limit");
+    assert_eq!(text(&d[0], "queue"), "poison.q");
+
+    // A quorum queue: 20 returns, then the message is dropped (no
+    // dead-letter exchange).
+    let mut qargs = FieldTable::default();
+    qargs.insert(s("x-queue-type"), AMQPValue::LongString("quorum".into()));
+    ch1.queue_declare(s("poison.quorum"), durable, qargs).await.unwrap();
+    ch.basic_publish(s(""), s("poison.quorum"), BasicPublishOptions::default(), b"q", BasicProperties::default())
+        .await
+        .unwrap();
+    let mut last = None;
+    for round in 0..=20 {
+        let m = loop {
+            if let Some(m) = ch.basic_get(s("poison.quorum"), BasicGetOptions { no_ack: false }).await.unwrap() {
+                break m.delivery;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let expected = (round > 0).then_some(AMQPValue::LongLongInt(round));
+        assert_eq!(count(&m), expected, "delivery {round}");
+        last = count(&m);
+        ch.basic_nack(m.delivery_tag, BasicNackOptions { requeue: true, ..Default::default() }).await.unwrap();
+    }
+    assert_eq!(last, Some(AMQPValue::LongLongInt(20)));
+    wait_ready(&c, "poison.quorum", 0).await;
     c.cluster.shutdown().await;
 }

@@ -108,6 +108,7 @@ const KNOWN_KEYS: &[&str] = &[
     "queue-mode",
     "alternate-exchange",
     "consumer-timeout",
+    "delivery-limit",
 ];
 
 /// `parse_definition`, remembered per definition text: failover passes ask
@@ -199,6 +200,11 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
             if v.as_i64().is_none_or(|n| n < 0) {
                 return Err(format!("{k} must be a non-negative integer"));
             }
+        }
+    }
+    if let Some(v) = obj.get("delivery-limit") {
+        if v.as_i64().is_none_or(|n| n < -1) {
+            return Err("delivery-limit must be a non-negative integer, or -1 for none".into());
         }
     }
     match str_of("overflow")? {

@@ -23,6 +23,8 @@ pub const QUEUE_TYPE_CLASSIC: &str = "classic";
 pub const QUEUE_TYPE_QUORUM: &str = "quorum";
 /// RabbitMQ's default replica count of a quorum queue.
 const QUORUM_DEFAULT_SIZE: usize = 3;
+/// RabbitMQ 4's `delivery-limit` for a quorum queue that sets none.
+pub const QUORUM_DELIVERY_LIMIT: u32 = 20;
 
 /// Arguments we know but do not implement: refused at declare rather than
 /// silently ignored, so nobody relies on a limit that is not enforced.
@@ -117,6 +119,14 @@ impl QueueArgs {
                 // `quorum_size`.
                 "x-consumer-timeout" | "x-quorum-initial-group-size" => {
                     positive()?;
+                    out.others.insert(k.clone(), v.clone());
+                }
+                // Kept with the others; read by `delivery_limit`. -1 lifts a
+                // quorum queue's default, as in RabbitMQ 4.
+                "x-delivery-limit" => {
+                    if !matches!(v, ArgValue::Int(-1)) {
+                        non_negative()?;
+                    }
                     out.others.insert(k.clone(), v.clone());
                 }
                 k if UNSUPPORTED.contains(&k) => return Err(format!("argument '{k}' is not supported by mirrorq")),
@@ -219,6 +229,31 @@ impl QueueArgs {
             (a, p) => a.or(p)?,
         };
         Some(std::time::Duration::from_millis(ms))
+    }
+
+    /// How many times a message of this queue may be returned (requeued)
+    /// before it is dead-lettered, or dropped: its `x-delivery-limit` or
+    /// the `delivery-limit` of its policy `definition` (already validated),
+    /// the lower of the two; for a quorum queue that sets neither,
+    /// RabbitMQ 4's default [`QUORUM_DELIVERY_LIMIT`]. -1 lifts the
+    /// default; `None`: no limit.
+    pub fn delivery_limit(&self, definition: Option<&str>) -> Option<u32> {
+        let arg = match self.others.get("x-delivery-limit") {
+            Some(ArgValue::Int(n)) => Some(*n),
+            _ => None,
+        };
+        let policy = definition
+            .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+            .and_then(|d| d.get("delivery-limit").and_then(|v| v.as_i64()));
+        let set = |v: Option<i64>| v.filter(|n| *n >= 0);
+        let lifted = arg == Some(-1) || policy == Some(-1);
+        let n = match (set(arg), set(policy)) {
+            (Some(a), Some(p)) => a.min(p),
+            (Some(n), None) | (None, Some(n)) => n,
+            (None, None) if self.is_quorum() && !lifted => return Some(QUORUM_DELIVERY_LIMIT),
+            (None, None) => return None,
+        };
+        Some(u32::try_from(n).unwrap_or(u32::MAX))
     }
 
     /// What a queue of this type may not be (RabbitMQ refuses a quorum
@@ -414,6 +449,26 @@ mod tests {
         let named_classic = QueueArgs::parse(&args(&[("x-queue-type", ArgValue::Str("classic".into()))])).unwrap();
         assert_eq!(named_classic.inequivalent(&quorum), Some("x-queue-type"));
         assert_eq!(named_classic.inequivalent(&classic), None);
+    }
+
+    #[test]
+    fn a_delivery_limit_comes_from_the_argument_or_the_policy_and_a_quorum_queue_has_one() {
+        let none = QueueArgs::parse(&args(&[])).unwrap();
+        assert_eq!(none.delivery_limit(None), None, "a classic queue has none of its own");
+        assert_eq!(none.delivery_limit(Some(r#"{"delivery-limit":5}"#)), Some(5));
+        let arg = QueueArgs::parse(&args(&[("x-delivery-limit", ArgValue::Int(3))])).unwrap();
+        assert_eq!(arg.delivery_limit(Some(r#"{"delivery-limit":5}"#)), Some(3), "the lower wins");
+        let quorum = QueueArgs::parse(&args(&[("x-queue-type", ArgValue::Str("quorum".into()))])).unwrap();
+        assert_eq!(quorum.delivery_limit(None), Some(QUORUM_DELIVERY_LIMIT));
+        assert_eq!(quorum.delivery_limit(Some(r#"{"delivery-limit":-1}"#)), None, "-1 lifts the default");
+        let lifted = QueueArgs::parse(&args(&[
+            ("x-queue-type", ArgValue::Str("quorum".into())),
+            ("x-delivery-limit", ArgValue::Int(-1)),
+        ]))
+        .unwrap();
+        assert_eq!(lifted.delivery_limit(None), None);
+        assert!(QueueArgs::parse(&args(&[("x-delivery-limit", ArgValue::Int(-2))])).is_err());
+        assert!(QueueArgs::parse(&args(&[("x-delivery-limit", ArgValue::Str("3".into()))])).is_err());
     }
 
     #[test]

@@ -214,7 +214,7 @@ const NODE_ID_KEY: &str = "node_id";
 /// What a data dir holds is in this format (log entries, state machines):
 /// a dir written in another is refused, never read as this one, whose
 /// decoding could take an entry of one format for a command of the other.
-const FORMAT: u32 = 3;
+const FORMAT: u32 = 4;
 const FORMAT_KEY: &str = "format";
 const INCARNATION_KEY: &str = "incarnation";
 /// `Inner::founding_floor` of a data dir that started empty: empty while

@@ -15,6 +15,7 @@ pub mod catchup;
 pub mod confirm_gate;
 pub mod epoch;
 pub mod hush;
+mod keys;
 pub mod proposer;
 pub mod ranking;
 pub mod replica;

@@ -332,7 +332,11 @@ impl Proposing {
             Ok(rx) => {
                 let sync = self.sync.clone();
                 let min = (needs_confirm, self.min_sync.load(Ordering::Relaxed), self.min_sync_wait);
-                let dead = stamped.then(|| (self.dead_letters)());
+                // A slot for the dead letters only where the entry can
+                // make some: the queue's republishing task starts with its
+                // first slot, and a queue stamped only for its limits
+                // (a quorum queue's delivery limit) never needs one.
+                let dead = stamped.then(|| limits.dead_letter.then(|| (self.dead_letters)()));
                 tokio::spawn(finish(rx, sync, waiters, min, dead, permit));
             }
             // The group stopped (its mastership moved, or the node
@@ -442,7 +446,7 @@ async fn finish(
     mut sync: watch::Receiver<SyncState>,
     waiters: Waiters,
     (needs_confirm, min_sync, wait): (bool, usize, Duration),
-    dead_letters: Option<DeadLetterSlot>,
+    dead_letters: Option<Option<DeadLetterSlot>>,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let result = match rx.await {
@@ -493,7 +497,7 @@ async fn finish(
             let mut it = replies.into_iter();
             if let Some(slot) = dead_letters {
                 // The entry's stamp: its reply is the master's, not a caller's.
-                if let Some(QueueReply::DeadLetters { msgs }) = it.next() {
+                if let (Some(QueueReply::DeadLetters { msgs }), Some(slot)) = (it.next(), slot) {
                     if !msgs.is_empty() {
                         let _ = slot.send(msgs);
                     }

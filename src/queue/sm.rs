@@ -1,26 +1,7 @@
 //! The queue state machine on disk: [`QueueState`] plus message bodies and
 //! states in the group's key space.
 //!
-//! Keys (group-relative):
-//! - `c`            counters (next seq, tag, order of tracked seqs)
-//! - `s` + seq(8)   [`MsgState`] of a requeued message (or of one restored
-//!   from a snapshot); scanned at start with the runs to rebuild the index
-//!   (never-delivered messages are a range given by the counters, so a deep
-//!   queue restarts without reading it)
-//! - `u` + tag(8)   a run of messages delivered together, keyed by its first
-//!   tag ([`super::runs`])
-//! - `R` + seq(8)   where in the log the bodies from seq on are (an entry
-//!   applied since the last snapshot; [`super::bodies`])
-//! - `B` + seq(8)   a chunk of message bodies from seq on ([`super::bodies`]),
-//!   copied out of the log before a snapshot, or fetched; removed once
-//!   none of its messages is held
-//! - `h` + origin(24) an old-epoch entry whose messages were handed back
-//! - `e`            the [`ForkRecord`] of the group's current epoch, if re-formed
-//! - `y`            the catch-up [`Plan`]: bodies this replica still lacks
-//!   after installing a snapshot (absent once it has them all)
-//! - `x` + seq(8)   deadline (ms) of a message published with a TTL of its own
-//! - `t` + seq(8)   publish time (ms, master's clock) of the run of messages
-//!   starting at seq; only for queues with a TTL
+//! Its keys in the group's space are laid out in `keys.rs`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
@@ -33,14 +14,14 @@ use mirrorq_storage::{keys, Batch, SmSpace, StorageError};
 use super::bodies::{self, Chunk, ChunkWriter, LogRef};
 use super::catchup::{missing_ranges, Plan};
 use super::epoch::ForkRecord;
+use super::keys::{
+    consumer_key, counts_of_returns, deadline_key, handed_key, handed_origin, returns_key, state_key, stored_consumers,
+    stored_times, time_key, Registered, COUNTERS, FORK, PLAN,
+};
 use super::runs::Runs;
 use super::state::{Change, Counters, QueueState, HANDBACK_SEQ, ORDER_PART};
-use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply, Registration};
+use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
 use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
-
-const COUNTERS: &[u8] = b"c";
-const FORK: &[u8] = b"e";
-const PLAN: &[u8] = b"y";
 
 /// Bytes of bodies a queue leaves in the log at most; past it, the oldest
 /// are copied into chunks as entries are applied. 64 MiB made 4 KiB x 1000
@@ -72,73 +53,6 @@ fn in_log_allowed(since_snapshot: u64) -> u64 {
     let half = SNAPSHOT_EVERY / 2;
     let left = (SNAPSHOT_EVERY - since_snapshot).min(half);
     (MAX_IN_LOG_BYTES / half * left).max(SNAPSHOT_COPY_BYTES)
-}
-
-fn state_key(seq: u64) -> [u8; 9] {
-    let mut k = [b's'; 9];
-    k[1..].copy_from_slice(&seq.to_be_bytes());
-    k
-}
-
-fn handed_key((term, node, index): Origin) -> [u8; 25] {
-    let mut k = [b'h'; 25];
-    k[1..9].copy_from_slice(&term.to_be_bytes());
-    k[9..17].copy_from_slice(&node.to_be_bytes());
-    k[17..].copy_from_slice(&index.to_be_bytes());
-    k
-}
-
-fn handed_origin(k: &[u8]) -> Origin {
-    let n = |r: std::ops::Range<usize>| u64::from_be_bytes(k[r].try_into().expect("handed key is 25 bytes"));
-    (n(1..9), n(9..17), n(17..25))
-}
-
-fn time_key(seq: u64) -> [u8; 9] {
-    let mut k = [b't'; 9];
-    k[1..].copy_from_slice(&seq.to_be_bytes());
-    k
-}
-
-/// A registered consumer: its channel owner and number.
-fn consumer_key(owner: u64, number: u64) -> [u8; 17] {
-    let mut k = [b'k'; 17];
-    k[1..9].copy_from_slice(&owner.to_be_bytes());
-    k[9..].copy_from_slice(&number.to_be_bytes());
-    k
-}
-
-/// A consumer registration as stored: (channel owner, number) and what it registered.
-type Registered = ((u64, u64), Registration);
-
-fn stored_consumers(space: &SmSpace) -> Result<Vec<Registered>, StorageError> {
-    let mut out = Vec::new();
-    for kv in space.scan(b"k") {
-        let (k, v) = kv?;
-        let n = |r: std::ops::Range<usize>| u64::from_be_bytes(k[r].try_into().expect("consumer key is 17 bytes"));
-        out.push(((n(1..9), n(9..17)), keys::decode::<Registration>(&v, "consumer registration")?));
-    }
-    Ok(out)
-}
-
-fn deadline_key(seq: u64) -> [u8; 9] {
-    let mut k = [b'x'; 9];
-    k[1..].copy_from_slice(&seq.to_be_bytes());
-    k
-}
-
-/// `seq -> ms` pairs stored under `prefix` (publish times, deadlines).
-fn stored_times(space: &SmSpace, prefix: &[u8]) -> Result<Vec<(u64, u64)>, StorageError> {
-    let mut out = Vec::new();
-    for kv in space.scan(prefix) {
-        let (k, v) = kv?;
-        let seq = u64::from_be_bytes(k[1..9].try_into().expect("time key is 9 bytes"));
-        let at = u64::from_be_bytes(v.as_ref().try_into().map_err(|_| StorageError::Decode {
-            what: "publish time",
-            source: bincode::error::DecodeError::Other("publish time is not 8 bytes"),
-        })?);
-        out.push((seq, at));
-    }
-    Ok(out)
 }
 
 /// Message bodies by seq, encoded as stored.
@@ -525,6 +439,10 @@ impl QueueMachine {
                     batch.insert(space.key(&deadline_key(seq)), &at_ms.to_be_bytes()[..])
                 }
                 Change::Undeadline { seq } => batch.remove(space.key(&deadline_key(seq))),
+                Change::Returned { seq, count } => {
+                    batch.insert(space.key(&returns_key(seq)), &u64::from(count).to_be_bytes()[..])
+                }
+                Change::Unreturned { seq } => batch.remove(space.key(&returns_key(seq))),
                 Change::Registered { owner, number, registration } => {
                     let v = keys::encode(&registration, "consumer registration")?;
                     batch.insert(space.key(&consumer_key(owner, number)), v);
@@ -560,11 +478,19 @@ impl QueueMachine {
                     self.tracked.remove(&seq);
                     entry.removed.push(seq);
                 }
-                Change::Deliver { seq, tag, redelivered } => {
+                Change::Deliver { seq, tag, redelivered, returns } => {
                     let message = match entry.fresh.get(&seq) {
                         Some(m) => Some((*m).clone()),
                         None => self.read_body(space, seq)?,
                     };
+                    // RabbitMQ's count of earlier deliveries that came back.
+                    let message = message.map(|mut m| {
+                        if returns > 0 {
+                            m.properties =
+                                crate::message::with_long_header(&m.properties, "x-delivery-count", i64::from(returns));
+                        }
+                        m
+                    });
                     if let (Some(message), QueueReply::Got { msgs, .. }) = (message, &mut *reply) {
                         msgs.push(Delivery { tag, redelivered, message });
                     }
@@ -721,6 +647,7 @@ struct Dump {
     times: Vec<(u64, u64)>,
     deadlines: Vec<(u64, u64)>,
     consumers: Vec<Registered>,
+    returns: Vec<(u64, u32)>,
 }
 
 impl Machine for QueueMachine {
@@ -743,6 +670,7 @@ impl Machine for QueueMachine {
             .with_handed(handed)
             .with_times(stored_times(space, b"t")?)
             .with_deadlines(stored_times(space, b"x")?)
+            .with_returns(counts_of_returns(space)?)
             .with_consumers(stored_consumers(space)?);
         let (stats, _) = watch::channel(QueueStats::of(&state));
         let plan = space.get(PLAN)?.map(|b| keys::decode::<Plan>(&b, "catch-up plan")).transpose()?;
@@ -829,7 +757,8 @@ impl Machine for QueueMachine {
         let states = self.state.states();
         let consumers = self.state.consumers().iter().map(|(k, r)| (*k, *r)).collect();
         let counters = self.state.counters().clone();
-        let dump = Dump { counters, states, fork, handed, times, deadlines, consumers };
+        let returns = self.state.returns().iter().map(|(k, v)| (*k, *v)).collect();
+        let dump = Dump { counters, states, fork, handed, times, deadlines, consumers, returns };
         keys::encode(&dump, "queue dump")
     }
 
@@ -842,6 +771,7 @@ impl Machine for QueueMachine {
             .with_handed(d.handed.clone())
             .with_times(d.times.iter().copied())
             .with_deadlines(d.deadlines.iter().copied())
+            .with_returns(d.returns.iter().copied())
             .with_consumers(d.consumers.iter().copied());
         let tracked = state.tracked_seqs();
         let fresh = d.counters.ready_head..d.counters.next_seq;
@@ -851,6 +781,9 @@ impl Machine for QueueMachine {
         }
         for (seq, at) in &d.deadlines {
             batch.insert(space.key(&deadline_key(*seq)), &at.to_be_bytes()[..]);
+        }
+        for (seq, n) in &d.returns {
+            batch.insert(space.key(&returns_key(*seq)), &u64::from(*n).to_be_bytes()[..]);
         }
         batch.insert(space.key(COUNTERS), keys::encode(&d.counters, "queue counters")?);
         for o in &d.handed {

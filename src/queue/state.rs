@@ -104,6 +104,17 @@ pub enum Change {
         seq: u64,
         tag: u64,
         redelivered: bool,
+        /// Times it was returned before (RabbitMQ's `x-delivery-count`).
+        returns: u32,
+    },
+    /// The message was returned (requeued) `count` times so far.
+    Returned {
+        seq: u64,
+        count: u32,
+    },
+    /// The count of returns kept for `seq` is no longer needed.
+    Unreturned {
+        seq: u64,
     },
     /// Remember that the messages of this old-epoch entry were handed back.
     Handed {
@@ -201,6 +212,10 @@ pub struct QueueState {
     times: BTreeMap<u64, u64>,
     /// Deadlines of held messages published with a TTL of their own.
     deadlines: BTreeMap<u64, u64>,
+    /// How many times each held message that was ever returned (requeued
+    /// by a nack or a reject, or by its channel's end) was returned: its
+    /// `x-delivery-count`, checked against `x-delivery-limit`.
+    returns: BTreeMap<u64, u32>,
     /// Registered consumers by (channel owner, number on the channel).
     consumers: BTreeMap<(u64, u64), Registration>,
     /// The current entry's stamp: the master's clock and the limits in
@@ -258,6 +273,16 @@ impl QueueState {
 
     pub fn deadlines(&self) -> &BTreeMap<u64, u64> {
         &self.deadlines
+    }
+
+    /// Add the stored counts of returns (after [`QueueState::restore`]).
+    pub fn with_returns(mut self, returns: impl IntoIterator<Item = (u64, u32)>) -> Self {
+        self.returns.extend(returns);
+        self
+    }
+
+    pub fn returns(&self) -> &BTreeMap<u64, u32> {
+        &self.returns
     }
 
     /// Add the stored consumer registrations (after [`QueueState::restore`]).
@@ -433,7 +458,8 @@ impl QueueState {
             let Some(Head { seq, redelivered, tracked }) = self.take_head() else { break };
             let tag = self.counters.next_tag;
             self.counters.next_tag += 1;
-            changes.push(Change::Deliver { seq, tag, redelivered });
+            let returns = self.returns.get(&seq).copied().unwrap_or(0);
+            changes.push(Change::Deliver { seq, tag, redelivered, returns });
             if auto_ack {
                 self.remove(seq, tracked, changes);
             } else {
@@ -595,6 +621,9 @@ impl QueueState {
         if self.deadlines.remove(&seq).is_some() {
             changes.push(Change::Undeadline { seq });
         }
+        if self.returns.remove(&seq).is_some() {
+            changes.push(Change::Unreturned { seq });
+        }
     }
 
     /// Record the publish time of the messages an enqueue is about to add:
@@ -735,6 +764,17 @@ impl QueueState {
 
     fn settle_nack(&mut self, seq: u64, requeue: bool, changes: &mut Vec<Change>) {
         if requeue {
+            let returns = self.returns.get(&seq).copied().unwrap_or(0).saturating_add(1);
+            if self.limits.delivery_limit.is_some_and(|limit| returns > limit) {
+                // A poison message: not served again.
+                if self.limits.dead_letter {
+                    changes.push(Change::DeadLetter { seq, reason: DeathReason::DeliveryLimit });
+                }
+                self.remove(seq, true, changes);
+                return;
+            }
+            self.returns.insert(seq, returns);
+            changes.push(Change::Returned { seq, count: returns });
             let order = place_of(seq);
             self.ready_again(seq, order, false);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
@@ -773,7 +813,7 @@ mod tests {
         let d = c
             .iter()
             .filter_map(|ch| match ch {
-                Change::Deliver { seq, tag, redelivered } => Some((*seq, *tag, *redelivered)),
+                Change::Deliver { seq, tag, redelivered, .. } => Some((*seq, *tag, *redelivered)),
                 _ => None,
             })
             .collect();
@@ -816,7 +856,10 @@ mod tests {
         let (_, c) = get(&mut s, 1, 1, true);
         assert_eq!(
             c,
-            vec![Change::Deliver { seq: 0, tag: 0, redelivered: false }, Change::Remove { seq: 0, tracked: false }]
+            vec![
+                Change::Deliver { seq: 0, tag: 0, redelivered: false, returns: 0 },
+                Change::Remove { seq: 0, tracked: false }
+            ]
         );
         assert_eq!((s.ready_count(), s.unacked_count()), (0, 0));
     }
@@ -890,6 +933,70 @@ mod tests {
         s.apply(&QueueCmd::Nack { tags: vec![0], requeue: false }, &mut c);
         assert_eq!(c, vec![Change::Remove { seq: 0, tracked: true }]);
         assert_eq!((s.ready_count(), s.unacked_count()), (0, 0));
+    }
+
+    /// Each return (a nack with requeue, a channel's end) counts: the
+    /// next delivery carries the count (`x-delivery-count`), and past the
+    /// queue's `x-delivery-limit` the message is dead-lettered, or dropped
+    /// without a dead-letter exchange, and its count forgotten.
+    #[test]
+    fn returns_are_counted_and_a_message_returned_past_the_limit_is_dead_lettered() {
+        let limits = Limits { delivery_limit: Some(2), dead_letter: true, ..Limits::default() };
+        let mut s = QueueState::default();
+        enqueue(&mut s, 2);
+        let returns_of = |c: &[Change]| {
+            c.iter()
+                .find_map(|ch| match ch {
+                    Change::Deliver { seq: 0, returns, .. } => Some(*returns),
+                    _ => None,
+                })
+                .expect("message 0 delivered")
+        };
+        for round in 0..3u32 {
+            let (d, c) = get(&mut s, 1, 1, false);
+            assert_eq!(returns_of(&c), round, "delivery {round} carries the returns before it");
+            stamp(&mut s, 1_000, limits);
+            let mut c = Vec::new();
+            if round == 1 {
+                // A channel's end counts as a return too.
+                s.apply(&QueueCmd::Release { owner: 1 }, &mut c);
+            } else {
+                s.apply(&QueueCmd::Nack { tags: vec![d[0].1], requeue: true }, &mut c);
+            }
+            if round < 2 {
+                assert!(c.contains(&Change::Returned { seq: 0, count: round + 1 }), "{c:?}");
+                assert_eq!(s.returns().get(&0), Some(&(round + 1)));
+            } else {
+                assert_eq!(dead(&c), vec![(0, DeathReason::DeliveryLimit)], "the third return is past the limit");
+                assert!(c.contains(&Change::Remove { seq: 0, tracked: true }));
+                assert!(c.contains(&Change::Unreturned { seq: 0 }));
+                assert!(s.returns().is_empty());
+            }
+        }
+        assert_eq!((s.ready_count(), s.unacked_count()), (1, 0), "message 1 is untouched");
+        // Without a dead-letter exchange the message is dropped; without a
+        // limit it comes back however often it returns.
+        let mut s = QueueState::default();
+        enqueue(&mut s, 1);
+        let no_dlx = Limits { delivery_limit: Some(0), ..Limits::default() };
+        let (d, _) = get(&mut s, 1, 1, false);
+        stamp(&mut s, 1_000, no_dlx);
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![d[0].1], requeue: true }, &mut c);
+        assert!(dead(&c).is_empty() && c.contains(&Change::Remove { seq: 0, tracked: true }), "{c:?}");
+        let mut s = QueueState::default();
+        enqueue(&mut s, 1);
+        for _ in 0..50 {
+            let (d, _) = get(&mut s, 1, 1, false);
+            s.begin_entry();
+            s.apply(&QueueCmd::Nack { tags: vec![d[0].1], requeue: true }, &mut Vec::new());
+        }
+        assert_eq!((s.ready_count(), s.returns().get(&0)), (1, Some(&50)));
+        // An ack forgets the count.
+        let (d, _) = get(&mut s, 1, 1, false);
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Ack { tags: vec![d[0].1] }, &mut c);
+        assert!(c.contains(&Change::Unreturned { seq: 0 }) && s.returns().is_empty());
     }
 
     #[test]
@@ -1066,7 +1173,7 @@ mod tests {
         disk.insert(1, MsgState::Unacked { tag: 1, owner: 1 });
         disk.insert(2, MsgState::Requeued { order: 2 });
         disk.insert(0, MsgState::Requeued { order: 0 });
-        let restored = QueueState::restore(s.counters().clone(), disk);
+        let restored = QueueState::restore(s.counters().clone(), disk).with_returns([(0, 1), (2, 1)]);
         assert_eq!(restored, s);
     }
 

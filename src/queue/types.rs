@@ -154,12 +154,20 @@ pub struct Limits {
     /// `x-max-priority`: messages are served by their `priority` property,
     /// capped at this.
     pub max_priority: Option<u8>,
+    /// `x-delivery-limit`: a message returned (requeued by a nack or a
+    /// reject, or left unacked by a channel that closed) more times than
+    /// this is dead-lettered, or dropped without a dead-letter exchange.
+    pub delivery_limit: Option<u32>,
 }
 
 impl Limits {
     /// Does the queue need stamped entries at all?
     pub fn any(&self) -> bool {
-        self.ttl_ms.is_some() || self.max_len.is_some() || self.dead_letter || self.max_priority.is_some()
+        self.ttl_ms.is_some()
+            || self.max_len.is_some()
+            || self.dead_letter
+            || self.max_priority.is_some()
+            || self.delivery_limit.is_some()
     }
 }
 
@@ -169,6 +177,8 @@ pub enum DeathReason {
     Expired,
     Maxlen,
     Rejected,
+    /// Returned more times than the queue's `x-delivery-limit`.
+    DeliveryLimit,
 }
 
 impl DeathReason {
@@ -177,6 +187,7 @@ impl DeathReason {
             DeathReason::Expired => "expired",
             DeathReason::Maxlen => "maxlen",
             DeathReason::Rejected => "rejected",
+            DeathReason::DeliveryLimit => "delivery_limit",
         }
     }
 }

@@ -192,7 +192,7 @@ impl Channel {
         } else {
             c.consumer_tag.as_str().to_string()
         };
-        if self.consumers.contains_key(&tag) {
+        if self.consumers.contains_key(&tag) || self.reply.as_ref().is_some_and(|r| r.tag == tag) {
             return Err(Err(hard(NOT_ALLOWED, format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"))));
         }
         Ok(tag)

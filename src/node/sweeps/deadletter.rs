@@ -30,6 +30,7 @@ pub(crate) fn effective_args(state: &MetaState, q: &QueueMeta) -> QueueArgs {
 /// What the master stamps on the queue's entries.
 pub(in crate::node) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
     let a = effective_args(state, q);
+    let def = policy::effective(&state.policies, &q.name).map(|p| p.definition.as_str());
     Limits {
         ttl_ms: a.message_ttl,
         max_len: a.max_length,
@@ -40,6 +41,7 @@ pub(in crate::node) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
         dead_letter: a.dead_letter_exchange.is_some(),
         // 0 serves every message as priority 0: a plain queue.
         max_priority: a.max_priority.filter(|p| *p > 0),
+        delivery_limit: q.args.delivery_limit(def),
     }
 }
 
