@@ -742,3 +742,115 @@ async fn exchanges_and_bindings_routes() {
     assert!(api.call(1, "GET", "/api/bindings", None).await.1.as_array().unwrap().is_empty(), "bindings went with it");
     api.cluster.shutdown().await;
 }
+
+/// Node 3 cut off from both others, which keep the queue (a policy with
+/// `ha-promote-on-failure: when-synced`, so its minority never re-forms
+/// it): its API shows the queue down, with the counts its own replica last
+/// applied, marked as such, and the node shown as the queue's not also
+/// among its mirrors; a queue it has no replica of has unknown counts
+/// (null), never a confident 0. The other side answers as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queue_without_a_reachable_master_shows_what_is_known_never_a_confident_zero() {
+    init_tracing();
+    let api = Api::start().await;
+    let policy = r#"{"pattern":"^ha\\.","definition":{"ha-mode":"all","ha-promote-on-failure":"when-synced"}}"#;
+    assert_eq!(api.call(1, "PUT", "/api/policies/%2F/ha", Some(policy)).await.0, 201);
+    assert_eq!(api.call(1, "PUT", "/api/queues/%2F/ha.q", Some(r#"{"durable":true}"#)).await.0, 201);
+    assert_eq!(api.call(1, "PUT", "/api/queues/%2F/lone", Some(r#"{"durable":true}"#)).await.0, 201);
+    let publish = r#"{"properties":{},"routing_key":"ha.q","payload":"m","payload_encoding":"string"}"#;
+    for _ in 0..2 {
+        let (status, body) = api.call(1, "POST", "/api/exchanges/%2F/amq.default/publish", Some(publish)).await;
+        assert_eq!((status, &body["routed"]), (200, &json!(true)));
+    }
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, q) = api.call(3, "GET", "/api/queues/%2F/ha.q", None).await;
+        if q["synchronised_slave_nodes"].as_array().map(Vec::len) == Some(2) && q["messages_ready"] == 2 {
+            assert_eq!(q["counts_from"], "master");
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "ha.q never mirrored on three nodes: {q}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Node 3's own replica has applied both publishes (a follower learns
+    // of a commit with the master's next append).
+    let local = || api.cluster.node(3).queue_info("ha.q").map(|i| (i.local, i.ready)).ok();
+    wait_until(Duration::from_secs(10), "node 3's replica applies both publishes", || local() == Some((true, 2))).await;
+    for id in [1, 2] {
+        api.cluster.node(id).block(3);
+        api.cluster.node(3).block(id);
+    }
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    let q = loop {
+        let (_, q) = api.call(3, "GET", "/api/queues/%2F/ha.q", None).await;
+        if q["state"] == "down" {
+            break q;
+        }
+        assert!(std::time::Instant::now() < until, "node 3 still shows a master: {q}");
+    };
+    assert_eq!(q["messages_ready"], 2, "the counts node 3's replica applied: {q}");
+    assert_eq!(q["messages"], 2, "{q}");
+    assert_eq!(q["counts_from"], "local replica", "{q}");
+    let slaves = q["slave_nodes"].as_array().expect("slave_nodes");
+    assert!(!slaves.contains(&q["node"]), "the node shown as the queue's is not also a mirror: {q}");
+    assert_eq!(slaves.len(), 2, "{q}");
+    let (_, lone) = api.call(3, "GET", "/api/queues/%2F/lone", None).await;
+    assert_eq!(lone["state"], "down", "{lone}");
+    assert!(lone["messages_ready"].is_null() && lone["messages"].is_null(), "unknown, not 0: {lone}");
+    assert!(lone["counts_from"].is_null(), "{lone}");
+    let (_, kept) = api.call(1, "GET", "/api/queues/%2F/ha.q", None).await;
+    assert_eq!(
+        (&kept["state"], &kept["messages_ready"], &kept["counts_from"]),
+        (&json!("running"), &json!(2), &json!("master"))
+    );
+
+    for id in [1, 2] {
+        api.cluster.node(id).unblock(3);
+        api.cluster.node(3).unblock(id);
+    }
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, q) = api.call(3, "GET", "/api/queues/%2F/ha.q", None).await;
+        if q["state"] == "running" && q["counts_from"] == "master" {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "node 3 never sees the master again: {q}");
+    }
+    api.cluster.shutdown().await;
+}
+
+/// `GET /api/queues?page=&page_size=&name=&use_regex=`: RabbitMQ's paged
+/// and filtered list, only the page's queues computed; bad paging is a 400
+/// with a reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queues_are_paged_and_filtered_by_the_server() {
+    init_tracing();
+    let api = Api::start().await;
+    for i in 0..12 {
+        assert_eq!(api.call(1, "PUT", &format!("/api/queues/%2F/p.{i:02}"), Some("{}")).await.0, 201);
+    }
+    assert_eq!(api.call(1, "PUT", "/api/queues/%2F/other", Some("{}")).await.0, 201);
+    let (status, page) = api.call(2, "GET", "/api/queues?page=2&page_size=5", None).await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!((&page["page"], &page["page_count"], &page["page_size"]), (&json!(2), &json!(3), &json!(5)));
+    assert_eq!(
+        (&page["total_count"], &page["filtered_count"], &page["item_count"]),
+        (&json!(13), &json!(13), &json!(5))
+    );
+    let names: Vec<&str> = page["items"].as_array().unwrap().iter().map(|q| q["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["p.04", "p.05", "p.06", "p.07", "p.08"]);
+    let (_, page) = api.call(2, "GET", "/api/queues/%2F?page=1&page_size=100&name=P.1", None).await;
+    assert_eq!((&page["filtered_count"], &page["total_count"]), (&json!(2), &json!(13)), "{page}");
+    let (_, page) = api.call(2, "GET", "/api/queues?page=1&name=%5Ep%5C.0%5B0-2%5D%24&use_regex=true", None).await;
+    let names: Vec<&str> = page["items"].as_array().unwrap().iter().map(|q| q["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["p.00", "p.01", "p.02"]);
+    let (_, all) = api.call(2, "GET", "/api/queues", None).await;
+    assert_eq!(all.as_array().map(Vec::len), Some(13), "without page, the whole list as an array");
+    for bad in ["page=0", "page=4&page_size=5", "page=1&page_size=501", "page=x", "name=(&use_regex=true"] {
+        let (status, body) = api.call(2, "GET", &format!("/api/queues?{bad}"), None).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert!(body["reason"].as_str().is_some_and(|r| !r.is_empty()), "{bad}: {body}");
+    }
+    api.cluster.shutdown().await;
+}

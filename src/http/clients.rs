@@ -20,7 +20,7 @@ fn split_peer(peer: &str) -> (String, u16) {
 }
 
 /// Monitoring users see every client; others their own (as RabbitMQ).
-fn own(caller: &Caller, user: &str) -> bool {
+pub(super) fn own(caller: &Caller, user: &str) -> bool {
     caller.0.is_monitoring() || caller.name() == user
 }
 

@@ -11,6 +11,7 @@ mod error;
 mod exchanges;
 mod nodes;
 mod overview;
+mod paging;
 mod permissions;
 mod policies;
 mod prometheus;

@@ -45,6 +45,9 @@ pub(super) async fn overview(State(node): State<Node>, Extension(caller): Extens
     for f in node.cluster_flows(Duration::from_millis(500)).await {
         (tally, rates) = (tally + f.now, rates + f.rates());
     }
+    // Counted as the Connections and Channels pages list them.
+    let (conns, consumers) = node.cluster_clients().await;
+    let conns: Vec<_> = conns.into_iter().filter(|c| super::clients::own(&caller, &c.user)).collect();
     Json(json!({
         "cluster_name": "mirrorq",
         "node": node.name(),
@@ -57,7 +60,9 @@ pub(super) async fn overview(State(node): State<Node>, Extension(caller): Extens
             "queues": visible.len(),
             "exchanges": meta.exchanges.keys().filter(|k| caller.sees_key(&meta, k)).count()
                 + 6 * meta.vhosts.keys().filter(|v| caller.sees(&meta, v)).count(),
-            "connections": 0, "channels": 0, "consumers": 0,
+            "connections": conns.len(),
+            "channels": conns.iter().map(|c| c.channels.len()).sum::<usize>(),
+            "consumers": consumers.iter().filter(|k| conns.iter().any(|c| c.id == k.connection)).count(),
         },
     }))
 }

@@ -1,13 +1,16 @@
 //! Queues (`/api/queues`), so RabbitMQ's tools can declare, watch, sync, purge and sample them over HTTP.
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use std::collections::HashMap;
+
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use base64::Engine;
 use serde_json::{json, Value};
 
 use super::access::Caller;
+use super::paging::Listing;
 use super::{bool_field, checked_name, parse_body, props, put_status, queue_args, ApiError};
 use crate::api::DeclareOpts;
 use crate::metadata::names::{self, key};
@@ -18,14 +21,30 @@ use crate::rates::message_stats_json;
 async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
     let meta = node.metadata();
     let name_of = |id: &u64| meta.nodes.get(id).map(|n| n.name.clone()).unwrap_or_else(|| format!("mirrorq@{id}"));
-    let view = node.master_view(&q.name).await.ok();
+    // An answer that names no master (a replica standing for election)
+    // is no master's view.
+    let view = node.master_view(&q.name).await.ok().filter(|v| v.leader.is_some());
     let master = view.as_ref().and_then(|v| v.leader);
-    let slaves: Vec<String> = q.replicas.iter().filter(|r| Some(**r) != master).map(name_of).collect();
+    // Shown as its node while no master answers (a takeover under way, or
+    // no majority in reach): the most senior replica, as RabbitMQ shows a
+    // queue's home node, and not also as one of its mirrors.
+    let shown = master.unwrap_or(q.replicas[0]);
+    let slaves: Vec<String> = q.replicas.iter().filter(|r| **r != shown).map(name_of).collect();
     let synced: Vec<String> = view
         .as_ref()
         .map(|v| v.synchronised.iter().filter(|r| Some(**r) != master).map(name_of).collect())
         .unwrap_or_default();
-    let (ready, unacked) = view.as_ref().map(|v| (v.ready, v.unacked)).unwrap_or((0, 0));
+    // Without a master's answer the counts are what this node's replica
+    // last applied (every committed publish and ack up to then), said to
+    // be so; on a node with no replica they are not known: null, never a
+    // confident 0.
+    let (counts, counts_from) = match &view {
+        Some(v) => (Some((v.ready, v.unacked)), Some("master")),
+        None => match node.queue_info(&q.name).ok().filter(|i| i.local) {
+            Some(i) => (Some((i.ready, i.unacked)), Some("local replica")),
+            None => (None, None),
+        },
+    };
     let flows = view.as_ref().and_then(|v| v.flows).unwrap_or_default();
     let catching: Vec<Value> = view
         .as_ref()
@@ -47,19 +66,16 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
         .and_then(|p| serde_json::from_str::<Value>(&p.definition).ok())
         .unwrap_or(json!({}));
     let (vhost, name) = names::split(&q.name);
-    json!({
+    let mut out = json!({
         "name": name,
         "vhost": vhost,
         "durable": q.durable,
         "auto_delete": q.auto_delete,
         "exclusive": q.exclusive_owner.is_some(),
         "arguments": q.args.to_json(),
-        "node": master.map(|m| name_of(&m)).unwrap_or_else(|| name_of(&q.replicas[0])),
+        "node": name_of(&shown),
         "slave_nodes": slaves,
         "synchronised_slave_nodes": synced,
-        "messages": ready + unacked,
-        "messages_ready": ready,
-        "messages_unacknowledged": unacked,
         "message_stats": message_stats_json(&flows.now, &flows.rates(), false),
         "policy": q.policy.as_deref().map(names::name_of),
         "effective_policy_definition": def,
@@ -70,30 +86,57 @@ async fn queue_json(node: &Node, q: &QueueMeta) -> Value {
             (Some(_), false) => "running",
         },
         "type": q.args.queue_type(),
-    })
+    });
+    if let Some(o) = out.as_object_mut() {
+        o.insert("messages".into(), json!(counts.map(|(r, u)| r + u)));
+        o.insert("messages_ready".into(), json!(counts.map(|(r, _)| r)));
+        o.insert("messages_unacknowledged".into(), json!(counts.map(|(_, u)| u)));
+        o.insert("counts_from".into(), json!(counts_from));
+    }
+    out
 }
 
-async fn queues_json(node: &Node, wanted: impl Fn(&QueueMeta) -> bool) -> Json<Value> {
+async fn queues_json(
+    node: &Node,
+    wanted: impl Fn(&QueueMeta) -> bool,
+    asked: &Listing,
+) -> Result<Json<Value>, ApiError> {
     let meta = node.metadata();
-    let mut out = Vec::new();
-    for q in meta.queues.values().filter(|q| wanted(q)) {
+    let mut total = 0;
+    let listed: Vec<&QueueMeta> = meta
+        .queues
+        .values()
+        .filter(|q| wanted(q))
+        .inspect(|_| total += 1)
+        .filter(|q| asked.matches(names::name_of(&q.name)))
+        .collect();
+    let range = asked.page(listed.len())?;
+    let mut out = Vec::with_capacity(range.len());
+    for q in &listed[range] {
         out.push(queue_json(node, q).await);
     }
-    Json(Value::Array(out))
+    Ok(Json(asked.wrap(out, listed.len(), total)))
 }
 
-pub(super) async fn list_queues(State(node): State<Node>, Extension(caller): Extension<Caller>) -> Json<Value> {
+pub(super) async fn list_queues(
+    State(node): State<Node>,
+    Extension(caller): Extension<Caller>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let asked = Listing::parse(&query)?;
     let meta = node.metadata();
-    queues_json(&node, |q| caller.sees_key(&meta, &q.name)).await
+    queues_json(&node, |q| caller.sees_key(&meta, &q.name), &asked).await
 }
 
 pub(super) async fn list_queues_in(
     State(node): State<Node>,
     Extension(caller): Extension<Caller>,
     Path(vhost): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
+    let asked = Listing::parse(&query)?;
     caller.read(&node.metadata(), &vhost)?;
-    Ok(queues_json(&node, |q| names::vhost_of(&q.name) == vhost).await)
+    queues_json(&node, |q| names::vhost_of(&q.name) == vhost, &asked).await
 }
 
 pub(super) async fn get_queue(

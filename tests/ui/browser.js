@@ -50,6 +50,8 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   const browser = await chromium.launch({ executablePath: CHROMIUM, args: ['--no-sandbox'] });
   const page = await browser.newPage({ viewport: { width: 1280, height: 800 } });
   page.setDefaultTimeout(30000);
+  // "Close connection ...?" and the like: the user says yes.
+  page.on('dialog', (d) => d.accept());
   await page.goto(base + '/');
   // As RabbitMQ's: the login form comes empty, no credentials in the page.
   const prefilled = await page.$eval('#pass', (el) => el.value) + await page.$eval('#user', (el) => el.value);
@@ -118,6 +120,85 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   if (payload !== 'hello from chromium') throw new Error(`got back ${JSON.stringify(payload)}`);
   console.log('published and got back: ' + payload);
   await page.screenshot({ path: shots + '/queue.png', fullPage: true });
+
+  // RabbitMQ's other pages, with the test's AMQP client connected (a
+  // consumer "ui-consumer" on ui.consumed, through node 2).
+  await page.click('nav a:text("Overview")');
+  await page.waitForFunction(() => Number(document.getElementById('total-connections')?.textContent) >= 1);
+  console.log('overview counts the client connection');
+  await page.click('nav a:text("Channels")');
+  await page.waitForSelector('#channels td:text("guest")');
+  console.log('channels: the client channel is listed');
+
+  await page.click('nav a:text("Exchanges")');
+  await page.waitForSelector('h2:text("Add a new exchange")');
+  if (!(await page.$('#exchanges tr[data-exchange="amq.topic"]'))) throw new Error('the standard exchanges are not listed');
+  await page.fill('#x-name', 'ui.x');
+  await page.selectOption('#x-type', 'direct');
+  await page.click('#add-exchange button[type=submit]');
+  await page.waitForSelector('#exchanges-msg.ok');
+  await page.click('#exchanges tr[data-exchange="ui.x"] a.q');
+  await page.waitForSelector('h2:text("Add binding from this exchange")');
+  await page.fill('#b-dest', 'ui.consumed');
+  await page.fill('#b-key', 'k');
+  await page.click('#bind button[type=submit]');
+  await page.waitForSelector('#x-bindings tr[data-binding="ui.consumed"]');
+  await page.fill('#xp-key', 'k');
+  await page.fill('#xp-payload', 'via ui.x');
+  await page.click('#x-publish button[type=submit]');
+  await page.waitForSelector('#x-publish-msg.show');
+  const routed = await page.textContent('#x-publish-msg');
+  if (!routed.includes('confirmed')) throw new Error(`the exchange's publish was not routed: ${routed}`);
+  await page.screenshot({ path: shots + '/exchange.png', fullPage: true });
+  console.log('exchange ui.x added, bound to ui.consumed, published through');
+
+  await page.evaluate(() => { location.hash = '#/queues/%2F/ui.consumed'; });
+  await page.waitForSelector('#q-consumers td:text("ui-consumer")');
+  await page.waitForSelector('#q-bindings a.q:text("ui.x")');
+  console.log('ui.consumed shows its consumer and its binding from ui.x');
+
+  await page.click('nav a:text("Admin")');
+  await page.waitForSelector('h2:text("Add a user")');
+  await page.fill('#u-name', 'ui-user');
+  await page.fill('#u-password', 'ui-secret');
+  await page.fill('#u-tags', 'monitoring');
+  await page.click('#add-user button[type=submit]');
+  await page.waitForSelector('#users tr[data-user="ui-user"]');
+  await page.selectOption('#pm-user', 'ui-user');
+  await page.click('#set-permission button[type=submit]');
+  await page.waitForSelector('#permission-msg.ok:has-text("Permission of ui-user")');
+  await page.screenshot({ path: shots + '/users.png', fullPage: true });
+  await page.click('nav.sub a:text("Virtual Hosts")');
+  await page.fill('#vh-name', 'ui-vhost');
+  await page.click('#add-vhost button[type=submit]');
+  await page.waitForSelector('#vhosts tr[data-vhost="ui-vhost"]');
+  console.log('user ui-user and virtual host ui-vhost added under Admin');
+
+  // 122 queues: the server pages and filters them.
+  await page.click('nav a:text("Queues")');
+  await page.waitForFunction(() => /122 of 122 queues · page 1 of 2/.test(document.getElementById('queues-count')?.textContent));
+  await page.click('#page-next');
+  await page.waitForSelector('#queues tr[data-queue="zz.page.119"]');
+  const onTwo = await page.$$eval('#queues tr[data-queue]', (rows) => rows.length);
+  if (onTwo !== 22) throw new Error(`page 2 shows ${onTwo} queues, not 22`);
+  await page.fill('#filter-name', 'PAGE.11');
+  await page.click('#queue-filter button[type=submit]');
+  await page.waitForFunction(() => /^10 of 122 queues/.test(document.getElementById('queues-count')?.textContent));
+  await page.fill('#filter-name', '^zz\\.page\\.00[0-4]$');
+  await page.check('#filter-regex');
+  await page.click('#queue-filter button[type=submit]');
+  await page.waitForFunction(() => /^5 of 122 queues/.test(document.getElementById('queues-count')?.textContent));
+  await page.fill('#filter-name', '');
+  await page.uncheck('#filter-regex');
+  await page.click('#queue-filter button[type=submit]');
+  await page.waitForFunction(() => /^122 of 122/.test(document.getElementById('queues-count')?.textContent));
+  console.log('queues paged (100 + 22) and filtered (10 by name, 5 by regex)');
+
+  await page.click('nav a:text("Connections")');
+  await page.waitForSelector('#connections tr[data-connection]');
+  await page.click('#connections [data-close="0"]');
+  await page.waitForSelector('#connections-msg.ok');
+  console.log('the client connection force-closed from Connections');
 
   // Messages flow: three publishers and a slower getter, so rates rise and
   // messages pile up.

@@ -4,9 +4,13 @@
 //     a policy" (ha-mode all, ha-sync-mode automatic); Queues > "Add a new
 //     queue", durable; the queue seen mirrored and synchronised from
 //     brokers 2 and 3; then #/queues/%2F/ha-queue-demo > "Publish message".
-//   get BASE3: once brokers 1 and 2 are switched off, broker 3's
+//   get BASE3 [frozen]: once brokers 1 and 2 are switched off, broker 3's
 //     #/queues/%2F/ha-queue-demo > "Get Message(s)" shows the message (a
-//     user clicks again while the queue is taken over).
+//     user clicks again while the queue is taken over). With `frozen`
+//     (brokers 1 and 2 stopped, not gone: broker 3 waits out the failure
+//     timeout before it takes the queue over) the page must first show
+//     the queue down, its master unknown and the 1 message its replica
+//     last had, never 0.
 // Each tab logs in, as RabbitMQ's UI asks. Exit 0 and a last line "ok".
 const { chromium } = require('playwright-core');
 
@@ -69,9 +73,22 @@ async function setup(browser, [b1, b2, b3]) {
   console.log('broker 1: message published');
 }
 
-async function get(browser, [b3]) {
+async function get(browser, [b3, frozen]) {
   const page = await open(browser, b3 + '/#/queues/%2F/' + QUEUE);
   await page.waitForSelector('h2:text("Get messages")');
+  if (frozen) {
+    // One look at the page as drawn (a refresh may redraw it meanwhile).
+    const seen = await page.waitForFunction(() => {
+      const d = document.getElementById('queue-details');
+      const down = [...(d?.querySelectorAll('h1 .pill.bad') || [])].some((e) => e.textContent === 'down');
+      if (!down) return null;
+      const master = d.querySelector('.card .pill.bad');
+      return { ready: document.getElementById('q-ready').textContent.trim(), master: master ? master.textContent : null };
+    }, null, { timeout: 15000 }).then((h) => h.jsonValue());
+    if (seen.ready !== '1*') throw new Error(`during the takeover broker 3 shows ${seen.ready} ready, not the last known 1*`);
+    if (seen.master !== 'master unknown') throw new Error(`during the takeover the master shown is ${seen.master}`);
+    console.log('broker 3: the queue is down, master unknown, 1* ready (as its replica last applied)');
+  }
   const until = Date.now() + 60000;
   for (;;) {
     await page.selectOption('#get-mode', 'ack_requeue_false');
@@ -96,7 +113,7 @@ async function get(browser, [b3]) {
   const browser = await chromium.launch({ executablePath: CHROMIUM, args: ['--no-sandbox'] });
   if (phase === 'setup') await setup(browser, bases);
   else if (phase === 'get') await get(browser, bases);
-  else throw new Error('usage: node tutorial.js setup BASE1 BASE2 BASE3 | get BASE3');
+  else throw new Error('usage: node tutorial.js setup BASE1 BASE2 BASE3 | get BASE3 [frozen]');
   await browser.close();
   console.log('ok');
 })().catch((e) => { console.error(String(e && e.stack || e)); process.exit(1); });
