@@ -2216,16 +2216,17 @@ async fn direct_reply_to_answers_a_request_across_nodes() {
 }
 
 /// RabbitMQ's poison-message handling on a mirrored queue, used through a
-/// node that is not its master: every return (a nack with requeue, a
-/// channel closed with the message unacked) counts, the next delivery
-/// carries the count in `x-delivery-count`, and a message returned more
-/// than `x-delivery-limit` times goes to the dead-letter exchange with
-/// reason `delivery_limit`. A quorum queue has RabbitMQ 4's limit of 20
-/// without asking, and drops the message past it.
+/// node that is not its master, across a failover: every return (a nack
+/// with requeue, a channel closed with the message unacked) counts, the
+/// count is replicated (the master that takes over after a crash knows
+/// it), the next delivery carries it in `x-delivery-count`, and a message
+/// returned more than `x-delivery-limit` times goes to the dead-letter
+/// exchange with reason `delivery_limit`. A quorum queue has RabbitMQ 4's
+/// limit of 20 without asking, and drops the message past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_message_returned_past_its_delivery_limit_is_dead_lettered() {
     init_tracing();
-    let c = AmqpCluster::start().await;
+    let mut c = AmqpCluster::start().await;
     c.cluster.node(1).set_policy(common::policy("^poison", r#"{"ha-mode":"all"}"#)).await.unwrap();
     let conn1 = c.connect(1).await;
     let ch1 = conn1.create_channel().await.unwrap();
@@ -2235,10 +2236,11 @@ async fn a_message_returned_past_its_delivery_limit_is_dead_lettered() {
     args.insert(s("x-delivery-limit"), AMQPValue::LongInt(2));
     args.insert(s("x-dead-letter-exchange"), AMQPValue::LongString("".into()));
     args.insert(s("x-dead-letter-routing-key"), AMQPValue::LongString("poison.dead".into()));
-    ch1.queue_declare(s("poison.q"), durable, args).await.unwrap();
-    let master = c.cluster.node(1).queue_info("poison.q").unwrap().leader.unwrap();
-    let other = (1..=3).find(|n| *n != master).unwrap();
-    let conn = c.connect(other).await;
+    // Declared through node 2, which masters it; the client is on node 3.
+    let conn2 = c.connect(2).await;
+    conn2.create_channel().await.unwrap().queue_declare(s("poison.q"), durable, args).await.unwrap();
+    assert_eq!(c.cluster.master_of("poison.q").await, 2);
+    let conn = c.connect(3).await;
     let ch = conn.create_channel().await.unwrap();
     ch.basic_publish(s(""), s("poison.q"), BasicPublishOptions::default(), b"bad", BasicProperties::default())
         .await
@@ -2262,6 +2264,9 @@ async fn a_message_returned_past_its_delivery_limit_is_dead_lettered() {
     let second = get(ch.clone()).await;
     assert!(second.redelivered);
     assert_eq!(count(&second), Some(AMQPValue::LongLongInt(1)));
+    // The master crashes; node 1 or 3 takes over, knowing the count.
+    drop(conn2);
+    c.cluster.crash(2).await;
     // A channel that closes with it unacked returns it too.
     let holder = conn.create_channel().await.unwrap();
     ch.basic_nack(second.delivery_tag, BasicNackOptions { requeue: true, ..Default::default() }).await.unwrap();

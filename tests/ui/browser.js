@@ -111,6 +111,8 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   await page.click('#queues a.q[href="#/queues/%2F/ui.demo"]');
   await page.waitForSelector('#publish');
   await page.fill('#pub-payload', 'hello from chromium');
+  await page.fill('#pub-headers', '{"x-trace": "ui-1"}');
+  await page.fill('#pub-props', '{"message_id": "m-ui"}');
   await page.click('#publish button[type=submit]');
   await page.waitForSelector('#publish-msg.ok');
   await page.selectOption('#get-mode', 'ack_requeue_false');
@@ -118,6 +120,10 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   await page.waitForSelector('table.got pre.payload');
   const payload = await page.textContent('table.got pre.payload');
   if (payload !== 'hello from chromium') throw new Error(`got back ${JSON.stringify(payload)}`);
+  const props = await page.textContent('table.got tr:has(th:text("Properties")) td');
+  if (!props.includes('"x-trace":"ui-1"') || !props.includes('"message_id":"m-ui"')) {
+    throw new Error(`the headers and properties published did not come back: ${props}`);
+  }
   console.log('published and got back: ' + payload);
   await page.screenshot({ path: shots + '/queue.png', fullPage: true });
 
@@ -229,6 +235,9 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   const after = await drawn(page, 'rates', 'publish', 10000, (l) => l.d !== before.d);
   console.log(`overview rate chart moved: publish at ${after.last}/s over ${after.points} points, ${since()}`);
   await drawn(page, 'rates', 'deliver_get', 5000);
+  // The rate axis reads as a scale: no two labels the same.
+  const ticks = await page.$$eval('#main svg[data-chart=rates] text.tick', (ts) => ts.map((t) => t.textContent));
+  if (ticks.length < 2 || new Set(ticks).size !== ticks.length) throw new Error(`rate axis labels repeat: ${ticks}`);
   const depth = await line(page, 'depth', 'ready');
   if (!depth || depth.points < 2) throw new Error(`no depth chart drawn: ${JSON.stringify(depth)}`);
   await page.screenshot({ path: shots + '/charts.png', fullPage: true });
