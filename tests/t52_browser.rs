@@ -2,10 +2,11 @@
 //! playwright-core in `tests/ui/`; `test.sh` installs both): a three-node
 //! cluster, a policy and a queue added through the UI, the queue seen
 //! mirrored on three nodes, a message published and got back in the page;
-//! RabbitMQ's other pages with a real AMQP client connected: the
-//! overview's counts, Channels, an exchange added, bound and published
-//! through to that client's consumer, a queue's consumers and bindings,
-//! Admin's Users and Virtual Hosts, a list of 122 queues paged and
+//! a mirror added under `ha-sync-mode: manual` synchronised with the queue
+//! page's Synchronise button; RabbitMQ's other pages with a real AMQP
+//! client connected: the overview's counts, Channels, an exchange added,
+//! bound and published through to that client's consumer, a queue's
+//! consumers and bindings, Admin's Users and Virtual Hosts, 123 queues paged and
 //! filtered by the server, the client's connection force-closed from
 //! Connections; then, while messages flow through the HTTP API, the rate
 //! charts of the overview and of the queue draw, move and plot non-zero
@@ -50,6 +51,15 @@ async fn the_web_ui_in_a_real_browser() {
         )
         .await
         .unwrap();
+    // A queue whose second replica joins under `ha-sync-mode: manual`
+    // with messages in it: not synchronised until asked.
+    let manual = |n: u32| format!(r#"{{"ha-mode":"exactly","ha-params":{n},"ha-sync-mode":"manual"}}"#);
+    cluster.node(1).set_policy(common::policy("^sync\\.", &manual(1))).await.unwrap();
+    cluster.node(1).declare_queue("sync.q", vec![]).await.unwrap();
+    for i in 0..50 {
+        cluster.node(1).publish("sync.q", vec![common::msg(format!("s{i}"))]).await.unwrap();
+    }
+    cluster.node(1).set_policy(common::policy("^sync\\.", &manual(2))).await.unwrap();
     // More queues than one page holds, named to sort after the UI's own.
     for i in 0..120 {
         cluster.node(1).declare_queue(&format!("zz.page.{i:03}"), vec![1]).await.unwrap();

@@ -127,6 +127,17 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   console.log('published and got back: ' + payload);
   await page.screenshot({ path: shots + '/queue.png', fullPage: true });
 
+  // A mirror added under `ha-sync-mode: manual` (the test's setup):
+  // Synchronise on the queue's page fills it.
+  await page.evaluate(() => { location.hash = '#/queues/%2F/sync.q'; });
+  await page.waitForSelector('#queue-details #sync');
+  await page.click('#queue-details #sync');
+  await page.waitForSelector('#queue-msg.ok');
+  await page.waitForFunction(() => !document.getElementById('sync')
+    && document.querySelectorAll('#queue-details .card .pill.ok').length === 1
+    && document.querySelectorAll('#queue-details .card .pill.warn').length === 0);
+  console.log('sync.q: its manual mirror synchronised from its page');
+
   // RabbitMQ's other pages, with the test's AMQP client connected (a
   // consumer "ui-consumer" on ui.consumed, through node 2).
   await page.click('nav a:text("Overview")');
@@ -180,25 +191,25 @@ async function drawn(page, chart, series, timeout, also = () => true) {
   await page.waitForSelector('#vhosts tr[data-vhost="ui-vhost"]');
   console.log('user ui-user and virtual host ui-vhost added under Admin');
 
-  // 122 queues: the server pages and filters them.
+  // 123 queues: the server pages and filters them.
   await page.click('nav a:text("Queues")');
-  await page.waitForFunction(() => /122 of 122 queues · page 1 of 2/.test(document.getElementById('queues-count')?.textContent));
+  await page.waitForFunction(() => /123 of 123 queues · page 1 of 2/.test(document.getElementById('queues-count')?.textContent));
   await page.click('#page-next');
   await page.waitForSelector('#queues tr[data-queue="zz.page.119"]');
   const onTwo = await page.$$eval('#queues tr[data-queue]', (rows) => rows.length);
-  if (onTwo !== 22) throw new Error(`page 2 shows ${onTwo} queues, not 22`);
+  if (onTwo !== 23) throw new Error(`page 2 shows ${onTwo} queues, not 23`);
   await page.fill('#filter-name', 'PAGE.11');
   await page.click('#queue-filter button[type=submit]');
-  await page.waitForFunction(() => /^10 of 122 queues/.test(document.getElementById('queues-count')?.textContent));
+  await page.waitForFunction(() => /^10 of 123 queues/.test(document.getElementById('queues-count')?.textContent));
   await page.fill('#filter-name', '^zz\\.page\\.00[0-4]$');
   await page.check('#filter-regex');
   await page.click('#queue-filter button[type=submit]');
-  await page.waitForFunction(() => /^5 of 122 queues/.test(document.getElementById('queues-count')?.textContent));
+  await page.waitForFunction(() => /^5 of 123 queues/.test(document.getElementById('queues-count')?.textContent));
   await page.fill('#filter-name', '');
   await page.uncheck('#filter-regex');
   await page.click('#queue-filter button[type=submit]');
-  await page.waitForFunction(() => /^122 of 122/.test(document.getElementById('queues-count')?.textContent));
-  console.log('queues paged (100 + 22) and filtered (10 by name, 5 by regex)');
+  await page.waitForFunction(() => /^123 of 123/.test(document.getElementById('queues-count')?.textContent));
+  console.log('queues paged (100 + 23) and filtered (10 by name, 5 by regex)');
 
   await page.click('nav a:text("Connections")');
   await page.waitForSelector('#connections tr[data-connection]');

@@ -110,18 +110,9 @@ impl Channel {
         let returned = mandatory.then(|| msg.clone());
         let taken = self.node.send_reply(&to, node, msg).await;
         if let Some(msg) = returned.filter(|_| !taken) {
-            let ret = basic::AMQPMethod::Return(basic::Return {
-                reply_code: NO_ROUTE,
-                reply_text: ss("NO_ROUTE"),
-                exchange: ss(&msg.exchange),
-                routing_key: ss(&msg.routing_key),
-            });
-            self.out.content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max).await;
+            self.send_return(&msg).await;
         }
-        if let Some(seq) = seq {
-            self.node.metrics().confirmed.inc();
-            self.confirm_when(confirms::Pending { first: seq, count: 1, stored: futures::future::ready(1).boxed() });
-        }
+        self.confirm_now(seq);
         Ok(())
     }
 
@@ -197,16 +188,26 @@ impl Channel {
     /// the return) in confirm mode.
     async fn publish_unroutable(&mut self, msg: Message, mandatory: bool, seq: Option<u64>) {
         if mandatory {
-            let ret = basic::AMQPMethod::Return(basic::Return {
-                reply_code: NO_ROUTE,
-                reply_text: ss("NO_ROUTE"),
-                exchange: ss(&msg.exchange),
-                routing_key: ss(&msg.routing_key),
-            });
-            self.out.content(self.id, AMQPClass::Basic(ret), &msg, self.frame_max).await;
+            self.send_return(&msg).await;
         }
+        self.confirm_now(seq);
+    }
+
+    /// `basic.return` of `msg`, which nothing took.
+    async fn send_return(&mut self, msg: &Message) {
+        let ret = basic::AMQPMethod::Return(basic::Return {
+            reply_code: NO_ROUTE,
+            reply_text: ss("NO_ROUTE"),
+            exchange: ss(&msg.exchange),
+            routing_key: ss(&msg.routing_key),
+        });
+        self.out.content(self.id, AMQPClass::Basic(ret), msg, self.frame_max).await;
+    }
+
+    /// Confirm publish `seq` (in confirm mode) with nothing to wait for:
+    /// after a return sent before it, in order with the other confirms.
+    fn confirm_now(&mut self, seq: Option<u64>) {
         if let Some(seq) = seq {
-            // After the return, in order with the other confirms.
             self.node.metrics().confirmed.inc();
             self.confirm_when(confirms::Pending { first: seq, count: 1, stored: futures::future::ready(1).boxed() });
         }
