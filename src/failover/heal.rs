@@ -1,7 +1,7 @@
 //! Healing a replica of an older epoch into the newer one, and handing
 //! back what only the older epoch's replicas had stored.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use crate::error::NodeError;
 use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::QueueMeta;
-use crate::queue::epoch::{divergence, shared_numbers, Epoch, EpochReport, ForkRecord};
+use crate::queue::epoch::{divergence, message_key, numbered_in, shared_numbers, Epoch, EpochReport, ForkRecord, Inherited};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::queue::{QueueLog as LogStore, QueueTypes};
@@ -47,6 +47,14 @@ pub(super) fn publishes(e: &Entry<QueueTypes>) -> (Origin, Vec<(&Message, bool)>
         }
     }
     (origin, msgs)
+}
+
+/// Stored messages handed back one per batch, each under its own key
+/// (`queue::epoch::message_key`): another replica of the same epoch may
+/// hand back the same message, from its log's entry or from its stored
+/// state, and the receiver keeps it once.
+fn numbered(ours: Epoch, line: &[Inherited], msgs: Vec<(u64, Message)>) -> impl Iterator<Item = Batch> + '_ {
+    msgs.into_iter().map(move |(seq, m)| (Some(message_key(numbered_in(ours, line, seq), seq)), vec![m]))
 }
 
 impl<H: Host> Failover<H> {
@@ -154,7 +162,7 @@ impl<H: Host> Failover<H> {
                 let fork = left_through_own_forks(self.db(), group, g.epoch, news.epoch).filter(|_| yielding);
                 let batches = match fork {
                     // We formed the fork: what we stored since is ours alone.
-                    Some(f) => self.stored_since_fork(group, f).await?,
+                    Some(f) => self.stored_since_fork(group, g.epoch, f).await?,
                     None => {
                         let record = if yielding {
                             self.fetch_history(group, news).await
@@ -169,7 +177,7 @@ impl<H: Host> Failover<H> {
                         }
                         tracing::info!(queue = %q.name, epoch = %news.epoch, found = record.is_some(), "history of the epoch to join");
                         let shared = self.shared_numbers(&g, news, record.as_ref());
-                        self.handback_set(group, record.as_ref(), shared).await?
+                        self.handback_set(group, g.epoch, record.as_ref(), shared).await?
                     }
                 };
                 let count: usize = batches.iter().map(|b| b.1.len()).sum();
@@ -215,11 +223,13 @@ impl<H: Host> Failover<H> {
     /// What the (stopped) replica that formed a fork holds that the group
     /// it forked from lacks: messages stored since the fork, and publishes
     /// in entries not applied here.
-    pub(super) async fn stored_since_fork(&self, group: GroupId, f: Formed) -> Result<Vec<Batch>, NodeError> {
+    pub(super) async fn stored_since_fork(&self, group: GroupId, ours: Epoch, f: Formed) -> Result<Vec<Batch>, NodeError> {
         let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
         let db = self.db().clone();
         let space = SmSpace::new(db.clone(), group);
-        let mut out = vec![(None, QueueMachine::stored_since(&space, f.next_seq, f.next_order).map_err(|e| io(&e))?)];
+        let line = self.our_line(group, ours);
+        let stored = QueueMachine::stored_since(&space, f.next_seq, f.next_order).map_err(|e| io(&e))?;
+        let mut out: Vec<Batch> = numbered(ours, &line, stored).collect();
         let start = stored_applied(&space).map_err(|e| io(&e))?.map_or(0, |l| l.index + 1);
         let mut log = LogStore::new(db, group);
         let mut reader = log.get_log_reader().await;
@@ -233,16 +243,22 @@ impl<H: Host> Failover<H> {
         Ok(out)
     }
 
+    /// The ancestry of our epoch, from its fork record (none for an epoch
+    /// founded as the group was, or whose record this replica lacks: then
+    /// every number counts as given by `ours`, which holds it all the same).
+    fn our_line(&self, group: GroupId, ours: Epoch) -> Vec<Inherited> {
+        own_record(self.db(), group, ours).ok().flatten().map(|r| r.inherited).unwrap_or_default()
+    }
+
     /// Which of our replica's messages the epoch we join holds or consumed
     /// already, by their numbers (`queue::epoch::shared_numbers`), from its
     /// fork record and ours.
     fn shared_numbers(&self, g: &QueueGroup, news: EpochNews, record: Option<&ForkRecord>) -> Option<(u64, u64)> {
-        let ours = own_record(self.db(), g.meta.group, g.epoch).ok().flatten();
         // The hand-back goes to `news.epoch`: a record of another epoch (a
         // newer one that a replica answered from) tells nothing of what
         // that one holds.
         let their_line = record.filter(|r| r.epoch == news.epoch).map_or(&[][..], |r| &r.inherited);
-        let our_line = ours.map(|r| r.inherited).unwrap_or_default();
+        let our_line = self.our_line(g.meta.group, g.epoch);
         shared_numbers(g.epoch, &our_line, news.epoch, their_line)
     }
 
@@ -308,10 +324,12 @@ impl<H: Host> Failover<H> {
     pub(super) async fn handback_set(
         &self,
         group: GroupId,
+        ours: Epoch,
         record: Option<&ForkRecord>,
         inherited: Option<(u64, u64)>,
     ) -> Result<Vec<Batch>, NodeError> {
         let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
+        let line = self.our_line(group, ours);
         let db = self.db().clone();
         let space = SmSpace::new(db.clone(), group);
         let mut log = LogStore::new(db, group);
@@ -333,31 +351,29 @@ impl<H: Host> Failover<H> {
                     // by counting (a publish refused by reject-publish takes
                     // none). A live message is always found; an identical
                     // twin can only make a consumed one go back too (a
-                    // duplicate, never a loss).
-                    let mut live_here: HashMap<&Message, usize> = HashMap::new();
-                    let stored = QueueMachine::stored_from(&space, 0).map_err(|e| io(&e))?;
-                    for m in &stored {
-                        *live_here.entry(m).or_default() += 1;
+                    // duplicate, never a loss). Each goes back under its
+                    // number, lowest first as the entries numbered them.
+                    let stored = QueueMachine::stored_live(&space).map_err(|e| io(&e))?;
+                    let mut live_here: HashMap<&Message, VecDeque<u64>> = HashMap::new();
+                    for (seq, m) in &stored {
+                        live_here.entry(m).or_default().push_back(*seq);
                     }
+                    let mut live = Vec::new();
                     for e in &entries {
-                        let (origin, msgs) = publishes(e);
-                        let mut live = Vec::new();
-                        for (m, _) in msgs {
-                            if let Some(n) = live_here.get_mut(m).filter(|n| **n > 0) {
-                                *n -= 1;
-                                live.push(m.clone());
+                        for (m, _) in publishes(e).1 {
+                            if let Some(seq) = live_here.get_mut(m).and_then(|seqs| seqs.pop_front()) {
+                                live.push((seq, m.clone()));
                             }
                         }
-                        if !live.is_empty() {
-                            out.push((Some(origin), live));
-                        }
                     }
+                    out.extend(numbered(ours, &line, live));
                 }
                 // The entries are gone: what the other epoch did not
                 // inherit goes back, or else everything live.
                 _ => {
                     let (seq, order) = inherited.unwrap_or((0, 0));
-                    out.push((None, QueueMachine::stored_since(&space, seq, order).map_err(|e| io(&e))?))
+                    let since = QueueMachine::stored_since(&space, seq, order).map_err(|e| io(&e))?;
+                    out.extend(numbered(ours, &line, since));
                 }
             }
         }

@@ -297,7 +297,8 @@ impl QueueMachine {
 
     /// Every message the stored state holds whose body is here, with its
     /// seq, in seq order (tests, tools, re-forming a group).
-    fn stored_live(space: &SmSpace) -> Result<Vec<(u64, Message)>, StorageError> {
+    /// Every live message stored in a group's space, with its seq.
+    pub fn stored_live(space: &SmSpace) -> Result<Vec<(u64, Message)>, StorageError> {
         let (fresh, tracked) = stored_holdings(space)?;
         let mut out = Vec::new();
         for c in bodies::all(space)? {
@@ -313,21 +314,16 @@ impl QueueMachine {
         Ok(Self::stored_live(space)?.into_iter().map(|(_, m)| m).collect())
     }
 
-    /// Live messages with a seq of at least `from` (handed-back ones
-    /// included: their seqs are above every other).
-    pub fn stored_from(space: &SmSpace, from: u64) -> Result<Vec<Message>, StorageError> {
-        Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| *seq >= from).map(|(_, m)| m).collect())
-    }
-
-    /// Live messages stored since the counters were at `next_seq` and
-    /// `next_order` (`Counters::next_requeue`): published, or handed back
-    /// or prioritized (their seqs take an order number), since then.
-    pub fn stored_since(space: &SmSpace, next_seq: u64, next_order: u64) -> Result<Vec<Message>, StorageError> {
+    /// Live messages, with their seqs, stored since the counters were at
+    /// `next_seq` and `next_order` (`Counters::next_requeue`): published,
+    /// or handed back or prioritized (their seqs take an order number),
+    /// since then.
+    pub fn stored_since(space: &SmSpace, next_seq: u64, next_order: u64) -> Result<Vec<(u64, Message)>, StorageError> {
         let since = |seq: u64| match seq & HANDBACK_SEQ {
             0 => seq >= next_seq,
             _ => seq & ORDER_PART >= next_order,
         };
-        Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| since(*seq)).map(|(_, m)| m).collect())
+        Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| since(*seq)).collect())
     }
 
     /// For a stopped replica: replay `entries` (commands of log entries not

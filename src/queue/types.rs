@@ -54,9 +54,11 @@ pub enum QueueCmd {
     /// stored as requeued, so they are served first and marked redelivered.
     Handback {
         /// The log entry (of the old epoch) the messages were published in,
-        /// as `(term, node, index)`: replicas of that epoch holding the same
-        /// entry hand back the same messages, and only the first is kept.
-        /// `None` when the entry is no longer known (then no de-duplication).
+        /// as `(term, node, index)`, for publishes a replica never applied;
+        /// for a stored message, its own number and the epoch that gave it
+        /// (`epoch::message_key`). Replicas of that epoch hand back the same
+        /// messages under the same key, and only the first is kept. `None`
+        /// (written by earlier builds): no de-duplication.
         origin: Option<Origin>,
         msgs: Vec<Message>,
     },
