@@ -171,6 +171,19 @@ impl Transport {
     /// `kill -9` has its sockets closed by the kernel at once, so this is
     /// within milliseconds of its death.
     pub fn link_lost_at(&self, addr: &str) -> Option<Instant> {
+        self.link_loss(addr).map(|l| l.at)
+    }
+
+    /// Whether the connection to `addr` is broken now because the peer's
+    /// end closed it in order (end of stream). A process that exits, or is
+    /// killed, with nothing unread on the link closes it so; a firewall
+    /// that resets connections does not (nor does a kernel that discards
+    /// unread data: then the link is reset, and this says no).
+    pub fn link_closed_in_order(&self, addr: &str) -> bool {
+        self.link_loss(addr).is_some_and(|l| l.orderly)
+    }
+
+    fn link_loss(&self, addr: &str) -> Option<Loss> {
         let peer = self.peers.lock().expect("poisoned").get(addr).cloned()?;
         let lost = *peer.lost_at.lock().expect("poisoned");
         lost
@@ -247,8 +260,9 @@ struct Peer {
     beacon_conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
     /// When the last dial failed, and how long to wait before the next.
     backoff: Mutex<Option<(Instant, Duration)>>,
-    /// When the last connection broke by itself; `None` while one is up.
-    lost_at: Arc<Mutex<Option<Instant>>>,
+    /// When and how the last connection broke by itself; `None` while
+    /// one is up.
+    lost_at: Arc<Mutex<Option<Loss>>>,
     losses: broadcast::Sender<String>,
     next_id: AtomicU64,
     /// Replies are dropped on arrival ([`Transport::deafen`]).
@@ -448,10 +462,19 @@ pub(crate) async fn write_frames(wr: impl tokio::io::AsyncWrite + Unpin, mut rx:
     }
 }
 
+/// How a connection broke by itself.
+#[derive(Debug, Clone, Copy)]
+struct Loss {
+    at: Instant,
+    /// The peer's end closed it (end of stream), rather than a reset or
+    /// a failed read.
+    orderly: bool,
+}
+
 /// Where a connection that breaks by itself tells so: the node link's own
 /// do ([`Transport::losses`]); beacon connections do not.
 struct LossReport {
-    at: Arc<Mutex<Option<Instant>>>,
+    at: Arc<Mutex<Option<Loss>>>,
     to: broadcast::Sender<String>,
     addr: String,
 }
@@ -473,7 +496,12 @@ fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Deafness)
         let (pending, closed) = (pending.clone(), closed.clone());
         tokio::spawn(async move {
             let mut input = FramedRead::new(rd, codec());
-            while let Some(Ok(frame)) = input.next().await {
+            let orderly = loop {
+                let frame = match input.next().await {
+                    Some(Ok(frame)) => frame,
+                    Some(Err(_)) => break false,
+                    None => break true,
+                };
                 if deaf.is_on() {
                     continue;
                 }
@@ -485,13 +513,13 @@ fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Deafness)
                     }
                     None => {
                         tracing::warn!("a reply without an envelope id from a peer; dropping the connection");
-                        break;
+                        break false;
                     }
                 }
-            }
+            };
             closed.store(true, Ordering::Release);
             if let Some(LossReport { at, to, addr }) = lost {
-                at.lock().expect("poisoned").get_or_insert_with(Instant::now);
+                at.lock().expect("poisoned").get_or_insert(Loss { at: Instant::now(), orderly });
                 let _ = to.send(addr);
             }
             // Dropping the senders fails every waiter at once.
@@ -528,6 +556,39 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(lost.is_some_and(|at| at >= before), "the closed link was not noticed");
+        // It had not read the call: its kernel reset the link, which is
+        // no proof that its end closed it (a firewall resets too).
+        assert!(!t.link_closed_in_order(&addr), "a reset taken for an orderly close");
+    }
+
+    /// A peer that read everything and closed its end: an orderly close,
+    /// as a process that exits, or is killed, with nothing unread.
+    #[tokio::test]
+    async fn a_link_the_peer_closed_in_order_is_told_from_a_reset_one() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let t = Transport::new();
+        let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
+        let _reply: Pending<()> = t.start_call(&addr, "anything").await.unwrap();
+        let mut server_side = accept.await.unwrap();
+        let mut buf = [0u8; 4096];
+        while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(200), server_side.read(&mut buf)).await {
+            if n == 0 {
+                break;
+            }
+        }
+        drop(server_side);
+        let mut closed = false;
+        for _ in 0..500 {
+            closed = t.link_closed_in_order(&addr);
+            if closed {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(closed, "the orderly close was not told");
+        assert!(t.link_lost_at(&addr).is_some());
     }
 
     /// A test's cut holds in the link itself: every kind of call to the

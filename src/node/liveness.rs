@@ -34,6 +34,10 @@ impl Prober for Node {
     fn link_lost_at(&self, id: NodeId) -> Option<Instant> {
         self.inner.transport.link_lost_at(&self.inner.addr_of(id)?)
     }
+
+    fn link_closed_in_order(&self, id: NodeId) -> bool {
+        self.inner.addr_of(id).is_some_and(|a| self.inner.transport.link_closed_in_order(&a))
+    }
 }
 
 impl Node {

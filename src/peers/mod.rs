@@ -5,10 +5,14 @@
 //! - a **round of pings** (`Peers::round`): the peers that answer are in
 //!   reach, and seen at the round's start;
 //! - a **refused dial** (`Peers::probe`): nothing listens on the peer's
-//!   port, so its process is gone (`kill -9`, a crash, a stop). A refusal
-//!   is proof, a silent dial is not: a peer behind a partition or paused
-//!   (SIGSTOP) does not refuse, and stays judged by the pings and Raft's
-//!   timers, so a partition cannot unseat a master faster than they do;
+//!   port, so its process is gone (`kill -9`, a crash, a stop), or a
+//!   firewall rejects with a TCP reset in front of a live one. A silent
+//!   dial proves nothing: a peer behind a partition that drops, or paused
+//!   (SIGSTOP), does not refuse, and stays judged by the pings and Raft's
+//!   timers. A refusal is proof of a death only after the peer's end
+//!   closed its link in order or it said it stops (`gone_for_sure`);
+//!   otherwise what a death allows at once (re-forming a group without
+//!   its majority) waits, as for a partition;
 //! - a **notice of departure**: a peer that said, in one of its lives, that
 //!   it is stopping, counts as stopping until it is heard in another life;
 //! - a **link that broke by itself** (read through the [`Prober`] from
@@ -75,6 +79,9 @@ pub trait Prober: Sync {
     fn probe_addr(&self, id: NodeId) -> Option<String>;
     /// When this node's link to `id` broke by itself, if it is broken now.
     fn link_lost_at(&self, id: NodeId) -> Option<Instant>;
+    /// Whether that link is broken because `id`'s end closed it in order
+    /// (end of stream), not reset.
+    fn link_closed_in_order(&self, id: NodeId) -> bool;
 }
 
 /// What a round of pings found.
@@ -95,7 +102,8 @@ struct State {
     reach: Option<(Instant, BTreeSet<NodeId>)>,
     /// When each peer last answered a ping (the start of that round).
     seen: HashMap<NodeId, Instant>,
-    /// Peers whose process is gone (a dial refused), and since when;
+    /// Peers whose port refused a dial (their process is gone, or a
+    /// firewall rejects), and since when;
     /// cleared when they answer a ping.
     dead: HashMap<NodeId, Instant>,
     /// The life each peer was last heard in (its pings and answers say).
@@ -107,14 +115,13 @@ struct State {
 /// The owner of every peer's liveness, for one node.
 pub struct Peers {
     me: NodeId,
-    born: Instant,
     state: Mutex<State>,
     news: watch::Sender<PeerNews>,
 }
 
 impl Peers {
     pub fn new(me: NodeId) -> Self {
-        Peers { me, born: Instant::now(), state: Mutex::default(), news: watch::Sender::new(PeerNews::default()) }
+        Peers { me, state: Mutex::default(), news: watch::Sender::new(PeerNews::default()) }
     }
 
     /// The view the confirm gates follow.
@@ -136,18 +143,21 @@ impl Peers {
         self.state().seen.get(&id).copied()
     }
 
-    /// Whether `id`'s death is proof that it went, not that it has yet to
-    /// come: its port refuses, and it was up during this node's life (it
-    /// answered a ping or pinged us, or a link to it was up and broke),
-    /// or this node has been up for `settle` (a peer that takes longer to
-    /// come back is treated as gone). A peer not heard from since this
-    /// node started may just not be up yet: every node coming back from a
-    /// whole-cluster power cut refuses the others' first dials.
+    /// Whether `id`'s refusals prove that its process went, rather than
+    /// a firewall that answers for it or a peer not up yet. A refusal (a
+    /// TCP reset to a dial) is the same from a host whose process is gone
+    /// and from a firewall that rejects with a reset in front of a live
+    /// one. So the proof is a refusal after the peer's end closed our link
+    /// in order (end of stream: its process exited or was killed with
+    /// nothing unread; a firewall resets), or after it said it is
+    /// stopping; otherwise a refusal counts once it has lasted `settle`,
+    /// as a silence does. That also covers a whole-cluster power cut: the
+    /// first node back is refused by every other only because they are
+    /// not up yet, with no link that closed.
     pub fn gone_for_sure(&self, prober: &impl Prober, id: NodeId, settle: Duration) -> bool {
-        let link_broke = prober.link_lost_at(id).is_some();
         let s = self.state();
-        s.dead.contains_key(&id)
-            && (link_broke || self.born.elapsed() >= settle || s.seen.contains_key(&id) || s.lives.contains_key(&id))
+        let Some(since) = s.dead.get(&id) else { return false };
+        prober.link_closed_in_order(id) || s.departing.contains_key(&id) || since.elapsed() >= settle
     }
 
     /// The latest moment `id`, out of reach now, can have died: when its
@@ -214,7 +224,7 @@ impl Peers {
             s.dead.insert(id, Instant::now()).is_none()
         };
         if newly {
-            tracing::info!(node = id, "peer's port refuses connections: its process is gone");
+            tracing::info!(node = id, "peer's port refuses connections: its process is gone, or a firewall rejects");
         }
         self.news.send_if_modified(|p| {
             let down = p.down.insert(id);
@@ -332,6 +342,8 @@ mod tests {
         answers: BTreeSet<NodeId>,
         addrs: HashMap<NodeId, String>,
         lost: HashMap<NodeId, Instant>,
+        /// Peers whose link closed in order (the rest of `lost` reset).
+        closed: BTreeSet<NodeId>,
     }
 
     impl Prober for Scripted {
@@ -343,6 +355,9 @@ mod tests {
         }
         fn link_lost_at(&self, id: NodeId) -> Option<Instant> {
             self.lost.get(&id).copied()
+        }
+        fn link_closed_in_order(&self, id: NodeId) -> bool {
+            self.lost.contains_key(&id) && self.closed.contains(&id)
         }
     }
 
@@ -364,6 +379,7 @@ mod tests {
             answers: BTreeSet::from([2]),
             addrs: HashMap::from([(3, closed_port()), (4, listening.local_addr().unwrap().to_string())]),
             lost: HashMap::new(),
+            closed: BTreeSet::new(),
         };
         let p = Peers::new(1);
         let r = p.round(&prober, &[2, 3, 4]).await;
@@ -384,34 +400,44 @@ mod tests {
         assert_eq!(p.news().gone, BTreeSet::new());
     }
 
-    /// A refusing port proves a death only of a peer that was up during
-    /// this node's life, or once this node has been up long enough that a
-    /// peer still not back is taken for gone: right after a whole-cluster
-    /// power cut, every peer refuses only because it is not up yet.
+    /// A refusing port proves a death at once only after the peer's end
+    /// closed our link in order, or after it said it stops: a firewall
+    /// that resets answers a dial as a dead process's host does, and right
+    /// after a whole-cluster power cut every peer refuses only because it
+    /// is not up yet. Otherwise the refusal counts once it has lasted the
+    /// settle time.
     #[tokio::test]
-    async fn a_peer_never_heard_in_this_life_is_not_gone_for_sure_until_this_node_settles() {
+    async fn a_refusal_proves_a_death_only_after_an_orderly_close_a_notice_or_the_settle_time() {
         let mut prober = Scripted {
             answers: BTreeSet::new(),
-            addrs: HashMap::from([(2, closed_port()), (3, closed_port())]),
+            addrs: HashMap::from([(2, closed_port()), (3, closed_port()), (4, closed_port())]),
             lost: HashMap::new(),
+            closed: BTreeSet::new(),
         };
         let p = Peers::new(1);
         p.heard_life(3, 4);
-        assert!(p.probe(&prober, 2).await && p.probe(&prober, 3).await);
+        for id in [2, 3, 4] {
+            assert!(p.probe(&prober, id).await);
+        }
         let settle = Duration::from_secs(3600);
-        assert!(!p.gone_for_sure(&prober, 2, settle), "never heard: may just not be up yet");
-        assert!(p.gone_for_sure(&prober, 3, settle), "it pinged this node in this life");
-        assert!(p.gone_for_sure(&prober, 2, Duration::ZERO), "this node has been up for the settle time");
-        prober.lost = HashMap::from([(2, Instant::now()), (4, Instant::now())]);
-        assert!(p.gone_for_sure(&prober, 2, settle), "a link to it was up and broke");
-        assert!(!p.gone_for_sure(&prober, 4, Duration::ZERO), "not dead at all");
+        assert!(!p.gone_for_sure(&prober, 2, settle), "no link ever: may just not be up yet");
+        assert!(!p.gone_for_sure(&prober, 3, settle), "heard in this life, but a firewall may answer for it");
+        prober.lost = HashMap::from([(2, Instant::now()), (3, Instant::now()), (5, Instant::now())]);
+        prober.closed = BTreeSet::from([3, 5]);
+        assert!(!p.gone_for_sure(&prober, 2, settle), "its link was reset: a firewall, maybe");
+        assert!(p.gone_for_sure(&prober, 3, settle), "its end closed the link, then nothing listened");
+        assert!(!p.gone_for_sure(&prober, 5, Duration::ZERO), "closed in order but never refused: not dead");
+        assert!(p.departs(4, 4));
+        assert!(p.gone_for_sure(&prober, 4, settle), "it said it stops, then nothing listened");
+        assert!(p.gone_for_sure(&prober, 2, Duration::ZERO), "refused for the settle time");
     }
 
     /// A peer out of reach died no later than its link broke, if that was
     /// after it last answered; otherwise all that is known is "by now".
     #[tokio::test]
     async fn a_link_that_broke_after_the_last_answer_bounds_the_death() {
-        let mut prober = Scripted { answers: BTreeSet::from([2]), addrs: HashMap::new(), lost: HashMap::new() };
+        let mut prober =
+            Scripted { answers: BTreeSet::from([2]), addrs: HashMap::new(), lost: HashMap::new(), closed: BTreeSet::new() };
         let p = Peers::new(1);
         let before = Instant::now();
         p.round(&prober, &[2]).await;

@@ -30,6 +30,7 @@ or noted, and the output says so.
 """
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -60,7 +61,8 @@ UNACKED_BACK_SECS = 15  # the issue's 10 s for a lost consumer's unacked, plus a
 # After a heal the minority's fork still serves until it learns that it
 # yields; what it confirms or delivers meanwhile counts as "during" the split.
 HEAL_GRACE_SECS = 10
-FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "partition-reject", "restart", "move", "classic",
+FAULT_KINDS = ("kill9", "kill9-unacked", "sigstop", "partition", "partition-reject", "partition-reset", "restart", "move",
+               "classic",
                "pause-heal", "powercut", "powercut-all", "corrupt", "fsync-eio", "slow-disk", "disk-full")
 # Faults of the disk itself: only with --faultfs, which puts every node's
 # data dir on a filesystem that forgets what was not synced.
@@ -188,11 +190,24 @@ class Net:
         """`route`: blackhole drops what `a` and `b` send each other;
         unreachable rejects it at once, as a firewall that answers with an
         ICMP host-unreachable (a dial fails with EHOSTUNREACH, not a
-        refusal: the peer is not dead)."""
+        refusal: the peer is not dead); reset is a firewall that rejects
+        TCP with a reset (nftables on each side's input: a dial is refused
+        and a live connection reset, exactly as if the peer's process were
+        gone)."""
         for x, y in ((a, b), (b, a)):
-            if (x, y) not in self.cuts:
+            if (x, y) in self.cuts:
+                continue
+            if route == "reset":
+                ns = self.ns[x]
+                sh("ip", "netns", "exec", ns, "nft", "add", "table", "inet", "mqf")
+                sh("ip", "netns", "exec", ns, "nft", "add", "chain", "inet", "mqf", "input",
+                   "{ type filter hook input priority 0 ; }")
+                # A reset itself passes: the other side's firewall sends it.
+                sh("ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "mqf", "input",
+                   "ip", "saddr", self.addr(y), "tcp", "flags", "&", "rst", "==", "0", "reject", "with", "tcp", "reset")
+            else:
                 sh("ip", "-n", self.ns[x], "route", "add", route, f"{self.addr(y)}/32")
-                self.cuts[(x, y)] = route
+            self.cuts[(x, y)] = route
 
     def cut_from(self, a, b):
         """`a` can no longer send to `b` (one way: `b` still sends to `a`)."""
@@ -202,7 +217,10 @@ class Net:
 
     def heal(self):
         for (x, y), route in sorted(self.cuts.items()):
-            sh("ip", "-n", self.ns[x], "route", "del", route, f"{self.addr(y)}/32", check=False)
+            if route == "reset":
+                sh("ip", "netns", "exec", self.ns[x], "nft", "delete", "table", "inet", "mqf", check=False)
+            else:
+                sh("ip", "-n", self.ns[x], "route", "del", route, f"{self.addr(y)}/32", check=False)
         self.cuts.clear()
 
 
@@ -683,6 +701,15 @@ def plan(seed, args):
             f["nodes"] = rng.sample(ids, len(ids))
             f["hold"] = max(f["hold"], 12.0)  # the paused wake past the failure timeout
             kinds.pop("pause-heal")
+        elif kind == "partition-reset":
+            # Only when asked for, as partition-reject: a firewall that
+            # rejects TCP with a reset (nftables), which answers a dial as
+            # the host of a dead process does.
+            shape = rng.choice(["halves", "isolate"])
+            order = rng.sample(ids, len(ids))
+            cut = len(ids) // 2 if shape == "halves" else 1
+            f.update(kind="partition", shape=f"reset-{shape}", route="reset", bridge=None,
+                     sides=[sorted(order[:cut]), sorted(order[cut:])])
         elif kind == "partition-reject":
             # Only when asked for (--faults): in the default mix it would
             # change every seed's schedule.
@@ -1119,6 +1146,38 @@ def log_storms(path):
     return {k: n for k, n in seen.items() if n > STORM_LINES_PER_MINUTE}
 
 
+REFORM_LINE = "no majority of the queue's replicas"
+
+
+def early_reforms(c, faults, failure_timeout):
+    """A partition by a firewall that rejects (ICMP unreachable, or TCP
+    reset) must not make a live node look dead: no queue may be re-formed
+    before the failure timeout has run since the cut, as for a partition
+    that drops. Lines of every node's log that did: each fails the run."""
+    found = []
+    for f in faults:
+        if f.get("route") not in ("unreachable", "reset") or "cut_at" not in f:
+            continue
+        start, end = T0 + f["cut_at"], T0 + min(f["cut_at"] + failure_timeout - 0.5, f.get("healed_at", 1e12))
+        for i, n in c.nodes.items():
+            try:
+                lines = open(n.log, errors="replace").read().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                line = ANSI.sub("", line)
+                if REFORM_LINE not in line or not line[:4].isdigit():
+                    continue
+                try:
+                    at = datetime.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00")).timestamp()
+                except ValueError:
+                    continue
+                if start <= at < end:
+                    found.append(f"n{i} re-formed a queue {at - start:.1f}s into {describe(f)}, before the failure "
+                                 f"timeout ({failure_timeout}s): a live peer behind a firewall taken for dead")
+    return found
+
+
 def read_lines(path):
     try:
         with open(path) as f:
@@ -1471,6 +1530,8 @@ def analyse(args, seed, root, faults, c, out, wedged, undrained, held, splits):
                            f"worst {n} in {minute}: {shape}")
     if c.rabbit:
         rabbit_restarts(c)
+    if not c.rabbit:
+        c.fatal.extend(early_reforms(c, faults, args.failure_timeout or FAILURE_TIMEOUT_SECS))
     bound = duplicate_bound(args, faults, out)
     if bound is not None and dups > bound:
         c.anomalies.append(f"{dups} duplicates, more than the {bound} the faults allow")
