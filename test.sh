@@ -2,7 +2,8 @@
 # Runs every test on a fresh machine, installing what the tests drive: the
 # stock Python clients (pika, Celery) in a virtual environment under
 # target/, Debian's rabbitmqadmin (unpacked from its package), Debian's
-# Chromium and playwright-core for the browser test of the web UI.
+# Chromium and playwright-core for the browser test of the web UI,
+# Debian's nftables for the fault campaign's firewall.
 # Formatting and clippy's lints are checked first. Extra arguments go to
 # `cargo test` (e.g. `./test.sh --test t40_amqp`).
 set -euo pipefail
@@ -35,6 +36,10 @@ if ! command -v chromium >/dev/null; then
   $SUDO apt-get install -y -q chromium || { $SUDO apt-get update -q && $SUDO apt-get install -y -q chromium; }
 fi
 npm install --prefix tests/ui --no-audit --no-fund --silent
+# nftables: the fault campaign's firewall that rejects with a TCP reset (t60).
+if ! command -v nft >/dev/null; then
+  $SUDO apt-get install -y -q nftables || { $SUDO apt-get update -q && $SUDO apt-get install -y -q nftables; }
+fi
 
 # The code's form first: formatting and lints are part of the tests.
 cargo fmt --all -- --check

@@ -517,7 +517,12 @@ async fn a_heal_past_a_compacted_split_hands_back_only_what_came_after_it() {
     // during the split, each from its stored state (neither log holds the
     // entries any more): the master keeps each message once.
     let twice: Vec<&&str> = count.keys().filter(|m| count[**m] > 1).collect();
-    assert!(twice.is_empty(), "{} messages handed back by both replicas of one side: {:?}", twice.len(), &twice[..twice.len().min(5)]);
+    assert!(
+        twice.is_empty(),
+        "{} messages handed back by both replicas of one side: {:?}",
+        twice.len(),
+        &twice[..twice.len().min(5)]
+    );
     c.shutdown().await;
 }
 

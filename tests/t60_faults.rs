@@ -2,7 +2,8 @@
 //! in network namespaces under a confirmed publish / consume load on every
 //! node, with kill -9, SIGSTOP, partitions and restarts chosen by seed, then
 //! a check that no confirmed message was lost, none appeared from nowhere
-//! and no queue was left wedged. Needs root and `ip netns` (CI has both);
+//! and no queue was left wedged; then partitions by a firewall that
+//! resets (nftables). Needs root and `ip netns` (CI has both);
 //! elsewhere it says why and passes without running.
 
 use std::process::Command;
@@ -44,4 +45,25 @@ fn fault_campaign_loses_no_confirmed_message() {
     eprintln!("{stderr}");
     assert!(out.status.success(), "the fault campaign failed ({}):\n{stdout}\n{stderr}", out.status);
     assert!(stdout.contains("campaign: runs=2 passed=2 failed=0"), "no summary line:\n{stdout}");
+
+    // A firewall that rejects with a TCP reset answers a dial as the host
+    // of a dead process does: partitions by one alone, and the run fails
+    // if a node re-forms a queue before the failure timeout (it took its
+    // live peers for dead).
+    if Command::new("nft").arg("--version").output().is_err() {
+        eprintln!("t60_faults: the reset partitions skipped: no `nft` (nftables; test.sh installs it)");
+        return;
+    }
+    let out = Command::new("python3")
+        .args([script, "--bin", env!("CARGO_BIN_EXE_mirrorq"), "--nodes", "3", "--seeds", "3", "--duration", "30"])
+        .args(["--faults", "partition-reset"])
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(out.status.success(), "the reset-partition campaign failed ({}):\n{stdout}\n{stderr}", out.status);
+    assert!(stdout.contains("campaign: runs=1 passed=1 failed=0"), "no summary line:\n{stdout}");
 }

@@ -15,7 +15,9 @@ use crate::error::NodeError;
 use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::QueueMeta;
-use crate::queue::epoch::{divergence, message_key, numbered_in, shared_numbers, Epoch, EpochReport, ForkRecord, Inherited};
+use crate::queue::epoch::{
+    divergence, message_key, numbered_in, shared_numbers, Epoch, EpochReport, ForkRecord, Inherited,
+};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::queue::{QueueLog as LogStore, QueueTypes};
@@ -223,7 +225,12 @@ impl<H: Host> Failover<H> {
     /// What the (stopped) replica that formed a fork holds that the group
     /// it forked from lacks: messages stored since the fork, and publishes
     /// in entries not applied here.
-    pub(super) async fn stored_since_fork(&self, group: GroupId, ours: Epoch, f: Formed) -> Result<Vec<Batch>, NodeError> {
+    pub(super) async fn stored_since_fork(
+        &self,
+        group: GroupId,
+        ours: Epoch,
+        f: Formed,
+    ) -> Result<Vec<Batch>, NodeError> {
         let io = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
         let db = self.db().clone();
         let space = SmSpace::new(db.clone(), group);

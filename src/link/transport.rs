@@ -7,6 +7,7 @@
 //! with exponential backoff so a dead peer costs nothing but a fast error.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -331,13 +332,14 @@ impl Peer {
             Err(_) => return Err(self.dial_failed("connect timed out".into())),
         };
         let _ = stream.set_nodelay(true);
+        let fd = stream.as_raw_fd();
         let stream = match self.guard.open(&self.addr, stream).await {
             Ok(io) => io,
             Err(why) => return Err(self.dial_failed(why)),
         };
         *self.backoff.lock().expect("poisoned") = None;
         *self.lost_at.lock().expect("poisoned") = None;
-        let lost = LossReport { at: self.lost_at.clone(), to: self.losses.clone(), addr: self.addr.clone() };
+        let lost = LossReport { at: self.lost_at.clone(), to: self.losses.clone(), addr: self.addr.clone(), fd };
         let conn = Arc::new(start_conn(stream, Some(lost), self.deaf.clone()));
         *slot = Some(conn.clone());
         Ok(conn)
@@ -477,6 +479,29 @@ struct LossReport {
     at: Arc<Mutex<Option<Loss>>>,
     to: broadcast::Sender<String>,
     addr: String,
+    /// The connection's TCP socket, open as long as its read half.
+    fd: RawFd,
+}
+
+/// Linux's TCP state after the peer's FIN, before ours (`tcp_states.h`).
+const TCP_CLOSE_WAIT: u8 = 8;
+
+/// Whether the peer's end of socket `fd` closed it in order: the peer sent
+/// its FIN and nothing reset the connection since (its state is
+/// CLOSE_WAIT; a reset leaves it CLOSED). Asked of the socket rather than
+/// told by the read that ended: a reset's error goes to whichever call
+/// meets it first, often a write, and the read after it sees an end of
+/// stream like a FIN's.
+fn peer_closed_in_order(fd: RawFd) -> bool {
+    // SAFETY: all-zero is a valid `tcp_info` (plain integers).
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `fd` is a socket the caller keeps open; `info` and `len`
+    // are valid for writes of `len` bytes, which getsockopt does not exceed.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&raw mut info).cast::<libc::c_void>(), &mut len)
+    };
+    rc == 0 && info.tcpi_state == TCP_CLOSE_WAIT
 }
 
 fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Deafness) -> Conn {
@@ -497,10 +522,12 @@ fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Deafness)
         tokio::spawn(async move {
             let mut input = FramedRead::new(rd, codec());
             let orderly = loop {
+                // Ended by an end of stream or an error (TLS reports a
+                // peer gone without its close_notify as one): the socket
+                // tells whether the peer's end closed it in order.
                 let frame = match input.next().await {
                     Some(Ok(frame)) => frame,
-                    Some(Err(_)) => break false,
-                    None => break true,
+                    _ => break lost.as_ref().is_some_and(|l| peer_closed_in_order(l.fd)),
                 };
                 if deaf.is_on() {
                     continue;
@@ -518,7 +545,7 @@ fn start_conn(stream: Box<dyn LinkIo>, lost: Option<LossReport>, deaf: Deafness)
                 }
             };
             closed.store(true, Ordering::Release);
-            if let Some(LossReport { at, to, addr }) = lost {
+            if let Some(LossReport { at, to, addr, .. }) = lost {
                 at.lock().expect("poisoned").get_or_insert(Loss { at: Instant::now(), orderly });
                 let _ = to.send(addr);
             }

@@ -436,8 +436,12 @@ mod tests {
     /// after it last answered; otherwise all that is known is "by now".
     #[tokio::test]
     async fn a_link_that_broke_after_the_last_answer_bounds_the_death() {
-        let mut prober =
-            Scripted { answers: BTreeSet::from([2]), addrs: HashMap::new(), lost: HashMap::new(), closed: BTreeSet::new() };
+        let mut prober = Scripted {
+            answers: BTreeSet::from([2]),
+            addrs: HashMap::new(),
+            lost: HashMap::new(),
+            closed: BTreeSet::new(),
+        };
         let p = Peers::new(1);
         let before = Instant::now();
         p.round(&prober, &[2]).await;
