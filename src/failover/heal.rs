@@ -15,9 +15,8 @@ use crate::error::NodeError;
 use crate::failover::{Failover, Host, QueueGroup};
 use crate::ids::{GroupId, NodeId};
 use crate::metadata::QueueMeta;
-use crate::queue::epoch::{
-    divergence, message_key, numbered_in, shared_numbers, Epoch, EpochReport, ForkRecord, Inherited,
-};
+use crate::queue::epoch::{divergence, shared_numbers, Epoch, EpochReport, ForkRecord, Inherited};
+use crate::queue::state::{message_key, numbered_in};
 use crate::queue::types::Origin;
 use crate::queue::{Message, QueueCmd, QueueMachine};
 use crate::queue::{QueueLog as LogStore, QueueTypes};

@@ -24,8 +24,6 @@ use std::fmt;
 use openraft::LogId;
 use serde::{Deserialize, Serialize};
 
-use super::state::{HANDBACK_SEQ, ORDER_PART};
-use super::types::Origin;
 use crate::ids::NodeId;
 
 /// Which incarnation of a queue's group a replica belongs to. `(0, 0)` is
@@ -123,45 +121,6 @@ pub fn shared_numbers(
     })
 }
 
-/// Marks a hand-back key that names a message by its number (see
-/// [`message_key`]) rather than a log entry: no node id has this bit.
-const NUMBERED: u64 = 1 << 62;
-
-/// The epoch that gave message `seq` its number, for a replica in epoch
-/// `ours` whose fork record's ancestry is `line` (nearest first). An epoch
-/// numbers from the counters it inherited on: plain seqs from
-/// `next_seq`, tracked ones (handed back, prioritized) by their order part
-/// from `next_order`; below those bounds a number was given by the epoch
-/// it was formed from, and so on up the line. Every replica of that epoch
-/// holds the same message under that number (its committed entries gave
-/// it), whatever later epoch it is in now.
-pub fn numbered_in(ours: Epoch, line: &[Inherited], seq: u64) -> Epoch {
-    let tracked = seq & HANDBACK_SEQ != 0;
-    let below = |i: &Inherited| match tracked {
-        false => seq < i.next_seq,
-        true => seq & ORDER_PART < i.next_order,
-    };
-    // `line[k]` holds what `line[k].from` had when the epoch nearer to us
-    // was formed from it: a number below it came from that one or earlier.
-    let mut era = ours;
-    for i in line {
-        if !below(i) {
-            break;
-        }
-        era = i.from;
-    }
-    era
-}
-
-/// The hand-back key of a stored message: its number and the epoch that
-/// gave it ([`numbered_in`]), in the shape of an entry's [`Origin`] with
-/// [`NUMBERED`] in the node. Two replicas handing back the same message,
-/// whether their logs still hold the entry that published it or not, give
-/// the same key, and the receiver keeps the first (`QueueCmd::Handback`).
-pub fn message_key(era: Epoch, seq: u64) -> Origin {
-    (era.term, era.node | NUMBERED, seq)
-}
-
 /// What a replica tells of the epoch it is in.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EpochReport {
@@ -230,35 +189,6 @@ mod tests {
 
     fn log(spec: &[(u64, NodeId, std::ops::RangeInclusive<u64>)]) -> Vec<LogId<NodeId>> {
         spec.iter().flat_map(|(t, n, r)| r.clone().map(move |i| id(*t, *n, i))).collect()
-    }
-
-    #[test]
-    fn a_message_is_keyed_by_the_epoch_that_numbered_it_alike_on_siblings() {
-        let e = |term, node| Epoch { term, node };
-        let fork = |from, next_seq, next_order| Inherited { from, next_seq, next_order };
-        let (root, parent) = (e(0, 0), e(15, 3));
-        // Two siblings formed from `parent` at the same point, which was
-        // formed from `root` when root had numbered 1,000 plain messages
-        // and 40 tracked ones.
-        let (a, b) = (e(16, 2), e(16, 3));
-        let line = [fork(parent, 5_000, 60), fork(root, 1_000, 40)];
-        let tracked = |order: u64| HANDBACK_SEQ | order;
-        for (seq, era) in [(999, root), (1_000, parent), (4_999, parent), (tracked(39), root), (tracked(59), parent)] {
-            assert_eq!(numbered_in(a, &line, seq), era, "seq {seq:#x}");
-            assert_eq!(message_key(numbered_in(a, &line, seq), seq), message_key(numbered_in(b, &line, seq), seq));
-        }
-        // What each sibling numbered itself is its own: the same number
-        // names different messages there.
-        assert_eq!(numbered_in(a, &line, 5_000), a);
-        assert_ne!(message_key(numbered_in(a, &line, 5_000), 5_000), message_key(numbered_in(b, &line, 5_000), 5_000));
-        assert_eq!(numbered_in(b, &line, tracked(60)), b);
-        // A priority in a tracked seq does not move it to another epoch.
-        assert_eq!(numbered_in(a, &line, tracked(59) | 3 << 48), parent);
-        // No record: everything is the epoch's own (it holds it all).
-        assert_eq!(numbered_in(a, &[], 7), a);
-        // Never an entry's origin: no node id has the bit.
-        let (_, node, _) = message_key(root, 7);
-        assert_ne!(node, 0);
     }
 
     #[test]

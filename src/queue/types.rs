@@ -56,7 +56,7 @@ pub enum QueueCmd {
         /// The log entry (of the old epoch) the messages were published in,
         /// as `(term, node, index)`, for publishes a replica never applied;
         /// for a stored message, its own number and the epoch that gave it
-        /// (`epoch::message_key`). Replicas of that epoch hand back the same
+        /// (`state::message_key`). Replicas of that epoch hand back the same
         /// messages under the same key, and only the first is kept. `None`
         /// (written by earlier builds): no de-duplication.
         origin: Option<Origin>,
