@@ -160,7 +160,7 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
     let handback = RpcRequest::from(ask::Handback {
         group: q.group,
         epoch: Default::default(),
-        batches: vec![(None, vec![common::msg("smuggled")])],
+        batches: vec![(None, vec![(None, common::msg("smuggled"))])],
     });
     let publish = RpcRequest::from(ask::Queue {
         group: q.group,

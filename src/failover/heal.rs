@@ -28,21 +28,25 @@ use mirrorq_storage::{SmSpace, StorageError};
 /// Handed-back messages travel in chunks of at most this many bytes.
 const HANDBACK_CHUNK_BYTES: usize = 1 << 20;
 
-/// Messages handed back together: those one old-epoch entry published.
-pub(super) type Batch = (Option<Origin>, Vec<Message>);
+/// Messages handed back together: those one old-epoch entry published
+/// (its origin, where known), each with its own key where known.
+pub(super) type Batch = ask::HandbackBatch;
 
-/// What a log entry published: its origin and its messages, each marked
-/// if it was a hand-back (stored outside the seq range) rather than a publish.
-pub(super) fn publishes(e: &Entry<QueueTypes>) -> (Origin, Vec<(&Message, bool)>) {
+/// What a log entry published: its origin and its messages, each with
+/// the key a hand-back gave it (a message handed back under a key keeps
+/// it when handed back again from an entry never applied).
+pub(super) fn publishes(e: &Entry<QueueTypes>) -> (Origin, Vec<(&Message, Option<Origin>)>) {
     let origin = (e.log_id.leader_id.term, e.log_id.leader_id.node_id, e.log_id.index);
     let mut msgs = Vec::new();
     if let EntryPayload::Normal(cmds) = &e.payload {
         for c in cmds.iter() {
             match c {
-                QueueCmd::Enqueue { msgs: m } | QueueCmd::EnqueueExpiring { msgs: m, .. } => {
-                    msgs.extend(m.iter().map(|m| (m, false)))
+                QueueCmd::Enqueue { msgs: m }
+                | QueueCmd::EnqueueExpiring { msgs: m, .. }
+                | QueueCmd::Handback { msgs: m, .. } => msgs.extend(m.iter().map(|m| (m, None))),
+                QueueCmd::HandbackKeyed { msgs: m, keys, .. } => {
+                    msgs.extend(m.iter().enumerate().map(|(i, m)| (m, keys.get(i).copied().flatten())))
                 }
-                QueueCmd::Handback { msgs: m, .. } => msgs.extend(m.iter().map(|m| (m, true))),
                 _ => {}
             }
         }
@@ -50,12 +54,16 @@ pub(super) fn publishes(e: &Entry<QueueTypes>) -> (Origin, Vec<(&Message, bool)>
     (origin, msgs)
 }
 
-/// Stored messages handed back one per batch, each under its own key
-/// (`queue::epoch::message_key`): another replica of the same epoch may
-/// hand back the same message, from its log's entry or from its stored
-/// state, and the receiver keeps it once.
+/// The key of our stored message `seq` (`state::message_key`): the same
+/// on every replica of our epoch, read from its log or its stored state.
+fn key_of(ours: Epoch, line: &[Inherited], seq: u64) -> Option<Origin> {
+    Some(message_key(numbered_in(ours, line, seq), seq))
+}
+
+/// Stored messages handed back one per batch, each under its own key: no
+/// log entry names them here (the log was compacted past them).
 fn numbered(ours: Epoch, line: &[Inherited], msgs: Vec<(u64, Message)>) -> impl Iterator<Item = Batch> + '_ {
-    msgs.into_iter().map(move |(seq, m)| (Some(message_key(numbered_in(ours, line, seq), seq)), vec![m]))
+    msgs.into_iter().map(move |(seq, m)| (None, vec![(key_of(ours, line, seq), m)]))
 }
 
 impl<H: Host> Failover<H> {
@@ -242,7 +250,7 @@ impl<H: Host> Failover<H> {
         for e in reader.try_get_log_entries(start..).await.map_err(|e| io(&e))? {
             let (origin, msgs) = publishes(&e);
             if !msgs.is_empty() {
-                out.push((Some(origin), msgs.into_iter().map(|(m, _)| m.clone()).collect()));
+                out.push((Some(origin), msgs.into_iter().map(|(m, key)| (key, m.clone())).collect()));
             }
         }
         out.retain(|b| !b.1.is_empty());
@@ -358,21 +366,26 @@ impl<H: Host> Failover<H> {
                     // none). A live message is always found; an identical
                     // twin can only make a consumed one go back too (a
                     // duplicate, never a loss). Each goes back under its
-                    // number, lowest first as the entries numbered them.
+                    // entry and its number (lowest first, as the entries
+                    // numbered them): another replica of our epoch may
+                    // name it by either.
                     let stored = QueueMachine::stored_live(&space).map_err(|e| io(&e))?;
                     let mut live_here: HashMap<&Message, VecDeque<u64>> = HashMap::new();
                     for (seq, m) in &stored {
                         live_here.entry(m).or_default().push_back(*seq);
                     }
-                    let mut live = Vec::new();
                     for e in &entries {
-                        for (m, _) in publishes(e).1 {
+                        let (origin, msgs) = publishes(e);
+                        let mut live = Vec::new();
+                        for (m, _) in msgs {
                             if let Some(seq) = live_here.get_mut(m).and_then(|seqs| seqs.pop_front()) {
-                                live.push((seq, m.clone()));
+                                live.push((key_of(ours, &line, seq), m.clone()));
                             }
                         }
+                        if !live.is_empty() {
+                            out.push((Some(origin), live));
+                        }
                     }
-                    out.extend(numbered(ours, &line, live));
                 }
                 // The entries are gone: what the other epoch did not
                 // inherit goes back, or else everything live.
@@ -407,9 +420,14 @@ impl<H: Host> Failover<H> {
             for (c, n) in cmds.iter().zip(counts) {
                 match c {
                     QueueCmd::Enqueue { msgs: m } | QueueCmd::EnqueueExpiring { msgs: m, .. } => {
-                        msgs.extend(m.iter().take(n as usize).cloned())
+                        msgs.extend(m.iter().take(n as usize).map(|m| (None, m.clone())))
                     }
-                    QueueCmd::Handback { msgs: m, .. } if n > 0 => msgs.extend(m.iter().cloned()),
+                    QueueCmd::Handback { msgs: m, .. } if n > 0 => msgs.extend(m.iter().map(|m| (None, m.clone()))),
+                    // Under the keys they came with: the receiver keeps
+                    // each once, whoever hands it back.
+                    QueueCmd::HandbackKeyed { msgs: m, keys, .. } if n > 0 => {
+                        msgs.extend(m.iter().enumerate().map(|(i, m)| (keys.get(i).copied().flatten(), m.clone())))
+                    }
                     _ => {}
                 }
             }
@@ -441,7 +459,7 @@ impl<H: Host> Failover<H> {
             let mut chunk = Vec::new();
             let mut bytes = 0;
             while let Some(b) = rest.next_if(|_| chunk.is_empty() || bytes <= HANDBACK_CHUNK_BYTES) {
-                bytes += b.1.iter().map(|m| m.body.len() + m.properties.len()).sum::<usize>();
+                bytes += b.1.iter().map(|(_, m)| m.body.len() + m.properties.len()).sum::<usize>();
                 chunk.push(b);
             }
             loop {

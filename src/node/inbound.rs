@@ -23,8 +23,6 @@ use crate::wire::ask;
 use crate::wire::raft_net::EpochNews;
 use crate::wire::{Appends, ClientReply, ClientRequest, Installs, RpcRequest, RpcResponse};
 
-type HandbackBatch = (Option<crate::queue::types::Origin>, Vec<crate::queue::Message>);
-
 /// How long a request for a replica about to start waits for it.
 const REPLICA_START_WAIT: Duration = Duration::from_millis(200);
 
@@ -238,11 +236,17 @@ impl Inner {
         RpcResponse::Done
     }
 
-    async fn on_handback(&self, group: GroupId, epoch: Epoch, batches: Vec<HandbackBatch>) -> RpcResponse {
+    async fn on_handback(&self, group: GroupId, epoch: Epoch, batches: Vec<ask::HandbackBatch>) -> RpcResponse {
         let g = self.groups.get(group);
         match g {
             Some(g) if g.epoch == epoch => {
-                let cmds = batches.into_iter().map(|(origin, msgs)| QueueCmd::Handback { origin, msgs }).collect();
+                let cmds = batches
+                    .into_iter()
+                    .map(|(origin, keyed)| {
+                        let (keys, msgs) = keyed.into_iter().unzip();
+                        QueueCmd::HandbackKeyed { origin, keys, msgs }
+                    })
+                    .collect();
                 RpcResponse::Queue(self.local_queue_op(group, cmds, Lane::Arrival).await)
             }
             // The epoch moved on again: the sender must heal into this one.

@@ -457,7 +457,11 @@ impl QueueState {
             }
             QueueCmd::Delete => self.delete(changes),
             QueueCmd::Status => QueueReply::Status { ready: self.ready_count(), unacked: self.unacked_count() },
-            QueueCmd::Handback { origin, msgs } => self.handback(*origin, msgs.len(), changes),
+            QueueCmd::Handback { origin, msgs } => self.handback(*origin, &vec![None; msgs.len()], changes),
+            QueueCmd::HandbackKeyed { origin, keys, msgs } => {
+                let keys: Vec<Option<Origin>> = (0..msgs.len()).map(|i| keys.get(i).copied().flatten()).collect();
+                self.handback(*origin, &keys, changes)
+            }
             QueueCmd::Fork(record) => self.fork(record.epoch.term, record.epoch.node, changes),
             QueueCmd::Stamp { now_ms, limits } => {
                 self.now_ms = *now_ms;
@@ -543,14 +547,23 @@ impl QueueState {
 
     /// Take back `count` messages of an old epoch as requeued ones (none if
     /// those of `origin` were taken back already).
-    fn handback(&mut self, origin: Option<Origin>, count: usize, changes: &mut Vec<Change>) -> QueueReply {
-        if let Some(o) = origin {
-            if !self.handed.insert(o) {
-                return QueueReply::Enqueued { count: 0 };
+    /// Store handed-back messages (`keys[i]` is message `i`'s own key, if
+    /// the sender knew it): none if the entry `origin` was handed back
+    /// already, else those whose key was not. Every key is remembered,
+    /// also of a batch whose entry was handed back already: that batch
+    /// names, by number, messages stored under the entry's name, which a
+    /// third replica may hand back by number alone.
+    fn handback(&mut self, origin: Option<Origin>, keys: &[Option<Origin>], changes: &mut Vec<Change>) -> QueueReply {
+        let fresh: Vec<usize> = match origin.is_some_and(|o| self.handed.contains(&o)) {
+            true => Vec::new(),
+            false => (0..keys.len()).filter(|i| keys[*i].is_none_or(|k| !self.handed.contains(&k))).collect(),
+        };
+        for k in origin.into_iter().chain(keys.iter().flatten().copied()) {
+            if self.handed.insert(k) {
+                changes.push(Change::Handed { origin: k });
             }
-            changes.push(Change::Handed { origin: o });
         }
-        for i in 0..count {
+        for &i in &fresh {
             // Outside the never-delivered range, which must stay
             // contiguous: a seq space of its own, unique by the order
             // it borrows.
@@ -561,7 +574,7 @@ impl QueueState {
             self.requeued.insert(order, seq);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         }
-        QueueReply::Enqueued { count: count as u32 }
+        QueueReply::Enqueued { count: fresh.len() as u32 }
     }
 
     /// The group was re-formed on this replica's lineage by `node`, from a
@@ -859,6 +872,42 @@ mod tests {
             })
             .collect();
         (d, c)
+    }
+
+    /// Replicas of one old epoch name a handed-back message by the entry
+    /// that published it, by its number, or both: it is stored once
+    /// whichever comes first.
+    #[test]
+    fn a_handed_back_message_is_kept_once_whether_named_by_its_entry_or_its_number() {
+        let keyed = |origin, keys: Vec<Option<Origin>>, bodies: &[&str]| QueueCmd::HandbackKeyed {
+            origin,
+            keys,
+            msgs: bodies.iter().map(|b| msg(b)).collect(),
+        };
+        let stored = |r: QueueReply| match r {
+            QueueReply::Enqueued { count } => count,
+            other => panic!("{other:?}"),
+        };
+        let entry = Some((3, 1, 40));
+        let (k1, k2, k3) = (Some((2, 1 << 62, 7)), Some((2, 1 << 62, 8)), Some((2, 1 << 62, 9)));
+        // By entry alone first (a replica that never applied it), then by
+        // both (one whose log has it), then by number alone (one restored
+        // from a snapshot): the later ones add nothing.
+        let mut s = QueueState::default();
+        let mut c = Vec::new();
+        assert_eq!(stored(s.apply(&keyed(entry, vec![None, None], &["m1", "m2"]), &mut c)), 2);
+        assert_eq!(stored(s.apply(&keyed(entry, vec![k1, k2], &["m1", "m2"]), &mut c)), 0);
+        assert_eq!(stored(s.apply(&keyed(None, vec![k1], &["m1"]), &mut c)), 0);
+        // A batch naming one known and one new message keeps the new one.
+        c.clear();
+        assert_eq!(stored(s.apply(&keyed(None, vec![k2, k3], &["m2", "m3"]), &mut c)), 1);
+        assert!(c.iter().any(|ch| matches!(ch, Change::Insert { batch_index: 1, .. })), "m3 is the one stored: {c:?}");
+        // Both first, then by number alone.
+        let mut s = QueueState::default();
+        assert_eq!(stored(s.apply(&keyed(entry, vec![k1, k2], &["m1", "m2"]), &mut c)), 2);
+        assert_eq!(stored(s.apply(&keyed(None, vec![k2], &["m2"]), &mut c)), 0);
+        assert_eq!(stored(s.apply(&keyed(entry, vec![None, None], &["m1", "m2"]), &mut c)), 0);
+        assert_eq!(s.ready_count(), 2);
     }
 
     #[test]

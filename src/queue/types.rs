@@ -57,8 +57,9 @@ pub enum QueueCmd {
         /// as `(term, node, index)`, for publishes a replica never applied;
         /// for a stored message, its own number and the epoch that gave it
         /// (`state::message_key`). Replicas of that epoch hand back the same
-        /// messages under the same key, and only the first is kept. `None`
-        /// (written by earlier builds): no de-duplication.
+        /// messages under the same key, and only the first is kept. `None`:
+        /// no de-duplication. Written by earlier builds; this one writes
+        /// [`QueueCmd::HandbackKeyed`].
         origin: Option<Origin>,
         msgs: Vec<Message>,
     },
@@ -111,6 +112,18 @@ pub enum QueueCmd {
     Cancel {
         owner: u64,
         number: u64,
+    },
+    /// As [`QueueCmd::Handback`], with a key of its own for each message
+    /// (`keys[i]` for `msgs[i]`, where the sender knows it: its number and
+    /// the epoch that gave it, `state::message_key`). A message is kept
+    /// unless the batch's `origin` or its own key was handed back before:
+    /// one replica of the old epoch may name a message by the entry that
+    /// published it (its log has the entry), another by its number (its
+    /// log was compacted, or it never applied that entry), a third by both.
+    HandbackKeyed {
+        origin: Option<Origin>,
+        keys: Vec<Option<Origin>>,
+        msgs: Vec<Message>,
     },
 }
 
@@ -207,9 +220,10 @@ impl QueueCmd {
     /// The messages this command stores, if it is a publish or hand-back.
     pub fn messages(&self) -> Option<&[Message]> {
         match self {
-            QueueCmd::Enqueue { msgs } | QueueCmd::EnqueueExpiring { msgs, .. } | QueueCmd::Handback { msgs, .. } => {
-                Some(msgs)
-            }
+            QueueCmd::Enqueue { msgs }
+            | QueueCmd::EnqueueExpiring { msgs, .. }
+            | QueueCmd::Handback { msgs, .. }
+            | QueueCmd::HandbackKeyed { msgs, .. } => Some(msgs),
             _ => None,
         }
     }
@@ -222,7 +236,13 @@ impl QueueCmd {
     /// Must the caller wait for every synchronised replica before answering?
     /// Only publishes carry that promise.
     pub fn needs_confirm(&self) -> bool {
-        matches!(self, QueueCmd::Enqueue { .. } | QueueCmd::EnqueueExpiring { .. } | QueueCmd::Handback { .. })
+        matches!(
+            self,
+            QueueCmd::Enqueue { .. }
+                | QueueCmd::EnqueueExpiring { .. }
+                | QueueCmd::Handback { .. }
+                | QueueCmd::HandbackKeyed { .. }
+        )
     }
 
     /// Is this a command whose effect a re-formed epoch must keep?
@@ -232,6 +252,7 @@ impl QueueCmd {
             QueueCmd::Enqueue { .. }
                 | QueueCmd::EnqueueExpiring { .. }
                 | QueueCmd::Handback { .. }
+                | QueueCmd::HandbackKeyed { .. }
                 | QueueCmd::Stamp { .. }
         )
     }

@@ -169,8 +169,13 @@ pub struct Yield {
 pub struct Handback {
     pub group: GroupId,
     pub epoch: Epoch,
-    pub batches: Vec<(Option<Origin>, Vec<Message>)>,
+    pub batches: Vec<HandbackBatch>,
 }
+
+/// Messages handed back together: the old-epoch entry that published
+/// them, if known, and each message with its own key, if known
+/// (`QueueCmd::HandbackKeyed`).
+pub type HandbackBatch = (Option<Origin>, Vec<(Option<Origin>, Message)>);
 
 /// The answer to a [`Handback`].
 #[derive(Debug)]
