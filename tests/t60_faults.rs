@@ -31,20 +31,9 @@ fn fault_campaign_loses_no_confirmed_message() {
             return;
         }
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/faults/campaign.py");
     // Two seeds of 40 s of faults each: about 1.5 min a seed when the broker
     // behaves, every wait in the script bounded.
-    let out = Command::new("python3")
-        .args([script, "--bin", env!("CARGO_BIN_EXE_mirrorq"), "--nodes", "3", "--seeds", "1,2", "--duration", "40"])
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    println!("{stdout}");
-    eprintln!("{stderr}");
-    assert!(out.status.success(), "the fault campaign failed ({}):\n{stdout}\n{stderr}", out.status);
-    assert!(stdout.contains("campaign: runs=2 passed=2 failed=0"), "no summary line:\n{stdout}");
+    campaign("the fault campaign", &["--seeds", "1,2", "--duration", "40"], 2);
 
     // A firewall that rejects with a TCP reset answers a dial as the host
     // of a dead process does: partitions by one alone, and the run fails
@@ -54,9 +43,16 @@ fn fault_campaign_loses_no_confirmed_message() {
         eprintln!("t60_faults: the reset partitions skipped: no `nft` (nftables; test.sh installs it)");
         return;
     }
+    campaign("the reset-partition campaign", &["--seeds", "3", "--duration", "30", "--faults", "partition-reset"], 1);
+}
+
+/// Run the campaign script on three nodes with `args`; every one of its
+/// `runs` must pass.
+fn campaign(what: &str, args: &[&str], runs: usize) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/faults/campaign.py");
     let out = Command::new("python3")
-        .args([script, "--bin", env!("CARGO_BIN_EXE_mirrorq"), "--nodes", "3", "--seeds", "3", "--duration", "30"])
-        .args(["--faults", "partition-reset"])
+        .args([script, "--bin", env!("CARGO_BIN_EXE_mirrorq"), "--nodes", "3"])
+        .args(args)
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .output()
         .expect("run python3");
@@ -64,6 +60,7 @@ fn fault_campaign_loses_no_confirmed_message() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("{stdout}");
     eprintln!("{stderr}");
-    assert!(out.status.success(), "the reset-partition campaign failed ({}):\n{stdout}\n{stderr}", out.status);
-    assert!(stdout.contains("campaign: runs=1 passed=1 failed=0"), "no summary line:\n{stdout}");
+    assert!(out.status.success(), "{what} failed ({}):\n{stdout}\n{stderr}", out.status);
+    let summary = format!("campaign: runs={runs} passed={runs} failed=0");
+    assert!(stdout.contains(&summary), "no summary line:\n{stdout}");
 }

@@ -247,14 +247,7 @@ impl QueueCmd {
 
     /// Is this a command whose effect a re-formed epoch must keep?
     pub fn publishes(&self) -> bool {
-        matches!(
-            self,
-            QueueCmd::Enqueue { .. }
-                | QueueCmd::EnqueueExpiring { .. }
-                | QueueCmd::Handback { .. }
-                | QueueCmd::HandbackKeyed { .. }
-                | QueueCmd::Stamp { .. }
-        )
+        self.needs_confirm() || matches!(self, QueueCmd::Stamp { .. })
     }
 }
 

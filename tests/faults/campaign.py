@@ -701,22 +701,17 @@ def plan(seed, args):
             f["nodes"] = rng.sample(ids, len(ids))
             f["hold"] = max(f["hold"], 12.0)  # the paused wake past the failure timeout
             kinds.pop("pause-heal")
-        elif kind == "partition-reset":
-            # Only when asked for, as partition-reject: a firewall that
-            # rejects TCP with a reset (nftables), which answers a dial as
-            # the host of a dead process does.
+        elif kind in ("partition-reject", "partition-reset"):
+            # Only when asked for (--faults): in the default mix they would
+            # change every seed's schedule. A firewall that rejects: with
+            # an ICMP host-unreachable (a route of type unreachable), or a
+            # TCP reset (nftables), which answers a dial as the host of a
+            # dead process does.
+            how, route = ("reject", "unreachable") if kind == "partition-reject" else ("reset", "reset")
             shape = rng.choice(["halves", "isolate"])
             order = rng.sample(ids, len(ids))
             cut = len(ids) // 2 if shape == "halves" else 1
-            f.update(kind="partition", shape=f"reset-{shape}", route="reset", bridge=None,
-                     sides=[sorted(order[:cut]), sorted(order[cut:])])
-        elif kind == "partition-reject":
-            # Only when asked for (--faults): in the default mix it would
-            # change every seed's schedule.
-            shape = rng.choice(["halves", "isolate"])
-            order = rng.sample(ids, len(ids))
-            cut = len(ids) // 2 if shape == "halves" else 1
-            f.update(kind="partition", shape=f"reject-{shape}", route="unreachable", bridge=None,
+            f.update(kind="partition", shape=f"{how}-{shape}", route=route, bridge=None,
                      sides=[sorted(order[:cut]), sorted(order[cut:])])
         else:
             shape = rng.choice(["halves", "isolate", "bridge", "oneway"])
