@@ -22,7 +22,7 @@ use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
-use common::{fast_timing, init_tracing, Cluster};
+use common::{fast_timing, init_tracing, wait_until, Cluster};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_web_ui_in_a_real_browser() {
@@ -158,6 +158,13 @@ async fn tutorial(frozen: bool) {
     };
     assert!(setup.status.success(), "setup on broker 1 failed\n{}", said(&setup));
     if frozen {
+        // The confirm said broker 3 has the message on disk; its page
+        // shows it once broker 3 also knows it committed (the master's
+        // next message), which a freeze at once could cut off.
+        wait_until(Duration::from_secs(10), "broker 3 applied the message", || {
+            cluster.node(3).queue_info("ha-queue-demo").is_ok_and(|i| i.ready == 1)
+        })
+        .await;
         // Broker 3 hears nothing from 1 and 2, and its dials to them go
         // unanswered, as to a paused machine.
         for id in [1, 2] {
