@@ -661,3 +661,39 @@ async fn a_body_the_master_did_not_send_keeps_the_replica_catching_up() {
     sm.with_mut(|m, space| m.fill(space, &[], lost + 1, None)).await.unwrap();
     assert!(sm.with(|m| m.plan().borrow().as_ref().is_some_and(|p| p.is_done())).await);
 }
+
+/// What a stopped replica holds of the messages it shares with another
+/// epoch, read from its disk: never-delivered ones as one range, delivered
+/// and requeued ones one by one, nothing at or above its own counters
+/// (a number it never gave is missing because it never applied that
+/// publish, not because a consumer took it).
+#[tokio::test]
+async fn a_replica_tells_what_it_holds_of_the_shared_messages_from_its_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, space, mut sm) = open_queue(dir.path());
+    let bodies: Vec<Message> = (0..10).map(|i| msg(&i.to_string())).collect();
+    sm.apply(logged(
+        &db,
+        5,
+        vec![
+            entry(1, vec![QueueCmd::Enqueue { msgs: bodies }]),
+            // 0 and 1 consumed; 2, 3 and 4 delivered (tags 2, 3, 4).
+            entry(2, vec![QueueCmd::Get { owner: 1, max: 2, auto_ack: true, consumer: None }]),
+            entry(3, vec![QueueCmd::Get { owner: 1, max: 3, auto_ack: false, consumer: None }]),
+            // 4 acked, 3 requeued, 2 still unacked.
+            entry(4, vec![QueueCmd::Ack { tags: vec![4] }]),
+            entry(5, vec![QueueCmd::Nack { tags: vec![3], requeue: true }]),
+        ],
+    ))
+    .await
+    .unwrap();
+    db.flusher().sync().await.unwrap();
+    drop(sm);
+    let h = QueueMachine::holdings(&space, (8, 0)).unwrap();
+    assert_eq!((h.below_seq, h.below_order), (8, 0));
+    assert_eq!(h.held, vec![(2, 4), (5, 8)]);
+    // Shared numbers beyond what this replica ever numbered are cut to it.
+    let h = QueueMachine::holdings(&space, (50, 7)).unwrap();
+    assert_eq!((h.below_seq, h.held), (10, vec![(2, 4), (5, 10)]));
+    assert!(h.below_order <= 7);
+}

@@ -239,6 +239,96 @@ async fn the_minoritys_fork_yields_to_a_majority_that_kept_serving() {
     c.shutdown().await;
 }
 
+fn bodies(got: &[mirrorq::Delivery]) -> Vec<String> {
+    got.iter().map(|d| String::from_utf8(d.message.body.clone()).unwrap()).collect()
+}
+
+/// A minority's fork serves its consumers during the split, as
+/// `ha-promote-on-failure: always` asks. When it yields, what its consumers
+/// took of the messages both sides held is settled on the majority's side
+/// too: not delivered a second time there. A delivery still unacked when
+/// the fork yields comes back, redelivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_yielding_forks_consumers_took_is_not_delivered_again() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    let all: Vec<mirrorq::Message> = (0..20).map(|i| common::msg(format!("a{i}").into_bytes())).collect();
+    c.node(1).publish("q", all).await.unwrap();
+    wait_until(Duration::from_secs(10), "node 3 applied all", || c.node(3).queue_info("q").unwrap().ready == 20).await;
+
+    tracing::info!("--- node 3 is cut off and serves alone; 1 and 2 serve too");
+    split(&c, &[1, 2], &[3], true);
+    let (n1, n3) = (c.node(1).clone(), c.node(3).clone());
+    assert_eq!(bodies(&n1.get("q", 1, 2, true).await.unwrap()), ["a0", "a1"]);
+    assert_eq!(bodies(&n3.get("q", 1, 5, true).await.expect("the fork serves")), ["a0", "a1", "a2", "a3", "a4"]);
+    assert_eq!(n3.queue_members("q").unwrap(), BTreeSet::from([3]), "node 3 re-formed alone");
+    // Delivered there and never acked: it must come back.
+    assert_eq!(bodies(&n3.get("q", 9, 1, false).await.unwrap()), ["a5"]);
+    assert_eq!(bodies(&n3.get("q", 1, 4, true).await.unwrap()), ["a6", "a7", "a8", "a9"]);
+
+    tracing::info!("--- the partition heals");
+    split(&c, &[1, 2], &[3], false);
+    wait_until(Duration::from_secs(40), "one group again", || {
+        (1..=3).all(|id| c.node(id).queue_members("q") == Some(BTreeSet::from([1, 2, 3])))
+    })
+    .await;
+    assert_eq!(c.master_of("q").await, 1, "the majority's master stays");
+    let mut got = Vec::new();
+    loop {
+        let d = c.node(2).get("q", 5, 100, true).await.unwrap();
+        if d.is_empty() {
+            break;
+        }
+        got.extend(d.into_iter().map(|d| (String::from_utf8(d.message.body).unwrap(), d.redelivered)));
+    }
+    // a0 and a1 went to consumers on both sides while they were apart (no
+    // merge can take a delivery back); a2-a4 and a6-a9, taken by node
+    // 3's consumers only, are not delivered again.
+    let mut want = vec![("a5".to_string(), true)];
+    want.extend((10..20).map(|i| (format!("a{i}"), false)));
+    assert_eq!(got, want);
+    c.shutdown().await;
+}
+
+/// The master consumes while the mirror that later re-forms the queue is
+/// cut off; then the master and the other mirror crash. The survivor's
+/// epoch starts without those acks. When the two come back and heal into
+/// it, what their group had settled is settled there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_the_survivor_never_saw_are_settled_when_the_others_heal_into_its_epoch() {
+    init_tracing();
+    let mut c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    let all: Vec<mirrorq::Message> = (0..10).map(|i| common::msg(format!("m{i}").into_bytes())).collect();
+    c.node(1).publish("q", all).await.unwrap();
+    wait_until(Duration::from_secs(10), "node 3 applied all", || c.node(3).queue_info("q").unwrap().ready == 10).await;
+    split(&c, &[1, 2], &[3], true);
+    assert_eq!(bodies(&c.node(1).get("q", 1, 3, true).await.unwrap()), ["m0", "m1", "m2"]);
+    wait_until(Duration::from_secs(5), "node 2 applied the gets", || c.node(2).queue_info("q").unwrap().ready == 7)
+        .await;
+    c.crash(1).await;
+    c.crash(2).await;
+    for peer in [1, 2] {
+        c.node(3).unblock(peer);
+    }
+    let n3 = c.node(3).clone();
+    wait_until(Duration::from_secs(20), "node 3 re-formed alone", || {
+        n3.queue_members("q") == Some(BTreeSet::from([3])) && n3.is_master("q")
+    })
+    .await;
+    assert_eq!(n3.queue_info("q").unwrap().ready, 10, "node 3 never saw the gets");
+    c.restart(1).await;
+    c.restart(2).await;
+    wait_until(Duration::from_secs(40), "the others rejoin node 3's epoch", || {
+        n3.queue_members("q") == Some(BTreeSet::from([1, 2, 3]))
+    })
+    .await;
+    let rest = drain(&n3, "q").await;
+    assert_eq!(rest, (3..10).map(|i| format!("m{i}")).collect::<Vec<_>>());
+    c.shutdown().await;
+}
+
 /// The master dies; of its two synchronised mirrors the older one (earlier
 /// in the seniority order) takes over, every time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -716,9 +806,10 @@ async fn refused_publishes_do_not_shift_what_a_healing_replica_hands_back() {
     .await;
     let mut all = drain(c.node(2), "lim").await;
     all.sort();
-    // a1 was taken on the other side after the fork: delivered again here
-    // (at least once). b1 and b4 were handed back; b2 and b3 never stored.
-    assert_eq!(all, vec!["a1", "a2", "b1", "b4"]);
+    // a1 was taken on the other side: settled here too when it healed,
+    // not delivered again. b1 and b4 were handed back; b2 and b3 never
+    // stored.
+    assert_eq!(all, vec!["a2", "b1", "b4"]);
     c.shutdown().await;
 }
 

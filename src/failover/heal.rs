@@ -18,7 +18,7 @@ use crate::metadata::QueueMeta;
 use crate::queue::epoch::{divergence, shared_numbers, Epoch, EpochReport, ForkRecord, Inherited};
 use crate::queue::state::{message_key, numbered_in};
 use crate::queue::types::Origin;
-use crate::queue::{Message, QueueCmd, QueueMachine};
+use crate::queue::{Holdings, Message, QueueCmd, QueueMachine, QueueReply};
 use crate::queue::{QueueLog as LogStore, QueueTypes};
 use crate::raft::state_machine::stored_applied;
 use crate::wire::ask::{self, Handed};
@@ -169,9 +169,9 @@ impl<H: Host> Failover<H> {
             // untouched until it is taken, so starting over is safe.
             loop {
                 let fork = left_through_own_forks(self.db(), group, g.epoch, news.epoch).filter(|_| yielding);
-                let batches = match fork {
+                let (batches, shared) = match fork {
                     // We formed the fork: what we stored since is ours alone.
-                    Some(f) => self.stored_since_fork(group, g.epoch, f).await?,
+                    Some(f) => (self.stored_since_fork(group, g.epoch, f).await?, Some((f.next_seq, f.next_order))),
                     None => {
                         let record = if yielding {
                             self.fetch_history(group, news).await
@@ -186,22 +186,25 @@ impl<H: Host> Failover<H> {
                         }
                         tracing::info!(queue = %q.name, epoch = %news.epoch, found = record.is_some(), "history of the epoch to join");
                         let shared = self.shared_numbers(&g, news, record.as_ref());
-                        self.handback_set(group, g.epoch, record.as_ref(), shared).await?
+                        (self.handback_set(group, g.epoch, record.as_ref(), shared).await?, shared)
                     }
                 };
+                let space = SmSpace::new(self.db().clone(), group);
+                let holdings = shared.map(|s| QueueMachine::holdings(&space, s)).transpose();
+                let holdings = holdings.map_err(|e| NodeError::Unavailable(e.to_string()))?;
                 let count: usize = batches.iter().map(|b| b.1.len()).sum();
-                match self.send_handback(&q, news, batches).await? {
-                    None => {
-                        tracing::warn!(queue = %q.name, handed_back = count, epoch = %news.epoch, "messages handed back");
+                match self.send_handback(&q, news, holdings, batches).await? {
+                    Sent::Taken { settled } => {
+                        tracing::warn!(queue = %q.name, handed_back = count, settled, epoch = %news.epoch, "messages handed back, and those consumed on this side settled there");
                         break;
                     }
-                    Some(newer) if yielding => {
+                    Sent::Newer(newer) if yielding => {
                         return Err(NodeError::Unavailable(format!(
                             "the group to yield to moved on to epoch {}; retrying from news of it",
                             newer.epoch
                         )))
                     }
-                    Some(newer) => news = newer,
+                    Sent::Newer(newer) => news = newer,
                 }
             }
             let db = self.db();
@@ -438,15 +441,17 @@ impl<H: Host> Failover<H> {
         Ok(out)
     }
 
-    /// Give messages to the master of the newer epoch, a chunk at a time,
-    /// each answered once confirmed there. `Some(news)`: a replica answered
-    /// with an even newer epoch, which is where the messages must go instead.
+    /// Tell the master of the newer epoch what we hold of the messages we
+    /// share with it (`holdings`), so it drops what our consumers took,
+    /// then give it our messages, a chunk at a time, each answered once
+    /// confirmed there.
     pub(super) async fn send_handback(
         &self,
         q: &QueueMeta,
         news: EpochNews,
+        holdings: Option<Holdings>,
         batches: Vec<Batch>,
-    ) -> Result<Option<EpochNews>, NodeError> {
+    ) -> Result<Sent, NodeError> {
         let deadline = Instant::now() + self.timing().op_timeout * 4;
         let mut candidates = self.asked_about(q, news);
         if candidates.is_empty() {
@@ -454,20 +459,29 @@ impl<H: Host> Failover<H> {
         }
         let mut target = news.from;
         let mut attempt = 0usize;
-        let mut rest = batches.into_iter().peekable();
-        while rest.peek().is_some() {
-            let mut chunk = Vec::new();
-            let mut bytes = 0;
-            while let Some(b) = rest.next_if(|_| chunk.is_empty() || bytes <= HANDBACK_CHUNK_BYTES) {
-                bytes += b.1.iter().map(|(_, m)| m.body.len() + m.properties.len()).sum::<usize>();
-                chunk.push(b);
-            }
+        let mut settled = 0;
+        let steps = holdings.map(Step::Merge).into_iter().chain(chunks(batches).map(Step::Handback));
+        for step in steps {
             loop {
-                let req = ask::Handback { group: q.group, epoch: news.epoch, batches: chunk.clone() };
-                match self.ask(target, req, Instant::now() + Duration::from_secs(10)).await {
-                    Ok(Handed::Answered(Ok(_))) => break,
+                let limit = Instant::now() + Duration::from_secs(10);
+                let (group, epoch) = (q.group, news.epoch);
+                let answer = match &step {
+                    Step::Merge(holdings) => {
+                        self.ask(target, ask::Merge { group, epoch, holdings: holdings.clone() }, limit).await
+                    }
+                    Step::Handback(batches) => {
+                        self.ask(target, ask::Handback { group, epoch, batches: batches.clone() }, limit).await
+                    }
+                };
+                match answer {
+                    Ok(Handed::Answered(Ok(replies))) => {
+                        if let (Step::Merge(_), [QueueReply::Purged { count }]) = (&step, &replies[..]) {
+                            settled = *count;
+                        }
+                        break;
+                    }
                     Ok(Handed::NewerEpoch(epoch)) if epoch > news.epoch => {
-                        return Ok(Some(EpochNews { group: q.group, epoch, from: target }));
+                        return Ok(Sent::Newer(EpochNews { group: q.group, epoch, from: target }));
                     }
                     Ok(Handed::Answered(Err(NodeError::NotLeader { leader: Some(l) }))) if l != target => target = l,
                     other => {
@@ -484,6 +498,37 @@ impl<H: Host> Failover<H> {
                 }
             }
         }
-        Ok(None)
+        Ok(Sent::Taken { settled })
     }
+}
+
+/// What [`Failover::send_handback`] did.
+pub(super) enum Sent {
+    /// The master took it all; it dropped `settled` messages our side's
+    /// consumers had taken.
+    Taken { settled: u64 },
+    /// A replica answered with an even newer epoch, which is where the
+    /// messages must go instead.
+    Newer(EpochNews),
+}
+
+/// One request of a hand-back.
+enum Step {
+    Merge(Holdings),
+    Handback(Vec<Batch>),
+}
+
+/// Batches in chunks of about [`HANDBACK_CHUNK_BYTES`].
+fn chunks(batches: Vec<Batch>) -> impl Iterator<Item = Vec<Batch>> {
+    let mut rest = batches.into_iter().peekable();
+    std::iter::from_fn(move || {
+        rest.peek()?;
+        let mut chunk = Vec::new();
+        let mut bytes = 0;
+        while let Some(b) = rest.next_if(|_| chunk.is_empty() || bytes <= HANDBACK_CHUNK_BYTES) {
+            bytes += b.1.iter().map(|(_, m)| m.body.len() + m.properties.len()).sum::<usize>();
+            chunk.push(b);
+        }
+        Some(chunk)
+    })
 }

@@ -124,7 +124,17 @@ impl Inner {
                 self.on_yield(group, defeated, winner, from)
             }
             RpcRequest::Handback(ask::Handback { group, epoch, batches }) => {
-                self.on_handback(group, epoch, batches).await
+                let cmds = batches
+                    .into_iter()
+                    .map(|(origin, keyed)| {
+                        let (keys, msgs) = keyed.into_iter().unzip();
+                        QueueCmd::HandbackKeyed { origin, keys, msgs }
+                    })
+                    .collect();
+                self.in_epoch(group, epoch, cmds).await
+            }
+            RpcRequest::Merge(ask::Merge { group, epoch, holdings }) => {
+                self.in_epoch(group, epoch, vec![QueueCmd::Merge(holdings)]).await
             }
             RpcRequest::Bodies(ask::Bodies { group, from, standing, ranges, max_bytes, totals }) => {
                 RpcResponse::Bodies(self.serve_bodies(group, (from, standing), ranges, max_bytes, totals).await)
@@ -236,19 +246,15 @@ impl Inner {
         RpcResponse::Done
     }
 
-    async fn on_handback(&self, group: GroupId, epoch: Epoch, batches: Vec<ask::HandbackBatch>) -> RpcResponse {
+    /// Commands from a replica rejoining `epoch` (a hand-back, a merge),
+    /// which name messages by that epoch's numbers: taken only by a
+    /// replica of that very epoch.
+    async fn in_epoch(&self, group: GroupId, epoch: Epoch, cmds: Vec<QueueCmd>) -> RpcResponse {
         let g = self.groups.get(group);
         match g {
-            Some(g) if g.epoch == epoch => {
-                let cmds = batches
-                    .into_iter()
-                    .map(|(origin, keyed)| {
-                        let (keys, msgs) = keyed.into_iter().unzip();
-                        QueueCmd::HandbackKeyed { origin, keys, msgs }
-                    })
-                    .collect();
-                RpcResponse::Queue(self.local_queue_op(group, cmds, Lane::Arrival).await)
-            }
+            // Into this replica's own log, not whichever replica of the
+            // group is hosted by the time the proposal is made.
+            Some(g) if g.epoch == epoch => RpcResponse::Queue(g.run(cmds, Lane::Arrival).await),
             // The epoch moved on again: the sender must heal into this one.
             Some(g) if g.epoch > epoch => RpcResponse::NewerEpoch(g.epoch),
             _ => RpcResponse::Queue(Err(NodeError::NotLeader { leader: None })),

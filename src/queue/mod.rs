@@ -26,7 +26,7 @@ pub mod state;
 pub mod types;
 
 pub use sm::{QueueMachine, QueueStats};
-pub use types::{Delivery, Message, MsgState, QueueCmd, QueueReply};
+pub use types::{Delivery, Holdings, Message, MsgState, QueueCmd, QueueReply};
 
 /// What one entry of a queue group's log carries: every operation that
 /// arrived while the previous entry was in flight. Shared: an entry is read

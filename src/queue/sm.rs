@@ -20,7 +20,7 @@ use super::keys::{
 };
 use super::runs::Runs;
 use super::state::{Change, Counters, QueueState, HANDBACK_SEQ, ORDER_PART};
-use super::types::{DeathReason, Delivery, Message, MsgState, Origin, QueueCmd, QueueReply};
+use super::types::{DeathReason, Delivery, Holdings, Message, MsgState, Origin, QueueCmd, QueueReply};
 use crate::raft::state_machine::{Machine, SNAPSHOT_EVERY};
 
 /// Bytes of bodies a queue leaves in the log at most; past it, the oldest
@@ -324,6 +324,34 @@ impl QueueMachine {
             _ => seq & ORDER_PART >= next_order,
         };
         Ok(Self::stored_live(space)?.into_iter().filter(|(seq, _)| since(*seq)).collect())
+    }
+
+    /// What a stopped replica holds of the messages numbered below `shared`
+    /// (`(next_seq, next_order)` bounds, see [`Holdings`]), for the epoch it
+    /// rejoins to drop the rest ([`QueueCmd::Merge`]). The bounds shrink to
+    /// the replica's own counters: a number it never gave is missing here
+    /// because it never applied that publish, not because it was consumed.
+    pub fn holdings(space: &SmSpace, shared: (u64, u64)) -> Result<Holdings, StorageError> {
+        let c = Self::stored_counters(space)?;
+        let (below_seq, below_order) = (shared.0.min(c.next_seq), shared.1.min(c.next_requeue));
+        let (fresh, tracked) = stored_holdings(space)?;
+        let is_shared = |seq: u64| match seq & HANDBACK_SEQ {
+            0 => seq < below_seq,
+            _ => seq & ORDER_PART < below_order,
+        };
+        let mut held: Vec<(u64, u64)> = Vec::new();
+        let fresh = fresh.start..fresh.end.min(below_seq);
+        let singles = tracked.into_iter().filter(|s| is_shared(*s) && !fresh.contains(s)).map(|s| (s, s + 1));
+        let spans = singles.chain(Some((fresh.start, fresh.end)).filter(|(a, b)| a < b));
+        let mut spans: Vec<(u64, u64)> = spans.collect();
+        spans.sort_unstable();
+        for (a, b) in spans {
+            match held.last_mut() {
+                Some(last) if last.1 >= a => last.1 = last.1.max(b),
+                _ => held.push((a, b)),
+            }
+        }
+        Ok(Holdings { below_seq, below_order, held })
     }
 
     /// For a stopped replica: replay `entries` (commands of log entries not

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use super::epoch::{Epoch, Inherited};
 
 use super::types::{
-    ConsumerRef, DeathReason, Limits, Message, MsgState, Origin, Overflow, QueueCmd, QueueReply, Registration,
+    ConsumerRef, DeathReason, Holdings, Limits, Message, MsgState, Origin, Overflow, QueueCmd, QueueReply, Registration,
 };
 
 /// Seqs of messages outside the never-delivered range (handed back, or of
@@ -114,6 +114,47 @@ pub fn numbered_in(ours: Epoch, line: &[Inherited], seq: u64) -> Epoch {
 /// the same key, and the receiver keeps the first (`QueueCmd::Handback`).
 pub fn message_key(era: Epoch, seq: u64) -> Origin {
     (era.term, era.node | NUMBERED, seq)
+}
+
+/// Half-open ranges of seqs, sorted and disjoint whatever order and
+/// overlaps they came in.
+struct Spans(Vec<(u64, u64)>);
+
+impl Spans {
+    fn new(ranges: &[(u64, u64)]) -> Self {
+        let mut v: Vec<(u64, u64)> = ranges.iter().copied().filter(|(a, b)| a < b).collect();
+        v.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+        for (a, b) in v {
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => out.push((a, b)),
+            }
+        }
+        Self(out)
+    }
+
+    /// The span holding `seq`, if any.
+    fn around(&self, seq: u64) -> Option<(u64, u64)> {
+        let i = self.0.partition_point(|(a, _)| *a <= seq);
+        self.0.get(i.checked_sub(1)?).copied().filter(|(_, b)| seq < *b)
+    }
+
+    fn contains(&self, seq: u64) -> bool {
+        self.around(seq).is_some()
+    }
+
+    /// The highest seq in `[from, to)` outside every span.
+    fn last_outside(&self, from: u64, to: u64) -> Option<u64> {
+        let mut end = to;
+        while end > from {
+            match self.around(end - 1) {
+                Some((a, _)) => end = a,
+                None => return Some(end - 1),
+            }
+        }
+        None
+    }
 }
 
 /// Publish time of messages enqueued while the queue had no TTL: they
@@ -463,6 +504,7 @@ impl QueueState {
                 self.handback(*origin, &keys, changes)
             }
             QueueCmd::Fork(record) => self.fork(record.epoch.term, record.epoch.node, changes),
+            QueueCmd::Merge(holdings) => self.merge(holdings, changes),
             QueueCmd::Stamp { now_ms, limits } => {
                 self.now_ms = *now_ms;
                 self.limits = *limits;
@@ -597,6 +639,52 @@ impl QueueState {
         }
         self.counters.next_tag = self.counters.next_tag.max(epoch_tag_base(term, node));
         QueueReply::Enqueued { count: 0 }
+    }
+
+    /// Remove the ready messages another epoch's replica shares with us and
+    /// no longer holds (see [`QueueCmd::Merge`]). Delivered ones stay with
+    /// their consumers here. A never-delivered message that replica holds
+    /// but that lies behind one removed goes back as requeued: it was
+    /// delivered there, and the never-delivered range stays contiguous.
+    fn merge(&mut self, h: &Holdings, changes: &mut Vec<Change>) -> QueueReply {
+        let held = Spans::new(&h.held);
+        let gone = |seq: u64| {
+            let shared = match seq & HANDBACK_SEQ {
+                0 => seq < h.below_seq,
+                _ => seq & ORDER_PART < h.below_order,
+            };
+            shared && !held.contains(seq)
+        };
+        let mut count = 0u64;
+        let requeued: Vec<(u64, u64)> =
+            self.requeued.iter().filter(|(_, seq)| gone(**seq)).map(|(o, seq)| (*o, *seq)).collect();
+        for (order, seq) in requeued {
+            self.requeued.remove(&order);
+            self.remove(seq, true, changes);
+            count += 1;
+        }
+        let prioritized: Vec<_> =
+            self.prioritized.iter().filter(|(_, seq)| gone(**seq)).map(|(k, seq)| (*k, *seq)).collect();
+        for (key, seq) in prioritized {
+            self.prioritized.remove(&key);
+            self.remove(seq, true, changes);
+            count += 1;
+        }
+        let head = self.counters.ready_head;
+        if let Some(last) = held.last_outside(head, self.counters.next_seq.min(h.below_seq)) {
+            for seq in head..=last {
+                if held.contains(seq) {
+                    let order = place_of(seq);
+                    self.requeued.insert(order, seq);
+                    changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
+                } else {
+                    self.remove(seq, false, changes);
+                    count += 1;
+                }
+            }
+            self.counters.ready_head = last + 1;
+        }
+        QueueReply::Purged { count }
     }
 
     /// Register a consumer (once: a repeated consume keeps its place).
@@ -908,6 +996,62 @@ mod tests {
         assert_eq!(stored(s.apply(&keyed(None, vec![k2], &["m2"]), &mut c)), 0);
         assert_eq!(stored(s.apply(&keyed(entry, vec![None, None], &["m1", "m2"]), &mut c)), 0);
         assert_eq!(s.ready_count(), 2);
+    }
+
+    /// One side of a split consumed some of the messages both sides
+    /// inherited; when it rejoins the other, what it holds of them tells
+    /// the other which to drop.
+    #[test]
+    fn a_merge_drops_the_shared_messages_the_other_side_no_longer_holds() {
+        let merge = |s: &mut QueueState, below_seq, below_order, held: Vec<(u64, u64)>| {
+            let mut c = Vec::new();
+            let r = s.apply(&QueueCmd::Merge(Holdings { below_seq, below_order, held }), &mut c);
+            (r, c)
+        };
+        // Ten shared messages (0..10), two more of this side's own (10, 11).
+        let mut s = QueueState::default();
+        enqueue(&mut s, 12);
+        // Here: 0 delivered and unacked; 1 taken and requeued.
+        let (d, _) = get(&mut s, 7, 2, false);
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Nack { tags: vec![d[1].1], requeue: true }, &mut c);
+        // There: 0..5 consumed, 5 delivered (held, unacked), 6 consumed,
+        // 7..10 never delivered.
+        let (r, c) = merge(&mut s, 10, 0, vec![(5, 6), (7, 10)]);
+        assert_eq!(r, QueueReply::Purged { count: 5 }, "1, 2, 3, 4 and 6: {c:?}");
+        // The delivery held here is not taken from its consumer.
+        assert_eq!(s.unacked_count(), 1);
+        assert!(!c.iter().any(|ch| matches!(ch, Change::Remove { seq: 0, .. })), "{c:?}");
+        assert!(c.contains(&Change::Remove { seq: 1, tracked: true }), "{c:?}");
+        assert!(c.contains(&Change::Remove { seq: 6, tracked: false }), "{c:?}");
+        // 5 was delivered there: it comes first, redelivered; then the
+        // rest in order, this side's own ones untouched.
+        let (d, _) = get(&mut s, 8, 10, true);
+        let got: Vec<(u64, bool)> = d.iter().map(|(seq, _, r)| (*seq, *r)).collect();
+        assert_eq!(got, vec![(5, true), (7, false), (8, false), (9, false), (10, false), (11, false)]);
+
+        // Nothing shared: nothing removed, whatever the holdings say.
+        let mut s = QueueState::default();
+        enqueue(&mut s, 3);
+        assert_eq!(merge(&mut s, 0, 0, Vec::new()).0, QueueReply::Purged { count: 0 });
+        assert_eq!(s.ready_count(), 3);
+        // Unsorted, overlapping ranges mean the same as their union.
+        assert_eq!(merge(&mut s, 3, 0, vec![(2, 3), (0, 1), (0, 1)]).0, QueueReply::Purged { count: 1 });
+        let (d, _) = get(&mut s, 8, 10, true);
+        // 0, behind the removed 1, goes back as requeued.
+        assert_eq!(d.iter().map(|(seq, _, r)| (*seq, *r)).collect::<Vec<_>>(), vec![(0, true), (2, false)]);
+
+        // Tracked messages (handed back here before) are shared by their
+        // order part.
+        let mut s = QueueState::default();
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::Handback { origin: None, msgs: vec![msg("h0"), msg("h1"), msg("h2")] }, &mut c);
+        let h = |order: u64| HANDBACK_SEQ | order;
+        // The other side holds h1; h2 was handed back after the split.
+        let (r, _) = merge(&mut s, 0, 2, vec![(h(1), h(2))]);
+        assert_eq!(r, QueueReply::Purged { count: 1 });
+        let (d, _) = get(&mut s, 8, 10, true);
+        assert_eq!(d.iter().map(|(seq, ..)| *seq).collect::<Vec<_>>(), vec![h(1), h(2)]);
     }
 
     #[test]

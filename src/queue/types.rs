@@ -125,6 +125,25 @@ pub enum QueueCmd {
         keys: Vec<Option<Origin>>,
         msgs: Vec<Message>,
     },
+    /// A replica of another epoch rejoining this one tells what it still
+    /// holds of the messages both epochs share: every other shared message
+    /// was consumed (or dropped) on its side, so one still ready here is
+    /// removed rather than delivered a second time. A split's consumers on
+    /// the yielding side settle on the surviving one what they took.
+    Merge(Holdings),
+}
+
+/// What a replica holds of the messages its epoch shares with another
+/// (`queue::epoch::shared_numbers`): plain seqs below `below_seq`, and
+/// tracked ones (handed back, prioritized) whose order part is below
+/// `below_order`, were numbered alike on both sides, so the same seq names
+/// the same message. `held`: half-open ranges of the seqs among those that
+/// the replica still holds, ready or delivered and unacked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holdings {
+    pub below_seq: u64,
+    pub below_order: u64,
+    pub held: Vec<(u64, u64)>,
 }
 
 /// A consumer as its gets name it: its number on its channel, and its

@@ -19,7 +19,7 @@ use crate::queue::confirm_gate::Standing;
 use crate::queue::epoch::{Epoch, EpochReport, ForkRecord};
 use crate::queue::proposer::Lane;
 use crate::queue::types::Origin;
-use crate::queue::{Message, QueueCmd, QueueReply};
+use crate::queue::{Holdings, Message, QueueCmd, QueueReply};
 
 /// A request and the answer it expects.
 pub trait Ask: Into<RpcRequest> {
@@ -177,6 +177,16 @@ pub struct Handback {
 /// (`QueueCmd::HandbackKeyed`).
 pub type HandbackBatch = (Option<Origin>, Vec<(Option<Origin>, Message)>);
 
+/// What a replica rejoining the epoch `epoch` holds of the messages the
+/// two epochs share, for that epoch's master to drop the rest
+/// (`QueueCmd::Merge`); answered as a [`Handback`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Merge {
+    pub group: GroupId,
+    pub epoch: Epoch,
+    pub holdings: Holdings,
+}
+
 /// The answer to a [`Handback`].
 #[derive(Debug)]
 pub enum Handed {
@@ -302,6 +312,10 @@ asks! {
     History => Option<ForkRecord> { RpcResponse::History(r) => r }
     Yield => () { RpcResponse::Done => () }
     Handback => Handed {
+        RpcResponse::Queue(r) => Handed::Answered(r),
+        RpcResponse::NewerEpoch(epoch) => Handed::NewerEpoch(epoch)
+    }
+    Merge => Handed {
         RpcResponse::Queue(r) => Handed::Answered(r),
         RpcResponse::NewerEpoch(epoch) => Handed::NewerEpoch(epoch)
     }

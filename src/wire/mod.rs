@@ -75,6 +75,7 @@ pub enum RpcRequest {
     /// Last, so the other requests keep their tags.
     Flows(ask::Flows),
     Reply(ask::Reply),
+    Merge(ask::Merge),
 }
 
 /// Entries for a queue group or for the metadata group: each kind's log
