@@ -329,6 +329,29 @@ async fn acks_the_survivor_never_saw_are_settled_when_the_others_heal_into_its_e
     c.shutdown().await;
 }
 
+/// An operation forwarded to a queue's master runs only in the epoch of
+/// the sender's replica: delivery tags mean something in one epoch, and an
+/// ack a minority's fork runs just before it yields is lost to the group
+/// that goes on (whose reaper then gives the message to someone else).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_operation_runs_only_in_its_senders_epoch() {
+    init_tracing();
+    let c = Cluster::start(3, fast_timing(Duration::from_secs(2))).await;
+    c.node(1).declare_queue("q", vec![1, 2, 3]).await.unwrap();
+    c.node(1).publish("q", vec![common::msg(b"m0".to_vec())]).await.unwrap();
+    let master = c.master_of("q").await;
+    let from = if master == 1 { 2 } else { 1 };
+    let ours = c.node(from).replica_epoch("q").expect("a replica on the sender");
+    let get = || vec![mirrorq::QueueCmd::Get { owner: 5, max: 1, auto_ack: false, consumer: None }];
+    let other = mirrorq::queue::epoch::Epoch { term: ours.term + 7, node: 3 };
+    let refused = c.node(from).forward_as_of(master, "q", Some(other), get()).await;
+    assert!(matches!(refused, Err(mirrorq::NodeError::NotLeader { leader: None })), "{refused:?}");
+    assert_eq!(c.node(master).queue_info("q").unwrap().ready, 1, "nothing taken");
+    let served = c.node(from).forward_as_of(master, "q", Some(ours), get()).await.unwrap();
+    assert!(matches!(&served[..], [mirrorq::QueueReply::Got { msgs, .. }] if msgs.len() == 1), "{served:?}");
+    c.shutdown().await;
+}
+
 /// The master dies; of its two synchronised mirrors the older one (earlier
 /// in the seniority order) takes over, every time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

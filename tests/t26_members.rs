@@ -164,11 +164,13 @@ async fn the_node_link_serves_only_peers_that_prove_the_cluster_secret() {
     });
     let publish = RpcRequest::from(ask::Queue {
         group: q.group,
+        epoch: None,
         cmds: vec![QueueCmd::Enqueue { msgs: vec![common::msg("smuggled")] }],
         lane: mirrorq::queue::proposer::Lane::Arrival,
     });
     let get = RpcRequest::from(ask::Queue {
         group: q.group,
+        epoch: None,
         cmds: vec![QueueCmd::Get { owner: 1, max: 10, auto_ack: true, consumer: None }],
         lane: mirrorq::queue::proposer::Lane::Arrival,
     });

@@ -231,7 +231,8 @@ impl Node {
         lane: Lane,
     ) -> (Option<Started>, Vec<QueueCmd>) {
         let Some(addr) = self.inner.addr_of(target) else { return (None, cmds) };
-        let req = RpcRequest::from(ask::Queue { group, cmds, lane });
+        let epoch = self.inner.groups.get(group).map(|g| g.epoch);
+        let req = RpcRequest::from(ask::Queue { group, epoch, cmds, lane });
         let started = self.inner.transport.start_call(&addr, &req).await;
         let RpcRequest::Queue(ask::Queue { cmds, .. }) = req else { unreachable!() };
         match started {
@@ -260,7 +261,8 @@ impl Node {
             let (result, here) = if target == self.id() {
                 (self.inner.local_queue_op(q.group, cmds.clone(), lane).await, true)
             } else {
-                let req = ask::Queue { group: q.group, cmds: cmds.clone(), lane };
+                let epoch = self.inner.groups.get(q.group).map(|g| g.epoch);
+                let req = ask::Queue { group: q.group, epoch, cmds: cmds.clone(), lane };
                 match self.inner.ask(target, req, deadline).await {
                     Ok(r) => (r, false),
                     Err(e) => return Attempt::not_answered(e),

@@ -31,15 +31,18 @@ impl RpcHandler for Inner {
     type Response = RpcResponse;
 
     async fn admit(self: Arc<Self>, req: RpcRequest) -> server::Completion<RpcResponse> {
-        if let RpcRequest::Queue(ask::Queue { group, cmds, lane }) = req {
-            let ranked = || self.groups.any(group, |g| g.stats.borrow().ranked);
-            if matches!(cmds.as_slice(), [QueueCmd::Get { consumer: Some(_), .. }]) && ranked() {
+        if let RpcRequest::Queue(ask::Queue { group, epoch, cmds, lane }) = req {
+            let g = match self.replica_in(group, epoch) {
+                Ok(g) => g,
+                Err(e) => return Box::pin(std::future::ready(RpcResponse::Queue(Err(e)))),
+            };
+            if matches!(cmds.as_slice(), [QueueCmd::Get { consumer: Some(_), .. }]) && g.stats.borrow().ranked {
                 // A consumer's get of a queue with registered consumers may
                 // wait for its turn (`queue::ranking`): not in the
                 // admission order.
-                return Box::pin(async move { RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await) });
+                return Box::pin(async move { RpcResponse::Queue(g.run(cmds, lane).await) });
             }
-            return match self.local_enqueue(group, cmds, lane).await {
+            return match g.enqueue(cmds, lane).await {
                 Ok(answer) => {
                     Box::pin(async move { RpcResponse::Queue(answer.await.unwrap_or(Err(NodeError::Stopped))) })
                 }
@@ -149,9 +152,10 @@ impl Inner {
             }
             RpcRequest::Elect(ask::Elect { group, from, leaving }) => self.on_elect(group, from, leaving),
             RpcRequest::Departing(ask::Departing { from, incarnation }) => self.on_departing(from, incarnation),
-            RpcRequest::Queue(ask::Queue { group, cmds, lane }) => {
-                RpcResponse::Queue(self.local_queue_op(group, cmds, lane).await)
-            }
+            RpcRequest::Queue(ask::Queue { group, epoch, cmds, lane }) => match self.replica_in(group, epoch) {
+                Ok(g) => RpcResponse::Queue(g.run(cmds, lane).await),
+                Err(e) => RpcResponse::Queue(Err(e)),
+            },
             RpcRequest::CloseConnection(ask::CloseConnection { id, reason }) => {
                 RpcResponse::Closed(self.clients.close(id, &reason))
             }
@@ -244,6 +248,17 @@ impl Inner {
         // Failover's task takes it; gone only when the node stops.
         let _ = self.yields.send(failover::YieldAsk { group, defeated, winner, from });
         RpcResponse::Done
+    }
+
+    /// Our replica of `group`, if it is in `epoch` (any, if `None`): a
+    /// forwarded operation runs only in the epoch its sender's replica is
+    /// in. One in another epoch answers that it is not the master: the
+    /// sender finds its own epoch's.
+    fn replica_in(&self, group: GroupId, epoch: Option<Epoch>) -> Result<Arc<QueueGroup>, NodeError> {
+        match self.groups.get(group) {
+            Some(g) if epoch.is_none_or(|e| e == g.epoch) => Ok(g),
+            _ => Err(NodeError::NotLeader { leader: None }),
+        }
     }
 
     /// Commands from a replica rejoining `epoch` (a hand-back, a merge),

@@ -91,6 +91,21 @@ impl Node {
         self.inner.groups.get(q.group).map(|g| g.epoch)
     }
 
+    /// Send queue operations to `to` over the node link as a replica of
+    /// `queue` in `epoch` forwards them.
+    pub async fn forward_as_of(
+        &self,
+        to: NodeId,
+        queue: &str,
+        epoch: Option<crate::queue::epoch::Epoch>,
+        cmds: Vec<QueueCmd>,
+    ) -> Result<Vec<crate::queue::QueueReply>, NodeError> {
+        let q = self.metadata().queues.get(queue).cloned().ok_or_else(|| NodeError::NoSuchQueue(queue.into()))?;
+        let req = crate::wire::ask::Queue { group: q.group, epoch, cmds, lane: crate::queue::proposer::Lane::Consumer };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        self.inner.ask(to, req, deadline).await.map_err(|e| NodeError::Unavailable(format!("{e:?}")))?
+    }
+
     /// Forget this replica's fork record of its epoch of `queue`, as if the
     /// node had stopped between re-forming the queue and committing the
     /// record's entry (the entry stays in the log; the state lacks it).

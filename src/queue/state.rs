@@ -641,11 +641,16 @@ impl QueueState {
         QueueReply::Enqueued { count: 0 }
     }
 
-    /// Remove the ready messages another epoch's replica shares with us and
-    /// no longer holds (see [`QueueCmd::Merge`]). Delivered ones stay with
-    /// their consumers here. A never-delivered message that replica holds
-    /// but that lies behind one removed goes back as requeued: it was
-    /// delivered there, and the never-delivered range stays contiguous.
+    /// Remove the messages another epoch's replica shares with us and no
+    /// longer holds (see [`QueueCmd::Merge`]): ready ones, and delivered
+    /// ones too. A consumer's acks may have gone to that side (its channel
+    /// sent them to whichever master it could reach): the channel forgot
+    /// those tags once they landed there, so here they would wait for an
+    /// ack that never comes and go back as stranded. A consumer here that
+    /// still holds one and acks it finds its tag unknown: it was consumed
+    /// there. A never-delivered message that replica holds but that lies
+    /// behind one removed goes back as requeued: it was delivered there,
+    /// and the never-delivered range stays contiguous.
     fn merge(&mut self, h: &Holdings, changes: &mut Vec<Change>) -> QueueReply {
         let held = Spans::new(&h.held);
         let gone = |seq: u64| {
@@ -667,6 +672,14 @@ impl QueueState {
             self.prioritized.iter().filter(|(_, seq)| gone(**seq)).map(|(k, seq)| (*k, *seq)).collect();
         for (key, seq) in prioritized {
             self.prioritized.remove(&key);
+            self.remove(seq, true, changes);
+            count += 1;
+        }
+        let mut unacked: Vec<(u64, u64)> =
+            self.unacked.iter().filter(|(_, u)| gone(u.seq)).map(|(tag, u)| (*tag, u.seq)).collect();
+        unacked.sort_unstable();
+        for (tag, seq) in unacked {
+            self.unacked.remove(&tag);
             self.remove(seq, true, changes);
             count += 1;
         }
@@ -1011,17 +1024,22 @@ mod tests {
         // Ten shared messages (0..10), two more of this side's own (10, 11).
         let mut s = QueueState::default();
         enqueue(&mut s, 12);
-        // Here: 0 delivered and unacked; 1 taken and requeued.
-        let (d, _) = get(&mut s, 7, 2, false);
+        // Here: 0 and 2 delivered and unacked; 1 taken and requeued.
+        let (d, _) = get(&mut s, 7, 3, false);
         let mut c = Vec::new();
         s.apply(&QueueCmd::Nack { tags: vec![d[1].1], requeue: true }, &mut c);
-        // There: 0..5 consumed, 5 delivered (held, unacked), 6 consumed,
-        // 7..10 never delivered.
-        let (r, c) = merge(&mut s, 10, 0, vec![(5, 6), (7, 10)]);
-        assert_eq!(r, QueueReply::Purged { count: 5 }, "1, 2, 3, 4 and 6: {c:?}");
-        // The delivery held here is not taken from its consumer.
+        // There: 0..2 consumed, 2 delivered (held, unacked), 3..5 and 6
+        // consumed, 5 held, 7..10 never delivered.
+        let (r, c) = merge(&mut s, 10, 0, vec![(2, 3), (5, 6), (7, 10)]);
+        assert_eq!(r, QueueReply::Purged { count: 5 }, "0, 1, 3, 4 and 6: {c:?}");
+        // A delivery held here that was consumed there is settled: its
+        // consumer's ack may have landed there. One held on both sides
+        // stays with its consumer here.
+        assert!(c.contains(&Change::Remove { seq: 0, tracked: true }), "{c:?}");
         assert_eq!(s.unacked_count(), 1);
-        assert!(!c.iter().any(|ch| matches!(ch, Change::Remove { seq: 0, .. })), "{c:?}");
+        let mut c2 = Vec::new();
+        let r = s.apply(&QueueCmd::Ack { tags: vec![d[0].1, d[2].1] }, &mut c2);
+        assert_eq!(r, QueueReply::Settled { count: 1, unknown: vec![d[0].1] });
         assert!(c.contains(&Change::Remove { seq: 1, tracked: true }), "{c:?}");
         assert!(c.contains(&Change::Remove { seq: 6, tracked: false }), "{c:?}");
         // 5 was delivered there: it comes first, redelivered; then the

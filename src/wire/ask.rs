@@ -58,6 +58,11 @@ impl From<AskError> for NodeError {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Queue {
     pub group: GroupId,
+    /// The epoch of the sender's replica of the group, if it hosts one:
+    /// only a replica of that epoch runs the operations. Delivery tags and
+    /// message numbers mean something in one epoch only, and an ack run by
+    /// a minority's fork about to yield is lost to the group that goes on.
+    pub epoch: Option<Epoch>,
     pub cmds: Vec<QueueCmd>,
     /// Where they wait at the master (consumers' gets and settlements go
     /// ahead of queued publishes).

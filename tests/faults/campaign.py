@@ -322,7 +322,7 @@ class Node:
         if self.args.failure_timeout is not None:
             cmd += ["--failure-timeout", str(self.args.failure_timeout)]
         self.note("start")
-        env = dict(os.environ, MIRRORQ_LOG="info,openraft=warn")
+        env = dict(os.environ, MIRRORQ_LOG=os.environ.get("CAMPAIGN_NODE_LOG", "info,openraft=warn"))
         with open(self.log, "ab") as log:
             # `ip netns exec` execs the binary: the pid is mirrorq's own.
             self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
