@@ -31,9 +31,18 @@ pub(crate) struct SplitMemory {
     /// Replicas that answered from a newer epoch of the group, and when
     /// last: they follow no master of ours, however well they answer pings.
     in_newer: Mutex<HashMap<NodeId, Instant>>,
-    /// The newer epoch last undecided (its node could not be asked), and when.
-    undecided: Mutex<Option<(Epoch, Instant)>>,
+    /// The newer epoch last undecided (its node could not be asked), when,
+    /// and how many times in a row.
+    undecided: Mutex<Option<(Epoch, Instant, u32)>>,
 }
+
+/// The first wait before a split left undecided is judged again. Right
+/// after a partition heals the other side's replicas often cannot be asked
+/// yet (the node link is still being dialled again); waiting a whole
+/// failure timeout then can let the next partition come before the split
+/// is decided, and a later master (restarted, or moved) that never saw our
+/// group keep its majority would heal it into the minority's fork.
+const UNDECIDED_FIRST_WAIT: Duration = Duration::from_millis(500);
 
 impl SplitMemory {
     /// `from` answered from a newer epoch of the group.
@@ -43,14 +52,27 @@ impl SplitMemory {
 
     /// A split against `epoch` could not be decided just now.
     pub(super) fn undecided(&self, epoch: Epoch) {
-        *self.undecided.lock().expect("poisoned") = Some((epoch, Instant::now()));
+        let mut u = self.undecided.lock().expect("poisoned");
+        let times = match *u {
+            Some((e, _, n)) if e == epoch => n.saturating_add(1),
+            _ => 1,
+        };
+        *u = Some((epoch, Instant::now(), times));
     }
 
-    /// Whether a split against `epoch` was undecided within `lately`:
-    /// every message of the fork brings news of it, and asking again at
-    /// each would hold the group busy all along.
-    pub(super) fn undecided_lately(&self, epoch: Epoch, lately: Duration) -> bool {
-        matches!(*self.undecided.lock().expect("poisoned"), Some((e, at)) if e == epoch && at.elapsed() < lately)
+    /// Whether a split against `epoch` was undecided too lately to ask
+    /// again: every message of the fork brings news of it, and asking
+    /// again at each would hold the group busy all along. The wait doubles
+    /// from [`UNDECIDED_FIRST_WAIT`] each time it stays undecided, up to
+    /// `longest` (the failure timeout).
+    pub(super) fn undecided_lately(&self, epoch: Epoch, longest: Duration) -> bool {
+        match *self.undecided.lock().expect("poisoned") {
+            Some((e, at, times)) if e == epoch => {
+                let wait = UNDECIDED_FIRST_WAIT.saturating_mul(1 << times.saturating_sub(1).min(16)).min(longest);
+                at.elapsed() < wait
+            }
+            _ => false,
+        }
     }
 }
 
@@ -435,6 +457,42 @@ mod tests {
     use super::*;
 
     const TIMEOUT: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn an_undecided_split_is_judged_again_soon_then_less_often() {
+        let m = SplitMemory::default();
+        let e = Epoch { term: 17, node: 2 };
+        assert!(!m.undecided_lately(e, TIMEOUT));
+        let aged = |ago: Duration| {
+            let mut u = m.undecided.lock().unwrap();
+            let (e, _, n) = u.expect("undecided");
+            *u = Some((e, Instant::now().checked_sub(ago).expect("uptime"), n));
+        };
+        m.undecided(e);
+        assert!(m.undecided_lately(e, TIMEOUT));
+        aged(Duration::from_millis(600));
+        assert!(!m.undecided_lately(e, TIMEOUT), "judged again after half a second");
+        // Undecided three times in a row: two seconds.
+        m.undecided(e);
+        m.undecided(e);
+        aged(Duration::from_millis(1_500));
+        assert!(m.undecided_lately(e, TIMEOUT));
+        aged(Duration::from_millis(2_100));
+        assert!(!m.undecided_lately(e, TIMEOUT));
+        for _ in 0..20 {
+            m.undecided(e);
+        }
+        aged(Duration::from_millis(4_900));
+        assert!(m.undecided_lately(e, TIMEOUT));
+        aged(TIMEOUT);
+        assert!(!m.undecided_lately(e, TIMEOUT), "never longer than the failure timeout");
+        // News of another epoch is judged at once, and starts over.
+        let other = Epoch { term: 18, node: 3 };
+        assert!(!m.undecided_lately(other, TIMEOUT));
+        m.undecided(other);
+        aged(Duration::from_millis(600));
+        assert!(!m.undecided_lately(other, TIMEOUT));
+    }
 
     #[test]
     fn a_majority_watched_without_a_break_is_kept_from_its_start() {
