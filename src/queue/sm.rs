@@ -245,13 +245,21 @@ impl QueueMachine {
         Ok(())
     }
 
-    /// Every body is here (and synced by the caller): drop the plan.
-    pub fn finish_catch_up(&mut self, space: &SmSpace) -> Result<(), StorageError> {
+    /// Every body of the plan the caller saw done is here (and synced by
+    /// the caller): drop the plan. Unless the plan now is another that
+    /// still lacks bodies: a snapshot installed while the caller waited
+    /// brought it, and dropping it would count the replica synchronised
+    /// without those bodies (a master re-formed from such a replica lost
+    /// them for good). `false` then: the catch-up goes on.
+    pub fn finish_catch_up(&mut self, space: &SmSpace) -> Result<bool, StorageError> {
+        if self.plan.borrow().as_ref().is_some_and(|p| !p.is_done()) {
+            return Ok(false);
+        }
         let mut batch = Batch::default();
         batch.remove(space.key(PLAN));
         space.apply(batch)?;
         self.plan.send_replace(None);
-        Ok(())
+        Ok(true)
     }
 
     /// Encoded bodies with seqs in `ranges` from `from` on, at most about

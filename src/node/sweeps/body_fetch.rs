@@ -174,7 +174,9 @@ impl Node {
     /// little before the caller looks again.
     async fn try_finish_catch_up(&self, g: &QueueGroup, plan: &Plan, must_apply: Option<u64>, began: Instant) {
         match Box::pin(self.finish_catch_up(g, must_apply)).await {
-            Ok(()) => {
+            // A snapshot installed meanwhile brought more to fetch.
+            Ok(false) => {}
+            Ok(true) => {
                 self.inner.told.cleared(g.meta.group, "finish catch-up");
                 self.inner.told.cleared(g.meta.group, "store bodies");
                 tracing::info!(queue = %g.meta.name, messages = plan.msgs_done, bytes = plan.bytes_done,
@@ -244,7 +246,7 @@ impl Node {
         new && !crate::failover::ha_of(&self.metadata(), &g.meta).sync_automatic
     }
 
-    async fn finish_catch_up(&self, g: &QueueGroup, must_apply: Option<u64>) -> Result<(), NodeError> {
+    async fn finish_catch_up(&self, g: &QueueGroup, must_apply: Option<u64>) -> Result<bool, NodeError> {
         let unavailable = |e: &dyn std::fmt::Display| NodeError::Unavailable(e.to_string());
         if must_apply.is_some() {
             g.raft
@@ -257,10 +259,12 @@ impl Node {
         // Bodies durable before the plan goes: a crash in between only
         // repeats this step.
         space.sync().await.map_err(|e| unavailable(&e))?;
-        g.sm.with_mut(|m, space| m.finish_catch_up(space)).await.map_err(|e| unavailable(&e))?;
+        if !g.sm.with_mut(|m, space| m.finish_catch_up(space)).await.map_err(|e| unavailable(&e))? {
+            return Ok(false);
+        }
         space.sync().await.map_err(|e| unavailable(&e))?;
         self.inner.db.remove_node_value(&new_mirror_key(g.meta.group)).map_err(|e| unavailable(&e))?;
-        Ok(())
+        Ok(true)
     }
 
     /// Tell the master how this replica stands (`running`: fetching),
