@@ -203,7 +203,14 @@ pub(super) fn left_through_own_forks(db: &NodeDb, group: GroupId, ours: Epoch, w
     if chain.last()?.epoch != ours {
         return None;
     }
-    chain.iter().rev().find(|f| f.from == winner).copied()
+    // Each later fork of the chain was formed from what its former had
+    // applied, which may be less than the one before it had: only below
+    // the lowest counters from the fork that left `winner` on were the
+    // numbers given in `winner`.
+    let k = chain.iter().rposition(|f| f.from == winner)?;
+    let (next_seq, next_order) =
+        chain[k..].iter().fold((u64::MAX, u64::MAX), |(s, o), f| (s.min(f.next_seq), o.min(f.next_order)));
+    Some(Formed { next_seq, next_order, ..chain[k] })
 }
 
 pub(super) fn defeated(db: &NodeDb, group: GroupId) -> Result<BTreeSet<Epoch>, StorageError> {
@@ -636,6 +643,16 @@ mod tests {
         add_formed(&db, 1, c).unwrap();
         assert!(left_through_own_forks(&db, 1, c.epoch, root).is_none());
         assert_eq!(left_through_own_forks(&db, 1, c.epoch, c.from).unwrap().next_seq, 300);
+        // A later fork formed from less than the one before had applied:
+        // only below the lower counters were the numbers given in the
+        // winner (above them this chain numbered its own messages).
+        let (_dir2, db2) = self::db();
+        let a = formed(3, 4, root, 1_000);
+        let b = formed(9, 4, a.epoch, 300);
+        add_formed(&db2, 1, a).unwrap();
+        add_formed(&db2, 1, b).unwrap();
+        let left = left_through_own_forks(&db2, 1, b.epoch, root).unwrap();
+        assert_eq!((left.epoch, left.from, left.next_seq), (a.epoch, root, 300));
     }
 
     #[test]

@@ -106,18 +106,25 @@ pub fn shared_numbers(
     theirs: Epoch,
     their_line: &[Inherited],
 ) -> Option<(u64, u64)> {
-    let bounds = |i: &Inherited| (i.next_seq, i.next_order);
-    if let Some(t) = their_line.iter().find(|t| t.from == ours) {
-        return Some(bounds(t));
+    // A number came from `line[k].from` only if it is below the bounds of
+    // every entry from the line's start to `k` (`state::numbered_in`
+    // reads a line so): an epoch formed from a replica that had applied
+    // less than its parent inherited passes on less, and the bounds need
+    // not shrink monotonically up the line.
+    let upto = |line: &[Inherited], k: usize| {
+        line[..=k].iter().fold((u64::MAX, u64::MAX), |(s, o), i| (s.min(i.next_seq), o.min(i.next_order)))
+    };
+    if let Some(k) = their_line.iter().position(|t| t.from == ours) {
+        return Some(upto(their_line, k));
     }
-    if let Some(o) = our_line.iter().find(|o| o.from == theirs) {
-        return Some(bounds(o));
+    if let Some(j) = our_line.iter().position(|o| o.from == theirs) {
+        return Some(upto(our_line, j));
     }
-    our_line.iter().find_map(|o| {
-        their_line
-            .iter()
-            .find(|t| t.from == o.from)
-            .map(|t| (o.next_seq.min(t.next_seq), o.next_order.min(t.next_order)))
+    our_line.iter().enumerate().find_map(|(j, o)| {
+        their_line.iter().position(|t| t.from == o.from).map(|k| {
+            let (a, b) = (upto(our_line, j), upto(their_line, k));
+            (a.0.min(b.0), a.1.min(b.1))
+        })
     })
 }
 
@@ -211,6 +218,15 @@ mod tests {
         assert_eq!(shared_numbers(left, &l, nephew, &nephew_line), Some((90, 7)));
         // A grandchild of ours.
         assert_eq!(shared_numbers(parent, &[], nephew, &nephew_line), Some((90, 8)));
+        // A line whose nearer epoch inherited less than its parent had: the
+        // parent's numbers above the nearer bound were never passed on
+        // (its former had applied less), so they are not shared.
+        let (w, f, f2) = (e(0, 0), e(5, 1), e(8, 1));
+        let short = [fork(f, 300, 4), fork(w, 1_000, 9)];
+        assert_eq!(shared_numbers(w, &[], f2, &short), Some((300, 4)));
+        assert_eq!(shared_numbers(f2, &short, w, &[]), Some((300, 4)));
+        let sibling = [fork(w, 900, 20)];
+        assert_eq!(shared_numbers(f2, &short, e(9, 2), &sibling), Some((300, 4)));
         // No ancestor in common, or no records: nothing known.
         let stranger = [fork(e(9, 9), 50, 5)];
         assert_eq!(shared_numbers(left, &l, e(10, 2), &stranger), None);
