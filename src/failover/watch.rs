@@ -156,18 +156,23 @@ impl<H: Host> Failover<H> {
             let ha = ha_of(state, q);
             let m = g.ext.watch.state().metrics.borrow_and_update().clone();
             let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
-            let members = carriers(&m, &voters, q);
-            if !members.contains(&self.id()) {
-                continue;
-            }
+            // Watched whether or not this replica carries the queue yet: a
+            // mirror that becomes a carrier (its catch-up done) just as a
+            // partition starts must count the group's time without a
+            // majority from the partition, not from its own start, which
+            // made it re-form 2 s into a partition.
             let majority = quorum(m.membership_config.membership().get_joint_config(), |v| reach.contains(&v));
-            let alive: BTreeSet<NodeId> = members.intersection(&reach).copied().collect();
             let now = Instant::now();
             let seen = {
                 let mut s = g.ext.watch.state();
                 s.majority.observe(majority, now, wall_ms(), timing.failure_timeout);
                 s.majority.seen()
             };
+            let members = carriers(&m, &voters, q);
+            if !members.contains(&self.id()) {
+                continue;
+            }
+            let alive: BTreeSet<NodeId> = members.intersection(&reach).copied().collect();
             let alive_voter_set: BTreeSet<NodeId> = voters.intersection(&reach).copied().collect();
             let senior_voter = by_seniority(q, &alive_voter_set).first().copied();
             self.steer_quiet(&g, &m, &present, &refilling);
