@@ -347,18 +347,9 @@ impl QueueMachine {
             0 => seq < below_seq,
             _ => seq & ORDER_PART < below_order,
         };
-        let mut held: Vec<(u64, u64)> = Vec::new();
         let fresh = fresh.start..fresh.end.min(below_seq);
         let singles = tracked.into_iter().filter(|s| is_shared(*s) && !fresh.contains(s)).map(|s| (s, s + 1));
-        let spans = singles.chain(Some((fresh.start, fresh.end)).filter(|(a, b)| a < b));
-        let mut spans: Vec<(u64, u64)> = spans.collect();
-        spans.sort_unstable();
-        for (a, b) in spans {
-            match held.last_mut() {
-                Some(last) if last.1 >= a => last.1 = last.1.max(b),
-                _ => held.push((a, b)),
-            }
-        }
+        let held = super::state::disjoint_spans(singles.chain([(fresh.start, fresh.end)]));
         Ok(Holdings { below_seq, below_order, held })
     }
 

@@ -120,18 +120,23 @@ pub fn message_key(era: Epoch, seq: u64) -> Origin {
 /// overlaps they came in.
 struct Spans(Vec<(u64, u64)>);
 
+/// Half-open ranges sorted and merged where they touch or overlap.
+pub(crate) fn disjoint_spans(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = ranges.into_iter().filter(|(a, b)| a < b).collect();
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+    for (a, b) in v {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
 impl Spans {
     fn new(ranges: &[(u64, u64)]) -> Self {
-        let mut v: Vec<(u64, u64)> = ranges.iter().copied().filter(|(a, b)| a < b).collect();
-        v.sort_unstable();
-        let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
-        for (a, b) in v {
-            match out.last_mut() {
-                Some(last) if a <= last.1 => last.1 = last.1.max(b),
-                _ => out.push((a, b)),
-            }
-        }
-        Self(out)
+        Self(disjoint_spans(ranges.iter().copied()))
     }
 
     /// The span holding `seq`, if any.
