@@ -148,6 +148,26 @@ impl<H: Host> Failover<H> {
         self.rejoin(g, EpochNews { group, epoch: winner, from }, true).await;
     }
 
+    /// Give our own group an election's time to commit what our log
+    /// holds beyond what our replica applied. A replica restarted after a
+    /// crash may have lost the applied state of entries its group had
+    /// committed (a get, an ack): what it tells the epoch it joins that it
+    /// still holds would bring those messages back. Entries our group can
+    /// no longer commit (no majority) only cost the wait, and what it
+    /// tells is then the applied state: more than it holds, never less.
+    async fn apply_own_log(&self, g: &QueueGroup) {
+        let m = g.raft.metrics().borrow().clone();
+        let applied = m.last_applied.map(|l| l.index);
+        if m.last_log_index <= applied {
+            return;
+        }
+        let limit = self.timing().election_max * 2;
+        let done = g.raft.wait(Some(limit)).applied_index_at_least(m.last_log_index, "own log applied").await;
+        if done.is_err() {
+            tracing::info!(queue = %g.meta.name, applied = ?applied, last = ?m.last_log_index, "rejoining with entries this replica's group did not commit in time");
+        }
+    }
+
     /// Stop our replica of `g`, hand back to the master of `news.epoch`
     /// what that epoch may lack, wipe the replica and restart it in that
     /// epoch. `yielding`: the target epoch is the group our fork came
@@ -156,6 +176,7 @@ impl<H: Host> Failover<H> {
     pub(crate) async fn rejoin(&self, g: Arc<QueueGroup>, news: EpochNews, yielding: bool) {
         let group = news.group;
         let q = g.meta.clone();
+        self.apply_own_log(&g).await;
         if !self.take_out(&g) {
             return;
         }
