@@ -3,8 +3,8 @@
 //! processes (`tests/clients/features.py`), each kept across the SIGKILL of
 //! the node that masters the queues: priority queues, exchange-to-exchange
 //! bindings, alternate exchanges, single active consumer, consumer
-//! priorities, x-expires, x-queue-mode / x-queue-version and
-//! connection.update-secret.
+//! priorities, x-expires, x-queue-mode / x-queue-version,
+//! connection.update-secret and at-least-once dead-lettering.
 
 mod common;
 

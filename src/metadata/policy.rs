@@ -105,6 +105,7 @@ const KNOWN_KEYS: &[&str] = &[
     "overflow",
     "dead-letter-exchange",
     "dead-letter-routing-key",
+    "dead-letter-strategy",
     "queue-mode",
     "alternate-exchange",
     "consumer-timeout",
@@ -212,6 +213,10 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
         Some(other) => return Err(format!("overflow '{other}' is not one of drop-head, reject-publish")),
     }
     str_of("dead-letter-exchange")?;
+    match str_of("dead-letter-strategy")? {
+        None | Some("at-most-once") | Some("at-least-once") => {}
+        Some(other) => return Err(format!("dead-letter-strategy '{other}' is not one of at-most-once, at-least-once")),
+    }
     if str_of("dead-letter-routing-key")?.is_some() && obj.get("dead-letter-exchange").is_none() {
         return Err("dead-letter-routing-key given without dead-letter-exchange".into());
     }

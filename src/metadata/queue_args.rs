@@ -21,6 +21,10 @@ pub const OVERFLOW_REJECT_PUBLISH: &str = "reject-publish";
 /// whose replica count comes from its arguments, not from `ha-` policies.
 pub const QUEUE_TYPE_CLASSIC: &str = "classic";
 pub const QUEUE_TYPE_QUORUM: &str = "quorum";
+/// `x-dead-letter-strategy` values (RabbitMQ's quorum queues').
+pub const DEAD_LETTER_AT_MOST_ONCE: &str = "at-most-once";
+pub const DEAD_LETTER_AT_LEAST_ONCE: &str = "at-least-once";
+
 /// RabbitMQ's default replica count of a quorum queue.
 const QUORUM_DEFAULT_SIZE: usize = 3;
 /// RabbitMQ 4's `delivery-limit` for a quorum queue that sets none.
@@ -129,6 +133,17 @@ impl QueueArgs {
                     }
                     out.others.insert(k.clone(), v.clone());
                 }
+                // Kept with the others; read by `at_least_once_dead_lettering`.
+                "x-dead-letter-strategy" => match string()?.as_str() {
+                    DEAD_LETTER_AT_MOST_ONCE | DEAD_LETTER_AT_LEAST_ONCE => {
+                        out.others.insert(k.clone(), v.clone());
+                    }
+                    t => {
+                        return Err(format!(
+                            "invalid arg '{k}': '{t}' is not one of {DEAD_LETTER_AT_MOST_ONCE}, {DEAD_LETTER_AT_LEAST_ONCE}"
+                        ))
+                    }
+                },
                 k if UNSUPPORTED.contains(&k) => return Err(format!("argument '{k}' is not supported by mirrorq")),
                 _ => {
                     out.others.insert(k.clone(), v.clone());
@@ -254,6 +269,28 @@ impl QueueArgs {
             (None, None) => return None,
         };
         Some(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// Does the queue dead-letter at least once? As in RabbitMQ: its
+    /// `x-dead-letter-strategy`, else its policy's `dead-letter-strategy`
+    /// (`definition`, already validated), says `at-least-once`, and it
+    /// has a dead-letter exchange and overflows by `reject-publish` (with
+    /// `drop-head` the queue could drop what it holds for dead-lettering,
+    /// so RabbitMQ falls back to at most once there, and so does this).
+    /// `self` is the queue's arguments combined with its policy.
+    pub fn at_least_once_dead_lettering(&self, definition: Option<&str>) -> bool {
+        let arg = match self.others.get("x-dead-letter-strategy") {
+            Some(ArgValue::Str(s)) => Some(s.clone()),
+            _ => None,
+        };
+        let strategy = arg.or_else(|| {
+            definition
+                .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+                .and_then(|d| d.get("dead-letter-strategy").and_then(|v| v.as_str().map(str::to_string)))
+        });
+        strategy.as_deref() == Some(DEAD_LETTER_AT_LEAST_ONCE)
+            && self.dead_letter_exchange.is_some()
+            && self.overflow.as_deref() == Some(OVERFLOW_REJECT_PUBLISH)
     }
 
     /// What a queue of this type may not be (RabbitMQ refuses a quorum
@@ -469,6 +506,30 @@ mod tests {
         assert_eq!(lifted.delivery_limit(None), None);
         assert!(QueueArgs::parse(&args(&[("x-delivery-limit", ArgValue::Int(-2))])).is_err());
         assert!(QueueArgs::parse(&args(&[("x-delivery-limit", ArgValue::Str("3".into()))])).is_err());
+    }
+
+    #[test]
+    fn at_least_once_dead_lettering_needs_an_exchange_and_reject_publish_as_in_rabbitmq() {
+        let bad = QueueArgs::parse(&args(&[("x-dead-letter-strategy", ArgValue::Str("exactly-once".into()))]));
+        assert!(bad.unwrap_err().contains("x-dead-letter-strategy"));
+        let strategy = ("x-dead-letter-strategy", ArgValue::Str("at-least-once".into()));
+        let dlx = ("x-dead-letter-exchange", ArgValue::Str("dlx".into()));
+        let reject = ("x-overflow", ArgValue::Str("reject-publish".into()));
+        let full = QueueArgs::parse(&args(&[strategy.clone(), dlx.clone(), reject.clone()])).unwrap();
+        assert!(full.at_least_once_dead_lettering(None));
+        // Falls back to at most once without either.
+        for partial in [vec![strategy.clone(), dlx.clone()], vec![strategy.clone(), reject.clone()]] {
+            assert!(!QueueArgs::parse(&args(&partial)).unwrap().at_least_once_dead_lettering(None));
+        }
+        // From the policy, unless the argument says otherwise.
+        let plain = QueueArgs::parse(&args(&[dlx.clone(), reject.clone()])).unwrap();
+        let def = r#"{"dead-letter-strategy":"at-least-once"}"#;
+        assert!(plain.at_least_once_dead_lettering(Some(def)));
+        let most = ("x-dead-letter-strategy", ArgValue::Str("at-most-once".into()));
+        let own = QueueArgs::parse(&args(&[most, dlx, reject])).unwrap();
+        assert!(!own.at_least_once_dead_lettering(Some(def)));
+        assert!(super::super::policy::parse_definition(r#"{"dead-letter-strategy":"sometimes"}"#).is_err());
+        assert!(super::super::policy::parse_definition(def).is_ok());
     }
 
     #[test]

@@ -151,8 +151,16 @@ impl Node {
                 "message {bad}: properties are not an AMQP property list (message::encode_properties makes one)"
             )));
         }
+        let count = msgs.len() as u64;
         let replies = self.queue_op(queue, vec![QueueCmd::Enqueue { msgs }]).await?;
-        stored_all(queue, &replies)
+        stored_all(queue, &replies)?;
+        // A queue that fills up part way stores a batch's first ones only.
+        match stored_count(&replies) {
+            n if n < count => Err(NodeError::Refused(format!(
+                "queue '{queue}' is full (x-overflow: reject-publish): {n} of {count} stored"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Take up to `max` messages. With `auto_ack` they are gone at once;

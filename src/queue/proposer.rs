@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::confirm_gate::SyncState;
 use super::hush::Hush;
 use super::sm::QueueStats;
-use super::types::{DeathReason, Limits, Message, QueueCmd, QueueReply};
+use super::types::{DeadLettering, DeathReason, Limits, Message, QueueCmd, QueueReply};
 use super::{QueueRaft as Raft, QueueTypes};
 use crate::error::NodeError;
 use crate::ids::NodeId;
@@ -336,7 +336,8 @@ impl Proposing {
                 // make some: the queue's republishing task starts with its
                 // first slot, and a queue stamped only for its limits
                 // (a quorum queue's delivery limit) never needs one.
-                let dead = stamped.then(|| limits.dead_letter.then(|| (self.dead_letters)()));
+                let at_most_once = limits.dead_letter == DeadLettering::AtMostOnce;
+                let dead = stamped.then(|| at_most_once.then(|| (self.dead_letters)()));
                 tokio::spawn(finish(rx, sync, waiters, min, dead, permit));
             }
             // The group stopped (its mastership moved, or the node

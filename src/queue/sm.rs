@@ -73,6 +73,9 @@ pub struct QueueStats {
     /// commands, so a new master's counts go on where they stood. Kept in
     /// memory only (a restart begins again from the entries it replays).
     pub flow: Flow,
+    /// Messages held until the master has them dead-lettered
+    /// (`dead-letter-strategy: at-least-once`).
+    pub dead_letters: u64,
     /// The consumer served, on a single-active-consumer queue.
     pub active_consumer: Option<(u64, u64)>,
     /// Consumers are registered (priorities, single active): the master
@@ -98,6 +101,8 @@ impl Flow {
             (QueueCmd::Enqueue { .. } | QueueCmd::EnqueueExpiring { .. }, QueueReply::Enqueued { count }) => {
                 self.published += u64::from(*count);
             }
+            // A dead letter's settling is no consumer's ack.
+            (QueueCmd::AckOf { owner, .. }, _) if DeathReason::of_owner(*owner).is_some() => {}
             (QueueCmd::Ack { .. } | QueueCmd::AckOf { .. }, QueueReply::Settled { count, .. }) => {
                 self.acked += u64::from(*count);
             }
@@ -116,6 +121,7 @@ impl QueueStats {
             unacked: state.unacked_count(),
             head_published_at: state.head_published_at(),
             head_deadline: state.head_deadline(),
+            dead_letters: state.dead_letter_count(),
             flow: Flow::default(),
             active_consumer: state.active_consumer(),
             ranked: state.ranked(),
@@ -410,6 +416,23 @@ impl QueueMachine {
         space.apply(batch)
     }
 
+    /// Up to `max` of the messages held for at-least-once dead-lettering,
+    /// oldest first: each with its delivery tag and reason. One whose body
+    /// this replica lacks (it never leads then) is left out.
+    pub fn dead_letters(
+        &mut self,
+        space: &SmSpace,
+        max: usize,
+    ) -> Result<Vec<(u64, DeathReason, Message)>, StorageError> {
+        let mut out = Vec::new();
+        for (tag, seq, reason) in self.state.dead_letters(max) {
+            if let Some(m) = self.read_body(space, seq)? {
+                out.push((tag, reason, m));
+            }
+        }
+        Ok(out)
+    }
+
     /// The body of a live message; `None` if this replica has not fetched
     /// it yet (such a replica never leads, so the reply is not used).
     fn read_body(&mut self, space: &SmSpace, seq: u64) -> Result<Option<Message>, StorageError> {
@@ -482,6 +505,9 @@ impl QueueMachine {
                     entry.dead.extend(message.map(|m| (m, reason)));
                 }
                 Change::SetState { seq, state: MsgState::Unacked { tag, owner } } => {
+                    // Held anew under another tag (a delivered message held
+                    // for dead-lettering): it leaves its delivery's run.
+                    self.runs.settle(seq);
                     // Delivered again after a requeue: its state key goes.
                     if self.tracked.contains(&seq) && !self.runs.holds(seq) {
                         batch.remove(space.key(&state_key(seq)));

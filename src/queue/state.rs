@@ -27,7 +27,8 @@ use serde::{Deserialize, Serialize};
 use super::epoch::{Epoch, Inherited};
 
 use super::types::{
-    ConsumerRef, DeathReason, Holdings, Limits, Message, MsgState, Origin, Overflow, QueueCmd, QueueReply, Registration,
+    ConsumerRef, DeadLettering, DeathReason, Holdings, Limits, Message, MsgState, Origin, Overflow, QueueCmd,
+    QueueReply, Registration,
 };
 
 /// Seqs of messages outside the never-delivered range (handed back, or of
@@ -291,6 +292,9 @@ pub struct QueueState {
     prioritized: BTreeMap<(Reverse<u8>, bool, u64), u64>,
     /// Delivered, awaiting ack: delivery tag -> message.
     unacked: HashMap<u64, Unacked>,
+    /// Tags of `unacked` held for at-least-once dead-lettering (their
+    /// owners are [`DeathReason::owner`]s): the master republishes them.
+    dead: BTreeSet<u64>,
     /// Old-epoch entries whose messages were handed back already.
     handed: BTreeSet<Origin>,
     /// Publish times, for TTL: first seq of a run of messages -> when they
@@ -326,6 +330,9 @@ impl QueueState {
                 MsgState::Queued { order } => s.ready_again(seq, order, true),
                 MsgState::Unacked { tag, owner } => {
                     s.unacked.insert(tag, Unacked { seq, owner });
+                    if DeathReason::of_owner(owner).is_some() {
+                        s.dead.insert(tag);
+                    }
                 }
             }
         }
@@ -456,8 +463,28 @@ impl QueueState {
         }
         out
     }
+    /// Messages delivered and not yet acked (those held for dead-lettering
+    /// are not: no consumer has them).
     pub fn unacked_count(&self) -> u64 {
-        self.unacked.len() as u64
+        (self.unacked.len() - self.dead.len()) as u64
+    }
+    /// Messages held until the master has them dead-lettered.
+    pub fn dead_letter_count(&self) -> u64 {
+        self.dead.len() as u64
+    }
+    /// Up to `max` of the messages held for dead-lettering, oldest first:
+    /// their tags, seqs and reasons.
+    pub fn dead_letters(&self, max: usize) -> Vec<(u64, u64, DeathReason)> {
+        let of = |tag: &u64| {
+            let u = self.unacked.get(tag)?;
+            Some((*tag, u.seq, DeathReason::of_owner(u.owner)?))
+        };
+        self.dead.iter().filter_map(of).take(max).collect()
+    }
+    /// Take a delivery out of the unacked ones.
+    fn take_unacked(&mut self, tag: u64) -> Option<Unacked> {
+        self.dead.remove(&tag);
+        self.unacked.remove(&tag)
     }
     /// Seqs of the messages tracked one by one: delivered, requeued and
     /// prioritized ones.
@@ -574,7 +601,7 @@ impl QueueState {
         let mut tags: Vec<u64> = self.unacked.iter().filter(|(_, u)| u.owner == owner).map(|(t, _)| *t).collect();
         tags.sort_unstable();
         for tag in &tags {
-            if let Some(u) = self.unacked.remove(tag) {
+            if let Some(u) = self.take_unacked(*tag) {
                 self.settle_nack(u.seq, true, changes);
             }
         }
@@ -584,6 +611,7 @@ impl QueueState {
     fn delete(&mut self, changes: &mut Vec<Change>) -> QueueReply {
         let count = self.ready_count();
         self.drop_ready(changes);
+        self.dead.clear();
         let mut unacked: Vec<u64> = self.unacked.drain().map(|(_, u)| u.seq).collect();
         unacked.sort_unstable();
         for seq in unacked {
@@ -684,7 +712,7 @@ impl QueueState {
             self.unacked.iter().filter(|(_, u)| gone(u.seq)).map(|(tag, u)| (*tag, u.seq)).collect();
         unacked.sort_unstable();
         for (tag, seq) in unacked {
-            self.unacked.remove(&tag);
+            self.take_unacked(tag);
             self.remove(seq, true, changes);
             count += 1;
         }
@@ -730,7 +758,7 @@ impl QueueState {
         let mut accepted = 0;
         for (i, m) in msgs.iter().enumerate() {
             if self.limits.overflow == Overflow::RejectPublish
-                && self.limits.max_len.is_some_and(|max| self.ready_count() >= max)
+                && self.limits.max_len.is_some_and(|max| self.ready_count() + self.dead_letter_count() >= max)
             {
                 // Full: the rest of this publish is refused (nacked).
                 break;
@@ -855,10 +883,7 @@ impl QueueState {
     /// served first). `false` if the queue has no ready message.
     fn drop_head(&mut self, reason: DeathReason, changes: &mut Vec<Change>) -> bool {
         let Some(Head { seq, tracked, .. }) = self.take_head() else { return false };
-        if self.limits.dead_letter {
-            changes.push(Change::DeadLetter { seq, reason });
-        }
-        self.remove(seq, tracked, changes);
+        self.dead_letter(seq, tracked, reason, changes);
         true
     }
 
@@ -911,7 +936,7 @@ impl QueueState {
         let mut unknown = Vec::new();
         for tag in tags {
             let theirs = self.unacked.get(tag).is_some_and(|u| owner.is_none_or(|o| u.owner == o));
-            match theirs.then(|| self.unacked.remove(tag)).flatten() {
+            match theirs.then(|| self.take_unacked(*tag)).flatten() {
                 Some(u) => match nack {
                     None => self.remove(u.seq, true, changes),
                     Some(requeue) => self.settle_nack(u.seq, requeue, changes),
@@ -927,10 +952,7 @@ impl QueueState {
             let returns = self.returns.get(&seq).copied().unwrap_or(0).saturating_add(1);
             if self.limits.delivery_limit.is_some_and(|limit| returns > limit) {
                 // A poison message: not served again.
-                if self.limits.dead_letter {
-                    changes.push(Change::DeadLetter { seq, reason: DeathReason::DeliveryLimit });
-                }
-                self.remove(seq, true, changes);
+                self.dead_letter(seq, true, DeathReason::DeliveryLimit, changes);
                 return;
             }
             self.returns.insert(seq, returns);
@@ -939,10 +961,26 @@ impl QueueState {
             self.ready_again(seq, order, false);
             changes.push(Change::SetState { seq, state: MsgState::Requeued { order } });
         } else {
-            if self.limits.dead_letter {
-                changes.push(Change::DeadLetter { seq, reason: DeathReason::Rejected });
+            self.dead_letter(seq, true, DeathReason::Rejected, changes);
+        }
+    }
+
+    /// A message leaves the queue's ready or unacked ones for `reason`:
+    /// removed, and handed to the master's republishing or held for it.
+    fn dead_letter(&mut self, seq: u64, tracked: bool, reason: DeathReason, changes: &mut Vec<Change>) {
+        match self.limits.dead_letter {
+            DeadLettering::Off => self.remove(seq, tracked, changes),
+            DeadLettering::AtMostOnce => {
+                changes.push(Change::DeadLetter { seq, reason });
+                self.remove(seq, tracked, changes);
             }
-            self.remove(seq, true, changes);
+            DeadLettering::AtLeastOnce => {
+                let (tag, owner) = (self.counters.next_tag, reason.owner());
+                self.counters.next_tag += 1;
+                self.unacked.insert(tag, Unacked { seq, owner });
+                self.dead.insert(tag);
+                changes.push(Change::SetState { seq, state: MsgState::Unacked { tag, owner } });
+            }
         }
     }
 }
@@ -1227,7 +1265,7 @@ mod tests {
     /// without a dead-letter exchange, and its count forgotten.
     #[test]
     fn returns_are_counted_and_a_message_returned_past_the_limit_is_dead_lettered() {
-        let limits = Limits { delivery_limit: Some(2), dead_letter: true, ..Limits::default() };
+        let limits = Limits { delivery_limit: Some(2), dead_letter: DeadLettering::AtMostOnce, ..Limits::default() };
         let mut s = QueueState::default();
         enqueue(&mut s, 2);
         let returns_of = |c: &[Change]| {
@@ -1537,20 +1575,35 @@ mod tests {
         stamp(
             &mut s,
             1_000,
-            Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() },
+            Limits {
+                max_priority: Some(5),
+                ttl_ms: Some(100),
+                dead_letter: DeadLettering::AtMostOnce,
+                ..Limits::default()
+            },
         );
         let mut c = Vec::new();
         s.apply(&QueueCmd::Enqueue { msgs: vec![with_priority("hi", Some(4)), with_priority("lo", None)] }, &mut c);
         let c = stamp(
             &mut s,
             1_050,
-            Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() },
+            Limits {
+                max_priority: Some(5),
+                ttl_ms: Some(100),
+                dead_letter: DeadLettering::AtMostOnce,
+                ..Limits::default()
+            },
         );
         assert!(dead(&c).is_empty());
         let c = stamp(
             &mut s,
             1_100,
-            Limits { max_priority: Some(5), ttl_ms: Some(100), dead_letter: true, ..Limits::default() },
+            Limits {
+                max_priority: Some(5),
+                ttl_ms: Some(100),
+                dead_letter: DeadLettering::AtMostOnce,
+                ..Limits::default()
+            },
         );
         assert_eq!(dead(&c).len(), 2, "both due at 1,100: the prioritized one by its deadline");
         assert_eq!(s.ready_count(), 0);
@@ -1579,7 +1632,7 @@ mod tests {
 
     #[test]
     fn ttl_expires_from_the_head_at_the_stamped_time() {
-        let ttl = Limits { ttl_ms: Some(100), dead_letter: true, ..Limits::default() };
+        let ttl = Limits { ttl_ms: Some(100), dead_letter: DeadLettering::AtMostOnce, ..Limits::default() };
         let mut s = QueueState::default();
         stamp(&mut s, 1_000, ttl);
         enqueue(&mut s, 2); // published at 1000
@@ -1609,7 +1662,8 @@ mod tests {
         stamp(&mut s, 1_090, ttl);
         enqueue(&mut s, 1);
         get(&mut s, 7, 1, false); // seq 0 unacked
-        assert!(dead(&stamp(&mut s, 5_000, Limits { dead_letter: true, ..ttl })).contains(&(1, DeathReason::Expired)));
+        assert!(dead(&stamp(&mut s, 5_000, Limits { dead_letter: DeadLettering::AtMostOnce, ..ttl }))
+            .contains(&(1, DeathReason::Expired)));
         assert_eq!(s.unacked_count(), 1, "delivered messages do not expire");
         let mut c = Vec::new();
         s.apply(&QueueCmd::Nack { tags: vec![0], requeue: true }, &mut c);
@@ -1638,7 +1692,7 @@ mod tests {
 
     #[test]
     fn max_length_drops_the_head_or_refuses_publishes() {
-        let drop = Limits { max_len: Some(2), dead_letter: true, ..Limits::default() };
+        let drop = Limits { max_len: Some(2), dead_letter: DeadLettering::AtMostOnce, ..Limits::default() };
         let mut s = QueueState::default();
         stamp(&mut s, 0, drop);
         let mut c = Vec::new();
@@ -1671,7 +1725,7 @@ mod tests {
         let mut s = QueueState::default();
         enqueue(&mut s, 2);
         get(&mut s, 1, 2, false);
-        let c = stamp(&mut s, 0, Limits { dead_letter: true, ..Limits::default() });
+        let c = stamp(&mut s, 0, Limits { dead_letter: DeadLettering::AtMostOnce, ..Limits::default() });
         assert!(dead(&c).is_empty());
         let mut c = Vec::new();
         s.apply(&QueueCmd::Nack { tags: vec![0], requeue: false }, &mut c);
@@ -1689,11 +1743,62 @@ mod tests {
     }
 
     #[test]
+    fn at_least_once_dead_letters_stay_held_until_settled_by_their_reasons_owner() {
+        let mut s = QueueState::default();
+        enqueue(&mut s, 3);
+        get(&mut s, 1, 2, false);
+        let once = Limits {
+            dead_letter: DeadLettering::AtLeastOnce,
+            max_len: Some(2),
+            overflow: Overflow::RejectPublish,
+            ..Limits::default()
+        };
+        stamp(&mut s, 0, once);
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::NackOf { owner: 1, tags: vec![0], requeue: false }, &mut c);
+        let owner = DeathReason::Rejected.owner();
+        // Held, not removed: its body stays until it is dead-lettered.
+        assert_eq!(c, vec![Change::SetState { seq: 0, state: MsgState::Unacked { tag: 2, owner } }]);
+        assert_eq!((s.ready_count(), s.unacked_count(), s.dead_letter_count()), (1, 1, 1));
+        assert_eq!(s.dead_letters(10), vec![(2, 0, DeathReason::Rejected)]);
+        // It counts against the maximum length: the queue is full.
+        let mut c = Vec::new();
+        assert_eq!(s.apply(&QueueCmd::Enqueue { msgs: vec![msg("x")] }, &mut c), QueueReply::Enqueued { count: 0 });
+        // A restart rebuilds it as held.
+        let restored = QueueState::restore(s.counters().clone(), s.states());
+        assert_eq!(restored.dead_letters(10), s.dead_letters(10));
+        // No consumer settles it, only its reason's owner.
+        s.begin_entry();
+        let mut c = Vec::new();
+        s.apply(&QueueCmd::AckOf { owner: 1, tags: vec![2] }, &mut c);
+        assert_eq!(s.dead_letter_count(), 1);
+        s.apply(&QueueCmd::AckOf { owner, tags: vec![2] }, &mut c);
+        assert_eq!(c, vec![Change::Remove { seq: 0, tracked: true }]);
+        assert_eq!((s.dead_letter_count(), s.unacked_count()), (0, 1));
+        assert_eq!(DeathReason::of_owner(owner), Some(DeathReason::Rejected));
+        assert_eq!(DeathReason::of_owner(1), None);
+    }
+
+    #[test]
+    fn dead_lettering_reads_back_from_entries_that_stored_a_flag() {
+        for (flag, how) in [(false, DeadLettering::Off), (true, DeadLettering::AtMostOnce)] {
+            let bytes = mirrorq_storage::keys::encode(&flag, "flag").unwrap();
+            assert_eq!(mirrorq_storage::keys::decode::<DeadLettering>(&bytes, "how").unwrap(), how);
+        }
+    }
+
+    #[test]
     fn messages_with_their_own_ttl_expire_at_the_head_only() {
         let mut s = QueueState::default();
         let mut c = Vec::new();
         s.begin_entry();
-        s.apply(&QueueCmd::Stamp { now_ms: 1_000, limits: Limits { dead_letter: true, ..Limits::default() } }, &mut c);
+        s.apply(
+            &QueueCmd::Stamp {
+                now_ms: 1_000,
+                limits: Limits { dead_letter: DeadLettering::AtMostOnce, ..Limits::default() },
+            },
+            &mut c,
+        );
         let r =
             s.apply(&QueueCmd::enqueue(vec![msg("a"), msg("b"), msg("c")], vec![Some(500), None, Some(10)]), &mut c);
         assert_eq!(r, QueueReply::Enqueued { count: 3 });
@@ -1708,7 +1813,7 @@ mod tests {
         assert_eq!(s.ready_count(), 2, "b has no TTL and now heads the queue");
         let (d, _) = get(&mut s, 1, 1, true);
         assert_eq!(d, vec![(1, 0, false)]);
-        let c = stamp(&mut s, 1_600, Limits { dead_letter: true, ..Limits::default() });
+        let c = stamp(&mut s, 1_600, Limits { dead_letter: DeadLettering::AtMostOnce, ..Limits::default() });
         assert_eq!(dead(&c), vec![(2, DeathReason::Expired)]);
         assert!(s.deadlines().is_empty());
         // A message acked before its deadline leaves no deadline behind.

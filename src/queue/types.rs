@@ -173,6 +173,26 @@ pub enum Overflow {
     RejectPublish,
 }
 
+/// How a queue dead-letters (RabbitMQ's `dead-letter-strategy`).
+///
+/// Stored where a `bool` was (`false`: `Off`, `true`: `AtMostOnce`): the
+/// encoding writes a unit variant as its index, one byte for each, so
+/// entries written before `AtLeastOnce` existed read back the same.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeadLettering {
+    /// No dead-letter exchange: removed messages are gone.
+    #[default]
+    Off,
+    /// The master republishes what it removes; a master that fails
+    /// between the two loses that dead letter.
+    AtMostOnce,
+    /// A dead-lettered message stays in the queue, held by the owner its
+    /// reason names ([`DeathReason::owner`]), until the master has it
+    /// confirmed by every queue the dead-letter exchange routes it to and
+    /// settles it; a new master takes over what is still held.
+    AtLeastOnce,
+}
+
 /// A queue's limits as its master applies them: from the queue's
 /// arguments and its effective policy.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -182,9 +202,9 @@ pub struct Limits {
     /// `x-max-length` in messages (ready ones, as RabbitMQ counts).
     pub max_len: Option<u64>,
     pub overflow: Overflow,
-    /// Removed messages (expired, dropped, rejected) are handed to the
-    /// dead-letter exchange.
-    pub dead_letter: bool,
+    /// Whether and how removed messages (expired, dropped, rejected) go
+    /// to the dead-letter exchange.
+    pub dead_letter: DeadLettering,
     /// `x-max-priority`: messages are served by their `priority` property,
     /// capped at this.
     pub max_priority: Option<u8>,
@@ -199,7 +219,7 @@ impl Limits {
     pub fn any(&self) -> bool {
         self.ttl_ms.is_some()
             || self.max_len.is_some()
-            || self.dead_letter
+            || self.dead_letter != DeadLettering::Off
             || self.max_priority.is_some()
             || self.delivery_limit.is_some()
     }
@@ -215,7 +235,28 @@ pub enum DeathReason {
     DeliveryLimit,
 }
 
+/// Owners of the messages held for at-least-once dead-lettering: one per
+/// reason, just below 2^48, in the range of owners a library caller numbers
+/// itself (`owners::is_tracked` is false for them), so no node is asked
+/// about their life and no sweep gives their messages back.
+const DEAD_LETTER_OWNERS: u64 = (1 << 48) - 16;
+
 impl DeathReason {
+    const ALL: [DeathReason; 4] =
+        [DeathReason::Expired, DeathReason::Maxlen, DeathReason::Rejected, DeathReason::DeliveryLimit];
+
+    /// The owner holding this reason's messages until they are
+    /// dead-lettered ([`DeadLettering::AtLeastOnce`]).
+    pub fn owner(self) -> u64 {
+        DEAD_LETTER_OWNERS + Self::ALL.iter().position(|r| *r == self).expect("listed") as u64
+    }
+
+    /// The reason whose dead letters `owner` holds, if it is one of them.
+    pub fn of_owner(owner: u64) -> Option<DeathReason> {
+        let i = owner.checked_sub(DEAD_LETTER_OWNERS)?;
+        Self::ALL.get(usize::try_from(i).ok()?).copied()
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             DeathReason::Expired => "expired",

@@ -2,7 +2,8 @@
 three-node mirrorq cluster, each kept across the SIGKILL of the node that
 masters the queues: priority queues, exchange-to-exchange bindings,
 alternate exchanges, single active consumer, consumer priorities,
-x-expires, x-queue-mode / x-queue-version, connection.update-secret.
+x-expires, x-queue-mode / x-queue-version, connection.update-secret,
+at-least-once dead-lettering.
 
 Environment: AMQP_PORTS, HTTP_PORTS and PIDS, one per node, comma
 separated. Exits non-zero on the first mismatch; prints "features ok".
@@ -93,12 +94,17 @@ ch0.queue_declare("f.logs", durable=True, arguments=local)
 ch0.queue_declare("f.unrouted", durable=True, arguments=local)
 ch0.queue_declare("f.lazy", durable=True, arguments={**local, "x-queue-mode": "lazy", "x-queue-version": 2})
 ch0.exchange_declare("f.ae", exchange_type="fanout", durable=True)
+# At-least-once dead-lettering to an exchange that routes nowhere yet.
+ch0.exchange_declare("f.dlx", exchange_type="direct", durable=True)
+ch0.queue_declare("f.dlq-src", durable=True, arguments={
+    **local, "x-dead-letter-exchange": "f.dlx", "x-dead-letter-strategy": "at-least-once",
+    "x-overflow": "reject-publish", "x-max-length": 100})
 ch0.exchange_declare("f.front", exchange_type="direct", durable=True, arguments={"alternate-exchange": "f.ae"})
 ch0.exchange_declare("f.topic", exchange_type="topic", durable=True)
 ch0.exchange_bind(destination="f.topic", source="f.front", routing_key="log")
 ch0.queue_bind("f.logs", "f.topic", routing_key="#")
 ch0.queue_bind("f.unrouted", "f.ae")
-for q in ("f.prio", "f.sac", "f.cprio", "f.logs", "f.unrouted", "f.lazy"):
+for q in ("f.prio", "f.sac", "f.cprio", "f.logs", "f.unrouted", "f.lazy", "f.dlq-src"):
     until(f"{q} mirrored", lambda: (lambda s, b: s == 200 and b["node"] == "mirrorq@1"
                                     and len(b.get("synchronised_slave_nodes", [])) == 2)(*api(1, "GET", f"/api/queues/%2F/{q}")))
 
@@ -141,6 +147,16 @@ assert (sac[tag_a]["active"], sac[tag_a]["activity_status"]) == (True, "single_a
 assert (sac[tag_b]["active"], sac[tag_b]["activity_status"]) == (False, "waiting"), sac
 assert all(k["activity_status"] == "up" for k in consumers if k["queue"]["name"] != "f.sac"), consumers
 
+# Rejected while the dead-letter exchange routes nowhere: held in the
+# queue, not served again, not dropped.
+publish(ch0, "", "f.dlq-src", ["d0", "d1", "d2"])
+for _ in range(3):
+    method, _, body = ch0.basic_get("f.dlq-src", auto_ack=False)
+    assert method is not None, "f.dlq-src lacks a message"
+    ch0.basic_reject(method.delivery_tag, requeue=False)
+# After the rejects in the log: nothing of them is ready again.
+assert ch0.basic_get("f.dlq-src", auto_ack=False)[0] is None, "a rejected message was served again"
+
 # The node that masters every queue goes, with no warning.
 c0.close()
 os.kill(PIDS[0], signal.SIGKILL)
@@ -181,6 +197,21 @@ for q, want in (("f.logs", ["to-logs", "to-logs-2"]), ("f.unrouted", ["stray", "
         assert method is not None, f"{q} lacks a message: got {got}"
         got.append(body.decode())
     assert got == want, (q, got)
+
+# The new master dead-letters what the old one held, once the exchange
+# routes somewhere; the source queue lets go of them only then.
+ch1.queue_declare("f.dlq-target", durable=True)
+ch1.queue_bind("f.dlq-target", "f.dlx", routing_key="f.dlq-src")
+dead = []
+def dead_lettered():
+    method, props, body = ch1.basic_get("f.dlq-target", auto_ack=True)
+    if method is not None:
+        dead.append((body.decode(), props.headers["x-death"][0]["reason"]))
+    return len(dead) == 3
+until("the held dead letters in their target", dead_lettered, limit=60, detail=lambda: str(dead))
+assert sorted(dead) == [("d0", "rejected"), ("d1", "rejected"), ("d2", "rejected")], dead
+until("the source queue empty", lambda: ch1.queue_declare("f.dlq-src", passive=True).method.message_count == 0)
+assert ch1.basic_get("f.dlq-src", auto_ack=True)[0] is None, "a dead letter was left in its source queue"
 
 # The new master goes on with the same active consumer.
 publish(ch1, "", "f.sac", [f"t{i}" for i in range(10)])

@@ -6,19 +6,26 @@
 //! The queue's state machine decides which messages expire, overflow or are
 //! rejected (deterministically, from the master's stamp in each entry); the
 //! master's proposer hands their bodies here. Dead-lettering is at most
-//! once, as for RabbitMQ's classic mirrored queues: a master that fails
-//! between removing a message and republishing it loses that dead letter.
+//! once by default, as for RabbitMQ's classic mirrored queues: a master
+//! that fails between removing a message and republishing it loses that
+//! dead letter. With `dead-letter-strategy: at-least-once` (RabbitMQ's
+//! quorum queues' strategy) the state machine holds each dead letter in
+//! the queue instead (`DeadLettering::AtLeastOnce`), and the master's
+//! timer task republishes what is held, waits for every target queue's
+//! confirm and only then settles it; a new master picks up what is held.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use tokio::sync::oneshot;
 
+use crate::error::NodeError;
 use crate::metadata::{names, policy, MetaState, QueueArgs, QueueMeta};
 use crate::node::{Inner, Node, QueueGroup};
 use crate::queue::proposer::{now_ms, DeadLetterSink};
-use crate::queue::types::{DeathReason, Limits, Overflow};
+use crate::queue::types::{DeadLettering, DeathReason, Limits, Overflow};
 use crate::queue::{Message, QueueCmd};
 
 /// The queue's arguments combined with its effective policy.
@@ -38,7 +45,11 @@ pub(in crate::node) fn limits_of(state: &MetaState, q: &QueueMeta) -> Limits {
             Some(crate::metadata::queue_args::OVERFLOW_REJECT_PUBLISH) => Overflow::RejectPublish,
             _ => Overflow::DropHead,
         },
-        dead_letter: a.dead_letter_exchange.is_some(),
+        dead_letter: match a.dead_letter_exchange {
+            None => DeadLettering::Off,
+            Some(_) if a.at_least_once_dead_lettering(def) => DeadLettering::AtLeastOnce,
+            Some(_) => DeadLettering::AtMostOnce,
+        },
         // 0 serves every message as priority 0: a plain queue.
         max_priority: a.max_priority.filter(|p| *p > 0),
         delivery_limit: q.args.delivery_limit(def),
@@ -76,20 +87,104 @@ pub(in crate::node) fn sink(inner: Weak<Inner>, queue: String) -> DeadLetterSink
     })
 }
 
+/// Held dead letters that could not go are tried again after this,
+/// doubling up to [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// Why held dead letters stay held for now (tried again later).
+#[derive(Debug, thiserror::Error)]
+enum NotDeadLettered {
+    #[error("dead-letter exchange '{0}' does not exist")]
+    NoExchange(String),
+    #[error("dead-letter exchange '{0}' routes them to no queue")]
+    NoRoute(String),
+    #[error("the queue's master holds none of their bodies")]
+    NoBodies,
+    #[error(transparent)]
+    Node(#[from] NodeError),
+}
+
 impl Node {
     /// Publish dead-lettered messages of `queue` to its dead-letter
-    /// exchange, with RabbitMQ's `x-death` history.
+    /// exchange, with RabbitMQ's `x-death` history, at most once.
     async fn dead_letter(&self, queue: &str, msgs: Vec<(Message, DeathReason)>) {
+        let (routed, unrouted) = self.route_dead_letters(queue, msgs).await;
+        if let Some((_, e)) = unrouted.first() {
+            tracing::warn!(queue, error = %e, dropped = unrouted.len(), "dead letters dropped");
+        }
+        for (target, ms) in routed {
+            if let Err(e) = self.publish(&target, ms.into_iter().map(|(_, m)| m).collect()).await {
+                tracing::warn!(queue = %target, error = %e, "dead letters not stored");
+            }
+        }
+    }
+
+    /// Dead-letter what the master's replica of `g` holds for it, a batch
+    /// at a time: each is settled only once every queue the dead-letter
+    /// exchange routes it to has it confirmed. A target that refuses, or
+    /// an exchange that is gone or routes nowhere, leaves them held.
+    async fn dead_letter_held(&self, g: &QueueGroup) -> Result<(), NotDeadLettered> {
+        const BATCH: usize = 256;
+        let held = g.sm.with_mut(|m, space| m.dead_letters(space, BATCH)).await;
+        let held = held.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        if held.is_empty() {
+            return Err(NotDeadLettered::NoBodies);
+        }
+        let tags: Vec<(DeathReason, u64)> = held.iter().map(|(tag, reason, _)| (*reason, *tag)).collect();
+        let msgs = held.into_iter().map(|(_, reason, m)| (m, reason)).collect();
+        let (routed, unrouted) = self.route_dead_letters(&g.meta.name, msgs).await;
+        for (target, ms) in routed {
+            self.publish(&target, ms.into_iter().map(|(_, m)| m).collect()).await?;
+        }
+        // A queue that no longer names an exchange drops what it held.
+        let kept: Vec<usize> = unrouted
+            .iter()
+            .filter(|(_, e)| !matches!(e, NotDeadLettered::NoExchange(x) if x.is_empty()))
+            .map(|(i, _)| *i)
+            .collect();
+        // By owner: one per reason.
+        let mut settle: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for (i, (reason, tag)) in tags.into_iter().enumerate() {
+            if !kept.contains(&i) {
+                settle.entry(reason.owner()).or_default().push(tag);
+            }
+        }
+        if !settle.is_empty() {
+            let cmds = settle.into_iter().map(|(owner, tags)| QueueCmd::AckOf { owner, tags }).collect();
+            g.proposer.submit(cmds).await?;
+        }
+        match unrouted.into_iter().find(|(i, _)| kept.contains(i)) {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Where `queue`'s dead letters go, each with its `x-death` history:
+    /// per target queue, in order, with each message's index in `msgs`;
+    /// and the indexes of those routed nowhere, with why
+    /// (`NoExchange("")`: the queue has no dead-letter exchange any more).
+    /// A message dead-lettered round a cycle with no rejection on it is
+    /// routed to none of the cycle's queues (it would circle for ever), as
+    /// in RabbitMQ, and that counts as done.
+    async fn route_dead_letters(
+        &self,
+        queue: &str,
+        msgs: Vec<(Message, DeathReason)>,
+    ) -> (Vec<(String, Vec<(usize, Message)>)>, Vec<(usize, NotDeadLettered)>) {
         let state = self.metadata();
-        let Some(q) = state.queues.get(queue) else { return };
+        let mut routed: Vec<(String, Vec<(usize, Message)>)> = Vec::new();
+        let mut unrouted = Vec::new();
+        let Some(q) = state.queues.get(queue) else { return (routed, unrouted) };
         let args = effective_args(&state, q);
-        let Some(dlx) = args.dead_letter_exchange else { return };
+        let Some(dlx) = args.dead_letter_exchange else {
+            unrouted.extend((0..msgs.len()).map(|i| (i, NotDeadLettered::NoExchange(String::new()))));
+            return (routed, unrouted);
+        };
         // Messages carry names as clients see them; the exchange is in the queue's vhost.
         let (vhost, bare) = names::split(queue);
         let dlx_key = names::key(vhost, &dlx);
-        // Per target queue, in order: one publish each.
-        let mut out: Vec<(String, Vec<Message>)> = Vec::new();
-        for (msg, reason) in msgs {
+        for (i, (msg, reason)) in msgs.into_iter().enumerate() {
             let key = args.dead_letter_routing_key.clone().unwrap_or_else(|| msg.routing_key.clone());
             let (dead, rejected_on_the_way, queues_seen) = with_death(msg, bare, reason, &dlx, &key);
             let headers = crate::message::decode_properties(&dead.properties)
@@ -97,28 +192,29 @@ impl Node {
                 .as_ref()
                 .map(crate::message::to_args)
                 .unwrap_or_default();
-            let Some(targets) = self.route_fresh(&dlx_key, &key, &headers).await else {
-                tracing::warn!(queue, exchange = %dlx, "dead-letter exchange does not exist; message dropped");
-                continue;
+            let targets = match self.route_fresh(&dlx_key, &key, &headers).await {
+                None => {
+                    unrouted.push((i, NotDeadLettered::NoExchange(dlx.clone())));
+                    continue;
+                }
+                Some(t) if t.is_empty() => {
+                    unrouted.push((i, NotDeadLettered::NoRoute(dlx.clone())));
+                    continue;
+                }
+                Some(t) => t,
             };
             for target in targets {
-                // A message dead-lettered round a cycle with no rejection on
-                // it would circle for ever: dropped, as RabbitMQ does.
                 if queues_seen.iter().any(|q| q == names::name_of(&target)) && !rejected_on_the_way {
                     tracing::debug!(queue, target, "dead-letter cycle without a rejection; dropped");
                     continue;
                 }
-                match out.iter_mut().find(|(t, _)| *t == target) {
-                    Some((_, ms)) => ms.push(dead.clone()),
-                    None => out.push((target, vec![dead.clone()])),
+                match routed.iter_mut().find(|(t, _)| *t == target) {
+                    Some((_, ms)) => ms.push((i, dead.clone())),
+                    None => routed.push((target, vec![(i, dead.clone())])),
                 }
             }
         }
-        for (target, ms) in out {
-            if let Err(e) = self.publish(&target, ms).await {
-                tracing::warn!(queue = %target, error = %e, "dead letters not stored");
-            }
-        }
+        (routed, unrouted)
     }
 
     /// While this node masters a queue, wake when the message at the head
@@ -130,11 +226,13 @@ impl Node {
         tokio::spawn(async move {
             let mut stats = g.stats.clone();
             let mut limits = g.proposer.watch_limits();
+            // Held dead letters that could not go: when to try again.
+            let mut retry: Option<(Instant, Duration)> = None;
             while !g.stop.is_cancelled() {
                 let ttl = limits.borrow_and_update().ttl_ms;
-                let (head, own) = {
+                let (head, own, held) = {
                     let s = stats.borrow_and_update();
-                    (s.head_published_at, s.head_deadline)
+                    (s.head_published_at, s.head_deadline, s.dead_letters)
                 };
                 let by_queue = ttl.zip(head).map(|(ttl, at)| at.saturating_add(ttl));
                 let due = match (by_queue, own) {
@@ -149,13 +247,34 @@ impl Node {
                     }
                     continue;
                 }
-                let wait = match due {
+                if held == 0 {
+                    retry = None;
+                }
+                if leader && held > 0 && retry.is_none_or(|(at, _)| at <= Instant::now()) {
+                    match node.dead_letter_held(&g).await {
+                        Ok(()) => retry = None,
+                        Err(e) => {
+                            let wait = retry.map_or(RETRY_FIRST, |(_, w)| (w * 2).min(RETRY_MAX));
+                            tracing::warn!(queue = %g.meta.name, held, error = %e, retry_ms = wait.as_millis() as u64, "dead letters held in the queue until they can go");
+                            retry = Some((Instant::now() + wait, wait));
+                        }
+                    }
+                    continue;
+                }
+                let mut wait = match due {
                     Some(due) if leader => Duration::from_millis(due.saturating_sub(now_ms())),
                     // Something is due but another node masters the queue:
                     // look again now and then, this one may take over.
                     Some(_) => Duration::from_secs(1),
                     None => Duration::from_secs(3600),
                 };
+                if held > 0 {
+                    let again = match retry {
+                        Some((at, _)) if leader => at.saturating_duration_since(Instant::now()),
+                        _ => Duration::from_secs(1),
+                    };
+                    wait = wait.min(again);
+                }
                 tokio::select! {
                     _ = g.stop.cancelled() => return,
                     _ = stats.changed() => {}
