@@ -30,7 +30,8 @@ pub struct Metrics {
     /// Rounds in which a queue replica could not be started or removed.
     pub reconcile_failures: Counter,
     /// Retried failures (re-forming, membership changes, catch-up,
-    /// rejoining), each logged only when new.
+    /// rejoining, held dead letters that cannot go yet), each logged only
+    /// when new.
     pub repeated_failures: Counter,
     /// Leaderships of queue groups won here (a replica here became master
     /// in a new term), the first of each queue's included.

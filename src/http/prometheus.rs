@@ -95,7 +95,7 @@ fn counters(r: &mut Registry, node: &Node) {
     );
     r.register(
         "mirrorq_repeated_failures",
-        "Retried failures (re-forming, membership changes, catch-up, rejoining); each is logged only when new",
+        "Retried failures (re-forming, membership changes, catch-up, rejoining, held dead letters); each is logged only when new",
         m.repeated_failures.clone(),
     );
     let dropped: Counter = Counter::default();

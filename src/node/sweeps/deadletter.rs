@@ -254,6 +254,7 @@ impl Node {
                     match node.dead_letter_held(&g).await {
                         Ok(()) => retry = None,
                         Err(e) => {
+                            node.inner.metrics.repeated_failures.inc();
                             let wait = retry.map_or(RETRY_FIRST, |(_, w)| (w * 2).min(RETRY_MAX));
                             tracing::warn!(queue = %g.meta.name, held, error = %e, retry_ms = wait.as_millis() as u64, "dead letters held in the queue until they can go");
                             retry = Some((Instant::now() + wait, wait));
