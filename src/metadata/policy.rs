@@ -98,6 +98,7 @@ const KNOWN_KEYS: &[&str] = &[
     "ha-promote-on-failure",
     "ha-min-synchronised",
     "queue-master-locator",
+    "queue-leader-locator",
     "message-ttl",
     "expires",
     "max-length",
@@ -220,8 +221,15 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
     if str_of("dead-letter-routing-key")?.is_some() && obj.get("dead-letter-exchange").is_none() {
         return Err("dead-letter-routing-key given without dead-letter-exchange".into());
     }
-    let min_masters = match str_of("queue-master-locator")? {
+    // RabbitMQ 4's name first; the older one, if set too, wins.
+    let leader = match str_of("queue-leader-locator")? {
         None => None,
+        Some("balanced") | Some("random") | Some("least-leaders") => Some(true),
+        Some("client-local") => Some(false),
+        Some(other) => return Err(format!("queue-leader-locator '{other}' is not one of client-local, balanced")),
+    };
+    let min_masters = match str_of("queue-master-locator")? {
+        None => leader,
         Some("min-masters") => Some(true),
         Some("client-local") => Some(false),
         Some("random") => Some(true),
@@ -382,6 +390,16 @@ mod tests {
             assert!(pattern_matches(&format!("^q{i}$"), &format!("q{i}")));
         }
         assert!(pattern_matches("^ha\\.", "ha.q"));
+    }
+
+    #[test]
+    fn the_leader_locator_is_rabbitmq_4s_name_for_the_master_locator() {
+        let of = |d: &str| parse_definition(d).map(|p| p.min_masters);
+        assert_eq!(of(r#"{"queue-leader-locator":"balanced"}"#), Ok(Some(true)));
+        assert_eq!(of(r#"{"queue-leader-locator":"client-local"}"#), Ok(Some(false)));
+        let both = r#"{"queue-leader-locator":"balanced","queue-master-locator":"client-local"}"#;
+        assert_eq!(of(both), Ok(Some(false)));
+        assert!(of(r#"{"queue-leader-locator":"nearest"}"#).is_err());
     }
 
     #[test]

@@ -94,10 +94,11 @@ ch0.queue_declare("f.logs", durable=True, arguments=local)
 ch0.queue_declare("f.unrouted", durable=True, arguments=local)
 ch0.queue_declare("f.lazy", durable=True, arguments={**local, "x-queue-mode": "lazy", "x-queue-version": 2})
 ch0.exchange_declare("f.ae", exchange_type="fanout", durable=True)
-# At-least-once dead-lettering to an exchange that routes nowhere yet.
+# At-least-once dead-lettering to an exchange that routes nowhere yet;
+# placed by RabbitMQ 4's name for the master locator.
 ch0.exchange_declare("f.dlx", exchange_type="direct", durable=True)
 ch0.queue_declare("f.dlq-src", durable=True, arguments={
-    **local, "x-dead-letter-exchange": "f.dlx", "x-dead-letter-strategy": "at-least-once",
+    "x-queue-leader-locator": "client-local", "x-dead-letter-exchange": "f.dlx", "x-dead-letter-strategy": "at-least-once",
     "x-overflow": "reject-publish", "x-max-length": 100})
 ch0.exchange_declare("f.front", exchange_type="direct", durable=True, arguments={"alternate-exchange": "f.ae"})
 ch0.exchange_declare("f.topic", exchange_type="topic", durable=True)

@@ -140,19 +140,30 @@ impl Channel {
         name: &str,
         args: Option<QueueArgs>,
     ) -> Result<(crate::metadata::QueueMeta, bool), Result<Soft, Hard>> {
-        let min_masters = match d.arguments.inner().get(&ss("x-queue-master-locator")) {
-            None => None,
-            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"min-masters" => Some(true),
-            Some(AMQPValue::LongString(v)) if v.as_bytes() == b"client-local" => Some(false),
-            Some(other) => {
-                return Err(Ok(soft(
-                    PRECONDITION_FAILED,
-                    format!("PRECONDITION_FAILED - invalid x-queue-master-locator {other:?}"),
-                    50,
-                    10,
-                )))
+        // RabbitMQ 4 names it `x-queue-leader-locator` (`balanced` spreads
+        // masters as `min-masters` does; 3.10-3.12 also took `random` and
+        // `least-leaders`); the older name still works, and wins.
+        let mut min_masters = None;
+        for (key, spread) in [
+            ("x-queue-leader-locator", &["balanced", "random", "least-leaders"][..]),
+            ("x-queue-master-locator", &["min-masters"][..]),
+        ] {
+            match d.arguments.inner().get(&ss(key)) {
+                None => {}
+                Some(AMQPValue::LongString(v)) if v.as_bytes() == b"client-local" => min_masters = Some(false),
+                Some(AMQPValue::LongString(v)) if spread.iter().any(|s| s.as_bytes() == v.as_bytes()) => {
+                    min_masters = Some(true)
+                }
+                Some(other) => {
+                    return Err(Ok(soft(
+                        PRECONDITION_FAILED,
+                        format!("PRECONDITION_FAILED - invalid {key} {other:?}"),
+                        50,
+                        10,
+                    )))
+                }
             }
-        };
+        }
         let opts = DeclareOpts {
             min_masters,
             exclusive_owner: d.exclusive.then_some(self.conn_id),
