@@ -102,7 +102,6 @@ const KNOWN_KEYS: &[&str] = &[
     "message-ttl",
     "expires",
     "max-length",
-    "max-length-bytes",
     "overflow",
     "dead-letter-exchange",
     "dead-letter-routing-key",
@@ -137,6 +136,11 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
         return Err("definition is empty".into());
     }
     for k in obj.keys() {
+        // As `x-max-length-bytes` is: refused rather than silently not
+        // enforced.
+        if k == "max-length-bytes" {
+            return Err("definition key 'max-length-bytes' is not supported by mirrorq".into());
+        }
         if !KNOWN_KEYS.contains(&k.as_str()) {
             return Err(format!("definition key '{k}' not recognised"));
         }
@@ -197,7 +201,7 @@ pub fn parse_definition(json: &str) -> Result<HaPolicy, String> {
             _ => return Err("ha-min-synchronised must be a positive integer".into()),
         },
     };
-    for k in ["message-ttl", "expires", "max-length", "max-length-bytes", "ha-sync-batch-size", "consumer-timeout"] {
+    for k in ["message-ttl", "expires", "max-length", "ha-sync-batch-size", "consumer-timeout"] {
         if let Some(v) = obj.get(k) {
             if v.as_i64().is_none_or(|n| n < 0) {
                 return Err(format!("{k} must be a non-negative integer"));
@@ -400,6 +404,12 @@ mod tests {
         let both = r#"{"queue-leader-locator":"balanced","queue-master-locator":"client-local"}"#;
         assert_eq!(of(both), Ok(Some(false)));
         assert!(of(r#"{"queue-leader-locator":"nearest"}"#).is_err());
+    }
+
+    #[test]
+    fn a_byte_limit_is_refused_as_its_argument_is() {
+        let bytes = parse_definition(r#"{"max-length-bytes":1000}"#).unwrap_err();
+        assert!(bytes.contains("not supported"), "{bytes}");
     }
 
     #[test]
