@@ -417,15 +417,17 @@ impl QueueMachine {
     }
 
     /// Up to `max` of the messages held for at-least-once dead-lettering,
-    /// oldest first: each with its delivery tag and reason. One whose body
-    /// this replica lacks (it never leads then) is left out.
+    /// from tag `from` on, oldest first: each with its delivery tag and
+    /// reason. One whose body this replica lacks (it never leads then) is
+    /// left out.
     pub fn dead_letters(
         &mut self,
         space: &SmSpace,
+        from: u64,
         max: usize,
     ) -> Result<Vec<(u64, DeathReason, Message)>, StorageError> {
         let mut out = Vec::new();
-        for (tag, seq, reason) in self.state.dead_letters(max) {
+        for (tag, seq, reason) in self.state.dead_letters(from, max) {
             if let Some(m) = self.read_body(space, seq)? {
                 out.push((tag, reason, m));
             }

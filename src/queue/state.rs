@@ -472,14 +472,14 @@ impl QueueState {
     pub fn dead_letter_count(&self) -> u64 {
         self.dead.len() as u64
     }
-    /// Up to `max` of the messages held for dead-lettering, oldest first:
-    /// their tags, seqs and reasons.
-    pub fn dead_letters(&self, max: usize) -> Vec<(u64, u64, DeathReason)> {
+    /// Up to `max` of the messages held for dead-lettering, from tag
+    /// `from` on, oldest first: their tags, seqs and reasons.
+    pub fn dead_letters(&self, from: u64, max: usize) -> Vec<(u64, u64, DeathReason)> {
         let of = |tag: &u64| {
             let u = self.unacked.get(tag)?;
             Some((*tag, u.seq, DeathReason::of_owner(u.owner)?))
         };
-        self.dead.iter().filter_map(of).take(max).collect()
+        self.dead.range(from..).filter_map(of).take(max).collect()
     }
     /// Take a delivery out of the unacked ones.
     fn take_unacked(&mut self, tag: u64) -> Option<Unacked> {
@@ -1760,13 +1760,14 @@ mod tests {
         // Held, not removed: its body stays until it is dead-lettered.
         assert_eq!(c, vec![Change::SetState { seq: 0, state: MsgState::Unacked { tag: 2, owner } }]);
         assert_eq!((s.ready_count(), s.unacked_count(), s.dead_letter_count()), (1, 1, 1));
-        assert_eq!(s.dead_letters(10), vec![(2, 0, DeathReason::Rejected)]);
+        assert_eq!(s.dead_letters(0, 10), vec![(2, 0, DeathReason::Rejected)]);
+        assert_eq!(s.dead_letters(3, 10), vec![]);
         // It counts against the maximum length: the queue is full.
         let mut c = Vec::new();
         assert_eq!(s.apply(&QueueCmd::Enqueue { msgs: vec![msg("x")] }, &mut c), QueueReply::Enqueued { count: 0 });
         // A restart rebuilds it as held.
         let restored = QueueState::restore(s.counters().clone(), s.states());
-        assert_eq!(restored.dead_letters(10), s.dead_letters(10));
+        assert_eq!(restored.dead_letters(0, 10), s.dead_letters(0, 10));
         // No consumer settles it, only its reason's owner.
         s.begin_entry();
         let mut c = Vec::new();

@@ -214,6 +214,36 @@ assert sorted(dead) == [("d0", "rejected"), ("d1", "rejected"), ("d2", "rejected
 until("the source queue empty", lambda: ch1.queue_declare("f.dlq-src", passive=True).method.message_count == 0)
 assert ch1.basic_get("f.dlq-src", auto_ack=True)[0] is None, "a dead letter was left in its source queue"
 
+# Two targets, one of which refuses (full): the dead letter stays held
+# (it fills its source queue, whose x-max-length counts it), the target
+# that took it is not sent it again at every retry, and once the refusing
+# one is unbound the source lets go of it.
+ch1.exchange_declare("f.dlx2", exchange_type="fanout", durable=True)
+ch1.queue_declare("f.dlq2-src", durable=True, arguments={
+    "x-dead-letter-exchange": "f.dlx2", "x-dead-letter-strategy": "at-least-once",
+    "x-overflow": "reject-publish", "x-max-length": 1})
+ch1.queue_declare("f.dlq2-a", durable=True)
+ch1.queue_declare("f.dlq2-full", durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+ch1.queue_bind("f.dlq2-a", "f.dlx2")
+ch1.queue_bind("f.dlq2-full", "f.dlx2")
+publish(ch1, "", "f.dlq2-src", ["e0"])
+method, _, _ = ch1.basic_get("f.dlq2-src", auto_ack=False)
+ch1.basic_reject(method.delivery_tag, requeue=False)
+count = lambda q: ch1.queue_declare(q, passive=True).method.message_count
+until("the dead letter in the target that takes it", lambda: count("f.dlq2-a") == 1)
+def refused(body):
+    try:
+        publish(ch1, "", "f.dlq2-src", [body])
+        return False
+    except pika.exceptions.NackError:
+        return True
+assert refused("e1"), "the source took a publish while a held dead letter filled it"
+time.sleep(3)  # retries at 0.2, 0.4, 0.8 and 1.6 s
+assert count("f.dlq2-a") == 1, f"the target that took it was sent it again: {count('f.dlq2-a')}"
+ch1.queue_unbind("f.dlq2-full", "f.dlx2")
+until("the source letting go of its dead letter", lambda: not refused("e2"), limit=30)
+assert count("f.dlq2-a") == 1, count("f.dlq2-a")
+
 # The new master goes on with the same active consumer.
 publish(ch1, "", "f.sac", [f"t{i}" for i in range(10)])
 until("the active consumer served after the failover", lambda: (pump([c1, c2], 0.2), len(seen["a"]) == 20)[1], 60)

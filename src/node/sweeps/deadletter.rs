@@ -14,7 +14,7 @@
 //! timer task republishes what is held, waits for every target queue's
 //! confirm and only then settles it; a new master picks up what is held.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,8 @@ enum NotDeadLettered {
     NoExchange(String),
     #[error("dead-letter exchange '{0}' routes them to no queue")]
     NoRoute(String),
+    #[error("the queue is not in this node's metadata")]
+    NoQueue,
     #[error("the queue's master holds none of their bodies")]
     NoBodies,
     #[error(transparent)]
@@ -121,28 +123,55 @@ impl Node {
     }
 
     /// Dead-letter what the master's replica of `g` holds for it, a batch
-    /// at a time: each is settled only once every queue the dead-letter
-    /// exchange routes it to has it confirmed. A target that refuses, or
-    /// an exchange that is gone or routes nowhere, leaves them held.
-    async fn dead_letter_held(&self, g: &QueueGroup) -> Result<(), NotDeadLettered> {
+    /// at a time from tag `from` on (so a batch that cannot go keeps none
+    /// behind it waiting): each is settled once every queue the dead-letter
+    /// exchange routes it to has it confirmed. `sent` remembers, per held
+    /// tag, the targets that confirmed it already, so a target that
+    /// refuses does not have the others sent it again at every try.
+    /// Answers the tag to go on from, and why some stay held.
+    async fn dead_letter_held(
+        &self,
+        g: &QueueGroup,
+        from: u64,
+        sent: &mut HashMap<u64, BTreeSet<String>>,
+    ) -> (u64, Result<(), NotDeadLettered>) {
         const BATCH: usize = 256;
-        let held = g.sm.with_mut(|m, space| m.dead_letters(space, BATCH)).await;
-        let held = held.map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        let held = match g.sm.with_mut(|m, space| m.dead_letters(space, from, BATCH)).await {
+            Ok(held) => held,
+            Err(e) => return (from, Err(NodeError::Unavailable(e.to_string()).into())),
+        };
+        let next = match held.last() {
+            Some((tag, _, _)) if held.len() == BATCH => tag + 1,
+            _ => 0,
+        };
         if held.is_empty() {
-            return Err(NotDeadLettered::NoBodies);
+            return (0, if from == 0 { Err(NotDeadLettered::NoBodies) } else { Ok(()) });
         }
         let tags: Vec<(DeathReason, u64)> = held.iter().map(|(tag, reason, _)| (*reason, *tag)).collect();
         let msgs = held.into_iter().map(|(_, reason, m)| (m, reason)).collect();
         let (routed, unrouted) = self.route_dead_letters(&g.meta.name, msgs).await;
-        for (target, ms) in routed {
-            self.publish(&target, ms.into_iter().map(|(_, m)| m).collect()).await?;
-        }
         // A queue that no longer names an exchange drops what it held.
-        let kept: Vec<usize> = unrouted
-            .iter()
-            .filter(|(_, e)| !matches!(e, NotDeadLettered::NoExchange(x) if x.is_empty()))
-            .map(|(i, _)| *i)
-            .collect();
+        let dropped = |e: &NotDeadLettered| matches!(e, NotDeadLettered::NoExchange(x) if x.is_empty());
+        let mut kept: BTreeSet<usize> = unrouted.iter().filter(|(_, e)| !dropped(e)).map(|(i, _)| *i).collect();
+        let mut why = unrouted.into_iter().find(|(_, e)| !dropped(e)).map(|(_, e)| e);
+        for (target, ms) in routed {
+            let (idx, ms): (Vec<usize>, Vec<Message>) =
+                ms.into_iter().filter(|(i, _)| !sent.get(&tags[*i].1).is_some_and(|t| t.contains(&target))).unzip();
+            if ms.is_empty() {
+                continue;
+            }
+            match self.publish(&target, ms).await {
+                Ok(()) => {
+                    for i in idx {
+                        sent.entry(tags[i].1).or_default().insert(target.clone());
+                    }
+                }
+                Err(e) => {
+                    kept.extend(idx);
+                    why.get_or_insert(e.into());
+                }
+            }
+        }
         // By owner: one per reason.
         let mut settle: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
         for (i, (reason, tag)) in tags.into_iter().enumerate() {
@@ -151,13 +180,15 @@ impl Node {
             }
         }
         if !settle.is_empty() {
-            let cmds = settle.into_iter().map(|(owner, tags)| QueueCmd::AckOf { owner, tags }).collect();
-            g.proposer.submit(cmds).await?;
+            let cmds = settle.iter().map(|(owner, tags)| QueueCmd::AckOf { owner: *owner, tags: tags.clone() });
+            if let Err(e) = g.proposer.submit(cmds.collect()).await {
+                return (from, Err(e.into()));
+            }
+            for tag in settle.values().flatten() {
+                sent.remove(tag);
+            }
         }
-        match unrouted.into_iter().find(|(i, _)| kept.contains(i)) {
-            Some((_, e)) => Err(e),
-            None => Ok(()),
-        }
+        (next, why.map_or(Ok(()), Err))
     }
 
     /// Where `queue`'s dead letters go, each with its `x-death` history:
@@ -175,7 +206,10 @@ impl Node {
         let state = self.metadata();
         let mut routed: Vec<(String, Vec<(usize, Message)>)> = Vec::new();
         let mut unrouted = Vec::new();
-        let Some(q) = state.queues.get(queue) else { return (routed, unrouted) };
+        let Some(q) = state.queues.get(queue) else {
+            unrouted.extend((0..msgs.len()).map(|i| (i, NotDeadLettered::NoQueue)));
+            return (routed, unrouted);
+        };
         let args = effective_args(&state, q);
         let Some(dlx) = args.dead_letter_exchange else {
             unrouted.extend((0..msgs.len()).map(|i| (i, NotDeadLettered::NoExchange(String::new()))));
@@ -226,8 +260,11 @@ impl Node {
         tokio::spawn(async move {
             let mut stats = g.stats.clone();
             let mut limits = g.proposer.watch_limits();
-            // Held dead letters that could not go: when to try again.
+            // Held dead letters that could not go: when to try again, the
+            // tag to go on from, and the targets that have each already.
             let mut retry: Option<(Instant, Duration)> = None;
+            let mut from = 0;
+            let mut sent: HashMap<u64, BTreeSet<String>> = HashMap::new();
             while !g.stop.is_cancelled() {
                 let ttl = limits.borrow_and_update().ttl_ms;
                 let (head, own, held) = {
@@ -247,11 +284,14 @@ impl Node {
                     }
                     continue;
                 }
-                if held == 0 {
-                    retry = None;
+                if held == 0 || !leader {
+                    (retry, from) = (None, 0);
+                    sent.clear();
                 }
                 if leader && held > 0 && retry.is_none_or(|(at, _)| at <= Instant::now()) {
-                    match node.dead_letter_held(&g).await {
+                    let (next, done) = node.dead_letter_held(&g, from, &mut sent).await;
+                    from = next;
+                    match done {
                         Ok(()) => retry = None,
                         Err(e) => {
                             node.inner.metrics.repeated_failures.inc();
