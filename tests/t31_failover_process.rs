@@ -217,9 +217,30 @@ async fn classic_demo_through_the_http_api_alone() {
     let served = get_when_served(n3, "ha-http-demo", "ack_requeue_false").await;
     let took = killed_at.elapsed();
     println!("classic demo over HTTP: node 3 served {} ms after the kills", took.as_millis());
-    // The dead nodes' ports refuse a dial: no partition to wait out for
-    // the failure timeout (2 s here) before node 3 re-forms the queue.
-    assert!(took < Duration::from_millis(1500), "node 3 served only after {took:?}");
+    // The dead nodes' ports refuse a dial and their links closed in
+    // order: no partition to wait out for the failure timeout (2 s here)
+    // before node 3 re-forms the queue. A process killed with unread data
+    // on a link resets it instead, which node 3 cannot tell from a
+    // firewall that resets: then it waits the failure timeout out, as the
+    // contract says a re-form does (seen on a loaded machine). Its log
+    // says which it was.
+    let logged = Instant::now() + Duration::from_secs(5);
+    let log = loop {
+        let log = n3.log_text();
+        if log.lines().any(|l| l.contains("re-formed it") && l.contains("ha-http-demo")) || Instant::now() > logged {
+            break log;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let reformed = log.lines().find(|l| l.contains("re-formed it") && l.contains("ha-http-demo"));
+    let reformed = reformed.unwrap_or_else(|| panic!("node 3 never logged the re-form:\n{log}"));
+    if reformed.contains("at_once=true") {
+        assert!(took < Duration::from_millis(1500), "node 3 served only after {took:?}: {reformed}");
+    } else {
+        println!("a link was reset, not closed: node 3 waited the failure timeout out");
+        assert!(reformed.contains("at_once=false"), "{reformed}");
+        assert!(took < Duration::from_millis(3500), "node 3 served only after {took:?}: {reformed}");
+    }
     assert_eq!(served[0]["payload"], "hello over http");
     assert_eq!(served[0]["properties"]["delivery_mode"], 2);
     let (_, q) = http(n3, "GET", "/api/queues/%2F/ha-http-demo", None).await;

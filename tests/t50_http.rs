@@ -748,7 +748,9 @@ async fn exchanges_and_bindings_routes() {
 /// it): its API shows the queue down, with the counts its own replica last
 /// applied, marked as such, and the node shown as the queue's not also
 /// among its mirrors; a queue it has no replica of has unknown counts
-/// (null), never a confident 0. The other side answers as ever.
+/// (null), never a confident 0; the overview's totals count the first as
+/// last known and say how many queues no master answered for. The other
+/// side answers as ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_queue_without_a_reachable_master_shows_what_is_known_never_a_confident_zero() {
     init_tracing();
@@ -804,6 +806,13 @@ async fn a_queue_without_a_reachable_master_shows_what_is_known_never_a_confiden
         (&kept["state"], &kept["messages_ready"], &kept["counts_from"]),
         (&json!("running"), &json!(2), &json!("master"))
     );
+    // The overview's totals too: ha.q as node 3's replica last applied it,
+    // and how many queues no master answered for.
+    let (_, ov) = api.call(3, "GET", "/api/overview", None).await;
+    let totals = &ov["queue_totals"];
+    assert_eq!((&totals["messages_ready"], &totals["queues_without_master"]), (&json!(2), &json!(2)), "{ov}");
+    let (_, ov) = api.call(1, "GET", "/api/overview", None).await;
+    assert_eq!(ov["queue_totals"]["queues_without_master"], 0, "{ov}");
 
     for id in [1, 2] {
         api.cluster.node(id).unblock(3);

@@ -208,12 +208,11 @@ impl<H: Host> Failover<H> {
 
             // Re-form: no majority reachable for the failure timeout, the
             // policy allows it, and we are the most senior replica left.
-            if !majority
-                && ha.promote_on_failure_always
-                && g.plan.borrow().is_none()
-                && self.reform_due(q, &m, &voters, &reach, &alive, now.duration_since(seen))
-            {
-                self.reform_and_tell(g, q, state, &voters, &alive).await;
+            let due = (!majority && ha.promote_on_failure_always && g.plan.borrow().is_none())
+                .then(|| self.reform_due(q, &m, &voters, &reach, &alive, now.duration_since(seen)))
+                .flatten();
+            if let Some(at_once) = due {
+                self.reform_and_tell(g, q, state, &voters, &alive, at_once).await;
                 // A re-form may take seconds: the groups after it are judged
                 // on fresh pings, not on this round's.
                 reach = self.reachable(state).await;
@@ -222,7 +221,8 @@ impl<H: Host> Failover<H> {
         }
     }
 
-    /// Re-form `g`, and say how that went.
+    /// Re-form `g`, and say how that went (`at_once`: without waiting
+    /// out the failure timeout, every voter out of reach being dead).
     async fn reform_and_tell(
         &self,
         g: Arc<QueueGroup>,
@@ -230,11 +230,12 @@ impl<H: Host> Failover<H> {
         state: &MetaState,
         voters: &BTreeSet<NodeId>,
         alive: &BTreeSet<NodeId>,
+        at_once: bool,
     ) {
         match self.reform(g, q.clone(), state).await {
             Ok(false) => {}
             Ok(true) => {
-                tracing::warn!(queue = %q.name, ?voters, ?alive, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-formed it");
+                tracing::warn!(queue = %q.name, ?voters, ?alive, at_once, "no majority of the queue's replicas (out of reach for the failure timeout, or dead): re-formed it");
                 self.metrics().queue_reforms.inc();
                 self.cleared(q.group, "re-form");
             }
@@ -347,7 +348,8 @@ impl<H: Host> Failover<H> {
     /// Whether this replica re-forms its group, which has had no majority
     /// in reach for `without_majority`: it is the most senior replica
     /// left, and that has lasted the failure timeout, or every voter out
-    /// of reach is dead.
+    /// of reach is dead. `Some(at_once)`: it does, `at_once` if without
+    /// waiting out the failure timeout.
     fn reform_due(
         &self,
         q: &QueueMeta,
@@ -356,7 +358,7 @@ impl<H: Host> Failover<H> {
         reach: &BTreeSet<NodeId>,
         alive: &BTreeSet<NodeId>,
         without_majority: Duration,
-    ) -> bool {
+    ) -> Option<bool> {
         let timing = &self.timing();
         // Every voter out of reach seen dead (its port refuses a dial)
         // is no partition that may heal into a second master: no need
@@ -373,9 +375,10 @@ impl<H: Host> Failover<H> {
             .filter(|v| !reach.contains(v))
             .all(|v| self.peers().gone_for_sure(&self.0, *v, timing.failure_timeout));
         let wait = if all_dead { Duration::ZERO } else { timing.failure_timeout };
-        without_majority >= wait
+        let due = without_majority >= wait
             && reformer(&q.replicas, &reform_voters(m.membership_config.membership().get_joint_config(), reach), alive)
-                == Some(self.id())
+                == Some(self.id());
+        due.then_some(all_dead && without_majority < timing.failure_timeout)
     }
 
     /// Fail this node's replica `g`, whose Raft core quit (`why`), and

@@ -32,9 +32,20 @@ pub(super) async fn overview(State(node): State<Node>, Extension(caller): Extens
     let meta = node.metadata();
     let mut ready = 0;
     let mut unacked = 0;
+    // Queues whose master does not answer: counted as this node's replica
+    // last applied them, or not at all; the totals say how many.
+    let mut unanswered = 0;
     let visible: Vec<&QueueMeta> = meta.queues.values().filter(|q| caller.sees_key(&meta, &q.name)).collect();
     for q in &visible {
-        if let Ok(info) = node.master_view(&q.name).await {
+        // As the queue list judges it: a view without a master is none.
+        let info = match node.master_view(&q.name).await.ok().filter(|v| v.leader.is_some()) {
+            Some(info) => Some(info),
+            None => {
+                unanswered += 1;
+                node.queue_info(&q.name).ok().filter(|i| i.local)
+            }
+        };
+        if let Some(info) = info {
             ready += info.ready;
             unacked += info.unacked;
         }
@@ -54,7 +65,8 @@ pub(super) async fn overview(State(node): State<Node>, Extension(caller): Extens
         "product_name": "mirrorq",
         "product_version": env!("CARGO_PKG_VERSION"),
         "management_version": env!("CARGO_PKG_VERSION"),
-        "queue_totals": {"messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked},
+        "queue_totals": {"messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked,
+                         "queues_without_master": unanswered},
         "message_stats": message_stats_json(&tally, &rates, true),
         "object_totals": {
             "queues": visible.len(),

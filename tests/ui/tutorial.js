@@ -10,8 +10,10 @@
 //     (brokers 1 and 2 stopped, not gone: broker 3 waits out the failure
 //     timeout before it takes the queue over) the page must first show
 //     the queue down, its master unknown and the 1 message its replica
-//     last had, never 0.
-// Each tab logs in, as RabbitMQ's UI asks. Exit 0 and a last line "ok".
+//     last had, never 0. Either way the mirrors on brokers 1 and 2 end
+//     up shown down.
+// Each page opens in a browser context of its own (a fresh browser, as a
+// user on another machine) and logs in. Exit 0 and a last line "ok".
 const { chromium } = require('playwright-core');
 
 const [phase, ...bases] = process.argv.slice(2);
@@ -20,7 +22,8 @@ const QUEUE = 'ha-queue-demo';
 const MESSAGE = 'hello world HA-MESSAGE';
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-// A new tab at `url`, logged in as guest: the page asked for, not the overview.
+// A new page at `url` in a context of its own, logged in as guest: the
+// page asked for, not the overview.
 async function open(browser, url) {
   const page = await browser.newPage({ viewport: { width: 1280, height: 800 } });
   page.setDefaultTimeout(30000);
@@ -98,6 +101,13 @@ async function get(browser, [b3, frozen]) {
     if (await shown.evaluate((e) => e.classList.contains('payload'))) {
       if (text !== MESSAGE) throw new Error(`got ${JSON.stringify(text)}`);
       console.log('broker 3: got ' + text);
+      // The switched-off brokers' mirrors are shown down, not as mirrors
+      // merely catching up.
+      await page.waitForFunction(() => {
+        const pills = [...document.querySelectorAll('#queue-details .card .pill.bad')];
+        return pills.filter((p) => p.textContent.endsWith(' down')).length === 2;
+      }, null, { timeout: 30000 });
+      console.log('broker 3: the mirrors on brokers 1 and 2 shown down');
       return;
     }
     // While it is taken over the queue answers an error, never "empty".
