@@ -736,6 +736,15 @@ async fn exchanges_and_bindings_routes() {
         "routing_key",
     );
     assert_error(&api.call(1, "DELETE", "/api/exchanges/%2F/amq.topic", None).await, 400, "built-in");
+    // As RabbitMQ's API: delete only if unused (no binding from it), only
+    // if empty (no message); a bad flag is a 400 naming it.
+    let (status, body) = api.call(2, "DELETE", "/api/exchanges/%2F/logs?if-unused=true", None).await;
+    assert_eq!(status, 400, "an exchange with a binding deleted if unused: {body}");
+    assert_error(&api.call(2, "DELETE", "/api/queues/%2F/errors?if-empty=true", None).await, 400, "not empty");
+    assert_error(&api.call(2, "DELETE", "/api/queues/%2F/errors?if-empty=yes", None).await, 400, "if-empty");
+    assert_eq!(api.call(1, "GET", "/api/queues/%2F/errors", None).await.1["messages"], 1, "still there");
+    assert_eq!(api.call(2, "PUT", "/api/queues/%2F/spare", Some("{}")).await.0, 201);
+    assert_eq!(api.call(2, "DELETE", "/api/queues/%2F/spare?if-empty=true&if-unused=true", None).await.0, 204);
 
     assert_eq!(api.call(2, "DELETE", "/api/exchanges/%2F/logs", None).await.0, 204);
     assert_error(&api.call(1, "GET", "/api/exchanges/%2F/logs", None).await, 404, "");

@@ -1,14 +1,17 @@
 //! Exchanges (`/api/exchanges`), and publishing through one, so RabbitMQ's tools can route without an AMQP client.
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use base64::Engine;
 use serde_json::{json, Value};
+use std::collections::HashMap;
 
 use super::access::Caller;
-use super::{bool_field, checked_name, exchange_args_json, json_args, parse_body, props, put_status, ApiError};
+use super::{
+    bool_field, checked_name, exchange_args_json, json_args, parse_body, props, put_status, query_flag, ApiError,
+};
 use crate::metadata::names::{self, key};
 use crate::metadata::{Access, ExchangeKind, ExchangeMeta};
 use crate::node::Node;
@@ -102,13 +105,16 @@ pub(super) async fn put_exchange(
     Ok(put_status(!existed))
 }
 
+/// `DELETE /api/exchanges/VHOST/NAME[?if-unused=true]`: as RabbitMQ's,
+/// refused while the exchange is the source of a binding.
 pub(super) async fn delete_exchange(
     State(node): State<Node>,
     Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
 ) -> Result<StatusCode, ApiError> {
     caller.may(&node.metadata(), &vhost, Access::Configure, "exchange", &name)?;
-    node.delete_exchange(&key(&vhost, &name), false).await?;
+    node.delete_exchange(&key(&vhost, &name), query_flag(&query, "if-unused")?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

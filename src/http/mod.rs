@@ -182,6 +182,16 @@ fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> 
 
 /// A boolean of a body: JSON `true`/`false`, or the strings `"true"` and
 /// `"false"`, which RabbitMQ's API takes too (rabbitmqadmin sends them).
+/// A `true`/`false` query parameter (RabbitMQ's `if-unused`, `if-empty`),
+/// `false` when absent.
+fn query_flag(query: &std::collections::HashMap<String, String>, k: &str) -> Result<bool, ApiError> {
+    match query.get(k).map(String::as_str) {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(_) => Err(ApiError::bad_request(format!("{k} must be true or false"))),
+    }
+}
+
 fn bool_field(b: &serde_json::Map<String, Value>, k: &str, default: bool) -> Result<bool, ApiError> {
     match b.get(k) {
         None | Some(Value::Null) => Ok(default),

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::access::Caller;
 use super::paging::Listing;
-use super::{bool_field, checked_name, parse_body, props, put_status, queue_args, ApiError};
+use super::{bool_field, checked_name, parse_body, props, put_status, query_flag, queue_args, ApiError};
 use crate::api::DeclareOpts;
 use crate::metadata::names::{self, key};
 use crate::metadata::{Access, QueueMeta};
@@ -185,13 +185,27 @@ pub(super) async fn put_queue(
     Ok(put_status(created))
 }
 
+/// `DELETE /api/queues/VHOST/NAME[?if-unused=true][&if-empty=true]`: as
+/// RabbitMQ's, refused (400) while the queue has consumers, or messages.
 pub(super) async fn delete_queue(
     State(node): State<Node>,
     Extension(caller): Extension<Caller>,
     Path((vhost, name)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
 ) -> Result<StatusCode, ApiError> {
     caller.may(&node.metadata(), &vhost, Access::Configure, "queue", &name)?;
-    node.delete_queue(&key(&vhost, &name)).await?;
+    let (if_unused, if_empty) = (query_flag(&query, "if-unused")?, query_flag(&query, "if-empty")?);
+    let q = key(&vhost, &name);
+    if if_unused && !node.consumers_of(&q).await.is_empty() {
+        return Err(ApiError::bad_request(format!("queue '{name}' in vhost '{vhost}' in use")));
+    }
+    if if_empty {
+        let (ready, unacked) = node.status(&q).await?;
+        if ready + unacked > 0 {
+            return Err(ApiError::bad_request(format!("queue '{name}' in vhost '{vhost}' not empty")));
+        }
+    }
+    node.delete_queue(&q).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
