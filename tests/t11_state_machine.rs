@@ -5,7 +5,7 @@ use mirrorq::queue::QueueTypes;
 use mirrorq::queue::{Message, QueueCmd, QueueMachine, QueueReply};
 use mirrorq::raft::state_machine::StateMachine;
 use mirrorq_storage::{DbOptions, NodeDb, SmSpace};
-use openraft::storage::RaftStateMachine;
+use openraft::storage::{RaftSnapshotBuilder, RaftStateMachine};
 use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId};
 
 /// The node database in `dir` and the queue machine of group 5 over it
@@ -15,6 +15,25 @@ fn open_queue(dir: &std::path::Path) -> (NodeDb, SmSpace, StateMachine<QueueMach
     let space = SmSpace::new(db.clone(), 5);
     let sm = StateMachine::<QueueMachine>::open(space.clone(), 1).unwrap();
     (db, space, sm)
+}
+
+/// A master's replica (node 1) that sends snapshots: `entries` applied,
+/// then a snapshot built, which is returned.
+async fn snapshot_after(
+    db: &NodeDb,
+    sm: &mut StateMachine<QueueMachine>,
+    entries: Vec<Entry<QueueTypes>>,
+) -> openraft::storage::Snapshot<QueueTypes> {
+    sm.apply(logged(db, 5, entries)).await.unwrap();
+    sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    sm.get_current_snapshot().await.unwrap().expect("a snapshot was built")
+}
+
+/// A mirror's replica (node 2) of the same queue, on a data dir of its own.
+fn open_mirror(dir: &std::path::Path) -> (NodeDb, StateMachine<QueueMachine>) {
+    let db = NodeDb::open(dir, &DbOptions::default()).unwrap();
+    let sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 2).unwrap();
+    (db, sm)
 }
 
 fn entry(index: u64, cmds: Vec<QueueCmd>) -> Entry<QueueTypes> {
@@ -358,7 +377,6 @@ async fn disk_layout_agrees_with_the_pure_state_across_reopens() {
             if rng.gen_bool(0.1) {
                 // A snapshot copies the held bodies out of the log, which
                 // may go after it: none is left referenced there.
-                use openraft::storage::RaftSnapshotBuilder;
                 sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
                 assert!(space().scan(b"R").next().is_none(), "seed {seed}, entry {index}: a body left in the log");
             }
@@ -469,7 +487,6 @@ async fn a_step_cut_short_by_a_crash_is_finished_from_its_redo_record() {
 /// snapshot copies the held ones into chunks, after which the log may go.
 #[tokio::test]
 async fn bodies_stay_in_the_log_until_a_snapshot_copies_them() {
-    use openraft::storage::RaftSnapshotBuilder;
     let prefixes =
         |space: &SmSpace| -> Vec<u8> { group_keys(space).keys().map(|k| k[0]).filter(|k| b"BR".contains(k)).collect() };
     let dir = tempfile::tempdir().unwrap();
@@ -540,7 +557,6 @@ async fn a_backlog_past_its_bound_moves_out_of_the_log_as_it_grows() {
 /// state still reads from the log are copied out first.
 #[tokio::test]
 async fn the_current_snapshot_copies_bodies_out_of_the_log() {
-    use openraft::storage::RaftSnapshotBuilder;
     let dir = tempfile::tempdir().unwrap();
     let (db, space, mut sm) = open_queue(dir.path());
     sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
@@ -563,7 +579,6 @@ async fn the_current_snapshot_copies_bodies_out_of_the_log() {
 /// nor the entries it came from.
 #[tokio::test]
 async fn an_installed_snapshot_survives_a_crash_right_after_the_install() {
-    use openraft::storage::RaftSnapshotBuilder;
     let sender_dir = tempfile::tempdir().unwrap();
     let (sender_db, _, mut sender) = open_queue(sender_dir.path());
     sender.enable_snapshot_transfer();
@@ -571,9 +586,7 @@ async fn an_installed_snapshot_survives_a_crash_right_after_the_install() {
         entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }]),
         entry(2, vec![QueueCmd::Get { owner: 1, max: 1, auto_ack: false, consumer: None }]),
     ];
-    sender.apply(logged(&sender_db, 5, entries)).await.unwrap();
-    sender.get_snapshot_builder().await.build_snapshot().await.unwrap();
-    let snap = sender.get_current_snapshot().await.unwrap().expect("a snapshot was built");
+    let snap = snapshot_after(&sender_db, &mut sender, entries).await;
     assert_eq!(snap.meta.last_log_id.map(|l| l.index), Some(2));
 
     let dir = tempfile::tempdir().unwrap();
@@ -621,19 +634,15 @@ async fn a_closed_state_machine_applies_nothing_more() {
 /// Once the message is consumed here, nothing is left to fetch.
 #[tokio::test]
 async fn a_body_the_master_did_not_send_keeps_the_replica_catching_up() {
-    use openraft::storage::RaftSnapshotBuilder;
     let sender_dir = tempfile::tempdir().unwrap();
     let (sender_db, sender_space, mut sender) = open_queue(sender_dir.path());
     sender.enable_snapshot_transfer();
     let publish = vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b"), msg("c")] }])];
-    sender.apply(logged(&sender_db, 5, publish)).await.unwrap();
-    sender.get_snapshot_builder().await.build_snapshot().await.unwrap();
-    let snap = sender.get_current_snapshot().await.unwrap().expect("a snapshot was built");
+    let snap = snapshot_after(&sender_db, &mut sender, publish).await;
 
     // Node 2, a mirror: it applies gets without reading their bodies.
     let dir = tempfile::tempdir().unwrap();
-    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 2).unwrap();
+    let (db, mut sm) = open_mirror(dir.path());
     sm.install_snapshot(&snap.meta, snap.snapshot).await.unwrap();
     let plan = sm.with(|m| m.plan().borrow().clone()).await.expect("the bodies are to be fetched");
     assert_eq!(plan.msgs_total, 3);
@@ -669,18 +678,14 @@ async fn a_body_the_master_did_not_send_keeps_the_replica_catching_up() {
 /// 36,121 confirmed messages in a partition campaign).
 #[tokio::test]
 async fn finishing_a_catch_up_keeps_the_plan_a_later_snapshot_brought() {
-    use openraft::storage::RaftSnapshotBuilder;
     let sender_dir = tempfile::tempdir().unwrap();
     let (sender_db, sender_space, mut sender) = open_queue(sender_dir.path());
     sender.enable_snapshot_transfer();
     let publish = vec![entry(1, vec![QueueCmd::Enqueue { msgs: vec![msg("a"), msg("b")] }])];
-    sender.apply(logged(&sender_db, 5, publish)).await.unwrap();
-    sender.get_snapshot_builder().await.build_snapshot().await.unwrap();
-    let first = sender.get_current_snapshot().await.unwrap().expect("a snapshot was built");
+    let first = snapshot_after(&sender_db, &mut sender, publish).await;
 
     let dir = tempfile::tempdir().unwrap();
-    let db = NodeDb::open(dir.path(), &DbOptions::default()).unwrap();
-    let mut sm = StateMachine::<QueueMachine>::open(SmSpace::new(db.clone(), 5), 2).unwrap();
+    let (_db, mut sm) = open_mirror(dir.path());
     sm.install_snapshot(&first.meta, first.snapshot).await.unwrap();
     let plan = sm.with(|m| m.plan().borrow().clone()).await.expect("bodies to fetch");
     let (bodies, _) = QueueMachine::read_bodies(&sender_space, &plan.missing, usize::MAX).unwrap();
@@ -691,9 +696,7 @@ async fn finishing_a_catch_up_keeps_the_plan_a_later_snapshot_brought() {
     // More published at the master while this mirror was cut off; the
     // log moved on, so a second snapshot comes.
     let more = vec![entry(2, vec![QueueCmd::Enqueue { msgs: vec![msg("c"), msg("d"), msg("e")] }])];
-    sender.apply(logged(&sender_db, 5, more)).await.unwrap();
-    sender.get_snapshot_builder().await.build_snapshot().await.unwrap();
-    let second = sender.get_current_snapshot().await.unwrap().expect("a second snapshot");
+    let second = snapshot_after(&sender_db, &mut sender, more).await;
     sm.install_snapshot(&second.meta, second.snapshot).await.unwrap();
 
     // The finish of the first catch-up, late: it must leave the new plan.
